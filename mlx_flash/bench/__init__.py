@@ -1,0 +1,10 @@
+"""Purge-aware benchmarks. `python -m mlx_flash.bench SUBCOMMAND --help`.
+
+Each subcommand lives in its own module here and exposes `add_arguments(parser)` and
+`run(args) -> int`.
+"""
+
+SUBCOMMANDS = {
+    "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
+    "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
+}

@@ -1,0 +1,21 @@
+"""What every CLI of ours shares: one-line errors with exit code 2, tracebacks only with --verbose."""
+
+import sys
+import traceback
+
+from .errors import FlashError
+
+
+def run_cli(main_body, argv, verbose_flag="--verbose"):
+    """Run `main_body(argv)`; turn user errors into `error: ...` on stderr and exit code 2."""
+    verbose = argv is not None and verbose_flag in argv or (argv is None and verbose_flag in sys.argv)
+    try:
+        return main_body(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+    except (FlashError, FileNotFoundError, ValueError, OSError) as e:
+        if verbose:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

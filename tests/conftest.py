@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models written as mlx-lm folders (no tokenizer)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+
+def write_tiny_llama(path: Path, *, quantize=None, dtype="float32", seed=0, tie=True,
+                     hidden=64, layers=2, intermediate=96, vocab=128) -> Path:
+    """A random llama-family model saved as an mlx-lm folder.
+
+    quantize: None or (bits, group_size). dtype: float32 / float16 / bfloat16.
+    """
+    from mlx_lm.models import llama
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "max_position_embeddings": 256,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    if quantize is not None:
+        bits, group_size = quantize
+        nn.quantize(model, group_size=group_size, bits=bits)
+        config["quantization"] = {"group_size": group_size, "bits": bits}
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """Factory: tiny_llama(name, quantize=None, dtype='float32', ...) -> folder path."""
+
+    def make(name="tiny", **kwargs):
+        return write_tiny_llama(tmp_path / name, **kwargs)
+
+    return make
