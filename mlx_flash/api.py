@@ -1,0 +1,67 @@
+"""The Python API: load(), generate(), stream_generate(), FlashConfig."""
+
+from dataclasses import dataclass, fields
+
+from .errors import FlashError
+
+MODES = ("dense",)
+
+
+@dataclass
+class FlashConfig:
+    """How a model runs. `mode`: "dense" keeps every weight resident (the reference)."""
+
+    mode: str = "dense"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise FlashError(f"--mode {self.mode}: unknown mode (choose from {', '.join(MODES)})")
+
+
+def load(model=None, config: FlashConfig = None, *, progress: bool = True, **options):
+    """Load a model -> (model, tokenizer).
+
+    `model`: None (the embedded SmolLM2-135M-Instruct), a `.gguf` file, an mlx-lm / Hugging Face
+    folder, or a hub repo id. `options` are FlashConfig fields (e.g. mode="dense").
+    """
+    from .models import load as load_dense
+
+    known = {f.name for f in fields(FlashConfig)}
+    unknown = set(options) - known
+    if unknown:
+        raise TypeError(f"load() got unknown options {sorted(unknown)}; known: {sorted(known)}")
+    config = config or FlashConfig(**options)
+    return load_dense(model, progress=progress)
+
+
+def context_length(model):
+    """The model's context window in tokens (None when its config does not say)."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None) or getattr(args, "context_length", None)
+
+
+def check_prompt_fits(model, n_prompt_tokens: int, max_tokens: int = 0) -> None:
+    """Refuse a prompt longer than the model's context instead of silently degrading."""
+    limit = context_length(model)
+    if limit is not None and n_prompt_tokens > limit:
+        raise FlashError(f"--prompt: {n_prompt_tokens} tokens, longer than the model's context of {limit} tokens")
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: float = 0.0,
+                    top_p: float = 1.0, **kwargs):
+    """Yield mlx-lm `GenerationResponse`s (text segment, token, tokens/s, peak memory in GB).
+
+    `prompt` is a string (used as is: apply the chat template yourself, as with mlx-lm) or token ids.
+    """
+    from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if not isinstance(prompt, str):
+        check_prompt_fits(model, len(prompt))
+    sampler = kwargs.pop("sampler", None) or make_sampler(temp=temp, top_p=top_p)
+    yield from mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs)
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
+    """The whole completion of `prompt` as one string (see stream_generate for options)."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs))

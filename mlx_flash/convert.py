@@ -1,0 +1,88 @@
+"""python -m mlx_flash.convert: GGUF -> mlx-lm folder.
+
+Output is written to a temporary folder beside `--out` and renamed into place at the end, so an
+interrupted or failed conversion leaves nothing half-written.
+"""
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .cli import run_cli
+from .errors import FlashError
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path):
+    """Yield a temporary folder beside `out`; rename it to `out` on success, delete it on failure."""
+    out = Path(out)
+    if out.exists():
+        raise FlashError(f"--out {out}: already exists; remove it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert_gguf(gguf_path, out_dir, progress=True) -> Path:
+    """Write `gguf_path` as an mlx-lm folder at `out_dir`: model.safetensors, config.json, tokenizer."""
+    import mlx.core as mx
+    from tqdm import tqdm
+
+    from .models.gguf import gguf_to_mlx, read_gguf_header
+    from .models.gguf_tokenizer import write_tokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    header = read_gguf_header(gguf_path)
+    config, weights = gguf_to_mlx(gguf_path)
+    with atomic_output_dir(out_dir) as tmp:
+        for name in tqdm(sorted(weights), desc=f"Converting {gguf_path.name}", unit="tensor",
+                         disable=not progress, file=sys.stderr):
+            mx.eval(weights[name])
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        write_tokenizer(header, tmp)
+        meta = header.metadata
+        for key in ("bos", "eos"):
+            if f"tokenizer.ggml.{key}_token_id" in meta:
+                config[f"{key}_token_id"] = meta[f"tokenizer.ggml.{key}_token_id"]
+        config["source"] = {"format": "gguf", "file": gguf_path.name}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out_dir
+
+
+def _main(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_flash.convert",
+        description="Convert a GGUF file into an mlx-lm folder (config.json, safetensors, tokenizer).",
+    )
+    parser.add_argument("--model", required=True, help="source: a .gguf file")
+    parser.add_argument("--out", required=True, help="output folder (must not exist)")
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    args = parser.parse_args(argv)
+    from .models.source import is_gguf
+
+    src = Path(args.model).expanduser()
+    if not src.exists():
+        raise FlashError(f"--model {src}: no such file or folder")
+    if not (src.is_file() and is_gguf(src)):
+        raise FlashError(f"--model {src}: not a GGUF file")
+    out = convert_gguf(src, Path(args.out).expanduser())
+    print(f"Wrote {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None):
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""python -m mlx_flash.generate: stream text from a model (flags mirror mlx_lm.generate)."""
+
+import argparse
+import sys
+
+from .cli import run_cli
+
+DEFAULT_PROMPT = "hello"
+DEFAULT_MAX_TOKENS = 100
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_flash.generate",
+        description="Generate text with mlx-flash. Without --model, uses the embedded SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument("--model", default=None,
+                        help="a model folder (mlx-lm / Hugging Face), a .gguf file, or a hub repo id "
+                             "(default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt; '-' reads stdin")
+    parser.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="maximum number of tokens to generate")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
+    parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="use the raw prompt without the tokenizer's chat template")
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return parser
+
+
+def _check_args(args):
+    from .errors import FlashError
+
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise FlashError(f"--max-tokens {args.max_tokens}: must be positive (or -1 for no limit)")
+    if args.temp < 0:
+        raise FlashError(f"--temp {args.temp}: must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise FlashError(f"--top-p {args.top_p}: must be in (0, 1]")
+
+
+def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True) -> list:
+    """Token ids for a user prompt, through the chat template when the tokenizer has one."""
+    if use_chat_template and tokenizer.has_chat_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def _main(argv):
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    import mlx.core as mx
+
+    from .api import check_prompt_fits, load, stream_generate
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer = load(args.model)
+    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    check_prompt_fits(model, len(tokens))
+    print("==========", flush=True)
+    response = None
+    for response in stream_generate(model, tokenizer, tokens, args.max_tokens, temp=args.temp, top_p=args.top_p):
+        print(response.text, end="", flush=True)
+    print()
+    print("==========")
+    if response is not None:
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return 0
+
+
+def main(argv=None):
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The seam with mlx-lm: load a model with mlx-lm's utilities, then (per mode) swap its blocks.
+
+Model classes come from our own modules first (architectures mlx-lm lacks, e.g. `opt`), then
+from mlx-lm's registry.
+"""
+
+import importlib
+import json
+from pathlib import Path
+
+from ..errors import FlashError
+from .source import resolve_model
+
+
+def get_model_classes(config: dict):
+    """(Model, ModelArgs) for a config's model_type: ours first, then mlx-lm's."""
+    from mlx_lm.utils import _get_classes
+
+    model_type = config.get("model_type")
+    try:
+        ours = importlib.import_module(f"{__name__}.{model_type}")
+        if hasattr(ours, "Model") and hasattr(ours, "ModelArgs"):
+            return ours.Model, ours.ModelArgs
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{model_type}":
+            raise
+    try:
+        return _get_classes(config)
+    except ValueError:
+        raise FlashError(f"config.json: model_type {model_type!r} is not supported by mlx-lm or mlx-flash") from None
+
+
+def load_model(path: Path, lazy: bool = True):
+    """mlx-lm's loader with our class lookup; errors become one-line FlashErrors."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    try:
+        model, config = mlx_lm_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
+    except FlashError as e:
+        raise FlashError(f"{path}/{e}") from None
+    except ValueError as e:  # mlx-lm's weight/shape mismatch messages
+        raise FlashError(f"{path}: weights do not match config.json ({e})") from None
+    return model, config
+
+
+def load_tokenizer(path: Path):
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    try:
+        return mlx_lm_load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
+    except (OSError, ValueError) as e:
+        raise FlashError(f"{path}: could not load the tokenizer ({e})") from None
+
+
+def load(model=None, *, lazy: bool = False, progress: bool = True):
+    """Load `model` (None = embedded default, GGUF, folder or hub repo id) -> (model, tokenizer)."""
+    path = resolve_model(model, progress=progress)
+    nn_model, _ = load_model(path, lazy=lazy)
+    return nn_model, load_tokenizer(path)
