@@ -1,0 +1,15 @@
+"""The flash pack: the on-disk format (layout.py), its writer and its whole-pack readers.
+
+Public API:
+    write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True) -> Path
+    load_pack_weights(pack_dir) -> (config, {mlx-lm name: mx.array})   # full model, dense
+    load_resident(pack_dir) -> (config, {name: mx.array})               # everything but bundled FFN
+    read_manifest(pack_dir) -> dict                                     # validated manifest
+"""
+
+from .layout import FORMAT, FORMAT_VERSION, FFN_TABLE, find_ffn, layer_bundles, read_manifest
+from .reader import load_pack_weights, load_resident, read_layer_components
+from .writer import write_pack
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "FFN_TABLE", "find_ffn", "layer_bundles", "read_manifest",
+           "load_pack_weights", "load_resident", "read_layer_components", "write_pack"]

@@ -1,0 +1,294 @@
+"""write_pack: an mlx-lm folder -> a flash pack (format in layout.py)."""
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import FlashError
+from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, FORMAT, FORMAT_VERSION, MANIFEST,
+                     RESIDENT_FILE, dtype_name, find_ffn, round_up)
+
+PASSTHROUGH = ("tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "*.jinja",
+               "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+               "chat_template.json", "*.tiktoken")
+FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
+               alignment=DEFAULT_ALIGNMENT, overwrite=False) -> Path:
+    """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
+
+    dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
+    quantize: None, 4 or 8: MLX affine quantization with `group_size` of every linear / embedding
+      weight (FFN down is quantized in its transposed, bundled form). Source must be unquantized.
+    alignment: bytes; bundle regions and file lengths are multiples of it (direct I/O).
+    Writes into a temporary directory beside `out_dir` and renames it; on any failure the
+    temporary directory is removed and FlashError names the file and reason. Returns out_dir.
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise FlashError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
+    if quantize not in (None, 4, 8):
+        raise FlashError(f"--quantize {quantize!r}: choose 4 or 8 bits")
+    if alignment <= 0 or alignment % 512:
+        raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
+    if out.exists() and not overwrite:
+        raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        _write(src, tmp, dtype, quantize, group_size, progress, alignment)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            name = e.filename or str(out)
+            raise FlashError(f"{name}: cannot write pack ({e.strerror or e})") from e
+        raise
+    return out
+
+
+def _load_source(src: Path):
+    if (src / MANIFEST).exists():
+        raise FlashError(f"{src}: is already a flash pack")
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise FlashError(f"{src}: not an mlx-lm model folder (no config.json)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise FlashError(f"{cfg_path}: invalid JSON ({e})") from None
+    files = sorted(src.glob("model*.safetensors"))
+    if not files:
+        raise FlashError(f"{src}: no model*.safetensors files")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
+            raise FlashError(f"{f}: unreadable safetensors ({e})") from None
+    return config, weights, files
+
+
+def _qparams(config, module):
+    """(group_size, bits) of a quantized module in the source config."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not q:
+        raise FlashError(f"config.json: {module} is quantized but the config has no 'quantization'")
+    own = q.get(module)
+    if isinstance(own, dict):
+        return own["group_size"], own["bits"]
+    return q["group_size"], q["bits"]
+
+
+def _should_quantize(name, arr, group_size):
+    return (name.endswith(".weight") and arr.ndim >= 2 and "norm" not in name
+            and mx.issubdtype(arr.dtype, mx.floating) and arr.shape[-1] % group_size == 0)
+
+
+def _write(src, tmp, dtype, quantize, group_size, progress, alignment):
+    from tqdm import tqdm
+
+    config, weights, files = _load_source(src)
+    src_quant = config.get("quantization")
+    if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
+        raise FlashError(f"{src}: already quantized; convert without --quantize")
+    if dtype is not None:
+        target = FLOAT_DTYPES[dtype]
+        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in weights.items()}
+    ffn = find_ffn(weights)
+    if not ffn:
+        raise FlashError(f"{src}: no FFN tensors recognised (architecture not in pack.layout.FFN_TABLE)")
+    if quantize:
+        config["quantization"] = {"group_size": group_size, "bits": quantize}
+        config["quantization_config"] = dict(config["quantization"])
+    # Tensors that go into bundles; the rest is resident.
+    bundled = set()
+    for info in ffn.values():
+        for role, module in info["modules"].items():
+            bundled.update(k for k in (f"{module}.{p}" for p in ("weight", "scales", "biases"))
+                           if k in weights)
+            # A neuron's down bias is per output, not per neuron: it stays resident.
+            if (info["kind"] == "experts" or role != "down") and f"{module}.bias" in weights:
+                bundled.add(f"{module}.bias")
+    resident = {}
+    for k, v in weights.items():
+        if k in bundled:
+            continue
+        if quantize and _should_quantize(k, v, group_size):
+            base = k[: -len(".weight")]
+            q, s, b = mx.quantize(v, group_size=group_size, bits=quantize)
+            resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
+        else:
+            resident[k] = v
+    requantized = False
+    bundles = []
+    bundle_dir = tmp / "bundles"
+    bundle_dir.mkdir()
+    for layer, info in tqdm(ffn.items(), desc="flash pack", unit="layer", disable=not progress):
+        comps, req = _components(weights, config, info, quantize, group_size)
+        requantized |= req
+        rel = f"bundles/layer_{layer:03d}.bin"
+        entry = _write_bundle_file(tmp / rel, comps, alignment)
+        bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
+                        "encoding": "dense", **entry})
+        del comps
+    res_path = tmp / RESIDENT_FILE
+    mx.save_safetensors(str(res_path), resident, metadata={"format": "mlx"})
+    _fsync(res_path)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for pattern in PASSTHROUGH:
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": {"path": str(src.resolve()),
+                   "files": {f.name: f.stat().st_size for f in files}},
+        "config": config,
+        "alignment": alignment,
+        "checksum": "crc32",
+        "quantization": config.get("quantization"),
+        "down_layout": "transposed",
+        "down_requantized": requantized,
+        "resident": {"file": RESIDENT_FILE, "length": res_path.stat().st_size,
+                     "crc32": _file_crc32(res_path),
+                     "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                                 for k, v in sorted(resident.items())}},
+        "bundles": bundles,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync(tmp / MANIFEST)
+
+
+def _components(weights, config, info, quantize, group_size):
+    """[(component name, source tensor name, array [count, ...row], quantization|None)], requantized."""
+    modules, kind = info["modules"], info["kind"]
+    comps, requantized = [], False
+
+    def add_matrix(role, module, w, s=None, b=None, q=None, source=None):
+        source = source or f"{module}.weight"
+        comps.append((f"{role}.weight", source, w, q))
+        if s is not None:
+            comps.append((f"{role}.scales", f"{module}.scales", s, None))
+            comps.append((f"{role}.biases", f"{module}.biases", b, None))
+
+    for role in ("gate", "up", "down"):
+        if role not in modules:
+            continue
+        module = modules[role]
+        w = weights[f"{module}.weight"]
+        if kind == "neurons" and role == "down":
+            role = "down_t"
+            if f"{module}.scales" in weights:
+                g, bits = _qparams(config, module)
+                full = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
+                                     group_size=g, bits=bits)
+                q, s, b = mx.quantize(mx.contiguous(full.T), group_size=g, bits=bits)
+                add_matrix(role, module, q, s, b, {"group_size": g, "bits": bits})
+                requantized = True
+                continue
+            w = mx.contiguous(w.T)
+        if f"{module}.scales" in weights:
+            g, bits = _qparams(config, module)
+            add_matrix(role, module, w, weights[f"{module}.scales"], weights[f"{module}.biases"],
+                       {"group_size": g, "bits": bits})
+        elif quantize and w.shape[-1] % group_size == 0:
+            q, s, b = mx.quantize(w, group_size=group_size, bits=quantize)
+            add_matrix(role, module, q, s, b, {"group_size": group_size, "bits": quantize},
+                       source=f"{module}.weight")
+        else:
+            add_matrix(role, module, w)
+    for role in ("gate", "up") if kind == "neurons" else ("gate", "up", "down"):
+        module = modules.get(role)
+        if module and f"{module}.bias" in weights:
+            comps.append((f"{role}.bias", f"{module}.bias", weights[f"{module}.bias"], None))
+    counts = {c[2].shape[0] for c in comps}
+    if len(counts) != 1:
+        raise FlashError(f"{modules['up']}: FFN tensors disagree on the neuron count {sorted(counts)}")
+    return comps, requantized
+
+
+def _row_bytes(arr) -> np.ndarray:
+    """uint8 [count, row bytes] view of an MLX array's rows (works for bfloat16 too)."""
+    arr = mx.contiguous(arr.reshape(arr.shape[0], -1))
+    return np.array(arr.view(mx.uint8), copy=False)
+
+
+def _write_bundle_file(path: Path, comps, alignment):
+    count = comps[0][2].shape[0]
+    layout, pos, rows = [], 0, []
+    for name, source, arr, q in comps:
+        mx.eval(arr)
+        r = _row_bytes(arr)
+        entry = {"name": name, "source": source, "dtype": dtype_name(arr.dtype),
+                 "shape": list(arr.shape[1:]), "offset": pos, "length": r.shape[1]}
+        if q:
+            entry["quantization"] = q
+        layout.append(entry)
+        rows.append(r)
+        pos = round_up(pos + r.shape[1], COMPONENT_ALIGN)
+    stride = pos
+    data = np.zeros((count, stride), np.uint8)
+    for c, r in zip(layout, rows):
+        data[:, c["offset"]: c["offset"] + c["length"]] = r
+    crcs = np.empty(count, "<u4")
+    for i in range(count):
+        crc = 0
+        for c in layout:
+            crc = zlib.crc32(data[i, c["offset"]: c["offset"] + c["length"]], crc)
+        crcs[i] = crc
+    length = count * stride
+    table_offset = round_up(length, alignment)
+    file_length = round_up(table_offset + crcs.nbytes, alignment)
+    _write_bytes(path, [(0, data), (table_offset, crcs)], file_length)
+    return {"offset": 0, "count": count, "stride": stride, "length": length,
+            "file_length": file_length, "components": layout,
+            "checksums": {"offset": table_offset, "length": int(crcs.nbytes),
+                          "crc32": zlib.crc32(crcs.tobytes())}}
+
+
+def _write_bytes(path: Path, pieces, file_length):
+    """Write (offset, array) pieces into a new file of `file_length` bytes and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for offset, arr in pieces:
+            view = memoryview(np.ascontiguousarray(arr)).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        os.ftruncate(fd, file_length)
+        os.fsync(fd)
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
