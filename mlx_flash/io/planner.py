@@ -1,0 +1,138 @@
+"""Read planner: merge neighbouring bundles into one larger read when the cost model says so.
+
+Cost of one read of `n` bytes = latency (to first byte) + n / bandwidth, measured cold once per
+machine, storage device and thread count (`calibrate`) and kept in
+$MLX_FLASH_HOME/io_profile.json (default ~/.cache/mlx_flash). Two requested ranges are read as one
+when the gap between them costs less to read than a second read's latency: gap / bandwidth <
+latency (the paper's "read more than needed, in larger chunks, and discard").
+"""
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .cache import evict
+from .files import FileLayer, aligned_buffer, read_full
+
+DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost parallelism
+
+
+@dataclass
+class ReadCost:
+    """Per-read latency (seconds) and streaming bandwidth (bytes/second) of one device."""
+    latency_s: float
+    bandwidth: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+    @property
+    def merge_gap(self) -> int:
+        """Largest gap (bytes) worth reading through instead of issuing another read."""
+        return int(self.latency_s * self.bandwidth)
+
+
+def flash_home() -> Path:
+    return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
+
+
+def _profile_key(path, threads) -> str:
+    return f"dev{os.stat(path).st_dev}-t{threads}"
+
+
+def load_cost(path, threads) -> ReadCost | None:
+    """The stored cost model of the device holding `path` at `threads` parallel reads, if any."""
+    f = flash_home() / "io_profile.json"
+    try:
+        entry = json.loads(f.read_text()).get(_profile_key(path, threads))
+    except (OSError, ValueError):
+        return None
+    return ReadCost(entry["latency_s"], entry["bandwidth"]) if entry else None
+
+
+def save_cost(path, threads, cost: ReadCost):
+    f = flash_home() / "io_profile.json"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[_profile_key(path, threads)] = {**asdict(cost), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, f)
+
+
+def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=256 << 10,
+              reads=512, files: FileLayer | None = None, save=True) -> ReadCost:
+    """Measure latency and bandwidth cold on a scratch file written in `directory`.
+
+    Random aligned reads of `small` and `large` bytes from `threads` threads, each after evicting
+    the file; two equations t = latency + n / bandwidth give both numbers. Takes ~1-3 s.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = files or FileLayer()
+    directory = Path(directory)
+    path = directory / f".mlx_flash_calibrate_{os.getpid()}"
+    try:
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(0).integers(0, 256, file_bytes, np.uint8).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        fd, _ = files.open(path, True)
+        try:
+            def per_read(size, n):
+                evict([path])
+                offsets = [random.randrange(0, file_bytes - size) // 4096 * 4096 for _ in range(n)]
+                groups = [offsets[i::threads] for i in range(threads)]
+
+                def work(group):
+                    buf = aligned_buffer(size)
+                    for off in group:
+                        read_full(files, fd, [buf[:size]], off, path)
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(work, groups))
+                return (time.perf_counter() - t0) / n
+
+            t_small = per_read(small, reads)
+            t_large = per_read(large, max(threads, reads // 8))
+        finally:
+            files.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - small / bandwidth, 1e-7)
+    cost = ReadCost(latency, bandwidth)
+    if save:
+        save_cost(directory, threads, cost)
+    return cost
+
+
+def plan_reads(starts, length, *, align=1, cost: ReadCost | None = None,
+               max_read=DEFAULT_MAX_READ):
+    """Group sorted request start offsets (each `length` bytes) into reads.
+
+    Returns [(read_start, read_end, [request indices])] with read_start/read_end rounded out to
+    `align`. cost=None: one read per request (no merging). Otherwise a request joins the previous
+    read when the bytes between them cost less than another read and the read stays <= max_read.
+    """
+    reads = []
+    gap_ok = cost.merge_gap if cost is not None else None
+    for i, s in enumerate(starts):
+        a0, a1 = s // align * align, -(-(s + length) // align) * align
+        if reads and gap_ok is not None:
+            last = reads[-1]
+            if a0 - last[1] <= gap_ok and max(a1, last[1]) - last[0] <= max_read:
+                last[1] = max(a1, last[1])
+                last[2].append(i)
+                continue
+        reads.append([a0, a1, [i]])
+    return [tuple(r) for r in reads]
