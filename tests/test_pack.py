@@ -1,0 +1,275 @@
+"""Flash pack: round trips, dense equivalence with mlx-lm, failure handling."""
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash.errors import FlashError
+from mlx_flash.pack import (find_ffn, load_pack_weights, load_resident, read_layer_components,
+                            read_manifest, write_pack)
+from mlx_flash.pack import writer as pack_writer
+
+SOURCES = [("float32", None), ("float16", None), ("bfloat16", None),
+           ("float32", (4, 32)), ("float16", (4, 32)), ("bfloat16", (8, 64))]
+
+
+def source_weights(folder):
+    out = {}
+    for f in sorted(Path(folder).glob("model*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def build_model(config, weights):
+    """An mlx-lm model from a config and weights dict (quantized where `.scales` exist)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if q := config.get("quantization"):
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("dtype,quant", SOURCES)
+def test_round_trip_every_tensor_and_bundle(tiny_llama, tmp_path, dtype, quant):
+    src = tiny_llama("src", dtype=dtype, quantize=quant, intermediate=128)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    weights = source_weights(src)
+    manifest = read_manifest(pack)
+    assert manifest["down_requantized"] == (quant is not None)
+    _, resident = load_resident(pack)
+    for name, arr in resident.items():
+        assert same(arr, weights[name]), name
+    ffn_names = set()
+    for entry in manifest["bundles"]:
+        assert entry["offset"] % 4096 == 0 and entry["file_length"] % 4096 == 0
+        assert entry["checksums"]["offset"] % 4096 == 0 and entry["encoding"] == "dense"
+        comps = read_layer_components(pack, entry)
+        prefix = f"model.layers.{entry['layer']}.mlp."
+        for role in ("gate", "up"):
+            for part in ("weight", "scales", "biases") if quant else ("weight",):
+                name = f"{prefix}{role}_proj.{part}"
+                assert same(comps[f"{role}.{part}"], weights[name]), name
+                ffn_names.add(name)
+        down = f"{prefix}down_proj"
+        ffn_names.update(k for k in weights if k.startswith(down))
+        if quant is None:
+            assert same(comps["down_t.weight"], weights[f"{down}.weight"].T)
+        else:
+            bits, group = quant
+            full = mx.dequantize(weights[f"{down}.weight"], weights[f"{down}.scales"],
+                                 weights[f"{down}.biases"], group_size=group, bits=bits)
+            want = mx.quantize(mx.contiguous(full.T), group_size=group, bits=bits)
+            for part, w in zip(("weight", "scales", "biases"), want):
+                assert same(comps[f"down_t.{part}"], w), part
+    assert set(resident) | ffn_names == set(weights)
+    assert not set(resident) & ffn_names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_dense_logits_bit_identical_for_float_sources(tiny_llama, tmp_path, dtype):
+    from mlx_lm.utils import load_model
+
+    src = tiny_llama("src", dtype=dtype, tie=False)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    config, weights = load_pack_weights(pack)
+    source = source_weights(src)
+    assert set(weights) == set(source)
+    assert all(same(weights[k], source[k]) for k in source)
+    ref, _ = load_model(src)
+    ours = build_model(config, weights)
+    tokens = mx.array([[1, 5, 9, 33, 2, 77, 100, 3]])
+    assert mx.array_equal(ref(tokens), ours(tokens)).item()
+
+
+def test_quantized_dense_path_equals_sparse_semantics(tiny_llama, tmp_path):
+    # float32 so that quantized_matmul(transpose=False) and h @ dequantize agree bit for bit
+    src = tiny_llama("src", dtype="float32", quantize=(4, 32))
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    config, weights = load_pack_weights(pack)
+    model = build_model(config, weights)
+    manifest = read_manifest(pack)
+    x = mx.random.normal((3, config["hidden_size"]), key=mx.random.key(1))
+    for entry in manifest["bundles"]:
+        c = read_layer_components(pack, entry)
+        q = {"group_size": 32, "bits": 4}
+
+        def qmm(h, role, transpose):
+            return mx.quantized_matmul(h, c[f"{role}.weight"], c[f"{role}.scales"],
+                                       c[f"{role}.biases"], transpose=transpose, **q)
+
+        h = nn.silu(qmm(x, "gate", True)) * qmm(x, "up", True)
+        sparse = qmm(h, "down_t", False)
+        dense = model.model.layers[entry["layer"]].mlp(x)
+        assert mx.array_equal(sparse, dense).item()
+
+
+@pytest.mark.parametrize("dtype,quantize", [("float16", None), ("bfloat16", 4), (None, 8)])
+def test_write_pack_casts_and_quantizes(tiny_llama, tmp_path, dtype, quantize):
+    src = tiny_llama("src", dtype="float32", intermediate=64)
+    pack = write_pack(src, tmp_path / "pack", dtype=dtype, quantize=quantize, group_size=32,
+                      progress=False)
+    config, weights = load_pack_weights(pack)
+    manifest = read_manifest(pack)
+    assert manifest["down_requantized"] is False
+    if quantize:
+        assert config["quantization"] == {"group_size": 32, "bits": quantize}
+        assert "model.layers.0.mlp.up_proj.scales" in weights
+        assert "model.layers.0.self_attn.q_proj.scales" in weights
+        assert json.loads((pack / "config.json").read_text())["quantization"]["bits"] == quantize
+    want = getattr(mx, dtype or "float32")
+    assert weights["model.norm.weight"].dtype == want
+    source = source_weights(src)
+    model = build_model(config, weights)
+    logits = model(mx.array([[1, 2, 3]]))
+    ref = build_model(json.loads((src / "config.json").read_text()), source)(mx.array([[1, 2, 3]]))
+    # lossy only through the requested cast / quantization
+    err = mx.abs(logits.astype(mx.float32) - ref).max().item()
+    assert err < (0.5 if quantize == 4 else 0.1)
+
+
+def test_non_gated_with_biases_and_moe_experts(tmp_path):
+    rng = np.random.default_rng(0)
+    hidden, inter, experts = 32, 48, 4
+    w = {"model.decoder.embed_tokens.weight": rng.standard_normal((64, hidden)),
+         "model.decoder.final_layer_norm.weight": rng.standard_normal(hidden)}
+    for i in range(2):
+        p = f"model.decoder.layers.{i}."
+        w[p + "fc1.weight"] = rng.standard_normal((inter, hidden))
+        w[p + "fc1.bias"] = rng.standard_normal(inter)
+        w[p + "fc2.weight"] = rng.standard_normal((hidden, inter))
+        w[p + "fc2.bias"] = rng.standard_normal(hidden)
+        w[p + "self_attn.q_proj.weight"] = rng.standard_normal((hidden, hidden))
+    moe = {"model.layers.0.mlp.gate.weight": rng.standard_normal((experts, hidden)),
+           "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((hidden, hidden))}
+    for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        moe[f"model.layers.0.mlp.switch_mlp.{role}_proj.weight"] = rng.standard_normal((experts, *shape))
+    for name, tensors, cfg in (("opt", w, {"model_type": "opt"}),
+                               ("moe", moe, {"model_type": "qwen2_moe"})):
+        src = tmp_path / name
+        src.mkdir()
+        arrays = {k: mx.array(v.astype(np.float16)) for k, v in tensors.items()}
+        mx.save_safetensors(str(src / "model.safetensors"), arrays)
+        (src / "config.json").write_text(json.dumps(cfg))
+        pack = write_pack(src, tmp_path / f"{name}.pack", progress=False)
+        _, back = load_pack_weights(pack)
+        assert set(back) == set(arrays)
+        assert all(same(back[k], arrays[k]) for k in arrays)
+        manifest = read_manifest(pack)
+        kinds = {b["kind"] for b in manifest["bundles"]}
+        if name == "opt":
+            assert kinds == {"neurons"} and len(manifest["bundles"]) == 2
+            names = [c["name"] for c in manifest["bundles"][0]["components"]]
+            assert names == ["up.weight", "down_t.weight", "up.bias"]
+            assert "model.decoder.layers.0.fc2.bias" in manifest["resident"]["tensors"]
+        else:
+            assert kinds == {"experts"} and manifest["bundles"][0]["count"] == experts
+            assert "model.layers.0.mlp.gate.weight" in manifest["resident"]["tensors"]
+
+
+def test_ffn_table_finds_architectures():
+    names = ["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight",
+             "model.layers.3.mlp.down_proj.weight", "model.h.0.mlp.c_fc.weight",
+             "model.h.0.mlp.c_proj.weight", "model.layers.3.self_attn.q_proj.weight"]
+    found = find_ffn(names)
+    assert found[3]["arch"] == "gated-mlp" and found[0]["arch"] == "gpt2"
+    assert found[0]["modules"] == {"up": "model.h.0.mlp.c_fc", "down": "model.h.0.mlp.c_proj"}
+
+
+def test_tokenizer_files_are_copied(tiny_llama, tmp_path):
+    src = tiny_llama("src")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "generation_config.json"):
+        (src / f).write_text("{}")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "generation_config.json", "config.json", "manifest.json"):
+        assert (pack / f).is_file(), f
+
+
+def leftovers(parent: Path, name: str):
+    return [p.name for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.tmp")]
+
+
+def test_failure_midway_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    src = tiny_llama("src", layers=3)
+    real, calls = pack_writer._write_bytes, []
+
+    def disk_full(path, pieces, length):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, pieces, length)
+
+    monkeypatch.setattr(pack_writer, "_write_bytes", disk_full)
+    with pytest.raises(FlashError, match="No space left on device"):
+        write_pack(src, tmp_path / "out" / "pack", progress=False)
+    assert leftovers(tmp_path / "out", "pack") == []
+
+
+def test_bad_source_leaves_nothing(tmp_path):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(FlashError, match="no config.json"):
+        write_pack(tmp_path / "src", tmp_path / "pack", progress=False)
+    (tmp_path / "src" / "config.json").write_text("{}")
+    (tmp_path / "src" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(FlashError, match="model.safetensors"):
+        write_pack(tmp_path / "src", tmp_path / "pack", progress=False)
+    assert leftovers(tmp_path, "pack") == []
+
+
+def test_refuses_existing_output_and_double_quantization(tiny_llama, tmp_path):
+    src = tiny_llama("src", quantize=(4, 32))
+    with pytest.raises(FlashError, match="already quantized"):
+        write_pack(src, tmp_path / "pack", quantize=4, progress=False)
+    (tmp_path / "pack").mkdir()
+    with pytest.raises(FlashError, match="already exists"):
+        write_pack(src, tmp_path / "pack", progress=False)
+
+
+def test_other_format_version_is_refused(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    m = json.loads((pack / "manifest.json").read_text())
+    m["format_version"] = 99
+    (pack / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FlashError, match=r"manifest\.json: pack format version 99"):
+        load_pack_weights(pack)
+
+
+def flip_byte(path: Path, offset: int):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checksum_mismatch_names_file(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    entry = read_manifest(pack)["bundles"][1]
+    flip_byte(pack / entry["file"], entry["stride"] * 5 + 3)
+    with pytest.raises(FlashError, match=r"layer_001\.bin: checksum mismatch in bundle 5"):
+        load_pack_weights(pack)
+    pack2 = write_pack(tiny_llama("src2"), tmp_path / "pack2", progress=False)
+    flip_byte(pack2 / "resident.safetensors", os.path.getsize(pack2 / "resident.safetensors") - 10)
+    with pytest.raises(FlashError, match=r"resident\.safetensors: checksum mismatch"):
+        load_pack_weights(pack2)
+
+
+def test_truncated_bundle_file(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    entry = read_manifest(pack)["bundles"][0]
+    os.truncate(pack / entry["file"], 5000)
+    with pytest.raises(FlashError, match=r"layer_000\.bin: truncated"):
+        load_pack_weights(pack)
