@@ -1,0 +1,716 @@
+// CPU matvec kernels for MLX weight layouts: affine-quantized (4/8 bit, uint32 words, low bits first,
+// w = scale * q + bias per group along K) and float16 / bfloat16 rows. AVX2/FMA/F16C code is chosen at
+// run time on x86-64; everything else (and x86 without AVX2) uses the portable scalar path.
+// All sums are float32. Work is split over output elements across a small persistent thread pool.
+
+#include "matvec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FLASH_X86 1
+#include <immintrin.h>
+#define FLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define FLASH_X86 0
+#endif
+
+namespace flash {
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t ax = x & 0x7fffffff;
+  if (ax >= 0x7f800000) return uint16_t(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
+  if (ax >= 0x477ff000) return uint16_t(sign | 0x7c00);  // overflow -> inf
+  if (ax < 0x38800000) {                                    // subnormal or zero
+    if (ax < 0x33000000) return uint16_t(sign);
+    uint32_t e = ax >> 23, m = (ax & 0x7fffff) | 0x800000;
+    int shift = 126 - int(e) + 1 + 13 - 1;  // bits to drop
+    uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return uint16_t(sign | r);
+  }
+  uint32_t r = ((ax >> 13) - (112u << 10));
+  uint32_t rem = ax & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) ++r;
+  return uint16_t(sign | r);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);  // quiet NaN
+  x += 0x7fff + ((x >> 16) & 1);
+  return uint16_t(x >> 16);
+}
+
+float load_scalar(const void* base, int dtype, int64_t i) {
+  switch (dtype) {
+    case DT_F16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    case DT_BF16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+void store_scalar(void* base, int dtype, int64_t i, float v) {
+  switch (dtype) {
+    case DT_F16: static_cast<uint16_t*>(base)[i] = f32_to_f16(v); break;
+    case DT_BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(v); break;
+    default: static_cast<float*>(base)[i] = v;
+  }
+}
+
+template <int ST>
+static inline float ld(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  else if constexpr (ST == DT_BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  else return static_cast<const float*>(base)[i];
+}
+
+static const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// ---------------------------------------------------------------------------------------------
+// Persistent thread pool: workers spin briefly between calls (decode issues hundreds of small
+// matvecs per token, a condition-variable wake per call would cost more than the work), then sleep.
+namespace {
+
+using TaskFn = void (*)(const void* ctx, int chunk);
+
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, i] { loop(i + 1); });
+  }
+  int size() const { return int(threads_.size()) + 1; }
+
+  // Runs fn(ctx, c) for c in [0, chunks); the caller runs chunk 0. chunks <= size().
+  void run(TaskFn fn, const void* ctx, int chunks) {
+    if (chunks <= 1 || threads_.empty() || !busy_.try_lock()) {  // nested/concurrent: serial
+      for (int c = 0; c < chunks; ++c) fn(ctx, c);
+      return;
+    }
+    fn_ = fn;
+    ctx_ = ctx;
+    chunks_ = chunks;
+    remaining_.store(int(threads_.size()), std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+    fn(ctx, 0);
+    while (remaining_.load(std::memory_order_acquire) != 0) pause();
+    busy_.unlock();
+  }
+
+ private:
+  static inline void pause() {
+#if FLASH_X86
+    _mm_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      int spins = 0;
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        pause();
+        if ((++spins & 255) == 0 &&
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(300)) {
+          std::unique_lock<std::mutex> lk(mutex_);
+          sleepers_.fetch_add(1, std::memory_order_acq_rel);
+          cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      if (id < chunks_) fn_(ctx_, id);
+      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex busy_, mutex_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> remaining_{0}, sleepers_{0};
+  TaskFn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  int chunks_ = 0;
+};
+
+std::atomic<int> g_threads{0};  // 0: not decided yet
+std::atomic<bool> g_simd{true};
+
+int default_threads() {
+  if (const char* env = std::getenv("MLX_FLASH_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc == 0 ? 1 : int(std::min(hc, 16u));
+}
+
+Pool& pool() {
+  // Leaked on purpose: joining at interpreter exit could block on a sleeping worker.
+  static Pool* p = new Pool(std::max(0, num_threads() - 1));
+  return *p;
+}
+
+bool cpu_has_avx2() {
+#if FLASH_X86
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+void set_simd_enabled(bool enabled) { g_simd.store(enabled); }
+bool simd_active() { return g_simd.load() && cpu_has_avx2(); }
+void set_num_threads(int n) {
+  // Only before the pool exists; later calls just cap how many chunks are used.
+  g_threads.store(std::max(1, n));
+}
+int num_threads() {
+  int n = g_threads.load();
+  if (n == 0) {
+    n = default_threads();
+    g_threads.store(n);
+  }
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-call scratch (grows, never shrinks; one set per thread so no allocation once warm).
+static float* scratch(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+static inline bool bad_row(const Problem& p, int64_t r) { return r < 0 || r >= p.N; }
+static inline int64_t row_of(const Problem& p, int i) { return p.rows ? int64_t(p.rows[i]) : int64_t(i); }
+
+// 4-bit SIMD layout: a 32-element block is consumed as [even 0..14][even 16..30][odd 1..15][odd 17..31]
+// (what nibble masking + zero-extension yields without shuffles); x and accumulators use that order.
+static inline int q4_natural(int p) { return ((p >> 3) & 1) * 16 + 2 * (p & 7) + (p >> 4); }
+
+// ---------------------------------------------------------------------------------------------
+// Scalar kernels (natural element order)
+template <int ST>
+static void q_fwd_scalar(const Problem& p, const float* x, const float* xsum, int i0, int i1) {
+  const int K = p.K, gs = p.group_size, G = K / gs;
+  const bool q4 = p.fmt == FMT_Q4;
+  for (int i = i0; i < i1; ++i) {
+    int64_t r = row_of(p, i);
+    for (int m = 0; m < p.M; ++m) {
+      if (bad_row(p, r)) { store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
+      const uint8_t* wr = p.w + r * p.w_row_bytes;
+      const float* xm = x + int64_t(m) * K;
+      float acc = 0.f, bacc = 0.f;
+      for (int g = 0; g < G; ++g) {
+        float qd = 0.f;
+        for (int k = g * gs; k < (g + 1) * gs; ++k) {
+          int q = q4 ? ((wr[k >> 1] >> ((k & 1) * 4)) & 0xf) : wr[k];
+          qd += float(q) * xm[k];
+        }
+        acc += ld<ST>(p.scales, r * p.sb_row + g) * qd;
+        bacc += ld<ST>(p.biases, r * p.sb_row + g) * xsum[int64_t(m) * G + g];
+      }
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, acc + bacc);
+    }
+  }
+}
+
+template <int ST>
+static void q_t_scalar(const Problem& p, int k0, int k1, float* acc) {
+  const int gs = p.group_size, len = k1 - k0;
+  const bool q4 = p.fmt == FMT_Q4;
+  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
+  bool bad = false;
+  for (int i = 0; i < p.n; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) { bad = true; continue; }
+    const uint8_t* wr = p.w + r * p.w_row_bytes;
+    for (int m = 0; m < p.M; ++m) {
+      float h = p.in[int64_t(m) * p.n + i];
+      float* a = acc + int64_t(m) * len - k0;
+      for (int g = k0 / gs; g < k1 / gs; ++g) {
+        float hs = h * ld<ST>(p.scales, r * p.sb_row + g), hb = h * ld<ST>(p.biases, r * p.sb_row + g);
+        for (int k = g * gs; k < (g + 1) * gs; ++k) {
+          int q = q4 ? ((wr[k >> 1] >> ((k & 1) * 4)) & 0xf) : wr[k];
+          a[k] += hs * float(q) + hb;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < p.M; ++m)
+    for (int k = k0; k < k1; ++k)
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k, bad ? kNaN : acc[int64_t(m) * len + k - k0]);
+}
+
+template <int WT>
+static void h_fwd_scalar(const Problem& p, const float* x, int i0, int i1) {
+  for (int i = i0; i < i1; ++i) {
+    int64_t r = row_of(p, i);
+    for (int m = 0; m < p.M; ++m) {
+      if (bad_row(p, r)) { store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
+      const void* wr = p.w + r * p.w_row_bytes;
+      const float* xm = x + int64_t(m) * p.K;
+      float acc = 0.f;
+      for (int k = 0; k < p.K; ++k) acc += ld<WT>(wr, k) * xm[k];
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, acc);
+    }
+  }
+}
+
+template <int WT>
+static void h_t_scalar(const Problem& p, int k0, int k1, float* acc) {
+  const int len = k1 - k0;
+  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
+  bool bad = false;
+  for (int i = 0; i < p.n; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) { bad = true; continue; }
+    const void* wr = p.w + r * p.w_row_bytes;
+    for (int m = 0; m < p.M; ++m) {
+      float h = p.in[int64_t(m) * p.n + i];
+      float* a = acc + int64_t(m) * len - k0;
+      for (int k = k0; k < k1; ++k) a[k] += h * ld<WT>(wr, k);
+    }
+  }
+  for (int m = 0; m < p.M; ++m)
+    for (int k = k0; k < k1; ++k)
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k, bad ? kNaN : acc[int64_t(m) * len + k - k0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 kernels
+#if FLASH_X86
+
+template <int ST>
+FLASH_AVX2 static inline float ldv(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+  else return ld<ST>(base, i);
+}
+
+FLASH_AVX2 static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Dequantise 32 consecutive quantized values (as integers in float) starting at element k.
+template <bool Q4>
+FLASH_AVX2 static inline void load32(const uint8_t* wr, int64_t k, __m256& w0, __m256& w1, __m256& w2,
+                                     __m256& w3) {
+  if constexpr (Q4) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
+    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+    w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  } else {
+    const uint8_t* b = wr + k;
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8))));
+    w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16))));
+    w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 24))));
+  }
+}
+
+FLASH_AVX2 static inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes && o < 512; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
+}
+
+template <int MB, int ST, bool Q4>
+FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float* xsum, int m0, int i0, int i1) {
+  const int K = p.K, gs = p.group_size, G = K / gs, cpg = gs / 32;
+  for (int i = i0; i < i1; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) {
+      for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
+      continue;
+    }
+    if (p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
+      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+    const uint8_t* wr = p.w + r * p.w_row_bytes;
+    const int64_t sb = r * p.sb_row;
+    __m256 acc[MB];
+    float bacc[MB];
+    for (int m = 0; m < MB; ++m) { acc[m] = _mm256_setzero_ps(); bacc[m] = 0.f; }
+    for (int g = 0; g < G; ++g) {
+      __m256 qd[MB];
+      for (int m = 0; m < MB; ++m) qd[m] = _mm256_setzero_ps();
+      for (int c = 0; c < cpg; ++c) {
+        const int64_t k = int64_t(g) * gs + c * 32;
+        __m256 w0, w1, w2, w3;
+        load32<Q4>(wr, k, w0, w1, w2, w3);
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = x + int64_t(m0 + m) * K + k;
+          qd[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), qd[m]);
+          qd[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), qd[m]);
+          qd[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), qd[m]);
+          qd[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), qd[m]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(ldv<ST>(p.scales, sb + g));
+      const float b = ldv<ST>(p.biases, sb + g);
+      for (int m = 0; m < MB; ++m) {
+        acc[m] = _mm256_fmadd_ps(s, qd[m], acc[m]);
+        bacc[m] += b * xsum[int64_t(m0 + m) * G + g];
+      }
+    }
+    for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(acc[m]) + bacc[m]);
+  }
+}
+
+template <int ST, bool Q4>
+FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
+  const int gs = p.group_size, len = k1 - k0, cpg = gs / 32;
+  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
+  bool bad = false;
+  for (int i = 0; i < p.n; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) { bad = true; continue; }
+    if (p.rows && i + 1 < p.n && !bad_row(p, row_of(p, i + 1)))
+      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes + (Q4 ? k0 / 2 : k0), Q4 ? len / 2 : len);
+    const uint8_t* wr = p.w + r * p.w_row_bytes;
+    const int64_t sb = r * p.sb_row;
+    for (int g = k0 / gs; g < k1 / gs; ++g) {
+      const float s = ldv<ST>(p.scales, sb + g), b = ldv<ST>(p.biases, sb + g);
+      for (int c = 0; c < cpg; ++c) {
+        const int64_t k = int64_t(g) * gs + c * 32;
+        __m256 w0, w1, w2, w3;
+        load32<Q4>(wr, k, w0, w1, w2, w3);
+        for (int m = 0; m < p.M; ++m) {
+          const float h = p.in[int64_t(m) * p.n + i];
+          const __m256 hs = _mm256_set1_ps(h * s), hb = _mm256_set1_ps(h * b);
+          float* a = acc + int64_t(m) * len + (k - k0);
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(hs, w0, _mm256_add_ps(_mm256_loadu_ps(a), hb)));
+          _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(hs, w1, _mm256_add_ps(_mm256_loadu_ps(a + 8), hb)));
+          _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(hs, w2, _mm256_add_ps(_mm256_loadu_ps(a + 16), hb)));
+          _mm256_storeu_ps(a + 24, _mm256_fmadd_ps(hs, w3, _mm256_add_ps(_mm256_loadu_ps(a + 24), hb)));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < p.M; ++m)
+    for (int j = 0; j < len; ++j) {
+      int nat = Q4 ? (j & ~31) + q4_natural(j & 31) : j;
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + nat, bad ? kNaN : acc[int64_t(m) * len + j]);
+    }
+}
+
+template <bool BF>
+FLASH_AVX2 static inline __m256 load8h(const uint16_t* w) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  if constexpr (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+template <bool BF>
+FLASH_AVX2 static inline float ldh(const uint16_t* w, int k) {
+  if constexpr (BF) return bf16_to_f32(w[k]);
+  else return _cvtsh_ss(w[k]);
+}
+
+template <int MB, bool BF>
+FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int i0, int i1) {
+  const int K = p.K;
+  for (int i = i0; i < i1; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) {
+      for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
+      continue;
+    }
+    if (p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
+      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+    const uint16_t* wr = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes);
+    __m256 a0[MB], a1[MB];
+    float tail[MB];
+    for (int m = 0; m < MB; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); tail[m] = 0.f; }
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m256 w0 = load8h<BF>(wr + k), w1 = load8h<BF>(wr + k + 8);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + int64_t(m0 + m) * K + k;
+        a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a0[m]);
+        a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), a1[m]);
+      }
+    }
+    for (; k + 8 <= K; k += 8) {
+      __m256 w0 = load8h<BF>(wr + k);
+      for (int m = 0; m < MB; ++m) a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + int64_t(m0 + m) * K + k), a0[m]);
+    }
+    for (; k < K; ++k) {
+      float w = ldh<BF>(wr, k);
+      for (int m = 0; m < MB; ++m) tail[m] += w * x[int64_t(m0 + m) * K + k];
+    }
+    for (int m = 0; m < MB; ++m)
+      store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(_mm256_add_ps(a0[m], a1[m])) + tail[m]);
+  }
+}
+
+template <bool BF>
+FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
+  const int len = k1 - k0;
+  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
+  bool bad = false;
+  for (int i = 0; i < p.n; ++i) {
+    int64_t r = row_of(p, i);
+    if (bad_row(p, r)) { bad = true; continue; }
+    if (p.rows && i + 1 < p.n && !bad_row(p, row_of(p, i + 1)))
+      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes + 2 * k0, 2 * len);
+    const uint16_t* wr = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes) + k0;
+    for (int m = 0; m < p.M; ++m) {
+      const float h = p.in[int64_t(m) * p.n + i];
+      const __m256 hv = _mm256_set1_ps(h);
+      float* a = acc + int64_t(m) * len;
+      int j = 0;
+      for (; j + 16 <= len; j += 16) {
+        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(hv, load8h<BF>(wr + j), _mm256_loadu_ps(a + j)));
+        _mm256_storeu_ps(a + j + 8, _mm256_fmadd_ps(hv, load8h<BF>(wr + j + 8), _mm256_loadu_ps(a + j + 8)));
+      }
+      for (; j + 8 <= len; j += 8)
+        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(hv, load8h<BF>(wr + j), _mm256_loadu_ps(a + j)));
+      for (; j < len; ++j) a[j] += h * ldh<BF>(wr, j);
+    }
+  }
+  for (int m = 0; m < p.M; ++m)
+    for (int j = 0; j < len; ++j)
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : acc[int64_t(m) * len + j]);
+}
+
+template <int ST, bool Q4>
+FLASH_AVX2 static void q_fwd_avx2_rows(const Problem& p, const float* x, const float* xsum, int i0, int i1) {
+  int m0 = 0;
+  for (; m0 + 4 <= p.M; m0 += 4) q_fwd_avx2<4, ST, Q4>(p, x, xsum, m0, i0, i1);
+  switch (p.M - m0) {
+    case 1: q_fwd_avx2<1, ST, Q4>(p, x, xsum, m0, i0, i1); break;
+    case 2: q_fwd_avx2<2, ST, Q4>(p, x, xsum, m0, i0, i1); break;
+    case 3: q_fwd_avx2<3, ST, Q4>(p, x, xsum, m0, i0, i1); break;
+    default: break;
+  }
+}
+
+template <bool BF>
+FLASH_AVX2 static void h_fwd_avx2_rows(const Problem& p, const float* x, int i0, int i1) {
+  int m0 = 0;
+  for (; m0 + 4 <= p.M; m0 += 4) h_fwd_avx2<4, BF>(p, x, m0, i0, i1);
+  switch (p.M - m0) {
+    case 1: h_fwd_avx2<1, BF>(p, x, m0, i0, i1); break;
+    case 2: h_fwd_avx2<2, BF>(p, x, m0, i0, i1); break;
+    case 3: h_fwd_avx2<3, BF>(p, x, m0, i0, i1); break;
+    default: break;
+  }
+}
+#endif  // FLASH_X86
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+namespace {
+
+struct FwdCtx {
+  const Problem* p;
+  const float* x;     // prepared x
+  const float* xsum;  // quantized only
+  bool simd;
+  int rows_per_chunk;
+};
+
+template <int ST>
+void q_fwd_range(const FwdCtx& c, int i0, int i1) {
+#if FLASH_X86
+  if (c.simd) {
+    if (c.p->fmt == FMT_Q4) q_fwd_avx2_rows<ST, true>(*c.p, c.x, c.xsum, i0, i1);
+    else q_fwd_avx2_rows<ST, false>(*c.p, c.x, c.xsum, i0, i1);
+    return;
+  }
+#endif
+  q_fwd_scalar<ST>(*c.p, c.x, c.xsum, i0, i1);
+}
+
+void fwd_chunk(const void* vctx, int chunk) {
+  const FwdCtx& c = *static_cast<const FwdCtx*>(vctx);
+  const Problem& p = *c.p;
+  int i0 = chunk * c.rows_per_chunk, i1 = std::min(p.n, i0 + c.rows_per_chunk);
+  if (i0 >= i1) return;
+  if (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) {
+    switch (p.sb_dtype) {
+      case DT_F16: q_fwd_range<DT_F16>(c, i0, i1); break;
+      case DT_BF16: q_fwd_range<DT_BF16>(c, i0, i1); break;
+      default: q_fwd_range<DT_F32>(c, i0, i1);
+    }
+    return;
+  }
+  const bool bf = p.fmt == FMT_BF16;
+#if FLASH_X86
+  if (c.simd) {
+    if (bf) h_fwd_avx2_rows<true>(p, c.x, i0, i1);
+    else h_fwd_avx2_rows<false>(p, c.x, i0, i1);
+    return;
+  }
+#endif
+  if (bf) h_fwd_scalar<DT_BF16>(p, c.x, i0, i1);
+  else h_fwd_scalar<DT_F16>(p, c.x, i0, i1);
+}
+
+struct TCtx {
+  const Problem* p;
+  bool simd;
+  int cols_per_chunk;
+};
+
+thread_local std::vector<float> tl_acc;
+
+template <int ST>
+void q_t_range(const TCtx& c, int k0, int k1, float* acc) {
+#if FLASH_X86
+  if (c.simd) {
+    if (c.p->fmt == FMT_Q4) q_t_avx2<ST, true>(*c.p, k0, k1, acc);
+    else q_t_avx2<ST, false>(*c.p, k0, k1, acc);
+    return;
+  }
+#endif
+  q_t_scalar<ST>(*c.p, k0, k1, acc);
+}
+
+void t_chunk(const void* vctx, int chunk) {
+  const TCtx& c = *static_cast<const TCtx*>(vctx);
+  const Problem& p = *c.p;
+  int k0 = chunk * c.cols_per_chunk, k1 = std::min(p.K, k0 + c.cols_per_chunk);
+  if (k0 >= k1) return;
+  float* acc = scratch(tl_acc, size_t(p.M) * (k1 - k0));
+  if (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) {
+    switch (p.sb_dtype) {
+      case DT_F16: q_t_range<DT_F16>(c, k0, k1, acc); break;
+      case DT_BF16: q_t_range<DT_BF16>(c, k0, k1, acc); break;
+      default: q_t_range<DT_F32>(c, k0, k1, acc);
+    }
+    return;
+  }
+  const bool bf = p.fmt == FMT_BF16;
+#if FLASH_X86
+  if (c.simd) {
+    if (bf) h_t_avx2<true>(p, k0, k1, acc);
+    else h_t_avx2<false>(p, k0, k1, acc);
+    return;
+  }
+#endif
+  if (bf) h_t_scalar<DT_BF16>(p, k0, k1, acc);
+  else h_t_scalar<DT_F16>(p, k0, k1, acc);
+}
+
+// Below ~64 KiB of weights a second thread costs more than it saves.
+int chunks_for(int64_t weight_bytes, int units) {
+  int t = std::min(num_threads(), pool().size());
+  int64_t by_work = std::max<int64_t>(1, weight_bytes / (64 << 10));
+  return int(std::max<int64_t>(1, std::min<int64_t>({int64_t(t), by_work, int64_t(units)})));
+}
+
+int64_t bytes_per_row(const Problem& p) {
+  switch (p.fmt) {
+    case FMT_Q4: return p.K / 2 + 2 * (p.K / p.group_size) * (p.sb_dtype == DT_F32 ? 4 : 2);
+    case FMT_Q8: return p.K + 2 * (p.K / p.group_size) * (p.sb_dtype == DT_F32 ? 4 : 2);
+    default: return 2 * int64_t(p.K);
+  }
+}
+
+thread_local std::vector<float> tl_x, tl_xsum;
+
+}  // namespace
+
+void matvec(const Problem& p) {
+  if (p.n == 0 || p.M == 0) return;
+  const bool quant = p.fmt == FMT_Q4 || p.fmt == FMT_Q8;
+  const bool simd = simd_active();
+  FwdCtx c{&p, p.in, nullptr, simd, 0};
+  if (quant) {
+    const int G = p.K / p.group_size;
+    float* xsum = scratch(tl_xsum, size_t(p.M) * G);
+    for (int m = 0; m < p.M; ++m)
+      for (int g = 0; g < G; ++g) {
+        const float* xg = p.in + int64_t(m) * p.K + int64_t(g) * p.group_size;
+        float s = 0.f;
+        for (int k = 0; k < p.group_size; ++k) s += xg[k];
+        xsum[int64_t(m) * G + g] = s;
+      }
+    c.xsum = xsum;
+    if (simd && p.fmt == FMT_Q4) {  // reorder x to the nibble order the SIMD loop consumes
+      float* xp = scratch(tl_x, size_t(p.M) * p.K);
+      for (int64_t b = 0; b < int64_t(p.M) * p.K; b += 32)
+        for (int j = 0; j < 32; ++j) xp[b + j] = p.in[b + q4_natural(j)];
+      c.x = xp;
+    }
+  }
+  int chunks = chunks_for(bytes_per_row(p) * p.n, p.n);
+  c.rows_per_chunk = (p.n + chunks - 1) / chunks;
+  pool().run(fwd_chunk, &c, chunks);
+}
+
+void matvec_t(const Problem& p) {
+  if (p.K == 0 || p.M == 0) return;
+  const bool quant = p.fmt == FMT_Q4 || p.fmt == FMT_Q8;
+  TCtx c{&p, simd_active(), 0};
+  // Column ranges are whole groups (quantized) or multiples of 16 (half) so SIMD loops stay aligned.
+  const int unit = quant ? std::max(32, p.group_size) : 16;
+  const int units = (p.K + unit - 1) / unit;
+  int chunks = chunks_for(bytes_per_row(p) * std::max(p.n, 1), units);
+  c.cols_per_chunk = ((units + chunks - 1) / chunks) * unit;
+  pool().run(t_chunk, &c, chunks);
+}
+
+}  // namespace flash

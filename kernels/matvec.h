@@ -1,0 +1,44 @@
+// CPU matvec kernels on MLX weight layouts; no MLX dependency (tested through the extension).
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+enum WeightFormat : int { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3 };
+enum ScalarType : int { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+// One matvec problem. Row r of W starts at w + r * w_row_bytes.
+// Forward:    out[m, i] = dot(W[row(i)], x[m])          x [M, K], out [M, n]
+// Transposed: out[m, k] = sum_i h[m, i] * W[row(i), k]    h [M, n], out [M, K]
+// row(i) = rows[i] when rows != nullptr, else i (a prefix of W).
+struct Problem {
+  int fmt = FMT_F16;
+  int sb_dtype = DT_F16;  // dtype of scales / biases (quantized formats)
+  int group_size = 64;
+  int M = 1, K = 0, n = 0, N = 0;  // N: rows in W (for index checks)
+  const uint8_t* w = nullptr;
+  int64_t w_row_bytes = 0;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
+  int64_t sb_row = 0;  // scale/bias elements per row
+  const int32_t* rows = nullptr;
+  const float* in = nullptr;  // x [M, K] (forward) or h [M, n] (transposed), float32, contiguous
+  void* out = nullptr;        // [M, n] (forward) or [M, K] (transposed), out_dtype, contiguous
+  int out_dtype = DT_F32;
+};
+
+// Runs the problem on the calling thread plus the persistent pool. Rows outside [0, N) give NaN.
+void matvec(const Problem& p);
+void matvec_t(const Problem& p);
+
+// Test/bench hooks: force the portable scalar path; number of threads used (>= 1).
+void set_simd_enabled(bool enabled);
+bool simd_active();
+void set_num_threads(int n);
+int num_threads();
+
+float load_scalar(const void* base, int dtype, int64_t i);
+void store_scalar(void* base, int dtype, int64_t i, float v);
+
+}  // namespace flash
