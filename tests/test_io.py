@@ -1,0 +1,268 @@
+"""Flash loader: zero-copy destinations, exact bundle reads, alignment edges, injected faults."""
+
+import errno
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash.errors import FlashError
+from mlx_flash.io import (FileLayer, FlashLoader, ReadCost, calibrate, evict, host_bytes,
+                          load_cost, plan_reads, residency)
+from mlx_flash.io import files as io_files
+from mlx_flash.pack import read_layer_components, read_manifest, write_pack
+
+COST = ReadCost(latency_s=1e-4, bandwidth=1e9)  # merge gaps up to 100 kB
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
+
+
+@pytest.fixture
+def make_pack(tiny_llama, tmp_path):
+    def make(name="src", **kwargs):
+        return write_pack(tiny_llama(name, **kwargs), tmp_path / f"{name}.pack", progress=False)
+    return make
+
+
+def test_buffer_is_zero_copy():
+    arr = mx.zeros((4, 6), dtype=mx.bfloat16)
+    mx.eval(arr)
+    raw = host_bytes(arr)
+    assert raw.flags.writeable and raw.size == 4 * 6 * 2
+    raw[2 * 12 + 2: 2 * 12 + 4] = np.frombuffer(np.float32(3.0).tobytes()[2:], np.uint8)  # bf16 3.0
+    assert arr[2, 1].item() == 3.0 and mx.sum(arr).item() == 3.0  # read back through MLX
+    assert host_bytes(arr).ctypes.data == raw.ctypes.data  # same memory every time
+
+
+def check_rows(pack, loader, layer, ids, dest, slots):
+    entry = read_manifest(pack)["bundles"][layer]
+    full = read_layer_components(pack, entry)
+    if isinstance(dest, dict):
+        for name, arr in dest.items():
+            got, want = arr[mx.array(slots)], full[name][mx.array(ids)]
+            assert mx.array_equal(got, want).item(), name
+    else:  # raw bundles: compare with the file bytes
+        data = np.fromfile(pack / entry["file"], np.uint8)
+        got = np.array(dest, copy=False)
+        for i, s in zip(ids, slots):
+            off = entry["offset"] + i * entry["stride"]
+            assert (got[s] == data[off: off + entry["stride"]]).all()
+
+
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("float16", None), ("bfloat16", None),
+                                         ("float16", (4, 32)), ("float32", (8, 64))])
+@pytest.mark.parametrize("direct,plan", [(True, True), (True, False), (False, True), (False, False)])
+def test_random_subsets_equal_source_rows(make_pack, dtype, quant, direct, plan):
+    pack = make_pack(dtype=dtype, quantize=quant, intermediate=128)
+    rng = np.random.default_rng(0)
+    with FlashLoader(pack, threads=4, direct=direct, plan=plan, cost=COST) as loader:
+        for layer in (0, 1):
+            dest = loader.alloc(layer, 128)
+            for _ in range(3):
+                ids = rng.choice(128, size=rng.integers(1, 40), replace=False)
+                slots = rng.choice(128, size=len(ids), replace=False)
+                stats = loader.read(layer, ids, dest, slots)
+                assert stats.bundles == len(ids) and stats.direct == direct
+                check_rows(pack, loader, layer, ids, dest, slots)
+            raw = loader.alloc_raw(layer, 10)
+            ids = rng.choice(128, size=10, replace=False)
+            loader.read(layer, ids, raw)
+            check_rows(pack, loader, layer, ids, raw, list(range(10)))
+
+
+def test_quantized_sparse_matmul_on_loaded_rows(make_pack):
+    pack = make_pack(dtype="float32", quantize=(4, 32))
+    entry = read_manifest(pack)["bundles"][0]
+    full = read_layer_components(pack, entry)
+    ids = [3, 17, 40, 95]
+    with FlashLoader(pack, threads=2, cost=COST) as loader:
+        d = loader.alloc(0, len(ids))
+        loader.read(0, ids, d)
+    h = mx.random.normal((2, len(ids)), key=mx.random.key(0))
+    q = dict(group_size=32, bits=4)
+    y = mx.quantized_matmul(h, d["down_t.weight"], d["down_t.scales"], d["down_t.biases"],
+                            transpose=False, **q)
+    down_t = mx.dequantize(full["down_t.weight"], full["down_t.scales"], full["down_t.biases"], **q)
+    assert mx.allclose(y, h @ down_t[mx.array(ids)], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_alignment_edges(make_pack, direct):
+    # stride 1160 bytes (not a multiple of 4096); 96 bundles end mid-block
+    pack = make_pack(dtype="float16", hidden=96, intermediate=96)
+    entry = read_manifest(pack)["bundles"][0]
+    assert entry["stride"] % 4096 and entry["length"] % 4096
+    with FlashLoader(pack, threads=3, direct=direct, cost=COST) as loader:
+        dest = loader.alloc(0, 96)
+        for ids in ([0], [95], [0, 95], [94, 95], [3, 4, 5], list(range(96))):
+            loader.read(0, ids, dest, ids)
+            check_rows(pack, loader, 0, ids, dest, ids)
+        # a bundle straddling a 4 KiB boundary
+        k = next(i for i in range(96) if (i * entry["stride"]) // 4096 !=
+                 ((i + 1) * entry["stride"] - 1) // 4096)
+        loader.read(0, [k], dest, [0])
+        check_rows(pack, loader, 0, [k], dest, [0])
+
+
+def test_direct_reads_zero_copy_when_aligned(make_pack):
+    # hidden 1024 float32, gated: bundle = 3 x 4096 bytes, so raw destinations need no bounce
+    pack = make_pack(dtype="float32", hidden=1024, intermediate=16, layers=1, vocab=16)
+    with FlashLoader(pack, threads=2, cost=COST) as loader:
+        raw = loader.alloc_raw(0, 16)
+        ids = [1, 2, 3, 9, 15]
+        stats = loader.read(0, ids, raw)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.zero_copy_reads == stats.reads and stats.bounced_reads == 0
+        check_rows(pack, loader, 0, ids, raw, list(range(5)))
+
+
+def test_odirect_refused_falls_back_once(make_pack, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT")
+    pack = make_pack()
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(io_files, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
+        with FlashLoader(pack, threads=2, cost=COST) as loader:
+            d = loader.alloc(0, 4)
+            stats = loader.read(0, [1, 50, 51, 90], d)
+            check_rows(pack, None, 0, [1, 50, 51, 90], d, [0, 1, 2, 3])
+            assert not loader.read(1, [2], d).direct
+    assert not stats.direct
+
+
+class ShortReads(FileLayer):
+    """Short reads (2048 bytes on O_DIRECT descriptors, as a block device would return; 700 bytes
+    otherwise) and EINTR every third call."""
+    calls = 0
+
+    def preadv(self, fd, buffers, offset):
+        ShortReads.calls += 1
+        if ShortReads.calls % 3 == 0:
+            raise InterruptedError(errno.EINTR, "Interrupted system call")
+        import fcntl
+        direct = fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)
+        first = memoryview(buffers[0])[:2048 if direct else 700]
+        return os.preadv(fd, [first], offset)
+
+
+class FailingReads(FileLayer):
+    def __init__(self, err=None, eof=False):
+        self.err, self.eof = err, eof
+
+    def preadv(self, fd, buffers, offset):
+        if self.eof:
+            return 0
+        raise OSError(self.err, os.strerror(self.err))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_short_reads_and_eintr_are_retried(make_pack, direct):
+    pack = make_pack(dtype="bfloat16", quantize=(8, 32))
+    with FlashLoader(pack, threads=2, direct=direct, cost=COST, files=ShortReads()) as loader:
+        d = loader.alloc(1, 8)
+        ids = [0, 1, 2, 30, 60, 93, 94, 95]
+        loader.read(1, ids, d)
+        check_rows(pack, loader, 1, ids, d, list(range(8)))
+    assert ShortReads.calls > 8
+
+
+@pytest.mark.parametrize("files,match", [
+    (FailingReads(errno.EIO), r"layer_000\.bin: read error at offset \d+ \(Input/output error\)"),
+    (FailingReads(eof=True), r"layer_000\.bin: truncated \(end of file at offset \d+"),
+])
+def test_read_errors_are_flash_errors(make_pack, files, match):
+    pack = make_pack()
+    with FlashLoader(pack, threads=2, cost=COST, files=files) as loader:
+        with pytest.raises(FlashError, match=match):
+            loader.read(0, [4, 5, 80], loader.alloc(0, 3))
+
+
+def test_truncated_bundle_file_is_refused(make_pack):
+    pack = make_pack()
+    entry = read_manifest(pack)["bundles"][0]
+    os.truncate(pack / entry["file"], 4096)
+    with FlashLoader(pack, threads=2, cost=COST) as loader:
+        with pytest.raises(FlashError, match=r"layer_000\.bin: truncated \(4096 bytes"):
+            loader.read(0, [95], loader.alloc(0, 1))
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_checksum_mismatch_is_caught(make_pack, raw):
+    pack = make_pack(dtype="float16")
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 7 * entry["stride"] + 11] ^= 0x40
+    path.write_bytes(bytes(data))
+    with FlashLoader(pack, threads=2, cost=COST) as loader:
+        dest = loader.alloc_raw(0, 3) if raw else loader.alloc(0, 3)
+        loader.read(0, [5, 6, 8], dest)  # neighbours are fine
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+            loader.read(0, [6, 7, 8], dest)
+    with FlashLoader(pack, threads=2, cost=COST, verify=False) as loader:
+        loader.read(0, [7], loader.alloc(0, 1))  # verification is what caught it
+
+
+def test_other_format_version_is_refused(make_pack):
+    pack = make_pack()
+    m = json.loads((pack / "manifest.json").read_text())
+    m["format_version"] = 2
+    (pack / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FlashError, match="manifest.json: pack format version 2"):
+        FlashLoader(pack, cost=COST)
+
+
+def test_bad_requests(make_pack):
+    pack = make_pack()
+    with FlashLoader(pack, threads=2, cost=COST) as loader:
+        d = loader.alloc(0, 2)
+        for ids, slots, match in (([96], None, "out of range"), ([1, 1], None, "duplicate"),
+                                  ([1], [2], "slot out of range")):
+            with pytest.raises(FlashError, match=match):
+                loader.read(0, ids, d, slots)
+        with pytest.raises(FlashError, match="no bundle file for layer 7"):
+            loader.read(7, [0], d)
+        with pytest.raises(FlashError, match="use FlashLoader.alloc"):
+            loader.read(0, [0], {"up.weight": d["up.weight"]})
+
+
+def test_planner_merges_by_cost():
+    starts = [0, 1000, 9000, 200_000, 210_000]
+    assert [r[2] for r in plan_reads(starts, 1000)] == [[0], [1], [2], [3], [4]]
+    merged = plan_reads(starts, 1000, cost=ReadCost(1e-5, 1e9))  # merge gaps <= 10 kB
+    assert [(r[0], r[1], r[2]) for r in merged] == [(0, 10000, [0, 1, 2]), (200_000, 211_000, [3, 4])]
+    aligned = plan_reads(starts, 1000, align=4096, cost=ReadCost(1e-9, 1e9))  # 1-byte gaps only
+    assert aligned[0] == (0, 4096, [0, 1]) and aligned[1] == (8192, 12288, [2])
+    capped = plan_reads(list(range(0, 100_000, 1000)), 1000, cost=ReadCost(1, 1e9), max_read=16_000)
+    assert all(r[1] - r[0] <= 16_000 for r in capped) and sum(len(r[2]) for r in capped) == 100
+
+
+def test_calibrate_and_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64)
+    assert cost.latency_s > 0 and cost.bandwidth > 0
+    assert load_cost(tmp_path, 4) == cost and load_cost(tmp_path, 8) is None
+    assert not list(tmp_path.glob(".mlx_flash_calibrate_*"))
+
+
+@linux_only
+def test_evict_and_residency(tmp_path):
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(4 << 20))
+    f.read_bytes()
+    assert residency(f) > 0.9
+    result = evict(tmp_path)
+    assert result["method"] == "posix_fadvise(DONTNEED)"
+    assert result["residency"] < 0.05 and residency([f]) < 0.05
