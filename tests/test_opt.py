@@ -120,6 +120,17 @@ def test_greedy_generation_matches_transformers(variant):
     assert ours == expected
 
 
+def test_input_embeddings_match_transformers_inputs_embeds():
+    """mlx-lm's input_embeddings, like HF's inputs_embeds, replace embed_tokens (before project_in)."""
+    hf = hf_opt(**VARIANTS["post_ln_projected"])
+    model = to_mlx(hf)
+    embeds = np.random.default_rng(6).normal(size=(2, 11, 32)).astype(np.float32)
+    ours = np.array(model(None, input_embeddings=mx.array(embeds)))
+    with torch.no_grad():
+        ref = hf(inputs_embeds=torch.tensor(embeds)).logits.numpy()
+    np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
+
+
 def test_left_padded_batch_matches_transformers():
     """mlx-lm's BatchKVCache left-pads; positions must restart at 0 after the padding, as in HF."""
     hf = hf_opt(**VARIANTS["pre_ln_projected"])
