@@ -73,6 +73,16 @@ def test_random_subsets_equal_source_rows(make_pack, dtype, quant, direct, plan)
             check_rows(pack, loader, layer, ids, raw, list(range(10)))
 
 
+def test_read_many_layers_at_once(make_pack):
+    pack = make_pack(dtype="float16", quantize=(4, 32))
+    with FlashLoader(pack, threads=3, cost=COST) as loader:
+        d0, d1 = loader.alloc(0, 5), loader.alloc(1, 5)
+        stats = loader.read_many([(0, [9, 2, 70], d0, [4, 0, 1]), (1, [95, 94, 0, 1, 50], d1, None)])
+        assert stats.bundles == 8 and sum(stats.read_sizes.values()) == stats.reads
+    check_rows(pack, None, 0, [9, 2, 70], d0, [4, 0, 1])
+    check_rows(pack, None, 1, [95, 94, 0, 1, 50], d1, [0, 1, 2, 3, 4])
+
+
 def test_quantized_sparse_matmul_on_loaded_rows(make_pack):
     pack = make_pack(dtype="float32", quantize=(4, 32))
     entry = read_manifest(pack)["bundles"][0]

@@ -1,5 +1,6 @@
 """FlashLoader: read neuron / expert bundles of a pack straight into preallocated MLX arrays."""
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from ..errors import FlashError
 from ..pack.layout import layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import read_checksum_table
 from .files import FileLayer, address, aligned_buffer, read_full
-from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_reads
+from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, flash_home, load_cost, plan_reads
 
 
 @dataclass
@@ -27,11 +28,14 @@ class ReadStats:
     bounced_reads: int = 0
     seconds: float = 0.0
     direct: bool = False
+    read_sizes: dict = field(default_factory=dict)  # bytes per read -> number of reads
 
     def add(self, other: "ReadStats"):
         for k in ("bundles", "reads", "bytes_useful", "bytes_read", "zero_copy_reads",
                   "bounced_reads", "seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        for size, n in other.read_sizes.items():
+            self.read_sizes[size] = self.read_sizes.get(size, 0) + n
 
 
 def host_bytes(arr) -> np.ndarray:
@@ -80,7 +84,8 @@ class FlashLoader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="flash-read")
         if plan and cost is None and self.bundles:
             first = self.pack / next(iter(self.bundles.values()))["file"]
-            cost = load_cost(first, threads) or calibrate(first.parent, threads=threads)
+            scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
+            cost = load_cost(first, threads) or calibrate(scratch, threads=threads, key_path=first)
         self.cost = cost
 
     # -- layout -------------------------------------------------------------------------------
@@ -114,7 +119,32 @@ class FlashLoader:
         dest: the dict from `alloc` (components scattered into separate arrays) or the uint8
         array from `alloc_raw` (whole bundles). On FlashError the destination rows are undefined.
         """
+        return self.read_many([(layer, ids, dest, slots)])
+
+    def read_many(self, requests) -> ReadStats:
+        """Several `read`s, [(layer, ids, dest, slots or None)], issued together on the pool."""
         t0 = time.perf_counter()
+        work, stats = [], ReadStats()
+        for layer, ids, dest, slots in requests:
+            job, plan = self._prepare(layer, ids, dest, slots)
+            work.extend((job, r) for r in plan)
+            stats.direct = job[0].direct
+            stats.bundles += len(job[4])
+            stats.bytes_useful += len(job[4]) * sum(c["length"] for c in job[1]["components"])
+        groups = [work[i::self.threads] for i in range(min(self.threads, len(work)))]
+        futures = [self._pool.submit(self._read_group, g) for g in groups]
+        error = None
+        for fut in futures:  # wait for all: no worker may still write after we return
+            try:
+                stats.add(fut.result())
+            except FlashError as e:
+                error = error or e
+        if error:
+            raise error
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _prepare(self, layer, ids, dest, slots):
         entry = self.entry(layer)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         slots = np.arange(len(ids)) if slots is None else np.asarray(slots, np.int64).reshape(-1)
@@ -138,22 +168,7 @@ class FlashLoader:
         starts = entry["offset"] + ids * stride
         plan = plan_reads(starts.tolist(), stride, align=self.alignment if f.direct else 1,
                           cost=self.cost if self.plan else None, max_read=self.max_read)
-        groups = [plan[i::self.threads] for i in range(min(self.threads, len(plan)))]
-        job = (f, entry, targets, raw, ids, slots, starts)
-        futures = [self._pool.submit(self._read_group, job, g) for g in groups]
-        stats = ReadStats(direct=f.direct)
-        error = None
-        for fut in futures:  # wait for all: no worker may still write after we return
-            try:
-                stats.add(fut.result())
-            except FlashError as e:
-                error = error or e
-        if error:
-            raise error
-        stats.bundles = len(ids)
-        stats.bytes_useful = len(ids) * sum(c["length"] for c in entry["components"])
-        stats.seconds = time.perf_counter() - t0
-        return stats
+        return (f, entry, targets, raw, ids, slots, starts), plan
 
     def _targets(self, entry, dest):
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw)."""
@@ -173,11 +188,11 @@ class FlashLoader:
         raw = host_bytes(dest).reshape(dest.shape[0], -1)
         return [(0, entry["stride"], raw)], raw.shape[0], True
 
-    def _read_group(self, job, group) -> ReadStats:
-        f, entry, targets, raw, ids, slots, starts = job
+    def _read_group(self, group) -> ReadStats:
         stats = ReadStats()
-        stride = entry["stride"]
-        for r0, r1, members in group:
+        for job, (r0, r1, members) in group:
+            f, entry, targets, raw, ids, slots, starts = job
+            stride = entry["stride"]
             iov = self._zero_copy_iovecs(f, targets, r0, r1, members, starts, slots, stride)
             if iov is not None:
                 read_full(self.files, f.fd, iov, r0, f.path, f.buffered_fd)
@@ -197,6 +212,7 @@ class FlashLoader:
                 self._check(f, entry, targets, raw, members, ids, slots, starts)
             stats.reads += 1
             stats.bytes_read += r1 - r0
+            stats.read_sizes[r1 - r0] = stats.read_sizes.get(r1 - r0, 0) + 1
         return stats
 
     def _zero_copy_iovecs(self, f, targets, r0, r1, members, starts, slots, stride):

@@ -69,9 +69,10 @@ def save_cost(path, threads, cost: ReadCost):
 
 
 def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=256 << 10,
-              reads=512, files: FileLayer | None = None, save=True) -> ReadCost:
+              reads=512, files: FileLayer | None = None, save=True, key_path=None) -> ReadCost:
     """Measure latency and bandwidth cold on a scratch file written in `directory`.
 
+    The result is stored for the device of `key_path` (default: `directory`).
     Random aligned reads of `small` and `large` bytes from `threads` threads, each after evicting
     the file; two equations t = latency + n / bandwidth give both numbers. Takes ~1-3 s.
     """
@@ -79,6 +80,7 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
 
     files = files or FileLayer()
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f".mlx_flash_calibrate_{os.getpid()}"
     try:
         with open(path, "wb") as f:
@@ -112,7 +114,7 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
     latency = max(t_small - small / bandwidth, 1e-7)
     cost = ReadCost(latency, bandwidth)
     if save:
-        save_cost(directory, threads, cost)
+        save_cost(key_path or directory, threads, cost)
     return cost
 
 
