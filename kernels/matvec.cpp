@@ -60,7 +60,7 @@ static inline uint16_t f32_to_f16(float f) {  // round to nearest even
   if (ax < 0x38800000) {                                    // subnormal or zero
     if (ax < 0x33000000) return uint16_t(sign);
     uint32_t e = ax >> 23, m = (ax & 0x7fffff) | 0x800000;
-    int shift = 126 - int(e) + 1 + 13 - 1;  // bits to drop
+    int shift = 126 - int(e);  // value = m * 2^(e-150) = r * 2^-24
     uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
     if (rem > half || (rem == half && (r & 1))) ++r;
     return uint16_t(sign | r);

@@ -1,0 +1,220 @@
+"""Matvec ops on MLX weight layouts: our CPU kernels (mlx_flash._ext) with MLX-op twins.
+
+Every op returns a lazy MLX array. On the CPU device with the extension built, few-row inputs
+(decode: M <= MAX_KERNEL_ROWS rows) run our kernels; everything else (Metal, prefill, unsupported
+formats, extension missing) runs the equivalent MLX ops, so results agree to float32 rounding.
+
+Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `scales`/`biases`
+[N, K/group_size] (w = scale*q + bias), or float16/bfloat16 `w` [N, K]. All ops compute y = x @ W.T
+unless named `_t` (y = h @ W[rows]).
+"""
+
+import importlib
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MAX_KERNEL_ROWS = 8  # above this the matvec kernels lose to MLX's GEMM, so prefill falls back
+KERNEL_BITS = (4, 8)
+KERNEL_GROUP_SIZES = (32, 64, 128)
+_HALF = (mx.float16, mx.bfloat16)
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _load_extension():
+    try:
+        ext = importlib.import_module("mlx_flash._ext")
+    except ImportError as exc:
+        return None, f"not built ({exc})"
+    built = getattr(ext, "built_with_mlx", "?")
+    if built != mx.__version__:  # libmlx's C++ ABI changes between releases
+        return None, f"built for mlx {built}, running mlx {mx.__version__}; rebuild with `pip install .`"
+    return ext, None
+
+
+_ext, EXTENSION_ERROR = _load_extension()
+EXTENSION_AVAILABLE = _ext is not None
+_enabled = True
+_warned = False
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    """Turn the CPU kernels on/off process-wide (off: always the MLX-op path; for tests and bench)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def kernels_active() -> bool:
+    """True when ops would run our kernels now: extension built, enabled, default device is CPU."""
+    return EXTENSION_AVAILABLE and _enabled and mx.default_device() == mx.cpu
+
+
+def _say_fallback_once():
+    global _warned
+    if not _warned and not EXTENSION_AVAILABLE and mx.default_device() == mx.cpu:
+        _warned = True
+        warnings.warn(
+            f"mlx_flash: CPU kernels not built; using the slower MLX-op path [{EXTENSION_ERROR}]",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _use_kernel(x):
+    if not kernels_active():
+        _say_fallback_once()
+        return False
+    if x.dtype not in _FLOATS or x.ndim == 0 or x.shape[-1] == 0:
+        return False
+    return x.size // x.shape[-1] <= MAX_KERNEL_ROWS
+
+
+def _quant_ok(w, scales, biases, group_size, bits):
+    return (
+        bits in KERNEL_BITS
+        and group_size in KERNEL_GROUP_SIZES
+        and biases is not None
+        and w.dtype == mx.uint32
+        and w.ndim == 2
+        and scales.dtype in _FLOATS
+        and biases.dtype == scales.dtype
+    )
+
+
+def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
+    """y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K] -> y [..., N]."""
+    if _use_kernel(x) and _quant_ok(w, scales, biases, group_size, bits):
+        return _ext.quantized_matvec(x, w, scales, biases, group_size, bits)
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                               group_size=group_size, bits=bits)
+
+
+def half_matvec(x, w):
+    """y = x @ w.T for float16/bfloat16 w [N, K]; x [..., K] -> y [..., N]."""
+    if _use_kernel(x) and w.dtype in _HALF and w.ndim == 2:
+        return _ext.half_matvec(x, w)
+    return x @ w.T
+
+
+def result_dtype(a, b):
+    """MLX's type promotion of two dtypes (the output dtype of a kernel op)."""
+    return (mx.zeros((), a) + mx.zeros((), b)).dtype
+
+
+def _select(a, rows, n):
+    return a[:n] if rows is None else a[rows]
+
+
+def _check_rows(rows, n):
+    if (rows is None) == (n is None):
+        raise ValueError("pass exactly one of rows (int32 indices) or n (use the first n rows)")
+
+
+def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=64, bits=None):
+    """y[..., i] = dot(W[rows[i]], x) (or W[:n]); x [..., K] -> y [..., len(rows) or n].
+
+    W is half precision when bits is None, else MLX affine-quantized with scales/biases.
+    The selected rows are read in place; the gather is never materialised on the kernel path.
+    """
+    _check_rows(rows, n)
+    quant = bits is not None
+    count = n if rows is None else rows.shape[0]
+    if _use_kernel(x) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in _HALF):
+        return _ext.gather_matvec(x, w, scales, biases, rows, n, group_size, bits)
+    if count == 0:
+        dtype = result_dtype(x.dtype, scales.dtype if quant else w.dtype)
+        return mx.zeros((*x.shape[:-1], 0), dtype)
+    if quant:
+        return mx.quantized_matmul(x, _select(w, rows, n), scales=_select(scales, rows, n),
+                                   biases=_select(biases, rows, n), transpose=True,
+                                   group_size=group_size, bits=bits)
+    return x @ _select(w, rows, n).T
+
+
+def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_size=64, bits=None):
+    """y = h @ W[rows] (or W[:n]): the h-weighted sum of selected rows; h [..., n] -> y [..., K].
+
+    W is half precision when bits is None, else MLX affine-quantized with scales/biases.
+    """
+    _check_rows(rows, n)
+    quant = bits is not None
+    if _use_kernel(h) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in _HALF):
+        return _ext.gather_matvec_t(h, w, scales, biases, rows, n, group_size, bits)
+    count = n if rows is None else rows.shape[0]
+    K = w.shape[1] * 32 // bits if quant else w.shape[1]
+    if count == 0:
+        dtype = result_dtype(h.dtype, scales.dtype if quant else w.dtype)
+        return mx.zeros((*h.shape[:-1], K), dtype)
+    if quant:
+        return mx.quantized_matmul(h, _select(w, rows, n), scales=_select(scales, rows, n),
+                                   biases=_select(biases, rows, n), transpose=False,
+                                   group_size=group_size, bits=bits)
+    return h @ _select(w, rows, n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel-backed layer classes. patch_linear_layers re-classes modules in place, so parameters,
+# names and isinstance checks are unchanged; only __call__ / as_linear route through our ops.
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        y = quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class KernelLinear(nn.Linear):
+    def __call__(self, x):
+        y = half_matvec(x, self["weight"])
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x):
+        return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+
+
+class KernelEmbedding(nn.Embedding):
+    def as_linear(self, x):
+        return half_matvec(x, self.weight)
+
+
+def _affine_ok(m):
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.bits in KERNEL_BITS
+        and m.group_size in KERNEL_GROUP_SIZES
+        and "biases" in m
+    )
+
+
+def patch_linear_layers(model) -> int:
+    """Route a loaded mlx-lm model's linear layers (and tied lm_head) through the CPU kernels.
+
+    Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
+    weights, and nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head).
+    Weights are untouched. Returns the number of modules swapped; 0 unless kernels_active().
+    """
+    if not kernels_active():
+        _say_fallback_once()
+        return 0
+    swapped = 0
+    for _, m in model.named_modules():
+        cls = type(m)
+        if cls is nn.QuantizedLinear and _affine_ok(m):
+            m.__class__ = KernelQuantizedLinear
+        elif cls is nn.Linear and m["weight"].dtype in _HALF:
+            m.__class__ = KernelLinear
+        elif cls is nn.QuantizedEmbedding and _affine_ok(m):
+            m.__class__ = KernelQuantizedEmbedding
+        elif cls is nn.Embedding and m["weight"].dtype in _HALF:
+            m.__class__ = KernelEmbedding
+        else:
+            continue
+        swapped += 1
+    return swapped

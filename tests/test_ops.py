@@ -1,0 +1,310 @@
+"""mlx_flash.ops: CPU kernels vs MLX's own ops, the MLX-op fallback, and patch_linear_layers.
+
+Tolerance. Kernels and references both sum float32 products, in different orders. A float32 sum of
+n products, each formed with at most c roundings, is off by at most gamma_{n+c} * sum |terms|,
+gamma_j = j*u/(1-j*u), u = 2^-24 (Higham, Accuracy and Stability, 3.1). Two such sums (ours, the
+reference) differ by at most twice that; `_bound` computes it from a magnitude matrix A (|W| for half
+weights; |s|*q + |b| for quantized ones, since kernels form s*(q.x) + b*sum(x) or (h*s)*q + h*b, whose
+terms can be larger than the dequantized value s*q + b) and c = 4. The references dequantise with
+float32 copies of the scales/biases, so s*q + b is itself float32 math as in the kernels. When the
+output is half precision each side rounds once more: one ulp of |y| (2^-10 float16, 2^-7 bfloat16),
+and near zero the float16 subnormal spacing 2^-24. Keeping sums short (K <= 384) keeps the bound far
+below the error of a single wrong element or group.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash import ops
+
+needs_ext = pytest.mark.skipif(
+    not ops.EXTENSION_AVAILABLE,
+    reason=f"mlx_flash._ext not available ({ops.EXTENSION_ERROR}); kernel-specific check",
+)
+
+U = 2.0**-24
+HALF_ULP = {mx.float32: 0.0, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+HALF_TINY = 2.0**-24  # float16 subnormal spacing: the absolute rounding floor near zero
+
+
+@pytest.fixture(autouse=True)
+def _cpu_and_enabled():
+    mx.set_default_device(mx.cpu)
+    ops.set_kernels_enabled(True)
+    yield
+    ops.set_kernels_enabled(True)
+    if ops.EXTENSION_AVAILABLE:
+        ops._ext.set_simd(True)
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def path(request):
+    """Run kernel checks on the AVX2 path and on the portable scalar path."""
+    if ops.EXTENSION_AVAILABLE:
+        ops._ext.set_simd(request.param == "simd")
+    return request.param
+
+
+def _f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def _gamma(n):
+    j = n + 4
+    return j * U / (1 - j * U)
+
+
+def _bound(mag_w, x, k, out_dtype, ref):
+    """Allowed |ours - ref| for y = x @ W.T: 2*gamma_{K+4} * |x| @ A.T plus output rounding."""
+    mag = np.abs(_f32(x)).reshape(-1, k) @ np.abs(mag_w).T
+    return 2 * _gamma(k) * mag.reshape(ref.shape) + HALF_ULP[out_dtype] * np.abs(ref) + HALF_TINY
+
+
+def _bound_t(h, mag_w, out_dtype, ref):
+    """Allowed |ours - ref| for y = h @ W[sel] (A = magnitudes of W[sel])."""
+    n = mag_w.shape[0]
+    mag = np.abs(_f32(h)) @ np.abs(mag_w)
+    return 2 * _gamma(n) * mag + HALF_ULP[out_dtype] * np.abs(ref) + HALF_TINY
+
+
+def _assert_close(y, ref, bound):
+    y, ref = _f32(y), np.asarray(ref)
+    assert y.shape == ref.shape
+    err = np.abs(y - ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else None
+    assert np.all(err <= bound), f"max excess at {worst}: err={err[worst]} bound={bound[worst]}"
+
+
+def _quantized(n, k, bits, group, sdtype, seed=0):
+    mx.random.seed(seed)
+    w = mx.random.normal((n, k)).astype(sdtype)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+    deq = _f32(mx.dequantize(wq, s32, b32, group_size=group, bits=bits))
+    mag = _f32(mx.dequantize(wq, mx.abs(s32), mx.abs(b32), group_size=group, bits=bits))
+    return wq, s, b, deq, mag
+
+
+def _x(shape, dtype, seed=1):
+    mx.random.seed(seed)
+    return mx.random.normal(shape).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel exactness
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantized_matvec_exact(path, bits, group, xdtype):
+    k = 384
+    sdtype = {mx.float32: mx.float16, mx.float16: mx.bfloat16, mx.bfloat16: mx.float32}[xdtype]
+    for n in (1, 37):
+        wq, s, b, deq, mag = _quantized(n, k, bits, group, sdtype, seed=n)
+        for m in (1, 2, 3, 5, 8):
+            x = _x((m, k), xdtype, seed=m)
+            y = ops._ext.quantized_matvec(x, wq, s, b, group, bits)
+            out_dtype = ops.result_dtype(xdtype, sdtype)
+            assert y.dtype == out_dtype
+            ref = _f32(x) @ deq.T
+            _assert_close(y, ref, _bound(mag, x, k, out_dtype, ref))
+            if xdtype == mx.float32 and sdtype != mx.bfloat16:  # MLX's own op, same float32 math
+                mlx_ref = _f32(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits))
+                _assert_close(y, mlx_ref, _bound(mag, x, k, out_dtype, mlx_ref) * 2)
+
+
+@needs_ext
+@pytest.mark.parametrize("wdtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_half_matvec_exact(path, wdtype, xdtype):
+    for k in (1, 7, 16, 37, 300):
+        for n in (1, 33):
+            w = _x((n, k), wdtype, seed=k + n)
+            wf = _f32(w)
+            for m in (1, 4, 6, 8):
+                x = _x((m, k), xdtype, seed=m)
+                y = ops._ext.half_matvec(x, w)
+                out_dtype = ops.result_dtype(xdtype, wdtype)
+                ref = _f32(x) @ wf.T
+                _assert_close(y, ref, _bound(wf, x, k, out_dtype, ref))
+                mlx_ref = _f32(x.astype(mx.float32) @ w.astype(mx.float32).T)
+                _assert_close(y, mlx_ref, _bound(wf, x, k, out_dtype, mlx_ref) * 2)
+
+
+def _weights(kind, n, k, seed=0):
+    """(w, scales, biases, bits, group, float32 W, magnitudes A) for one weight kind."""
+    if kind == "f16" or kind == "bf16":
+        w = _x((n, k), mx.float16 if kind == "f16" else mx.bfloat16, seed=seed)
+        return w, None, None, None, 64, _f32(w), _f32(w)
+    bits, group = {"q4g32": (4, 32), "q4g128": (4, 128), "q8g64": (8, 64), "q8g32": (8, 32)}[kind]
+    wq, s, b, deq, mag = _quantized(n, k, bits, group, mx.float16, seed=seed)
+    return wq, s, b, bits, group, deq, mag
+
+
+KINDS = ["f16", "bf16", "q4g32", "q4g128", "q8g64", "q8g32"]
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_matvec_rows_and_prefix(path, kind):
+    n_rows, k = 50, 256
+    w, s, b, bits, group, deq, mag = _weights(kind, n_rows, k)
+    rng = np.random.default_rng(0)
+    for m in (1, 3, 8):
+        x = _x((m, k), mx.float32, seed=m)
+        xf = _f32(x)
+        for sel in (rng.integers(0, n_rows, 17), np.array([49, 0, 0, 7]), np.array([], dtype=np.int64)):
+            rows = mx.array(sel.astype(np.int32))
+            y = ops._ext.gather_matvec(x, w, s, b, rows, None, group, bits)
+            ref = xf @ deq[sel].T
+            assert y.shape == (m, len(sel))
+            _assert_close(y, ref, _bound(mag[sel], x, k, y.dtype, ref))
+        for n in (0, 1, 13, n_rows):
+            y = ops._ext.gather_matvec(x, w, s, b, None, n, group, bits)
+            ref = xf @ deq[:n].T
+            _assert_close(y, ref, _bound(mag[:n], x, k, y.dtype, ref))
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_matvec_t_rows_and_prefix(path, kind):
+    n_rows, k = 50, 256
+    w, s, b, bits, group, deq, mag = _weights(kind, n_rows, k)
+    rng = np.random.default_rng(1)
+    for m in (1, 2, 8):
+        for sel in (rng.integers(0, n_rows, 17), np.array([3, 3, 49]), np.array([], dtype=np.int64)):
+            h = _x((m, len(sel)), mx.float16, seed=m)
+            rows = mx.array(sel.astype(np.int32))
+            y = ops._ext.gather_matvec_t(h, w, s, b, rows, None, group, bits)
+            assert y.shape == (m, k)
+            ref = _f32(h) @ deq[sel]
+            _assert_close(y, ref, _bound_t(h, mag[sel], y.dtype, ref))
+        for n in (0, 1, 13, n_rows):
+            h = _x((m, n), mx.bfloat16, seed=n)
+            y = ops._ext.gather_matvec_t(h, w, s, b, None, n, group, bits)
+            ref = _f32(h) @ deq[:n]
+            _assert_close(y, ref, _bound_t(h, mag[:n], y.dtype, ref))
+
+
+@needs_ext
+def test_out_of_range_rows_give_nan():
+    w, s, b, bits, group, _, _ = _weights("q4g32", 8, 64)
+    y = ops._ext.gather_matvec(mx.ones((1, 64)), w, s, b, mx.array([1, 8, -1], mx.int32), None, group, bits)
+    got = np.array(y)
+    assert np.isfinite(got[0, 0]) and np.isnan(got[0, 1]) and np.isnan(got[0, 2])
+
+
+@needs_ext
+def test_strided_inputs_and_leading_dims(path):
+    k, n = 128, 40
+    big = _x((2 * n, k), mx.float16, seed=3)
+    w = big[::2]  # row-strided weight view (a cache slice), read in place
+    xs = _x((k, 6), mx.float32, seed=4).T[1:4]  # transposed, non-contiguous x
+    ref = _f32(xs) @ _f32(w).T
+    _assert_close(ops._ext.half_matvec(xs, w), ref, _bound(_f32(w), xs, k, mx.float32, ref))
+    wq, s, b, deq, mag = _quantized(n, k, 4, 64, mx.float16)
+    x3 = _x((2, 3, k), mx.bfloat16, seed=5)  # [..., K] with two leading dims
+    y = ops._ext.quantized_matvec(x3, wq, s, b, 64, 4)
+    assert y.shape == (2, 3, n)
+    ref = (_f32(x3).reshape(-1, k) @ deq.T).reshape(2, 3, n)
+    _assert_close(y, ref, _bound(mag, x3, k, y.dtype, ref))
+
+
+@needs_ext
+def test_kernels_are_lazy_and_compose():
+    k, n = 64, 16
+    wq, s, b, deq, mag = _quantized(n, k, 8, 32, mx.float16)
+    x = mx.ones((1, k))
+    fn = mx.compile(lambda a: mx.sum(ops._ext.quantized_matvec(a * 2, wq, s, b, 32, 8) + 1))
+    ref = float(np.sum(2 * np.ones((1, k)) @ deq.T + 1))
+    assert abs(fn(x).item() - ref) <= 1e-4 * max(1.0, abs(ref))
+
+
+@needs_ext
+def test_bad_arguments_raise():
+    wq, s, b, _, _ = _quantized(8, 64, 4, 32, mx.float16)
+    with pytest.raises(ValueError, match="last dimension"):
+        ops._ext.quantized_matvec(mx.ones((1, 32)), wq, s, b, 32, 4)
+    with pytest.raises(ValueError, match="bits"):
+        ops._ext.quantized_matvec(mx.ones((1, 64)), wq, s, b, 32, 3)
+    with pytest.raises(ValueError, match="exceeds"):
+        ops._ext.gather_matvec(mx.ones((1, 64)), wq, s, b, None, 9, 32, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public ops: the same answers with kernels on or off (fallback path tested without the extension)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_public_ops_match_mlx(enabled):
+    ops.set_kernels_enabled(enabled)
+    k, n = 128, 24
+    wq, s, b, deq, mag = _quantized(n, k, 4, 64, mx.float16)
+    wh = _x((n, k), mx.bfloat16, seed=9)
+    whf = _f32(wh)
+    rows = mx.array([5, 1, 23, 1], mx.int32)
+    sel = np.array([5, 1, 23, 1])
+    for m in (1, 4, 20):  # 20 rows: above MAX_KERNEL_ROWS, MLX's GEMM path
+        x = _x((m, k), mx.float32, seed=m)
+        xf = _f32(x)
+        cases = [
+            (ops.quantized_matvec(x, wq, s, b, 64, 4), xf @ deq.T, mag),
+            (ops.half_matvec(x, wh), xf @ whf.T, whf),
+            (ops.gather_matvec(x, wq, rows=rows, scales=s, biases=b, group_size=64, bits=4), xf @ deq[sel].T, mag[sel]),
+            (ops.gather_matvec(x, wh, n=7), xf @ whf[:7].T, whf[:7]),
+        ]
+        for y, ref, wf in cases:
+            _assert_close(y, ref, _bound(wf, x, k, mx.float32, ref) * 2)
+        h = _x((m, 4), mx.float32, seed=m)
+        y = ops.gather_matvec_t(h, wq, rows=rows, scales=s, biases=b, group_size=64, bits=4)
+        ref = _f32(h) @ deq[sel]
+        _assert_close(y, ref, _bound_t(h, mag[sel], mx.float32, ref) * 2)
+        y = ops.gather_matvec_t(h[:, :0], wh, n=0)
+        assert y.shape == (m, k) and not np.any(np.array(y))
+        y = ops.gather_matvec(x, wh, rows=mx.array([], mx.int32))
+        assert y.shape == (m, 0)
+    with pytest.raises(ValueError):
+        ops.gather_matvec(mx.ones((1, k)), wh)
+
+
+def test_fallback_when_disabled_patches_nothing():
+    ops.set_kernels_enabled(False)
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.set_dtype(mx.float16)
+    assert ops.patch_linear_layers(model) == 0
+    assert type(model.layers[0]) is nn.Linear
+
+
+# ------------------------------------------------------------------------------------------------
+# patch_linear_layers on tiny mlx-lm llamas
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "variant",
+    [dict(quantize=(4, 32)), dict(quantize=(8, 64), intermediate=128), dict(dtype="float16"),
+     dict(dtype="bfloat16", tie=False)],
+    ids=["q4g32", "q8g64", "f16", "bf16-untied"],
+)
+def test_patch_linear_layers_logits_match(tiny_llama, variant):
+    from mlx_lm.utils import load_model
+
+    path = tiny_llama("m", **variant)
+    model, _ = load_model(path)
+    tokens = mx.array([[1, 5, 9, 2, 7, 3]])
+    dense = model(tokens)  # prefill shape: 6 rows -> kernels (M <= 8)
+    step = model(tokens[:, :1])
+    mx.eval(dense, step)
+    swapped = ops.patch_linear_layers(model)
+    # 2 layers x 7 projections + the embedding (its as_linear is the tied lm_head) [+ untied lm_head]
+    assert swapped == 15 + (not variant.get("tie", True))
+    assert ops.patch_linear_layers(model) == 0  # already patched
+    patched, patched_step = model(tokens), model(tokens[:, :1])
+    tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
+    for a, r in ((patched, dense), (patched_step, step)):
+        a, r = _f32(a), _f32(r)
+        assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
