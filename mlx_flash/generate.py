@@ -1,6 +1,7 @@
 """python -m mlx_flash.generate: stream text from a model (flags mirror mlx_lm.generate)."""
 
 import argparse
+import os
 import sys
 
 from .cli import run_cli
@@ -53,6 +54,8 @@ def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=
 def _main(argv):
     args = build_parser().parse_args(argv)
     _check_args(args)
+    # Our own checks report over-long prompts; transformers' tokenizer warning would only repeat it.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import mlx.core as mx
 
     from .api import check_prompt_fits, load, stream_generate

@@ -38,8 +38,10 @@ def load_model(path: Path, lazy: bool = True):
         model, config = mlx_lm_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
     except FlashError as e:
         raise FlashError(f"{path}/{e}") from None
-    except ValueError as e:  # mlx-lm's weight/shape mismatch messages
-        raise FlashError(f"{path}: weights do not match config.json ({e})") from None
+    except ValueError as e:
+        if "parameters" in str(e) or "shape" in str(e):  # mlx-lm's weight/shape mismatch messages
+            raise FlashError(f"{path}: weights do not match config.json ({e})") from None
+        raise FlashError(f"{path}/config.json: {e}") from None
     return model, config
 
 

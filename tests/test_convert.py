@@ -1,0 +1,57 @@
+"""python -m mlx_flash.convert: GGUF -> mlx-lm folder, atomically."""
+
+import json
+
+import pytest
+
+from mlx_flash.convert import atomic_output_dir, main
+from mlx_flash.errors import FlashError
+
+
+def test_convert_embedded_gguf(embedded_gguf, tmp_path):
+    out = tmp_path / "smol"
+    assert main(["--model", str(embedded_gguf), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    assert config["quantization"]["model.embed_tokens"] == {"bits": 8, "group_size": 32}
+    assert config["tie_word_embeddings"] is True
+    tok = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok["eos_token"] == "<|im_end|>" and "chat_template" in tok
+    assert [p.name for p in tmp_path.iterdir()] == ["smol"]  # no temporary leftovers
+
+
+def test_existing_output_is_refused(embedded_gguf, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(embedded_gguf), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_output_dir(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", ["missing", "not_gguf", "truncated"])
+def test_bad_source_exit_2_one_line(bad, embedded_gguf, tmp_path, capsys):
+    src = tmp_path / "src.gguf"
+    if bad == "not_gguf":
+        src = tmp_path / "src.bin"
+        src.write_bytes(b"hello")
+    elif bad == "truncated":
+        src.write_bytes(embedded_gguf.read_bytes()[: 8 << 20])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(src), "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and str(src) in err and len(err.splitlines()) == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == (
+        [] if bad == "missing" else [src.name])

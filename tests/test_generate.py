@@ -1,0 +1,60 @@
+"""The CLI as users run it: `python -m mlx_flash.generate`, in a subprocess."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+
+def run(*args, stdin=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # cwd away from the checkout, so `-m` runs the installed package (with its compiled kernels).
+    return subprocess.run([sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True,
+                          text=True, env=env, input=stdin, timeout=300, cwd=tempfile.gettempdir())
+
+
+def test_default_model_generates(embedded_model_dir):
+    r = run("--prompt", "What is the capital of France?", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "Prompt:" in r.stdout and "tokens-per-sec" in r.stdout and "Peak memory:" in r.stdout
+
+
+def test_sampling_is_seeded(embedded_model_dir):
+    args = ("--model", str(embedded_model_dir), "--prompt", "Tell me a story", "--max-tokens", "10",
+            "--temp", "0.9", "--top-p", "0.95", "--seed", "3")
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout.split("==========")[1] == b.stdout.split("==========")[1]
+
+
+def test_ignore_chat_template_and_stdin(embedded_model_dir):
+    r = run("--model", str(embedded_model_dir), "--prompt", "-", "--ignore-chat-template",
+            "--max-tokens", "5", stdin="The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert "Prompt: 5 tokens" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model"], "--model /no/such/model: no such file or folder"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be positive (or -1 for no limit)"),
+    (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+])
+def test_bad_flags_exit_2_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {message}"
+
+
+def test_prompt_longer_than_context(embedded_model_dir):
+    r = run("--model", str(embedded_model_dir), "--prompt", "word " * 9000, "--max-tokens", "1")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error: --prompt: ") and "longer than the model's context of 8192" in r.stderr
+
+
+def test_verbose_shows_traceback():
+    r = run("--model", "/no/such/model", "--verbose")
+    assert r.returncode == 2 and "Traceback" in r.stderr
