@@ -5,6 +5,7 @@ Each subcommand lives in its own module here and exposes `add_arguments(parser)`
 """
 
 SUBCOMMANDS = {
+    "blas": "Float32 matmul/matvec speed of MLX's CPU backend and the BLAS it uses",
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
 }

@@ -7,14 +7,18 @@ from . import SUBCOMMANDS
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m mlx_flash.bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m mlx_flash.bench",
+                                     description="Purge-aware benchmarks of mlx-flash.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
-        module = importlib.import_module(f"mlx_flash.bench.{name}")
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
-    module = importlib.import_module(f"mlx_flash.bench.{args.command}")
-    return module.run(args) or 0
+        sub.add_parser(name, help=help_text, add_help=False)
+    command = parser.parse_known_args(argv[:1])[0].command  # import only the module asked for
+    module = importlib.import_module(f"mlx_flash.bench.{command}")
+    sub_parser = argparse.ArgumentParser(prog=f"python -m mlx_flash.bench {command}",
+                                         description=SUBCOMMANDS[command])
+    module.add_arguments(sub_parser)
+    return module.run(sub_parser.parse_args(argv[1:])) or 0
 
 
 def main(argv=None):
