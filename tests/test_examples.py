@@ -16,10 +16,6 @@ def test_example_runs(script, embedded_model_dir, tmp_path):
                        cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip()
+    if script.name == "chat.py":  # default question: the capital of France
+        assert "Paris" in r.stdout and "tokens/s" in r.stdout
 
-
-def test_chat_example_answers(embedded_model_dir, tmp_path):
-    r = subprocess.run([sys.executable, str(EXAMPLES[0].parent / "chat.py"), "What is the capital of France?"],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "Paris" in r.stdout and "tokens/s" in r.stdout
