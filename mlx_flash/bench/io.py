@@ -1,0 +1,398 @@
+"""Cold-cache read throughput of the flash loader (the paper's Figure 2b) on one pack.
+
+    python -m mlx_flash.bench io --pack PACK [--json FILE] [--plot FILE]
+
+Every timed run starts cold: the pack's pages are evicted first (mlx_flash.io.evict; the method
+is reported) and the loader reads with O_DIRECT. Measured:
+  1. chunk sweep: bundles read in chunks of k consecutive neurons, at several thread counts;
+  2. ceiling: a plain large sequential O_DIRECT read of the same bundle files;
+  3. bundled vs unbundled: the same random neuron sets read from the pack's bundles, and from a
+     matrix-major copy (gate rows, up rows, down rows in separate regions: one request each);
+  4. planner on vs off on the same neuron sets;
+  5. fio --direct=1 --rw=randread on the same files, with the loader's read sizes and threads.
+Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
+device returned, including alignment edges and merged gaps).
+"""
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FlashError
+
+
+def add_arguments(parser):
+    parser.add_argument("--pack", required=True, help="flash pack directory")
+    parser.add_argument("--json", help="write all results to this JSON file")
+    parser.add_argument("--plot", help="PNG like the paper's Fig. 2b (default: io_bench.png "
+                        "beside --json, else in the current directory); 'none' to skip")
+    parser.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts to sweep")
+    parser.add_argument("--chunks", default="1,2,4,8,16,32,64",
+                        help="consecutive bundles per read in the sweep")
+    parser.add_argument("--fraction", type=float, default=0.1,
+                        help="fraction of each layer's neurons read per run (default 0.1)")
+    parser.add_argument("--repeat", type=int, default=3, help="cold runs per point (median kept)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="also write /proc/sys/vm/drop_caches when fadvise leaves pages (root)")
+    parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _gb(nbytes, seconds):
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+class Bench:
+    def __init__(self, args):
+        from ..io import evict
+        from ..pack import read_manifest
+
+        self.args = args
+        self.pack = Path(args.pack)
+        self.manifest = read_manifest(self.pack)
+        self.layers = sorted(b["layer"] for b in self.manifest["bundles"])
+        self.entries = {b["layer"]: b for b in self.manifest["bundles"]}
+        self.rng = np.random.default_rng(args.seed)
+        self.evict_fn = evict
+        self.evict_methods = set()
+        self.extra_paths = []
+
+    def evict(self):
+        paths = [self.pack / e["file"] for e in self.entries.values()] + self.extra_paths
+        r = self.evict_fn(paths, drop_caches=self.args.drop_caches)
+        self.evict_methods.add(r["method"])
+        if r["residency"] and r["residency"] > 0.01:
+            print(f"warning: {r['residency']:.1%} of the pack still cached after {r['method']}",
+                  file=sys.stderr)
+
+    def cold(self, fn):
+        """Median over --repeat cold runs of fn() -> ReadStats-like (seconds, bytes...)."""
+        runs = []
+        for _ in range(self.args.repeat):
+            self.evict()
+            runs.append(fn())
+        runs.sort(key=lambda s: s.seconds)
+        return runs[len(runs) // 2]
+
+
+def _random_sets(bench, fraction):
+    out = {}
+    for layer in bench.layers:
+        count = bench.entries[layer]["count"]
+        n = max(1, int(round(fraction * count)))
+        out[layer] = np.sort(bench.rng.choice(count, n, replace=False))
+    return out
+
+
+def _chunk_sets(bench, fraction, k):
+    out = {}
+    for layer in bench.layers:
+        count = bench.entries[layer]["count"]
+        chunks = max(1, count // k)
+        n = max(1, min(chunks, int(round(fraction * count / k))))
+        starts = np.sort(bench.rng.choice(chunks, n, replace=False)) * k
+        out[layer] = (starts[:, None] + np.arange(k)[None, :]).reshape(-1)
+    return out
+
+
+def _read_sets(loader, sets, dests, layer_map=None):
+    """One read_many over all layers (layer_map: pack layer -> loader layers, for unbundled)."""
+    reqs = []
+    for layer, ids in sets.items():
+        for target in (layer_map or {layer: [layer]})[layer]:
+            reqs.append((target, ids, dests[target], None))
+    return loader.read_many(reqs)
+
+
+def _alloc(loader, sets, layer_map=None):
+    dests = {}
+    for layer, ids in sets.items():
+        for target in (layer_map or {layer: [layer]})[layer]:
+            dests[target] = loader.alloc(target, len(ids))
+    return dests
+
+
+def chunk_sweep(bench, threads_list, chunks):
+    from ..io import FlashLoader, ReadCost
+
+    stride = bench.entries[bench.layers[0]]["stride"]
+    align = bench.manifest["alignment"]
+    rows = []
+    for k in chunks:
+        sets = _chunk_sets(bench, bench.args.fraction, k)
+        for t in threads_list:
+            # merge only touching bundles: one read per chunk
+            max_read = -(-k * stride // align) * align + align
+            with FlashLoader(bench.pack, threads=t, verify=False, cost=ReadCost(0.0, 1e9),
+                             max_read=max_read) as loader:
+                dests = _alloc(loader, sets)
+                s = bench.cold(lambda: _read_sets(loader, sets, dests))
+            rows.append({"chunk_bundles": k, "chunk_bytes": k * stride, "threads": t,
+                         "gbps": _gb(s.bytes_useful, s.seconds),
+                         "device_gbps": _gb(s.bytes_read, s.seconds), "reads": s.reads,
+                         "seconds": s.seconds, "direct": s.direct})
+    return rows
+
+
+def sequential_ceiling(bench, block=4 << 20):
+    """Plain large sequential O_DIRECT reads of every bundle file, one thread."""
+    from ..io.files import FileLayer, aligned_buffer, read_full
+
+    files = FileLayer()
+    buf = aligned_buffer(block)
+    paths = [bench.pack / bench.entries[layer]["file"] for layer in bench.layers]
+    best = []
+    for _ in range(bench.args.repeat):
+        bench.evict()
+        total, t0 = 0, time.perf_counter()
+        for p in paths:
+            fd, direct = files.open(p, True)
+            try:
+                size = os.fstat(fd).st_size
+                for off in range(0, size, block):
+                    n = min(block, size - off)
+                    read_full(files, fd, [buf[:n]], off, p)
+                    total += n
+            finally:
+                files.close(fd)
+        best.append(time.perf_counter() - t0)
+    seconds = statistics.median(best)
+    return {"gbps": _gb(total, seconds), "bytes": total, "block": block, "seconds": seconds}
+
+
+def write_unbundled(bench, out: Path):
+    """A matrix-major copy of the pack's FFN: per layer one file, one aligned region per matrix
+    (gate / up / down_t rows with their scales and biases). Layer L matrix j -> layer 3L+j."""
+    from ..pack.layout import FORMAT, FORMAT_VERSION, round_up
+    from ..pack.reader import read_layer_components  # noqa: F401  (layout reference)
+
+    align = bench.manifest["alignment"]
+    (out / "bundles").mkdir(parents=True)
+    bundles, layer_map = [], {}
+    for layer in bench.layers:
+        e = bench.entries[layer]
+        data = np.fromfile(bench.pack / e["file"], np.uint8)
+        rows = data[e["offset"]: e["offset"] + e["count"] * e["stride"]].reshape(e["count"], -1)
+        groups = {}
+        for c in e["components"]:
+            groups.setdefault(c["name"].split(".")[0], []).append(c)
+        regions, pos = [], 0
+        for j, (matrix, comps) in enumerate(groups.items()):
+            parts = [rows[:, c["offset"]: c["offset"] + c["length"]] for c in comps]
+            block = np.ascontiguousarray(np.concatenate(parts, axis=1))
+            layout, o = [], 0
+            for c in comps:
+                layout.append({**c, "offset": o})
+                o += c["length"]
+            crcs = np.array([zlib.crc32(r) for r in block], "<u4")
+            regions.append((pos, block, crcs, layout))
+            pos = round_up(pos + block.nbytes + crcs.nbytes, align)
+        rel = f"bundles/layer_{layer:03d}.bin"
+        with open(out / rel, "wb") as f:
+            for off, block, crcs, _ in regions:
+                f.seek(off)
+                f.write(block.tobytes())
+                f.write(crcs.tobytes())
+            f.truncate(pos)
+        layer_map[layer] = []
+        for j, (off, block, crcs, layout) in enumerate(regions):
+            lid = 3 * layer + j
+            layer_map[layer].append(lid)
+            bundles.append({"layer": lid, "kind": "neurons", "file": rel, "encoding": "dense",
+                            "offset": off, "count": block.shape[0], "stride": block.shape[1],
+                            "length": block.nbytes, "file_length": pos, "components": layout,
+                            "checksums": {"offset": off + block.nbytes, "length": crcs.nbytes,
+                                          "crc32": zlib.crc32(crcs.tobytes())}})
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": align,
+                "bundles": bundles, "note": "mlx_flash.bench io: unbundled comparison copy"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return layer_map
+
+
+def bundled_vs_unbundled(bench, threads, fractions):
+    from ..io import FlashLoader, ReadCost, calibrate, load_cost
+
+    unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
+    first = bench.pack / bench.entries[bench.layers[0]]["file"]
+    cost = load_cost(first, threads)
+    if cost is None:
+        print(f"calibrating the read cost model ({threads} threads)...", file=sys.stderr)
+        cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
+                         threads=threads, key_path=first)
+    rows = []
+    try:
+        layer_map = write_unbundled(bench, unb)
+        bench.extra_paths = [unb / f"bundles/layer_{layer:03d}.bin" for layer in bench.layers]
+        for fraction in fractions:
+            sets = _random_sets(bench, fraction)
+            row = {"fraction": fraction, "threads": threads}
+            last = None
+            for name, path, lmap, plan in (("bundled", bench.pack, None, False),
+                                           ("bundled_planned", bench.pack, None, True),
+                                           ("unbundled", unb, layer_map, False),
+                                           ("unbundled_planned", unb, layer_map, True)):
+                with FlashLoader(path, threads=threads, verify=False, plan=plan,
+                                 cost=cost) as loader:
+                    dests = _alloc(loader, sets, lmap)
+                    s = bench.cold(lambda: _read_sets(loader, sets, dests, lmap))
+                row[name] = {"gbps": _gb(s.bytes_useful, s.seconds),
+                             "device_gbps": _gb(s.bytes_read, s.seconds), "reads": s.reads,
+                             "seconds": s.seconds, "read_sizes": s.read_sizes,
+                             "bytes_read": s.bytes_read, "bytes_useful": s.bytes_useful}
+                last = s
+            with FlashLoader(bench.pack, threads=threads, verify=True, plan=True, cost=cost) as loader:
+                dests = _alloc(loader, sets)
+                s = bench.cold(lambda: _read_sets(loader, sets, dests))
+            row["bundled_planned_verified"] = {"gbps": _gb(s.bytes_useful, s.seconds),
+                                               "seconds": s.seconds}
+            row["bundled_over_unbundled"] = row["unbundled"]["seconds"] / row["bundled"]["seconds"]
+            row["planner_speedup"] = row["bundled"]["seconds"] / row["bundled_planned"]["seconds"]
+            rows.append(row)
+            del last
+    finally:
+        shutil.rmtree(unb, ignore_errors=True)
+        bench.extra_paths = []
+    return rows, {"latency_us": cost.latency_s * 1e6, "bandwidth_gbps": cost.bandwidth / 1e9,
+                  "merge_gap_bytes": cost.merge_gap}
+
+
+def run_fio(bench, threads, read_sizes, total_bytes, engine="psync"):
+    """fio randread on the pack's bundle files with the loader's read-size mix and threads."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return None
+    files = ":".join(str(bench.pack / bench.entries[layer]["file"]) for layer in bench.layers)
+    total = sum(read_sizes.values())
+    split = "/".join(f"{size}/{max(1, round(100 * n / total))}" for size, n in sorted(read_sizes.items()))
+    jobs, depth = (threads, 1) if engine == "psync" else (1, threads)
+    cmd = [fio, "--name=flashbench", f"--filename={files}", "--direct=1", "--rw=randread",
+           f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--thread",
+           "--group_reporting", f"--bssplit={split}", "--blockalign=4096", "--norandommap",
+           f"--io_size={max(1 << 20, total_bytes // jobs)}", "--output-format=json"]
+    results = []
+    for _ in range(bench.args.repeat):
+        bench.evict()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise FlashError(f"fio failed: {p.stderr.strip().splitlines()[-1:]}")
+        job = json.loads(p.stdout)["jobs"][0]["read"]
+        results.append((job["bw_bytes"], job["iops"]))
+    results.sort()
+    bw, iops = results[len(results) // 2]
+    return {"device_gbps": bw / 1e9, "iops": iops, "engine": engine, "threads": threads,
+            "bssplit": split, "command": " ".join(cmd)}
+
+
+def machine():
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
+    try:
+        import mlx.core as mx
+        info["mlx"] = mx.__version__
+    except Exception:
+        pass
+    return info
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    sweep = result["chunk_sweep"]
+    for t in sorted({r["threads"] for r in sweep}):
+        pts = sorted((r["chunk_bytes"] / 1024, r["gbps"]) for r in sweep if r["threads"] == t)
+        ax.plot(*zip(*pts), marker="o", label=f"{t} threads")
+    ax.axhline(result["sequential"]["gbps"], color="k", linestyle="--",
+               label="sequential read (ceiling)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chunk size (KiB of bundles per read)")
+    ax.set_ylabel("random read throughput (GB/s)")
+    ax.set_title(f"Cold reads from {Path(result['pack']).name} ({result['evict_method']})",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def run(args) -> int:
+    bench = Bench(args)
+    threads_list = [int(t) for t in args.threads.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+    if any(b["kind"] != "neurons" for b in bench.manifest["bundles"]):
+        print("note: expert layers are measured as bundles like neurons", file=sys.stderr)
+    top = max(threads_list)
+    e0 = bench.entries[bench.layers[0]]
+    print(f"pack {bench.pack}: {len(bench.layers)} bundle files, {e0['count']} bundles of "
+          f"{e0['stride']} bytes per layer")
+    seq = sequential_ceiling(bench)
+    sweep = chunk_sweep(bench, threads_list, chunks)
+    comparisons, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}))
+    main = next(r for r in comparisons if r["fraction"] == args.fraction)
+    fio = {}
+    if not args.no_fio:
+        b = main["bundled"]
+        for engine in ("psync", "libaio"):
+            fio[engine] = run_fio(bench, top, b["read_sizes"], b["bytes_read"], engine)
+        if fio["psync"] is None:
+            print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
+    result = {"pack": str(bench.pack), "machine": machine(), "command": " ".join(sys.argv),
+              "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
+              "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
+              "bundled_vs_unbundled": comparisons, "fio": fio}
+
+    print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
+    print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
+          f"median of {args.repeat}; GB/s = 1e9 useful bytes/s")
+    print(f"\nsequential O_DIRECT read of the bundle files (4 MiB reads, 1 thread): "
+          f"{seq['gbps']:.2f} GB/s")
+    print("\nchunk sweep (GB/s useful), rows: bundles per read (bytes), columns: threads")
+    print(f"{'chunk':>16} " + " ".join(f"{t:>7}" for t in threads_list))
+    for k in chunks:
+        vals = {r["threads"]: r["gbps"] for r in sweep if r["chunk_bundles"] == k}
+        print(f"{k:>5} ({k * e0['stride']:>8}) " + " ".join(f"{vals[t]:7.3f}" for t in threads_list))
+    print(f"\ncost model ({top} threads): latency {cost['latency_us']:.1f} us, bandwidth "
+          f"{cost['bandwidth_gbps']:.2f} GB/s -> merge gaps up to {cost['merge_gap_bytes']} bytes")
+    print(f"\nrandom neuron sets, {top} threads (GB/s useful; reads issued)")
+    print(f"{'fraction':>8} {'bundled':>14} {'unbundled':>14} {'ratio':>6} {'bundled+plan':>14} "
+          f"{'unbundled+plan':>15} {'plan x':>6} {'+verify':>8}")
+    for r in comparisons:
+        def cell(x):
+            return f"{x['gbps']:.3f} ({x['reads']})"
+        print(f"{r['fraction']:>8} {cell(r['bundled']):>14} {cell(r['unbundled']):>14} "
+              f"{r['bundled_over_unbundled']:6.2f} {cell(r['bundled_planned']):>14} "
+              f"{cell(r['unbundled_planned']):>15} {r['planner_speedup']:6.2f} "
+              f"{r['bundled_planned_verified']['gbps']:8.3f}")
+    if fio.get("psync"):
+        b = main["bundled"]
+        print(f"\nfio vs loader, same files, read sizes {fio['psync']['bssplit']}, {top} threads "
+              f"(device GB/s)")
+        print(f"  loader (bundled, fraction {args.fraction}): {b['device_gbps']:.3f}")
+        for engine, f in fio.items():
+            print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
+                  f"{b['device_gbps'] / f['device_gbps']:.0%} of fio")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"\nresults: {args.json}")
+    if (args.plot or "").lower() != "none":
+        path = args.plot or (Path(args.json).with_suffix(".png") if args.json else Path("io_bench.png"))
+        if out := plot(result, path):
+            print(f"plot: {out}")
+    return 0
