@@ -1,21 +1,9 @@
 """The Python API: load(), generate(), stream_generate(), FlashConfig."""
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from .errors import FlashError
-
-MODES = ("dense",)
-
-
-@dataclass
-class FlashConfig:
-    """How a model runs. `mode`: "dense" keeps every weight resident (the reference)."""
-
-    mode: str = "dense"
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise FlashError(f"--mode {self.mode}: unknown mode (choose from {', '.join(MODES)})")
+from .flash_config import FlashConfig
 
 
 def load(model=None, config: FlashConfig = None, *, progress: bool = True, **options):
@@ -24,14 +12,14 @@ def load(model=None, config: FlashConfig = None, *, progress: bool = True, **opt
     `model`: None (the embedded SmolLM2-135M-Instruct), a `.gguf` file, an mlx-lm / Hugging Face
     folder, or a hub repo id. `options` are FlashConfig fields (e.g. mode="dense").
     """
-    from .models import load as load_dense
+    from .models import load as load_model_and_tokenizer
 
     known = {f.name for f in fields(FlashConfig)}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"load() got unknown options {sorted(unknown)}; known: {sorted(known)}")
     config = config or FlashConfig(**options)
-    return load_dense(model, progress=progress)
+    return load_model_and_tokenizer(model, config, progress=progress)
 
 
 def context_length(model):

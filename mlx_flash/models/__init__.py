@@ -56,8 +56,23 @@ def load_tokenizer(path: Path):
         raise FlashError(f"{path}: could not load the tokenizer ({e})") from None
 
 
-def load(model=None, *, lazy: bool = False, progress: bool = True):
-    """Load `model` (None = embedded default, GGUF, folder or hub repo id) -> (model, tokenizer)."""
+def is_flash_pack(path: Path) -> bool:
+    return (Path(path) / "manifest.json").is_file()
+
+
+def load(model=None, flash_config=None, *, progress: bool = True):
+    """Load `model` (None = embedded default, GGUF, folder, flash pack or hub repo id).
+
+    Returns (model, tokenizer). A flash pack runs as `flash_config` says (models/flash.py);
+    anything else loads dense, every weight resident.
+    """
     path = resolve_model(model, progress=progress)
-    nn_model, _ = load_model(path, lazy=lazy)
+    if is_flash_pack(path):
+        from .flash import load_flash
+
+        return load_flash(path, flash_config)
+    if flash_config is not None and flash_config.mode != "dense":
+        raise FlashError(f"--mode {flash_config.mode}: needs a flash pack; {path} is a plain model "
+                         f"folder (make one with python -m mlx_flash.convert --model {path} --out PACK)")
+    nn_model, _ = load_model(path, lazy=False)
     return nn_model, load_tokenizer(path)
