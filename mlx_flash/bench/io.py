@@ -218,54 +218,15 @@ def write_unbundled(bench, out: Path):
     return layer_map
 
 
-def bundled_vs_unbundled(bench, threads, fractions):
-    from ..io import FlashLoader, ReadCost, calibrate, load_cost
+class _FioRun:
+    """fio result shaped like ReadStats (seconds for the bytes it read)."""
 
-    unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
-    first = bench.pack / bench.entries[bench.layers[0]]["file"]
-    cost = load_cost(first, threads)
-    if cost is None:
-        print(f"calibrating the read cost model ({threads} threads)...", file=sys.stderr)
-        cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
-                         threads=threads, key_path=first)
-    rows = []
-    try:
-        layer_map = write_unbundled(bench, unb)
-        bench.extra_paths = [unb / f"bundles/layer_{layer:03d}.bin" for layer in bench.layers]
-        for fraction in fractions:
-            sets = _random_sets(bench, fraction)
-            row = {"fraction": fraction, "threads": threads}
-            last = None
-            for name, path, lmap, plan in (("bundled", bench.pack, None, False),
-                                           ("bundled_planned", bench.pack, None, True),
-                                           ("unbundled", unb, layer_map, False),
-                                           ("unbundled_planned", unb, layer_map, True)):
-                with FlashLoader(path, threads=threads, verify=False, plan=plan,
-                                 cost=cost) as loader:
-                    dests = _alloc(loader, sets, lmap)
-                    s = bench.cold(lambda: _read_sets(loader, sets, dests, lmap))
-                row[name] = {"gbps": _gb(s.bytes_useful, s.seconds),
-                             "device_gbps": _gb(s.bytes_read, s.seconds), "reads": s.reads,
-                             "seconds": s.seconds, "read_sizes": s.read_sizes,
-                             "bytes_read": s.bytes_read, "bytes_useful": s.bytes_useful}
-                last = s
-            with FlashLoader(bench.pack, threads=threads, verify=True, plan=True, cost=cost) as loader:
-                dests = _alloc(loader, sets)
-                s = bench.cold(lambda: _read_sets(loader, sets, dests))
-            row["bundled_planned_verified"] = {"gbps": _gb(s.bytes_useful, s.seconds),
-                                               "seconds": s.seconds}
-            row["bundled_over_unbundled"] = row["unbundled"]["seconds"] / row["bundled"]["seconds"]
-            row["planner_speedup"] = row["bundled"]["seconds"] / row["bundled_planned"]["seconds"]
-            rows.append(row)
-            del last
-    finally:
-        shutil.rmtree(unb, ignore_errors=True)
-        bench.extra_paths = []
-    return rows, {"latency_us": cost.latency_s * 1e6, "bandwidth_gbps": cost.bandwidth / 1e9,
-                  "merge_gap_bytes": cost.merge_gap}
+    def __init__(self, bw_bytes, iops, io_bytes):
+        self.bw, self.iops, self.bytes_read = bw_bytes, iops, io_bytes
+        self.seconds = io_bytes / bw_bytes if bw_bytes else float("inf")
 
 
-def run_fio(bench, threads, read_sizes, total_bytes, engine="psync"):
+def fio_command(bench, threads, read_sizes, total_bytes, engine):
     """fio randread on the pack's bundle files with the loader's read-size mix and threads."""
     fio = shutil.which("fio")
     if fio is None:
@@ -274,27 +235,103 @@ def run_fio(bench, threads, read_sizes, total_bytes, engine="psync"):
     total = sum(read_sizes.values())
     split = "/".join(f"{size}/{max(1, round(100 * n / total))}" for size, n in sorted(read_sizes.items()))
     jobs, depth = (threads, 1) if engine == "psync" else (1, threads)
-    cmd = [fio, "--name=flashbench", f"--filename={files}", "--direct=1", "--rw=randread",
-           f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--thread",
-           "--group_reporting", f"--bssplit={split}", "--blockalign=4096", "--norandommap",
-           f"--io_size={max(1 << 20, total_bytes // jobs)}", "--output-format=json"]
-    results = []
+    return [fio, "--name=flashbench", f"--filename={files}", "--direct=1", "--rw=randread",
+            f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--thread",
+            "--group_reporting", f"--bssplit={split}", "--blockalign=4096", "--norandommap",
+            f"--io_size={max(1 << 20, total_bytes // jobs)}", "--output-format=json"]
+
+
+def run_fio(cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise FlashError(f"fio failed: {' '.join(p.stderr.strip().splitlines()[-1:])}")
+    job = json.loads(p.stdout)["jobs"][0]["read"]
+    return _FioRun(job["bw_bytes"], job["iops"], job["io_bytes"])
+
+
+def interleaved(bench, fns):
+    """Median (by seconds) of --repeat cold runs of each fn, the variants taking turns so that
+    background load on the machine hits them alike."""
+    runs = {name: [] for name in fns}
     for _ in range(bench.args.repeat):
-        bench.evict()
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise FlashError(f"fio failed: {p.stderr.strip().splitlines()[-1:]}")
-        job = json.loads(p.stdout)["jobs"][0]["read"]
-        results.append((job["bw_bytes"], job["iops"]))
-    results.sort()
-    bw, iops = results[len(results) // 2]
-    return {"device_gbps": bw / 1e9, "iops": iops, "engine": engine, "threads": threads,
-            "bssplit": split, "command": " ".join(cmd)}
+        for name, fn in fns.items():
+            bench.evict()
+            runs[name].append(fn())
+    out = {}
+    for name, rs in runs.items():
+        rs.sort(key=lambda r: r.seconds)
+        out[name] = rs[len(rs) // 2]
+    return out
+
+
+def bundled_vs_unbundled(bench, threads, fractions, with_fio):
+    """Same random neuron sets: bundled / unbundled, planner off / on, verify; fio alongside."""
+    from ..io import FlashLoader, calibrate, load_cost
+
+    unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
+    first = bench.pack / bench.entries[bench.layers[0]]["file"]
+    cost = load_cost(first, threads)
+    if cost is None:
+        print(f"calibrating the read cost model ({threads} threads)...", file=sys.stderr)
+        cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
+                         threads=threads, key_path=first)
+    rows, fio, loaders = [], {}, []
+    try:
+        layer_map = write_unbundled(bench, unb)
+        bench.extra_paths = [unb / f"bundles/layer_{layer:03d}.bin" for layer in bench.layers]
+        variants = {"bundled": (bench.pack, None, False, False),
+                    "bundled_planned": (bench.pack, None, True, False),
+                    "unbundled": (unb, layer_map, False, False),
+                    "unbundled_planned": (unb, layer_map, True, False),
+                    "bundled_planned_verified": (bench.pack, None, True, True)}
+        for path, lmap, plan, verify in variants.values():
+            loaders.append(FlashLoader(path, threads=threads, verify=verify, plan=plan, cost=cost))
+        for fraction in fractions:
+            sets = _random_sets(bench, fraction)
+            fns = {}
+            for (name, (path, lmap, plan, verify)), loader in zip(variants.items(), loaders):
+                dests = _alloc(loader, sets, lmap)
+                fns[name] = (lambda ld=loader, d=dests, m=lmap: _read_sets(ld, sets, d, m))
+            cmds = {}
+            if with_fio and fraction == bench.args.fraction:
+                bench.evict()
+                probe = fns["bundled"]()  # the read-size mix fio replays
+                for engine in ("psync", "libaio"):
+                    cmd = fio_command(bench, threads, probe.read_sizes, probe.bytes_read, engine)
+                    if cmd:
+                        cmds[engine] = cmd
+                        fns[f"fio_{engine}"] = (lambda c=cmd: run_fio(c))
+            res = interleaved(bench, fns)
+            row = {"fraction": fraction, "threads": threads}
+            for name in variants:
+                r = res[name]
+                row[name] = {"gbps": _gb(r.bytes_useful, r.seconds),
+                             "device_gbps": _gb(r.bytes_read, r.seconds), "reads": r.reads,
+                             "seconds": r.seconds, "read_sizes": r.read_sizes,
+                             "bytes_read": r.bytes_read, "bytes_useful": r.bytes_useful}
+            row["bundled_over_unbundled"] = row["unbundled"]["seconds"] / row["bundled"]["seconds"]
+            row["planner_speedup"] = row["bundled"]["seconds"] / row["bundled_planned"]["seconds"]
+            row["unbundled_planner_speedup"] = (row["unbundled"]["seconds"]
+                                                / row["unbundled_planned"]["seconds"])
+            for engine, cmd in cmds.items():
+                r = res[f"fio_{engine}"]
+                fio[engine] = {"device_gbps": r.bw / 1e9, "iops": r.iops, "engine": engine,
+                               "threads": threads, "command": " ".join(cmd),
+                               "loader_device_gbps": row["bundled"]["device_gbps"],
+                               "loader_over_fio": row["bundled"]["device_gbps"] / (r.bw / 1e9)}
+            rows.append(row)
+    finally:
+        for loader in loaders:
+            loader.close()
+        shutil.rmtree(unb, ignore_errors=True)
+        bench.extra_paths = []
+    return rows, fio, {"latency_us": cost.latency_s * 1e6, "bandwidth_gbps": cost.bandwidth / 1e9,
+                       "merge_gap_bytes": cost.merge_gap}
 
 
 def machine():
     info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
     try:
         import mlx.core as mx
         info["mlx"] = mx.__version__
@@ -344,15 +381,11 @@ def run(args) -> int:
           f"{e0['stride']} bytes per layer")
     seq = sequential_ceiling(bench)
     sweep = chunk_sweep(bench, threads_list, chunks)
-    comparisons, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}))
+    comparisons, fio, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}),
+                                                  with_fio=not args.no_fio)
     main = next(r for r in comparisons if r["fraction"] == args.fraction)
-    fio = {}
-    if not args.no_fio:
-        b = main["bundled"]
-        for engine in ("psync", "libaio"):
-            fio[engine] = run_fio(bench, top, b["read_sizes"], b["bytes_read"], engine)
-        if fio["psync"] is None:
-            print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
+    if not args.no_fio and not fio:
+        print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
     result = {"pack": str(bench.pack), "machine": machine(), "command": " ".join(sys.argv),
               "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
               "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
@@ -380,14 +413,15 @@ def run(args) -> int:
               f"{r['bundled_over_unbundled']:6.2f} {cell(r['bundled_planned']):>14} "
               f"{cell(r['unbundled_planned']):>15} {r['planner_speedup']:6.2f} "
               f"{r['bundled_planned_verified']['gbps']:8.3f}")
-    if fio.get("psync"):
+    if fio:
         b = main["bundled"]
-        print(f"\nfio vs loader, same files, read sizes {fio['psync']['bssplit']}, {top} threads "
-              f"(device GB/s)")
+        sizes = "/".join(f"{k}:{v}" for k, v in sorted(b["read_sizes"].items()))
+        print(f"\nfio vs loader: same files, same read-size mix (bytes:reads {sizes}), {top} "
+              f"threads / queue depth, runs interleaved (device GB/s)")
         print(f"  loader (bundled, fraction {args.fraction}): {b['device_gbps']:.3f}")
         for engine, f in fio.items():
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
-                  f"{b['device_gbps'] / f['device_gbps']:.0%} of fio")
+                  f"{f['loader_over_fio']:.0%} of fio")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"\nresults: {args.json}")

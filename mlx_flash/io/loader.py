@@ -1,11 +1,11 @@
 """FlashLoader: read neuron / expert bundles of a pack straight into preallocated MLX arrays."""
 
 import os
+import queue
 import sys
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from ..errors import FlashError
 from ..pack.layout import layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import read_checksum_table
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
-from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, flash_home, load_cost, plan_reads
+from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, flash_home, load_cost, plan_read_arrays
 
 
 @dataclass
@@ -73,9 +73,11 @@ class _Job:
     zero_copy: bool  # every iovec meets the direct-I/O alignment: read straight into dest
     pieces: list  # [(offset, length)] of the components inside a bundle
     tight: int  # bytes covered by the components when they are packed without padding, else 0
-    r0: np.ndarray | None = None  # file offset of each planned read
+    r0: np.ndarray  # file offset of each planned read
+    r1: np.ndarray  # its end
+    first: np.ndarray  # first bundle (index into ids) of each read
+    member_read: np.ndarray  # planned read holding each bundle
     pos: np.ndarray | None = None  # staging position of each planned read
-    member_read: np.ndarray | None = None  # planned read holding each bundle
 
 
 class FlashLoader:
@@ -102,7 +104,8 @@ class FlashLoader:
         self._open_files: dict[int, _Open] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="flash-read")
+        self._workers: list[threading.Thread] = []
+        self._tasks = None
         if plan and cost is None and self.bundles:
             first = self.pack / next(iter(self.bundles.values()))["file"]
             scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
@@ -146,61 +149,102 @@ class FlashLoader:
         return self.read_many([(layer, ids, dest, slots)])
 
     def read_many(self, requests) -> ReadStats:
-        """Several `read`s, [(layer, ids, dest, slots or None)], issued together on the pool.
+        """Several `read`s, [(layer, ids, dest, slots or None)], issued together.
 
-        Workers only do I/O (into the destination rows, or into this thread's staging buffer at
-        precomputed positions); the calling thread then checks and scatters each request with a
-        handful of vectorised numpy copies, so per-read Python work stays a few microseconds.
+        Worker threads only do I/O: into the destination rows (zero copy) or into this calling
+        thread's staging buffer at precomputed positions. The calling thread checks and scatters
+        each request with a few vectorised numpy copies as soon as its reads are done, while the
+        workers go on with the next request's reads.
         """
         t0 = time.perf_counter()
         stats = ReadStats()
-        jobs, items, pos = [], [], 0
+        jobs, pos = [], 0
         for layer, ids, dest, slots in requests:
-            job, plan = self._prepare(layer, ids, dest, slots)
+            job = self._prepare(layer, ids, dest, slots)
             jobs.append(job)
+            sizes = job.r1 - job.r0
+            if not job.zero_copy:
+                job.pos = pos + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+                pos += int(sizes.sum())
             stats.direct = job.f.direct
             stats.bundles += len(job.ids)
             stats.bytes_useful += len(job.ids) * sum(n for _, n in job.pieces)
-            job.r0 = np.array([r[0] for r in plan], np.int64)
-            sizes = np.array([r[1] - r[0] for r in plan], np.int64)
-            job.member_read = np.repeat(np.arange(len(plan)), [len(r[2]) for r in plan])
-            if job.zero_copy:
-                for r0, r1, members in plan:
-                    items.append((job.f, r0, r1 - r0, self._member_iovecs(job, r0, r1, members)))
-            else:
-                job.pos = pos + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-                items.extend(zip([job.f] * len(plan), job.r0.tolist(), sizes.tolist(),
-                                 job.pos.tolist()))
-                pos += int(sizes.sum())
-            stats.reads += len(plan)
+            stats.reads += len(sizes)
             stats.bytes_read += int(sizes.sum())
-            for n in sizes.tolist():
-                stats.read_sizes[n] = stats.read_sizes.get(n, 0) + 1
-            stats.zero_copy_reads += len(plan) if job.zero_copy else 0
-            stats.bounced_reads += 0 if job.zero_copy else len(plan)
+            for n, k in zip(*np.unique(sizes, return_counts=True)):
+                stats.read_sizes[int(n)] = stats.read_sizes.get(int(n), 0) + int(k)
+            stats.zero_copy_reads += len(sizes) if job.zero_copy else 0
+            stats.bounced_reads += 0 if job.zero_copy else len(sizes)
         staging = self._staging(pos) if pos else None
-        groups = [items[i::self.threads] for i in range(min(self.threads, len(items)))]
-        futures = [self._pool.submit(self._io, staging, g) for g in groups]
-        error = None
-        for fut in futures:  # wait for all: no worker may still write after we return
-            try:
-                fut.result()
-            except FlashError as e:
-                error = error or e
-        if error:
-            raise error
+        self._start_workers()
+        done, remaining = queue.SimpleQueue(), []
+        for tag, job in enumerate(jobs):
+            items = self._items(job)
+            per_task = max(1, min(8, -(-len(items) // self.threads)))
+            tasks = [items[i: i + per_task] for i in range(0, len(items), per_task)]
+            for t in tasks:
+                self._tasks.put((staging, t, done, tag))
+            remaining.append(len(tasks))
         flat = np.frombuffer(staging, np.uint8) if staging is not None else None
-        for job in jobs:
-            if job.zero_copy:
-                if self.verify:
-                    self._check_rows(job, range(len(job.ids)))
-            else:
-                self._scatter(job, flat)
+        outstanding, error = sum(remaining), None
+        for tag, job in enumerate(jobs):
+            if remaining[tag] == 0:
+                self._finish(job, flat)
+        while outstanding:  # wait for every task: no worker may still write after we return
+            tag, err = done.get()
+            outstanding -= 1
+            remaining[tag] -= 1
+            if err is not None:
+                error = error or err
+            elif remaining[tag] == 0 and error is None:
+                try:
+                    self._finish(jobs[tag], flat)
+                except FlashError as e:
+                    error = e
+        if error is not None:
+            raise error
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def _items(self, job):
+        """[(file, offset, bytes, staging position or iovec list)] for a prepared request."""
+        sizes = (job.r1 - job.r0).tolist()
+        if not job.zero_copy:
+            return list(zip([job.f] * len(sizes), job.r0.tolist(), sizes, job.pos.tolist()))
+        bounds = np.append(job.first, len(job.ids)).tolist()
+        return [(job.f, r0, n, self._member_iovecs(job, r0, r0 + n, range(bounds[k], bounds[k + 1])))
+                for k, (r0, n) in enumerate(zip(job.r0.tolist(), sizes))]
+
+    def _finish(self, job, flat):
+        if job.zero_copy:
+            if self.verify:
+                self._check_rows(job, range(len(job.ids)))
+        else:
+            self._scatter(job, flat)
+
+    def _start_workers(self):
+        if self._workers:
+            return
+        with self._lock:
+            if not self._workers:
+                self._tasks = queue.SimpleQueue()
+                for i in range(self.threads):
+                    w = threading.Thread(target=self._worker, name=f"flash-read-{i}", daemon=True)
+                    w.start()
+                    self._workers.append(w)
+
+    def _worker(self):
+        tasks = self._tasks
+        while (task := tasks.get()) is not None:
+            staging, items, done, tag = task
+            try:
+                self._io(staging, items)
+                done.put((tag, None))
+            except BaseException as e:  # noqa: BLE001  (handed to the caller, which raises it)
+                done.put((tag, e))
+
     def _io(self, staging, items):
-        """A worker: each item is (file, offset, bytes, staging position or iovec list)."""
+        """A worker's task: each item is (file, offset, bytes, staging position or iovec list)."""
         files, read_into = self.files, self._read_into
         for f, r0, n, dst in items:
             read_into(f, [staging[dst: dst + n]] if dst.__class__ is int else dst, r0, n)
@@ -229,8 +273,9 @@ class FlashLoader:
         ids, slots = ids[order], slots[order]
         stride = entry["stride"]
         starts = entry["offset"] + ids * stride
-        plan = plan_reads(starts.tolist(), stride, align=self.alignment if f.direct else 1,
-                          cost=self.cost if self.plan else None, max_read=self.max_read)
+        r0, r1, first = plan_read_arrays(starts, stride, align=self.alignment if f.direct else 1,
+                                         cost=self.cost if self.plan else None,
+                                         max_read=self.max_read)
         pieces = [(c["offset"], c["length"]) for c in entry["components"]]
         used = sum(n for _, n in pieces)
         tight = used if all(o == sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces)) else 0
@@ -238,8 +283,9 @@ class FlashLoader:
         zero_copy = stride % align == 0 and all(
             off % align == 0 and n % align == 0 and address(mat) % align == 0
             for off, n, mat in targets)
-        job = _Job(f, entry, targets, raw, ids, slots, starts, stride, zero_copy, pieces, tight)
-        return job, plan
+        member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
+        return _Job(f, entry, targets, raw, ids, slots, starts, stride, zero_copy, pieces, tight,
+                    r0, r1, first, member_read)
 
     def _targets(self, entry, dest):
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw)."""
@@ -364,7 +410,11 @@ class FlashLoader:
             return self._open_files[layer]
 
     def close(self):
-        self._pool.shutdown(wait=True)
+        for _ in self._workers:
+            self._tasks.put(None)
+        for w in self._workers:
+            w.join()
+        self._workers = []
         for f in self._open_files.values():
             self.files.close(f.fd)
             if f.buffered_fd is not None:

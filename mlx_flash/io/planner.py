@@ -118,23 +118,44 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
     return cost
 
 
+def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
+                     max_read=DEFAULT_MAX_READ):
+    """Group sorted request start offsets (bytes, each request `length` bytes) into reads.
+
+    Returns numpy arrays (read_start, read_end, first_request): read k covers requests
+    first_request[k] .. first_request[k+1]-1, with its bounds rounded out to `align`.
+    cost=None: one read per request (no merging). Otherwise a request joins the previous read
+    when the bytes between them cost less than another read (gap / bandwidth < latency) and the
+    read stays <= max_read bytes (or holds a single request).
+    """
+    starts = np.asarray(starts, np.int64)
+    n = len(starts)
+    a0 = starts // align * align
+    a1 = -(-(starts + length) // align) * align
+    if n == 0 or cost is None:
+        return a0, a1, np.arange(n)
+    new = np.ones(n, bool)  # equal lengths and sorted starts: a1 never decreases
+    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap
+    first = np.flatnonzero(new)
+    bounds = np.append(first, n)
+    if (a1[bounds[1:] - 1] - a0[first]).max() > max_read:  # split long runs greedily
+        cut = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            r0 = a0[lo]
+            cut.append(lo)
+            for j in range(lo + 1, hi):
+                if a1[j] - r0 > max_read:
+                    cut.append(j)
+                    r0 = a0[j]
+        first = np.array(cut, np.int64)
+        bounds = np.append(first, n)
+    return a0[first], a1[bounds[1:] - 1], first
+
+
 def plan_reads(starts, length, *, align=1, cost: ReadCost | None = None,
                max_read=DEFAULT_MAX_READ):
-    """Group sorted request start offsets (each `length` bytes) into reads.
-
-    Returns [(read_start, read_end, [request indices])] with read_start/read_end rounded out to
-    `align`. cost=None: one read per request (no merging). Otherwise a request joins the previous
-    read when the bytes between them cost less than another read and the read stays <= max_read.
-    """
-    reads = []
-    gap_ok = cost.merge_gap if cost is not None else None
-    for i, s in enumerate(starts):
-        a0, a1 = s // align * align, -(-(s + length) // align) * align
-        if reads and gap_ok is not None:
-            last = reads[-1]
-            if a0 - last[1] <= gap_ok and max(a1, last[1]) - last[0] <= max_read:
-                last[1] = max(a1, last[1])
-                last[2].append(i)
-                continue
-        reads.append([a0, a1, [i]])
-    return [tuple(r) for r in reads]
+    """plan_read_arrays as a list [(read_start, read_end, [request indices])]."""
+    r0, r1, first = plan_read_arrays(starts, length, align=align, cost=cost, max_read=max_read)
+    bounds = np.append(first, len(starts)).tolist()
+    return [(int(a), int(b), list(range(bounds[k], bounds[k + 1])))
+            for k, (a, b) in enumerate(zip(r0.tolist(), r1.tolist()))]
