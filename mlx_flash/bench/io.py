@@ -44,6 +44,8 @@ def add_arguments(parser):
     parser.add_argument("--drop-caches", action="store_true",
                         help="also write /proc/sys/vm/drop_caches when fadvise leaves pages (root)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="re-measure the planner's cost model even if a profile is stored")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -270,7 +272,7 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
 
     unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
     first = bench.pack / bench.entries[bench.layers[0]]["file"]
-    cost = load_cost(first, threads)
+    cost = None if bench.args.calibrate else load_cost(first, threads)
     if cost is None:
         print(f"calibrating the read cost model ({threads} threads)...", file=sys.stderr)
         cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
