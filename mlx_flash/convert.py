@@ -1,6 +1,7 @@
-"""python -m mlx_flash.convert: GGUF -> mlx-lm folder.
+"""python -m mlx_flash.convert: any model source -> flash pack (default) or mlx-lm folder.
 
-Output is written to a temporary folder beside `--out` and renamed into place at the end, so an
+Sources are whatever `--model` accepts elsewhere: an mlx-lm / Hugging Face folder, a hub repo id,
+or a GGUF file. Output is written to a temporary folder beside `--out` and renamed into place at the end, so an
 interrupted or failed conversion leaves nothing half-written.
 """
 
@@ -62,20 +63,41 @@ def convert_gguf(gguf_path, out_dir, progress=True) -> Path:
 def _main(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mlx_flash.convert",
-        description="Convert a GGUF file into an mlx-lm folder (config.json, safetensors, tokenizer).",
+        description="Convert a model into a flash pack (FFN neurons bundled on disk for streaming), "
+                    "or with --format mlx, a GGUF file into an mlx-lm folder.",
     )
-    parser.add_argument("--model", required=True, help="source: a .gguf file")
+    parser.add_argument("--model", required=True,
+                        help="source: an mlx-lm / Hugging Face folder, a hub repo id, or a .gguf file")
     parser.add_argument("--out", required=True, help="output folder (must not exist)")
+    parser.add_argument("--format", choices=("pack", "mlx"), default="pack",
+                        help="pack: a flash pack (default); mlx: an mlx-lm folder (GGUF sources)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="pack: cast float weights to this dtype")
+    parser.add_argument("--quantize", type=int, choices=(4, 8), default=None,
+                        help="pack: MLX affine-quantize weights to this many bits (float sources)")
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                        help="pack: quantization group size (with --quantize)")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
-    from .models.source import is_gguf
+    from .models.source import is_gguf, resolve_model
 
+    out = Path(args.out).expanduser()
+    if out.exists():
+        raise FlashError(f"--out {out}: already exists; remove it or choose another path")
     src = Path(args.model).expanduser()
-    if not src.exists():
-        raise FlashError(f"--model {src}: no such file or folder")
-    if not (src.is_file() and is_gguf(src)):
-        raise FlashError(f"--model {src}: not a GGUF file")
-    out = convert_gguf(src, Path(args.out).expanduser())
+    if args.format == "mlx":
+        if args.dtype or args.quantize:
+            raise FlashError("--dtype/--quantize: only with --format pack")
+        if not src.exists():
+            raise FlashError(f"--model {src}: no such file or folder")
+        if not (src.is_file() and is_gguf(src)):
+            raise FlashError(f"--model {src}: --format mlx converts GGUF files; this is not one")
+        convert_gguf(src, out)
+    else:
+        from .pack import write_pack
+
+        write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
+                   group_size=args.group_size)
     print(f"Wrote {out}", file=sys.stderr)
     return 0
 

@@ -1,4 +1,4 @@
-"""python -m mlx_flash.convert: GGUF -> mlx-lm folder, atomically."""
+"""python -m mlx_flash.convert: sources -> flash pack, or GGUF -> mlx-lm folder; atomically."""
 
 import json
 
@@ -10,7 +10,7 @@ from mlx_flash.errors import FlashError
 
 def test_convert_embedded_gguf(embedded_gguf, tmp_path):
     out = tmp_path / "smol"
-    assert main(["--model", str(embedded_gguf), "--out", str(out)]) == 0
+    assert main(["--model", str(embedded_gguf), "--out", str(out), "--format", "mlx"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((out / "config.json").read_text())
@@ -21,6 +21,24 @@ def test_convert_embedded_gguf(embedded_gguf, tmp_path):
     tok = json.loads((out / "tokenizer_config.json").read_text())
     assert tok["eos_token"] == "<|im_end|>" and "chat_template" in tok
     assert [p.name for p in tmp_path.iterdir()] == ["smol"]  # no temporary leftovers
+
+    from mlx_lm import load as mlx_lm_load
+
+    model, tokenizer = mlx_lm_load(str(out))
+    assert tokenizer.encode("Hello") and model.args.num_hidden_layers == 30
+
+
+def test_convert_to_pack_from_gguf_and_folder(embedded_gguf, tiny_llama, tmp_path):
+    from mlx_flash.pack import read_manifest
+
+    assert main(["--model", str(embedded_gguf), "--out", str(tmp_path / "p1")]) == 0
+    manifest = read_manifest(tmp_path / "p1")
+    assert manifest["config"]["num_hidden_layers"] == 30
+    assert (tmp_path / "p1" / "tokenizer.json").is_file()
+    src = tiny_llama("f", dtype="float32")
+    assert main(["--model", str(src), "--out", str(tmp_path / "p2"), "--dtype", "float16",
+                 "--quantize", "8", "--group-size", "32"]) == 0
+    assert read_manifest(tmp_path / "p2")["config"]["quantization"]["bits"] == 8
 
 
 def test_existing_output_is_refused(embedded_gguf, tmp_path, capsys):
@@ -49,7 +67,7 @@ def test_bad_source_exit_2_one_line(bad, embedded_gguf, tmp_path, capsys):
         src.write_bytes(embedded_gguf.read_bytes()[: 8 << 20])
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(["--model", str(src), "--out", str(out)])
+        main(["--model", str(src), "--out", str(out), "--format", "mlx"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and str(src) in err and len(err.splitlines()) == 1
