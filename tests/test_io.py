@@ -13,6 +13,7 @@ import pytest
 from mlx_flash.errors import FlashError
 from mlx_flash.io import (FileLayer, FlashLoader, ReadCost, calibrate, evict, host_bytes,
                           load_cost, plan_reads, residency)
+from mlx_flash.io import aio
 from mlx_flash.io import files as io_files
 from mlx_flash.pack import read_layer_components, read_manifest, write_pack
 
@@ -54,11 +55,13 @@ def check_rows(pack, loader, layer, ids, dest, slots):
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("float16", None), ("bfloat16", None),
                                          ("float16", (4, 32)), ("float32", (8, 64))])
-@pytest.mark.parametrize("direct,plan", [(True, True), (True, False), (False, True), (False, False)])
-def test_random_subsets_equal_source_rows(make_pack, dtype, quant, direct, plan):
+@pytest.mark.parametrize("direct,plan,engine", [(True, True, "auto"), (True, False, "auto"),
+                                               (True, True, "threads"), (True, False, "threads"),
+                                               (False, True, "auto"), (False, False, "auto")])
+def test_random_subsets_equal_source_rows(make_pack, dtype, quant, direct, plan, engine):
     pack = make_pack(dtype=dtype, quantize=quant, intermediate=128)
     rng = np.random.default_rng(0)
-    with FlashLoader(pack, threads=4, direct=direct, plan=plan, cost=COST) as loader:
+    with FlashLoader(pack, threads=4, direct=direct, plan=plan, cost=COST, engine=engine) as loader:
         for layer in (0, 1):
             dest = loader.alloc(layer, 128)
             for _ in range(3):
@@ -197,6 +200,32 @@ def test_read_errors_are_flash_errors(make_pack, files, match):
     with FlashLoader(pack, threads=2, cost=COST, files=files) as loader:
         with pytest.raises(FlashError, match=match):
             loader.read(0, [4, 5, 80], loader.alloc(0, 3))
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch):
+    pack = make_pack(dtype="float16", quantize=(4, 32))
+    real_read = aio.AioContext.read
+
+    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None):
+        def spoil(idx, res):
+            res[idx[::2]] = np.where(idx[::2] % 4 == 0, 512, -errno.EIO)  # short, or EIO
+            on_done(idx, res)
+        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil)
+
+    monkeypatch.setattr(aio.AioContext, "read", flaky_read)
+    ids = [0, 3, 17, 40, 41, 42, 77, 95]
+    with FlashLoader(pack, threads=4, cost=COST, engine="aio") as loader:
+        d = loader.alloc(0, len(ids))
+        stats = loader.read(0, ids, d)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        check_rows(pack, loader, 0, ids, d, list(range(len(ids))))
+        # and when the careful re-read fails too, the error names the file and offset
+        monkeypatch.setattr(FileLayer, "preadv", lambda self, fd, b, o: (_ for _ in ()).throw(
+            OSError(errno.EIO, "Input/output error")))
+        with pytest.raises(FlashError, match=r"layer_001\.bin: read error at offset \d+"):
+            loader.read(1, ids, loader.alloc(1, len(ids)))
 
 
 def test_truncated_bundle_file_is_refused(make_pack):

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import FlashError
 from ..pack.layout import layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import read_checksum_table
+from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
 from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, flash_home, load_cost, plan_read_arrays
 
@@ -93,7 +94,7 @@ class FlashLoader:
 
     def __init__(self, pack_dir, *, threads=32, direct=True, verify=True, plan=True,
                  cost: ReadCost | None = None, max_read=DEFAULT_MAX_READ,
-                 files: FileLayer | None = None):
+                 files: FileLayer | None = None, engine="auto"):
         self.pack = Path(pack_dir)
         self.manifest = read_manifest(self.pack)
         self.bundles = layer_bundles(self.manifest)
@@ -106,6 +107,10 @@ class FlashLoader:
         self._local = threading.local()
         self._workers: list[threading.Thread] = []
         self._tasks = None
+        self._aio_contexts = []
+        if engine not in ("auto", "threads", "aio"):
+            raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
+        self.engine = engine
         if plan and cost is None and self.bundles:
             first = self.pack / next(iter(self.bundles.values()))["file"]
             scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
@@ -176,20 +181,28 @@ class FlashLoader:
             stats.zero_copy_reads += len(sizes) if job.zero_copy else 0
             stats.bounced_reads += 0 if job.zero_copy else len(sizes)
         staging = self._staging(pos) if pos else None
-        self._start_workers()
+        flat = np.frombuffer(staging, np.uint8) if staging is not None else None
+        use_aio = [self._aio_ok(job) for job in jobs]
         done, remaining = queue.SimpleQueue(), []
         for tag, job in enumerate(jobs):
-            items = self._items(job)
+            items = [] if use_aio[tag] else self._items(job)
+            if items:
+                self._start_workers()
             per_task = max(1, min(8, -(-len(items) // self.threads)))
             tasks = [items[i: i + per_task] for i in range(0, len(items), per_task)]
             for t in tasks:
                 self._tasks.put((staging, t, done, tag))
             remaining.append(len(tasks))
-        flat = np.frombuffer(staging, np.uint8) if staging is not None else None
         outstanding, error = sum(remaining), None
-        for tag, job in enumerate(jobs):
-            if remaining[tag] == 0:
-                self._finish(job, flat)
+        try:
+            for tag, job in enumerate(jobs):
+                if remaining[tag] == 0 and not use_aio[tag]:
+                    self._finish(job, flat)
+            aio_jobs = [job for job, a in zip(jobs, use_aio) if a]
+            if aio_jobs:
+                self._read_aio(aio_jobs, staging, flat)
+        except FlashError as e:
+            error = e
         while outstanding:  # wait for every task: no worker may still write after we return
             tag, err = done.get()
             outstanding -= 1
@@ -205,6 +218,47 @@ class FlashLoader:
             raise error
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _aio_ok(self, job) -> bool:
+        """Native AIO for direct reads into staging, unless a custom file layer is injected."""
+        if self.engine == "threads" or job.zero_copy or not job.f.direct or len(job.r0) == 0:
+            return False
+        ok = aio.available() and type(self.files) is FileLayer and sys.platform != "darwin"
+        if self.engine == "aio" and not ok:
+            raise FlashError("engine='aio' needs Linux O_DIRECT reads and the default FileLayer")
+        return ok
+
+    def _read_aio(self, jobs, staging, flat):
+        """All staging reads of `jobs` through one AIO context; each job is checked and scattered
+        as soon as its last read completes, while the device works on the rest."""
+        ctx = getattr(self._local, "aio", None)
+        if ctx is None:
+            ctx = self._local.aio = aio.AioContext(self.threads)
+            with self._lock:
+                self._aio_contexts.append(ctx)
+        counts = np.array([len(j.r0) for j in jobs])
+        tags = np.repeat(np.arange(len(jobs)), counts)
+        offsets = np.concatenate([j.r0 for j in jobs])
+        sizes = np.concatenate([j.r1 - j.r0 for j in jobs])
+        pos = np.concatenate([j.pos for j in jobs])
+        fds = np.concatenate([np.full(len(j.r0), j.f.fd) for j in jobs])
+        left = counts.copy()
+
+        def on_done(idx, res):
+            np.subtract.at(left, tags[idx], 1)
+            for t in np.unique(tags[idx]).tolist():
+                if left[t] == 0:
+                    self._complete_aio(jobs[t], tags == t, res, offsets, sizes, pos, staging, flat)
+
+        ctx.read(fds, offsets, sizes, address(flat) + pos, on_done=on_done)
+
+    def _complete_aio(self, job, mask, res, offsets, sizes, pos, staging, flat):
+        bad = np.flatnonzero(mask & (res != sizes))
+        for k in bad.tolist():  # short read or error: redo it carefully (EINTR, retries, EOF)
+            n, p = int(sizes[k]), int(pos[k])
+            read_full(self.files, job.f.fd, [staging[p: p + n]], int(offsets[k]), job.f.path,
+                      job.f.buffered_fd)
+        self._finish(job, flat)
 
     def _items(self, job):
         """[(file, offset, bytes, staging position or iovec list)] for a prepared request."""
@@ -415,6 +469,9 @@ class FlashLoader:
         for w in self._workers:
             w.join()
         self._workers = []
+        for ctx in self._aio_contexts:
+            ctx.close()
+        self._aio_contexts = []
         for f in self._open_files.values():
             self.files.close(f.fd)
             if f.buffered_fd is not None:
