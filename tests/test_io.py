@@ -288,11 +288,13 @@ def test_planner_merges_by_cost():
     assert all(r[1] - r[0] <= 16_000 for r in capped) and sum(len(r[2]) for r in capped) == 100
 
 
-def test_calibrate_and_profile(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
-    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64)
+    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64, engine=engine)
     assert cost.latency_s > 0 and cost.bandwidth > 0
-    assert load_cost(tmp_path, 4) == cost and load_cost(tmp_path, 8) is None
+    kind = engine if aio.available() else "threads"
+    assert load_cost(tmp_path, 4, kind) == cost and load_cost(tmp_path, 8, kind) is None
     assert not list(tmp_path.glob(".mlx_flash_calibrate_*"))
 
 

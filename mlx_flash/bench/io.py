@@ -272,26 +272,31 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
 
     unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
     first = bench.pack / bench.entries[bench.layers[0]]["file"]
-    cost = None if bench.args.calibrate else load_cost(first, threads)
+    probe = FlashLoader(bench.pack, threads=threads, plan=False)
+    kind = probe.cost_engine()
+    probe.close()
+    cost = None if bench.args.calibrate else load_cost(first, threads, kind)
     if cost is None:
-        print(f"calibrating the read cost model ({threads} threads)...", file=sys.stderr)
+        print(f"calibrating the read cost model ({threads} in flight, {kind})...", file=sys.stderr)
         cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
-                         threads=threads, key_path=first)
+                         threads=threads, key_path=first, engine=kind)
     rows, fio, loaders = [], {}, []
     try:
         layer_map = write_unbundled(bench, unb)
         bench.extra_paths = [unb / f"bundles/layer_{layer:03d}.bin" for layer in bench.layers]
-        variants = {"bundled": (bench.pack, None, False, False),
-                    "bundled_planned": (bench.pack, None, True, False),
-                    "unbundled": (unb, layer_map, False, False),
-                    "unbundled_planned": (unb, layer_map, True, False),
-                    "bundled_planned_verified": (bench.pack, None, True, True)}
-        for path, lmap, plan, verify in variants.values():
-            loaders.append(FlashLoader(path, threads=threads, verify=verify, plan=plan, cost=cost))
+        variants = {"bundled": (bench.pack, None, False, False, "auto"),
+                    "bundled_planned": (bench.pack, None, True, False, "auto"),
+                    "unbundled": (unb, layer_map, False, False, "auto"),
+                    "unbundled_planned": (unb, layer_map, True, False, "auto"),
+                    "bundled_planned_verified": (bench.pack, None, True, True, "auto"),
+                    "bundled_threadpool": (bench.pack, None, False, False, "threads")}
+        for path, lmap, plan, verify, engine in variants.values():
+            loaders.append(FlashLoader(path, threads=threads, verify=verify, plan=plan, cost=cost,
+                                       engine=engine))
         for fraction in fractions:
             sets = _random_sets(bench, fraction)
             fns = {}
-            for (name, (path, lmap, plan, verify)), loader in zip(variants.items(), loaders):
+            for (name, (path, lmap, plan, verify, _)), loader in zip(variants.items(), loaders):
                 dests = _alloc(loader, sets, lmap)
                 fns[name] = (lambda ld=loader, d=dests, m=lmap: _read_sets(ld, sets, d, m))
             cmds = {}
@@ -320,7 +325,9 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
                 fio[engine] = {"device_gbps": r.bw / 1e9, "iops": r.iops, "engine": engine,
                                "threads": threads, "command": " ".join(cmd),
                                "loader_device_gbps": row["bundled"]["device_gbps"],
-                               "loader_over_fio": row["bundled"]["device_gbps"] / (r.bw / 1e9)}
+                               "loader_over_fio": row["bundled"]["device_gbps"] / (r.bw / 1e9),
+                               "threadpool_over_fio": (row["bundled_threadpool"]["device_gbps"]
+                                                       / (r.bw / 1e9))}
             rows.append(row)
     finally:
         for loader in loaders:
@@ -405,7 +412,7 @@ def run(args) -> int:
         print(f"{k:>5} ({k * e0['stride']:>8}) " + " ".join(f"{vals[t]:7.3f}" for t in threads_list))
     print(f"\ncost model ({top} threads): latency {cost['latency_us']:.1f} us, bandwidth "
           f"{cost['bandwidth_gbps']:.2f} GB/s -> merge gaps up to {cost['merge_gap_bytes']} bytes")
-    print(f"\nrandom neuron sets, {top} threads (GB/s useful; reads issued)")
+    print(f"\nrandom neuron sets, queue depth {top} (GB/s useful; reads issued)")
     print(f"{'fraction':>8} {'bundled':>14} {'unbundled':>14} {'ratio':>6} {'bundled+plan':>14} "
           f"{'unbundled+plan':>15} {'plan x':>6} {'+verify':>8}")
     for r in comparisons:
@@ -420,10 +427,12 @@ def run(args) -> int:
         sizes = "/".join(f"{k}:{v}" for k, v in sorted(b["read_sizes"].items()))
         print(f"\nfio vs loader: same files, same read-size mix (bytes:reads {sizes}), {top} "
               f"threads / queue depth, runs interleaved (device GB/s)")
-        print(f"  loader (bundled, fraction {args.fraction}): {b['device_gbps']:.3f}")
+        tp = main["bundled_threadpool"]
+        print(f"  loader, fraction {args.fraction}: {b['device_gbps']:.3f} (native AIO, depth {top}), "
+              f"{tp['device_gbps']:.3f} (thread pool, {top} threads)")
         for engine, f in fio.items():
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
-                  f"{f['loader_over_fio']:.0%} of fio")
+                  f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"\nresults: {args.json}")

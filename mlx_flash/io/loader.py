@@ -114,7 +114,9 @@ class FlashLoader:
         if plan and cost is None and self.bundles:
             first = self.pack / next(iter(self.bundles.values()))["file"]
             scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
-            cost = load_cost(first, threads) or calibrate(scratch, threads=threads, key_path=first)
+            kind = self.cost_engine()
+            cost = load_cost(first, threads, kind) or calibrate(scratch, threads=threads,
+                                                                 key_path=first, engine=kind)
         self.cost = cost
 
     # -- layout -------------------------------------------------------------------------------
@@ -218,6 +220,12 @@ class FlashLoader:
             raise error
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def cost_engine(self) -> str:
+        """'aio' or 'threads': how direct reads will be issued (the cost model depends on it)."""
+        use = (self.engine != "threads" and self.direct and aio.available()
+               and type(self.files) is FileLayer and hasattr(os, "O_DIRECT"))
+        return "aio" if use else "threads"
 
     def _aio_ok(self, job) -> bool:
         """Native AIO for direct reads into staging, unless a custom file layer is injected."""

@@ -41,41 +41,46 @@ def flash_home() -> Path:
     return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
 
 
-def _profile_key(path, threads) -> str:
-    return f"dev{os.stat(path).st_dev}-t{threads}"
+def _profile_key(path, threads, engine) -> str:
+    return f"dev{os.stat(path).st_dev}-t{threads}-{engine}"
 
 
-def load_cost(path, threads) -> ReadCost | None:
-    """The stored cost model of the device holding `path` at `threads` parallel reads, if any."""
+def load_cost(path, threads, engine="threads") -> ReadCost | None:
+    """The stored cost model of the device holding `path` at `threads` reads in flight issued
+    by `engine` ('threads' or 'aio'), if any."""
     f = flash_home() / "io_profile.json"
     try:
-        entry = json.loads(f.read_text()).get(_profile_key(path, threads))
+        entry = json.loads(f.read_text()).get(_profile_key(path, threads, engine))
     except (OSError, ValueError):
         return None
     return ReadCost(entry["latency_s"], entry["bandwidth"]) if entry else None
 
 
-def save_cost(path, threads, cost: ReadCost):
+def save_cost(path, threads, cost: ReadCost, engine="threads"):
     f = flash_home() / "io_profile.json"
     f.parent.mkdir(parents=True, exist_ok=True)
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         data = {}
-    data[_profile_key(path, threads)] = {**asdict(cost), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    data[_profile_key(path, threads, engine)] = {**asdict(cost), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, f)
 
 
 def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=256 << 10,
-              reads=2048, files: FileLayer | None = None, save=True, key_path=None) -> ReadCost:
+              reads=2048, files: FileLayer | None = None, save=True, key_path=None,
+              engine="threads") -> ReadCost:
     """Measure latency and bandwidth cold on a scratch file written in `directory`.
 
     The result is stored for the device of `key_path` (default: `directory`).
-    Random aligned reads of `small` and `large` bytes from `threads` threads, each after evicting
-    the file (best of 3); two equations t = latency + n / bandwidth give both numbers. ~2-5 s.
+    Random aligned reads of `small` and `large` bytes, `threads` in flight, issued the way the
+    loader will issue them (engine 'threads': a thread pool; 'aio': Linux native AIO), each
+    after evicting the file (best of 3); two equations t = latency + n / bandwidth give both
+    numbers. ~1-3 s.
     """
+    from . import aio
     from concurrent.futures import ThreadPoolExecutor
 
     files = files or FileLayer()
@@ -87,11 +92,21 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
             f.write(np.random.default_rng(0).integers(0, 256, file_bytes, np.uint8).tobytes())
             f.flush()
             os.fsync(f.fileno())
-        fd, _ = files.open(path, True)
+        fd, direct = files.open(path, True)
+        use_aio = engine == "aio" and direct and aio.available()
+        ctx = aio.AioContext(threads) if use_aio else None
         try:
             def per_read(size, n):
                 evict([path])
                 offsets = [random.randrange(0, file_bytes - size) // 4096 * 4096 for _ in range(n)]
+                if ctx is not None:
+                    buf = aligned_buffer(size * n)
+                    addrs = np.frombuffer(buf, np.uint8).ctypes.data + size * np.arange(n)
+                    t0 = time.perf_counter()
+                    res = ctx.read(np.full(n, fd), np.array(offsets), np.full(n, size), addrs)
+                    if (res != size).any():
+                        raise OSError(f"calibration read failed on {path}")
+                    return (time.perf_counter() - t0) / n
                 groups = [offsets[i::threads] for i in range(threads)]
 
                 def work(group):
@@ -108,6 +123,8 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
             t_small = min(per_read(small, reads) for _ in range(3))
             t_large = min(per_read(large, max(threads, reads // 8)) for _ in range(3))
         finally:
+            if ctx is not None:
+                ctx.close()
             files.close(fd)
     finally:
         path.unlink(missing_ok=True)
@@ -115,7 +132,7 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
     latency = max(t_small - small / bandwidth, 1e-7)
     cost = ReadCost(latency, bandwidth)
     if save:
-        save_cost(key_path or directory, threads, cost)
+        save_cost(key_path or directory, threads, cost, "aio" if use_aio else "threads")
     return cost
 
 
