@@ -112,20 +112,31 @@ static inline float ld(const void* base, int64_t i) {
 static const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ---------------------------------------------------------------------------------------------
-// Persistent thread pool: workers spin briefly between calls (decode issues hundreds of small
-// matvecs per token, a condition-variable wake per call would cost more than the work), then sleep.
+// Persistent thread pool. A call is split into chunks that the caller and the workers claim from
+// one atomic counter, so a worker that is not scheduled (cores shared with other processes) just
+// leaves its chunks to the caller instead of stalling it. Idle workers spin briefly (decode issues
+// hundreds of small matvecs per token; a futex wake per call would cost more than the work), then
+// sleep on a condition variable.
 namespace {
 
 using TaskFn = void (*)(const void* ctx, int chunk);
 
+inline void cpu_relax() {
+#if FLASH_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 class Pool {
  public:
   explicit Pool(int workers) {
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, i] { loop(i + 1); });
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
   }
   int size() const { return int(threads_.size()) + 1; }
 
-  // Runs fn(ctx, c) for c in [0, chunks); the caller runs chunk 0. chunks <= size().
+  // Runs fn(ctx, c) for every c in [0, chunks), on the caller and any worker that is awake.
   void run(TaskFn fn, const void* ctx, int chunks) {
     if (chunks <= 1 || threads_.empty() || !busy_.try_lock()) {  // nested/concurrent: serial
       for (int c = 0; c < chunks; ++c) fn(ctx, c);
@@ -133,56 +144,66 @@ class Pool {
     }
     fn_ = fn;
     ctx_ = ctx;
-    chunks_ = chunks;
-    remaining_.store(int(threads_.size()), std::memory_order_relaxed);
+    total_ = chunks;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
     {
       std::lock_guard<std::mutex> lk(mutex_);
-      generation_.fetch_add(1, std::memory_order_release);
+      state_.store(gen << 32, std::memory_order_release);  // chunk counter 0 of a new generation
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-    fn(ctx, 0);
-    while (remaining_.load(std::memory_order_acquire) != 0) pause();
+    work(gen);
+    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+      if (spins < 4096) cpu_relax();
+      else std::this_thread::yield();
+    }
     busy_.unlock();
   }
 
  private:
-  static inline void pause() {
-#if FLASH_X86
-    _mm_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
+  // Claim and run chunks of generation gen until none are left (or a newer job started).
+  void work(uint64_t gen) {
+    for (;;) {
+      uint64_t s = state_.load(std::memory_order_acquire);
+      if ((s >> 32) != gen) return;
+      const int c = int(s & 0xffffffffu);
+      if (c >= total_) return;
+      if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
+      // A claimed chunk keeps its job alive (the caller waits for done_), so fn_/ctx_ are stable.
+      fn_(ctx_, c);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
   }
 
-  void loop(int id) {
+  void loop() {
     uint64_t seen = 0;
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
-        pause();
+      uint64_t gen;
+      while ((gen = state_.load(std::memory_order_acquire) >> 32) == seen) {
+        cpu_relax();
         if ((++spins & 255) == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(300)) {
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
           std::unique_lock<std::mutex> lk(mutex_);
           sleepers_.fetch_add(1, std::memory_order_acq_rel);
-          cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          cv_.wait(lk, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; });
           sleepers_.fetch_sub(1, std::memory_order_acq_rel);
         }
       }
-      seen = generation_.load(std::memory_order_acquire);
-      if (id < chunks_) fn_(ctx_, id);
-      remaining_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = gen;
+      work(gen);
     }
   }
 
   std::vector<std::thread> threads_;
   std::mutex busy_, mutex_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> remaining_{0}, sleepers_{0};
+  std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk to claim
+  std::atomic<int> done_{0}, sleepers_{0};
   TaskFn fn_ = nullptr;
   const void* ctx_ = nullptr;
-  int chunks_ = 0;
+  int total_ = 0;
 };
 
 std::atomic<int> g_threads{0};  // 0: not decided yet
@@ -237,12 +258,12 @@ static float* scratch(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+// The 4-bit forward SIMD loop consumes a 32-element block as [0,2,..,14][1,3,..,15][16,..,30][17,..,31];
+// natural index of permuted position p:
+static inline int q4_natural(int p) { return (p >> 4) * 16 + 2 * (p & 7) + ((p >> 3) & 1); }
+
 static inline bool bad_row(const Problem& p, int64_t r) { return r < 0 || r >= p.N; }
 static inline int64_t row_of(const Problem& p, int i) { return p.rows ? int64_t(p.rows[i]) : int64_t(i); }
-
-// 4-bit SIMD layout: a 32-element block is consumed as [even 0..14][even 16..30][odd 1..15][odd 17..31]
-// (what nibble masking + zero-extension yields without shuffles); x and accumulators use that order.
-static inline int q4_natural(int p) { return ((p >> 3) & 1) * 16 + 2 * (p & 7) + (p >> 4); }
 
 // ---------------------------------------------------------------------------------------------
 // Scalar kernels (natural element order)
@@ -355,13 +376,16 @@ template <bool Q4>
 FLASH_AVX2 static inline void load32(const uint8_t* wr, int64_t k, __m256& w0, __m256& w1, __m256& w2,
                                      __m256& w3) {
   if constexpr (Q4) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
-    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    // Byte j of the packed row holds elements 2j (low nibble) and 2j+1 (high). Zero-extending 8
+    // bytes to 32-bit lanes, then masking / shifting, yields the even and the odd elements; x is
+    // pre-permuted to match (q4_position). Cheaper than per-lane variable shifts on this core.
+    const __m256i mask = _mm256_set1_epi32(0xf);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2 + 8)));
+    w0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+    w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    w2 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+    w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
   } else {
     const uint8_t* b = wr + k;
     w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
@@ -392,24 +416,26 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
     float bacc[MB];
     for (int m = 0; m < MB; ++m) { acc[m] = _mm256_setzero_ps(); bacc[m] = 0.f; }
     for (int g = 0; g < G; ++g) {
-      __m256 qd[MB];
-      for (int m = 0; m < MB; ++m) qd[m] = _mm256_setzero_ps();
+      // Two partial sums per x row keep the FMA dependency chains short (latency, not ports, bounds
+      // a single chain); they are combined once per group.
+      __m256 qa[MB], qb[MB];
+      for (int m = 0; m < MB; ++m) { qa[m] = _mm256_setzero_ps(); qb[m] = _mm256_setzero_ps(); }
       for (int c = 0; c < cpg; ++c) {
         const int64_t k = int64_t(g) * gs + c * 32;
         __m256 w0, w1, w2, w3;
         load32<Q4>(wr, k, w0, w1, w2, w3);
         for (int m = 0; m < MB; ++m) {
           const float* xm = x + int64_t(m0 + m) * K + k;
-          qd[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), qd[m]);
-          qd[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), qd[m]);
-          qd[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), qd[m]);
-          qd[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), qd[m]);
+          qa[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), qa[m]);
+          qb[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), qb[m]);
+          qa[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), qa[m]);
+          qb[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), qb[m]);
         }
       }
       const __m256 s = _mm256_set1_ps(ldv<ST>(p.scales, sb + g));
       const float b = ldv<ST>(p.biases, sb + g);
       for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm256_fmadd_ps(s, qd[m], acc[m]);
+        acc[m] = _mm256_fmadd_ps(s, _mm256_add_ps(qa[m], qb[m]), acc[m]);
         bacc[m] += b * xsum[int64_t(m0 + m) * G + g];
       }
     }
@@ -417,40 +443,74 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
   }
 }
 
+// 8 dequantised integers (as float) at elements k..k+7 of a quantized row.
+template <bool Q4>
+FLASH_AVX2 static inline __m256 load8q(const uint8_t* wr, int64_t k) {
+  if constexpr (Q4) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const int32_t word = *reinterpret_cast<const int32_t*>(wr + k / 2);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+                                               _mm256_set1_epi32(0xf)));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k))));
+  }
+}
+
 template <int ST, bool Q4>
 FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
-  const int gs = p.group_size, len = k1 - k0, cpg = gs / 32;
-  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
+  // acc[m][k] collects sum_i (h*s)*q, four rows per pass so each accumulator load/store serves four
+  // FMAs (in row order, so the float32 summation order is unchanged); the bias part sum_i h*b is
+  // constant within a group, so it is collected per group (bacc) and added once at the end.
+  constexpr int R = 4;
+  const int gs = p.group_size, len = k1 - k0, g0 = k0 / gs, ng = len / gs;
+  float* bacc = acc + int64_t(p.M) * len;
+  std::fill(acc, acc + int64_t(p.M) * (len + ng), 0.f);
   bool bad = false;
-  for (int i = 0; i < p.n; ++i) {
-    int64_t r = row_of(p, i);
-    if (bad_row(p, r)) { bad = true; continue; }
-    if (p.rows && i + 1 < p.n && !bad_row(p, row_of(p, i + 1)))
-      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes + (Q4 ? k0 / 2 : k0), Q4 ? len / 2 : len);
-    const uint8_t* wr = p.w + r * p.w_row_bytes;
-    const int64_t sb = r * p.sb_row;
-    for (int g = k0 / gs; g < k1 / gs; ++g) {
-      const float s = ldv<ST>(p.scales, sb + g), b = ldv<ST>(p.biases, sb + g);
-      for (int c = 0; c < cpg; ++c) {
-        const int64_t k = int64_t(g) * gs + c * 32;
-        __m256 w0, w1, w2, w3;
-        load32<Q4>(wr, k, w0, w1, w2, w3);
-        for (int m = 0; m < p.M; ++m) {
-          const float h = p.in[int64_t(m) * p.n + i];
-          const __m256 hs = _mm256_set1_ps(h * s), hb = _mm256_set1_ps(h * b);
-          float* a = acc + int64_t(m) * len + (k - k0);
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(hs, w0, _mm256_add_ps(_mm256_loadu_ps(a), hb)));
-          _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(hs, w1, _mm256_add_ps(_mm256_loadu_ps(a + 8), hb)));
-          _mm256_storeu_ps(a + 16, _mm256_fmadd_ps(hs, w2, _mm256_add_ps(_mm256_loadu_ps(a + 16), hb)));
-          _mm256_storeu_ps(a + 24, _mm256_fmadd_ps(hs, w3, _mm256_add_ps(_mm256_loadu_ps(a + 24), hb)));
+  int i = 0;
+  while (i < p.n) {
+    int nr = 0;
+    const uint8_t* wr[R];
+    int64_t sb[R];
+    int idx[R];
+    for (; nr < R && i < p.n; ++i) {
+      int64_t r = row_of(p, i);
+      if (bad_row(p, r)) { bad = true; continue; }
+      wr[nr] = p.w + r * p.w_row_bytes;
+      sb[nr] = r * p.sb_row;
+      idx[nr++] = i;
+    }
+    if (p.rows && i < p.n && !bad_row(p, row_of(p, i)))
+      prefetch_row(p.w + row_of(p, i) * p.w_row_bytes + (Q4 ? k0 / 2 : k0), Q4 ? len / 2 : len);
+    for (int t = nr; t < R; ++t) { wr[t] = wr[0]; sb[t] = sb[0]; }  // padded rows get h = 0
+    for (int g = g0; g < g0 + ng; ++g) {
+      float s[R], b[R];
+      for (int t = 0; t < R; ++t) { s[t] = ldv<ST>(p.scales, sb[t] + g); b[t] = ldv<ST>(p.biases, sb[t] + g); }
+      for (int m = 0; m < p.M; ++m) {
+        const float* hm = p.in + int64_t(m) * p.n;
+        float hs[R];
+        for (int t = 0; t < R; ++t) {
+          const float h = t < nr ? hm[idx[t]] : 0.f;
+          hs[t] = h * s[t];
+          if (t < nr) bacc[int64_t(m) * ng + (g - g0)] += h * b[t];
+        }
+        const __m256 h0 = _mm256_set1_ps(hs[0]), h1 = _mm256_set1_ps(hs[1]), h2 = _mm256_set1_ps(hs[2]),
+                     h3 = _mm256_set1_ps(hs[3]);
+        float* a = acc + int64_t(m) * len - k0;
+        for (int64_t k = int64_t(g) * gs; k < int64_t(g + 1) * gs; k += 8) {
+          __m256 v = _mm256_loadu_ps(a + k);
+          v = _mm256_fmadd_ps(h0, load8q<Q4>(wr[0], k), v);
+          v = _mm256_fmadd_ps(h1, load8q<Q4>(wr[1], k), v);
+          v = _mm256_fmadd_ps(h2, load8q<Q4>(wr[2], k), v);
+          v = _mm256_fmadd_ps(h3, load8q<Q4>(wr[3], k), v);
+          _mm256_storeu_ps(a + k, v);
         }
       }
     }
   }
   for (int m = 0; m < p.M; ++m)
     for (int j = 0; j < len; ++j) {
-      int nat = Q4 ? (j & ~31) + q4_natural(j & 31) : j;
-      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + nat, bad ? kNaN : acc[int64_t(m) * len + j]);
+      const float v = acc[int64_t(m) * len + j] + bacc[int64_t(m) * ng + j / gs];
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : v);
     }
 }
 
@@ -506,27 +566,43 @@ FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int 
 
 template <bool BF>
 FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
+  // Four rows per pass over the accumulators, as in q_t_avx2.
+  constexpr int R = 4;
   const int len = k1 - k0;
   std::fill(acc, acc + int64_t(p.M) * len, 0.f);
   bool bad = false;
-  for (int i = 0; i < p.n; ++i) {
-    int64_t r = row_of(p, i);
-    if (bad_row(p, r)) { bad = true; continue; }
-    if (p.rows && i + 1 < p.n && !bad_row(p, row_of(p, i + 1)))
-      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes + 2 * k0, 2 * len);
-    const uint16_t* wr = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes) + k0;
+  int i = 0;
+  while (i < p.n) {
+    int nr = 0;
+    const uint16_t* wr[R];
+    int idx[R];
+    for (; nr < R && i < p.n; ++i) {
+      int64_t r = row_of(p, i);
+      if (bad_row(p, r)) { bad = true; continue; }
+      wr[nr] = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes) + k0;
+      idx[nr++] = i;
+    }
+    if (p.rows && i < p.n && !bad_row(p, row_of(p, i)))
+      prefetch_row(p.w + row_of(p, i) * p.w_row_bytes + 2 * k0, 2 * len);
+    for (int t = nr; t < R; ++t) wr[t] = wr[0];
     for (int m = 0; m < p.M; ++m) {
-      const float h = p.in[int64_t(m) * p.n + i];
-      const __m256 hv = _mm256_set1_ps(h);
+      const float* hm = p.in + int64_t(m) * p.n;
+      float h[R];
+      for (int t = 0; t < R; ++t) h[t] = t < nr ? hm[idx[t]] : 0.f;
+      const __m256 h0 = _mm256_set1_ps(h[0]), h1 = _mm256_set1_ps(h[1]), h2 = _mm256_set1_ps(h[2]),
+                   h3 = _mm256_set1_ps(h[3]);
       float* a = acc + int64_t(m) * len;
       int j = 0;
-      for (; j + 16 <= len; j += 16) {
-        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(hv, load8h<BF>(wr + j), _mm256_loadu_ps(a + j)));
-        _mm256_storeu_ps(a + j + 8, _mm256_fmadd_ps(hv, load8h<BF>(wr + j + 8), _mm256_loadu_ps(a + j + 8)));
+      for (; j + 8 <= len; j += 8) {
+        __m256 v = _mm256_loadu_ps(a + j);
+        v = _mm256_fmadd_ps(h0, load8h<BF>(wr[0] + j), v);
+        v = _mm256_fmadd_ps(h1, load8h<BF>(wr[1] + j), v);
+        v = _mm256_fmadd_ps(h2, load8h<BF>(wr[2] + j), v);
+        v = _mm256_fmadd_ps(h3, load8h<BF>(wr[3] + j), v);
+        _mm256_storeu_ps(a + j, v);
       }
-      for (; j + 8 <= len; j += 8)
-        _mm256_storeu_ps(a + j, _mm256_fmadd_ps(hv, load8h<BF>(wr + j), _mm256_loadu_ps(a + j)));
-      for (; j < len; ++j) a[j] += h * ldh<BF>(wr, j);
+      for (; j < len; ++j)
+        for (int t = 0; t < nr; ++t) a[j] += h[t] * ldh<BF>(wr[t], j);
     }
   }
   for (int m = 0; m < p.M; ++m)
@@ -534,8 +610,52 @@ FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : acc[int64_t(m) * len + j]);
 }
 
+// Single x row (decode), 8-bit: two weight rows per pass give the core two independent FMA chains and
+// share the x loads; same per-row summation order as q_fwd_avx2<1>.
+template <int ST, bool Q4>
+FLASH_AVX2 static void q_fwd_avx2_pair(const Problem& p, const float* x, const float* xsum, int i0, int i1) {
+  const int K = p.K, gs = p.group_size, G = K / gs;
+  int i = i0;
+  for (; i + 2 <= i1; i += 2) {
+    const int64_t ra = row_of(p, i), rb = row_of(p, i + 1);
+    if (bad_row(p, ra) || bad_row(p, rb)) {
+      q_fwd_avx2<1, ST, Q4>(p, x, xsum, 0, i, i + 2);
+      continue;
+    }
+    if (p.rows && i + 3 < i1 && !bad_row(p, row_of(p, i + 2)) && !bad_row(p, row_of(p, i + 3))) {
+      prefetch_row(p.w + row_of(p, i + 2) * p.w_row_bytes, p.w_row_bytes);
+      prefetch_row(p.w + row_of(p, i + 3) * p.w_row_bytes, p.w_row_bytes);
+    }
+    const uint8_t *wa = p.w + ra * p.w_row_bytes, *wb = p.w + rb * p.w_row_bytes;
+    const int64_t sa = ra * p.sb_row, sbb = rb * p.sb_row;
+    __m256 acca = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
+    float bacca = 0.f, baccb = 0.f;
+    for (int g = 0; g < G; ++g) {
+      __m256 qa0 = _mm256_setzero_ps(), qa1 = _mm256_setzero_ps(), qb0 = _mm256_setzero_ps(),
+             qb1 = _mm256_setzero_ps();
+      for (int64_t k = int64_t(g) * gs; k < int64_t(g + 1) * gs; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        qa0 = _mm256_fmadd_ps(load8q<Q4>(wa, k), x0, qa0);
+        qb0 = _mm256_fmadd_ps(load8q<Q4>(wb, k), x0, qb0);
+        qa1 = _mm256_fmadd_ps(load8q<Q4>(wa, k + 8), x1, qa1);
+        qb1 = _mm256_fmadd_ps(load8q<Q4>(wb, k + 8), x1, qb1);
+      }
+      const float xs = xsum[g];
+      acca = _mm256_fmadd_ps(_mm256_set1_ps(ldv<ST>(p.scales, sa + g)), _mm256_add_ps(qa0, qa1), acca);
+      accb = _mm256_fmadd_ps(_mm256_set1_ps(ldv<ST>(p.scales, sbb + g)), _mm256_add_ps(qb0, qb1), accb);
+      bacca += ldv<ST>(p.biases, sa + g) * xs;
+      baccb += ldv<ST>(p.biases, sbb + g) * xs;
+    }
+    store_scalar(p.out, p.out_dtype, i, hsum(acca) + bacca);
+    store_scalar(p.out, p.out_dtype, i + 1, hsum(accb) + baccb);
+  }
+  if (i < i1) q_fwd_avx2<1, ST, Q4>(p, x, xsum, 0, i, i1);
+}
+
 template <int ST, bool Q4>
 FLASH_AVX2 static void q_fwd_avx2_rows(const Problem& p, const float* x, const float* xsum, int i0, int i1) {
+  // 4-bit: the single-row loop with pre-permuted x measured faster than pairs here.
+  if (p.M == 1 && !Q4) return q_fwd_avx2_pair<ST, Q4>(p, x, xsum, i0, i1);
   int m0 = 0;
   for (; m0 + 4 <= p.M; m0 += 4) q_fwd_avx2<4, ST, Q4>(p, x, xsum, m0, i0, i1);
   switch (p.M - m0) {
@@ -633,7 +753,7 @@ void t_chunk(const void* vctx, int chunk) {
   const Problem& p = *c.p;
   int k0 = chunk * c.cols_per_chunk, k1 = std::min(p.K, k0 + c.cols_per_chunk);
   if (k0 >= k1) return;
-  float* acc = scratch(tl_acc, size_t(p.M) * (k1 - k0));
+  float* acc = scratch(tl_acc, size_t(p.M) * (k1 - k0 + (k1 - k0) / std::max(1, p.group_size) + 1));
   if (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) {
     switch (p.sb_dtype) {
       case DT_F16: q_t_range<DT_F16>(c, k0, k1, acc); break;
@@ -654,11 +774,13 @@ void t_chunk(const void* vctx, int chunk) {
   else h_t_scalar<DT_F16>(p, k0, k1, acc);
 }
 
-// Below ~64 KiB of weights a second thread costs more than it saves.
+// Below ~64 KiB of weights a second thread costs more than it saves; above, chunks of ~128 KiB
+// (at least 2 per thread) balance the load between threads that may be descheduled.
 int chunks_for(int64_t weight_bytes, int units) {
-  int t = std::min(num_threads(), pool().size());
-  int64_t by_work = std::max<int64_t>(1, weight_bytes / (64 << 10));
-  return int(std::max<int64_t>(1, std::min<int64_t>({int64_t(t), by_work, int64_t(units)})));
+  const int t = std::min(num_threads(), pool().size());
+  if (t <= 1 || weight_bytes < (64 << 10)) return 1;
+  int64_t c = std::max<int64_t>(2 * t, weight_bytes / (128 << 10));
+  return int(std::max<int64_t>(1, std::min<int64_t>({c, int64_t(units), 4096})));
 }
 
 int64_t bytes_per_row(const Problem& p) {
@@ -708,7 +830,8 @@ void matvec_t(const Problem& p) {
   // Column ranges are whole groups (quantized) or multiples of 16 (half) so SIMD loops stay aligned.
   const int unit = quant ? std::max(32, p.group_size) : 16;
   const int units = (p.K + unit - 1) / unit;
-  int chunks = chunks_for(bytes_per_row(p) * std::max(p.n, 1), units);
+  // One column range per thread: finer splits would make every chunk stride over all rows.
+  int chunks = std::min(chunks_for(bytes_per_row(p) * std::max(p.n, 1), units), std::min(num_threads(), pool().size()));
   c.cols_per_chunk = ((units + chunks - 1) / chunks) * unit;
   pool().run(t_chunk, &c, chunks);
 }
