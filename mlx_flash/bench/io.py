@@ -40,6 +40,9 @@ def add_arguments(parser):
                         help="consecutive bundles per read in the sweep")
     parser.add_argument("--fraction", type=float, default=0.1,
                         help="fraction of each layer's neurons read per run (default 0.1)")
+    parser.add_argument("--sweep-fraction", type=float, default=0.5,
+                        help="fraction of each layer read per chunk-sweep run (default 0.5: "
+                        "enough reads at large chunk sizes to keep the queue full)")
     parser.add_argument("--repeat", type=int, default=3, help="cold runs per point (median kept)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also write /proc/sys/vm/drop_caches when fadvise leaves pages (root)")
@@ -130,7 +133,7 @@ def chunk_sweep(bench, threads_list, chunks):
     align = bench.manifest["alignment"]
     rows = []
     for k in chunks:
-        sets = _chunk_sets(bench, bench.args.fraction, k)
+        sets = _chunk_sets(bench, bench.args.sweep_fraction, k)
         for t in threads_list:
             # merge only touching bundles: one read per chunk
             max_read = -(-k * stride // align) * align + align
@@ -405,7 +408,8 @@ def run(args) -> int:
           f"median of {args.repeat}; GB/s = 1e9 useful bytes/s")
     print(f"\nsequential O_DIRECT read of the bundle files (4 MiB reads, 1 thread): "
           f"{seq['gbps']:.2f} GB/s")
-    print("\nchunk sweep (GB/s useful), rows: bundles per read (bytes), columns: threads")
+    print(f"\nchunk sweep (GB/s useful, {args.sweep_fraction:.0%} of each layer per run), rows: "
+          f"bundles per read (bytes), columns: reads in flight")
     print(f"{'chunk':>16} " + " ".join(f"{t:>7}" for t in threads_list))
     for k in chunks:
         vals = {r["threads"]: r["gbps"] for r in sweep if r["chunk_bundles"] == k}

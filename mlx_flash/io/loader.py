@@ -108,6 +108,7 @@ class FlashLoader:
         self._workers: list[threading.Thread] = []
         self._tasks = None
         self._aio_contexts = []
+        self._target_cache = {}
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
@@ -350,7 +351,21 @@ class FlashLoader:
                     r0, r1, first, member_read)
 
     def _targets(self, entry, dest):
-        """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw)."""
+        """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw).
+
+        Cached per destination: a runtime reads into the same cache arrays every token."""
+        arrays = tuple(dest.values()) if isinstance(dest, dict) else (dest,)
+        key = (entry["file"], tuple(map(id, arrays)))
+        hit = self._target_cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
+            return hit[1]
+        result = self._make_targets(entry, dest)
+        if len(self._target_cache) >= 1024:
+            self._target_cache.pop(next(iter(self._target_cache)))
+        self._target_cache[key] = (arrays, result)  # holds the arrays: ids stay unique
+        return result
+
+    def _make_targets(self, entry, dest):
         if isinstance(dest, dict):
             out = []
             for c in entry["components"]:
@@ -480,6 +495,7 @@ class FlashLoader:
         for ctx in self._aio_contexts:
             ctx.close()
         self._aio_contexts = []
+        self._target_cache.clear()
         for f in self._open_files.values():
             self.files.close(f.fd)
             if f.buffered_fd is not None:
