@@ -36,8 +36,12 @@ def build_model(config, weights):
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if q := config.get("quantization"):
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+        def predicate(p, m):  # per-module overrides as mlx-lm reads them
+            if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+                return False
+            return q[p] if isinstance(q.get(p), dict) else True
+
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     return model
@@ -93,6 +97,27 @@ def test_dense_logits_bit_identical_for_float_sources(tiny_llama, tmp_path, dtyp
     ours = build_model(config, weights)
     tokens = mx.array([[1, 5, 9, 33, 2, 77, 100, 3]])
     assert mx.array_equal(ref(tokens), ours(tokens)).item()
+
+
+@pytest.mark.parametrize("down_bits", [8, 16])
+def test_down_bits_for_quantized_sources(tiny_llama, tmp_path, down_bits):
+    src = tiny_llama("src", dtype="float16", quantize=(4, 32))
+    pack = write_pack(src, tmp_path / "pack", down_bits=down_bits, progress=False)
+    _, weights = load_pack_weights(pack)
+    source = source_weights(src)
+    manifest = read_manifest(pack)
+    assert manifest["down_requantized"] == (down_bits == 8)
+    for layer in range(2):
+        k = f"model.layers.{layer}.mlp.down_proj"
+        full = mx.dequantize(source[f"{k}.weight"], source[f"{k}.scales"], source[f"{k}.biases"],
+                             group_size=32, bits=4)
+        if down_bits == 16:
+            assert same(weights[f"{k}.weight"], full)  # exact
+        else:
+            err = mx.abs(weights[f"{k}.weight"] - full).max() / mx.abs(full).max()
+            assert err.item() < 0.01
+            comp = manifest["bundles"][layer]["components"]
+            assert [c["quantization"]["bits"] for c in comp if c["name"] == "down_t.weight"] == [8]
 
 
 def test_quantized_dense_path_equals_sparse_semantics(tiny_llama, tmp_path):

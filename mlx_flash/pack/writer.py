@@ -20,13 +20,17 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
-               alignment=DEFAULT_ALIGNMENT, overwrite=False) -> Path:
+               alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
     quantize: None, 4 or 8: MLX affine quantization with `group_size` of every linear / embedding
       weight (FFN down is quantized in its transposed, bundled form). Source must be unquantized.
     alignment: bytes; bundle regions and file lengths are multiples of it (direct I/O).
+    down_bits: only for an already quantized source, how to store down.T (whose groups must run
+      along hidden): None = re-quantize with the source's bits (lossy: on SmolLM2-135M Q4 it adds
+      ~8% relative error to down, as much as Q4 itself), 8 = re-quantize at 8 bits (~0.5%),
+      16 = the dequantized float values (exact, ~1.7x the down bytes).
     Writes into a temporary directory beside `out_dir` and renames it; on any failure the
     temporary directory is removed and FlashError names the file and reason. Returns out_dir.
     """
@@ -35,6 +39,8 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"--dtype {dtype!r}: choose one of {', '.join(FLOAT_DTYPES)}")
     if quantize not in (None, 4, 8):
         raise FlashError(f"--quantize {quantize!r}: choose 4 or 8 bits")
+    if down_bits not in (None, 4, 8, 16):
+        raise FlashError(f"down_bits {down_bits!r}: choose 4, 8 or 16")
     if alignment <= 0 or alignment % 512:
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
     if out.exists() and not overwrite:
@@ -45,7 +51,7 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        _write(src, tmp, dtype, quantize, group_size, progress, alignment)
+        _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -96,7 +102,7 @@ def _should_quantize(name, arr, group_size):
             and mx.issubdtype(arr.dtype, mx.floating) and arr.shape[-1] % group_size == 0)
 
 
-def _write(src, tmp, dtype, quantize, group_size, progress, alignment):
+def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits):
     from tqdm import tqdm
 
     config, weights, files = _load_source(src)
@@ -137,7 +143,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment):
     bundle_dir = tmp / "bundles"
     bundle_dir.mkdir()
     for layer, info in tqdm(ffn.items(), desc="flash pack", unit="layer", disable=not progress):
-        comps, req = _components(weights, config, info, quantize, group_size)
+        comps, req = _components(weights, config, info, quantize, group_size, down_bits)
         requantized |= req
         rel = f"bundles/layer_{layer:03d}.bin"
         entry = _write_bundle_file(tmp / rel, comps, alignment)
@@ -163,6 +169,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment):
         "quantization": config.get("quantization"),
         "down_layout": "transposed",
         "down_requantized": requantized,
+        "down_bits": down_bits,
         "resident": {"file": RESIDENT_FILE, "length": res_path.stat().st_size,
                      "crc32": _file_crc32(res_path),
                      "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
@@ -173,7 +180,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment):
     _fsync(tmp / MANIFEST)
 
 
-def _components(weights, config, info, quantize, group_size):
+def _components(weights, config, info, quantize, group_size, down_bits=None):
     """[(component name, source tensor name, array [count, ...row], quantization|None)], requantized."""
     modules, kind = info["modules"], info["kind"]
     comps, requantized = [], False
@@ -196,6 +203,10 @@ def _components(weights, config, info, quantize, group_size):
                 g, bits = _qparams(config, module)
                 full = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
                                      group_size=g, bits=bits)
+                if down_bits == 16:  # exact: the dequantized values, as floats
+                    add_matrix(role, module, mx.contiguous(full.T))
+                    continue
+                bits = down_bits or bits
                 q, s, b = mx.quantize(mx.contiguous(full.T), group_size=g, bits=bits)
                 add_matrix(role, module, q, s, b, {"group_size": g, "bits": bits})
                 requantized = True
