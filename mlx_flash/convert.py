@@ -66,8 +66,14 @@ def _main(argv):
         description="Convert a model into a flash pack (FFN neurons bundled on disk for streaming), "
                     "or with --format mlx, a GGUF file into an mlx-lm folder.",
     )
-    parser.add_argument("--model", required=True,
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model",
                         help="source: an mlx-lm / Hugging Face folder, a hub repo id, or a .gguf file")
+    source.add_argument("--synthetic", metavar="ARCH",
+                        help="instead of --model: random weights shaped like ARCH (opt-1.3b, "
+                             "opt-6.7b, llama-2-7b, opt-125m, opt-tiny, llama-tiny) with a chosen "
+                             "FFN sparsity and an exact predictor; labelled synthetic, for speed "
+                             "measurements only (default dtype float16)")
     parser.add_argument("--out", required=True, help="output folder (must not exist)")
     parser.add_argument("--format", choices=("pack", "mlx"), default="pack",
                         help="pack: a flash pack (default); mlx: an mlx-lm folder (GGUF sources)")
@@ -77,8 +83,24 @@ def _main(argv):
                         help="pack: MLX affine-quantize weights to this many bits (float sources)")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
                         help="pack: quantization group size (with --quantize)")
+    parser.add_argument("--sparsity", type=float, default=0.95,
+                        help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
+    parser.add_argument("--rank", type=int, default=128,
+                        help="--synthetic: rank of the up projection and its predictor (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
+    if args.synthetic:
+        if args.format != "pack":
+            raise FlashError("--synthetic: only with --format pack")
+        from .synthetic import write_synthetic_pack
+
+        out = write_synthetic_pack(args.synthetic, Path(args.out), sparsity=args.sparsity,
+                                   dtype=args.dtype or "float16", quantize=args.quantize,
+                                   group_size=args.group_size, rank=args.rank, seed=args.seed)
+        print(f"Wrote {out} (synthetic {args.synthetic}: random weights, for speed only)",
+              file=sys.stderr)
+        return 0
     from .models.source import is_gguf, resolve_model
 
     out = Path(args.out).expanduser()

@@ -1,18 +1,66 @@
 """FlashConfig: how a model runs (mode, memory budget, window, I/O threads)."""
 
+import re
 from dataclasses import dataclass
 
 from .errors import FlashError
 
-MODES = ("dense",)
+MODES = ("dense", "naive", "hybrid", "flash")
+MODE_HELP = {
+    "dense": "every weight resident (the reference)",
+    "naive": "every layer's FFN reloaded from flash for every token",
+    "hybrid": "as many whole-layer FFNs resident as the budget allows, the rest reloaded per token",
+    "flash": "predictor + sliding-window neuron cache + bundled reads (LLM in a flash)",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory_budget(value):
+    """A --memory-budget value -> ("fraction", f) for 0 < f <= 1, or ("bytes", n).
+
+    Accepts a float/int or a string: "0.5" (fraction of the pack size), "6GB", "700MiB", "123456".
+    Numbers above 1 without a unit are bytes.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        m = _SIZE.match(str(value))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise FlashError(f"--memory-budget {value}: expected a fraction of the pack (0.65) "
+                             f"or a size (6GB, 700MiB)")
+        number, unit = float(m.group(1)), m.group(2).upper()
+    if number <= 0:
+        raise FlashError(f"--memory-budget {value}: must be positive")
+    if unit == "" and number <= 1:
+        return ("fraction", number)
+    return ("bytes", int(number * _UNITS[unit]))
 
 
 @dataclass
 class FlashConfig:
-    """How a model runs. `mode`: "dense" keeps every weight resident (the reference)."""
+    """How a model runs (flash packs only; plain folders always run dense).
+
+    mode: one of MODES (see MODE_HELP).
+    memory_budget: None (no limit), a fraction of the pack size (0.65) or a size ("6GB", bytes).
+    window: tokens whose active neurons the flash neuron cache keeps (the paper's k); the
+      runtime shrinks it when the budget would be exceeded.
+    threads: parallel reads in flight (the paper uses 32).
+    """
 
     mode: str = "dense"
+    memory_budget: object = None
+    window: int = 5
+    threads: int = 32
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise FlashError(f"--mode {self.mode}: unknown mode (choose from {', '.join(MODES)})")
+        parse_memory_budget(self.memory_budget)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise FlashError(f"--window {self.window}: must be a whole number of tokens >= 1")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 1 <= self.threads <= 256:
+            raise FlashError(f"--threads {self.threads}: must be a whole number in 1..256")

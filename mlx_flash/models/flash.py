@@ -1,0 +1,181 @@
+"""Load a flash pack as an mlx-lm model whose FFNs run as FlashConfig.mode says.
+
+The model class comes from the pack's config (`get_model_classes`), resident weights from the
+pack, and each layer's MLP is swapped for a `sparse.ffn.FlashFFN` at the seam of DESIGN.md:
+mlx-lm's MLP object (`model.layers[i].mlp`, e.g. llama's gate/up/down) keeps its activation and
+loses its projections; OPT's swap point `layer.mlp` gets a down(relu(up x)) module.
+Statistics: `model.flash_stats` (sparse.stats.FlashStats).
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import FlashError
+from ..flash_config import FlashConfig
+from ..io import FlashLoader
+from ..ops import patch_linear_layers
+from ..pack import load_resident, read_manifest
+from ..sparse.budget import plan_memory
+from ..sparse.ffn import CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, UpDownMLP, check_mlp_shape
+from ..sparse.stats import FlashStats
+from . import get_model_classes, load_tokenizer
+
+def load_flash(pack_dir, flash_config=None):
+    """(model, tokenizer) of a flash pack run as `flash_config` says (default: dense)."""
+    pack = Path(pack_dir)
+    model = build_flash_model(pack, flash_config)
+    return model, load_tokenizer(pack)
+
+
+def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None):
+    """The mlx-lm model of a flash pack with its FFNs swapped per mode (no tokenizer).
+
+    predictors: {layer: callable(x) -> bool mask [..., n_neurons]} to use instead of the pack's
+      (tests, experiments). capacity: {layer: neuron-cache rows} (Req_i) instead of calibration's.
+    """
+    pack = Path(pack_dir)
+    cfg = flash_config or FlashConfig()
+    manifest = read_manifest(pack)
+    if any(b["kind"] != "neurons" for b in manifest["bundles"]):
+        raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
+    if cfg.mode == "flash":
+        predictors = predictors if predictors is not None else _pack_predictors(pack)
+        capacity = capacity if capacity is not None else _pack_capacity(pack, cfg.window)
+    plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
+                       predictor_bytes=_nbytes(predictors) if cfg.mode == "flash" else 0,
+                       requested_capacity=capacity)
+    config, weights = load_resident(pack, manifest=manifest)
+    model = _build_model(config, weights)
+    stats = FlashStats(plan)
+    loader = FlashLoader(pack, threads=cfg.threads)
+    runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
+    checked = set()
+    for entry in manifest["bundles"]:
+        layer = entry["layer"]
+        kind = ("resident" if layer in plan.resident_layers
+                else "sparse" if cfg.mode == "flash" else "streamed")
+        _swap_ffn(model, entry, weights, runtime, kind, checked, config)
+        if kind == "resident":
+            runtime.caches[layer] = cache = _neuron_cache(loader, layer, entry["count"])
+            cache.load(range(entry["count"]), step=0)
+        elif kind == "sparse":
+            runtime.caches[layer] = _neuron_cache(loader, layer, plan.capacity[layer])
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
+    mx.eval(model.parameters())
+    patch_linear_layers(model)
+    model.flash_stats = stats
+    model.flash_runtime = runtime
+    stats.reset()
+    return model
+
+
+def _neuron_cache(loader, layer, capacity):
+    from ..sparse.neuron_cache import NeuronCache
+
+    return NeuronCache(loader, layer, capacity)
+
+
+def _build_model(config, weights):
+    model_class, args_class = get_model_classes(config)
+    try:
+        model = model_class(args_class.from_dict(config))
+    except (ValueError, TypeError, KeyError) as e:
+        raise FlashError(f"config.json: {e}") from None
+    if q := config.get("quantization"):
+        def quantized(path, module):
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            own = q.get(path)
+            return own if isinstance(own, dict) else True
+
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=quantized)
+    return model
+
+
+def _module_at(root, path: str):
+    node = root
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
+    """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias)."""
+    layer = entry["layer"]
+    modules, quant = {}, {}
+    for c in entry["components"]:
+        role, part = c["name"].split(".", 1)
+        if part == "weight":
+            modules[role] = c["source"].rsplit(".", 1)[0]
+            if c.get("quantization"):
+                quant[role] = c["quantization"]
+    parents = {m.rsplit(".", 1)[0] for m in modules.values()}
+    if len(parents) != 1 or "up" not in modules or "down_t" not in modules:
+        raise FlashError(f"layer {layer}: unsupported MLP shape (projections {sorted(modules.values())})")
+    holder_path = parents.pop()
+    holder = _module_at(model, holder_path)
+    if holder is None:
+        raise FlashError(f"{holder_path}: not found in the {config.get('model_type')} model")
+    down_module = modules["down_t"]
+    down_bias = weights.pop(f"{down_module}.bias", None)
+    current = CurrentRows(quant, down_bias)
+    if getattr(holder, "mlp", 0) is None:
+        # OPT-style swap point: the layer computes fc2(relu(fc1 x)) itself unless mlp is set
+        mlp = UpDownMLP(nn.relu)
+        mlp.up, mlp.down = RowProjection("up", current), RowDown(current)
+        for m in modules.values():
+            delattr(holder, m.rsplit(".", 1)[1])
+        parent, attr = holder, "mlp"
+    else:
+        mlp = holder
+        for role, m in modules.items():
+            attr_name = m.rsplit(".", 1)[1]
+            if attr_name not in mlp:
+                raise FlashError(f"{m}: unsupported MLP shape (no {attr_name} in {type(mlp).__name__})")
+            mlp[attr_name] = RowDown(current) if role == "down_t" else RowProjection(role, current)
+        parent_path, attr = holder_path.rsplit(".", 1)
+        parent = _module_at(model, parent_path)
+    if type(mlp) not in checked:
+        check_mlp_shape(mlp, current, sorted(modules), config["hidden_size"], holder_path)
+        checked.add(type(mlp))
+    setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
+
+
+def _pack_predictors(pack: Path):
+    try:
+        from ..sparse.predictor import load_predictors
+    except ImportError:
+        load_predictors = None
+    predictors = load_predictors(pack) if load_predictors else None
+    if not predictors:
+        raise FlashError(f"{pack}: --mode flash needs activation predictors and this pack has none; "
+                         f"make them with python -m mlx_flash.calibrate --model {pack}")
+    return predictors
+
+
+def _pack_capacity(pack: Path, window: int):
+    try:
+        from ..sparse.predictor import calibrated_capacity
+    except ImportError:
+        return None
+    return calibrated_capacity(pack, window)
+
+
+def _nbytes(predictors) -> int:
+    """Bytes of the predictors' arrays (0 for callables without parameters)."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for p in (predictors or {}).values():
+        if isinstance(p, nn.Module):
+            total += sum(v.nbytes for _, v in tree_flatten(p.parameters()))
+        else:
+            total += int(getattr(p, "nbytes", 0))
+    return total

@@ -1,0 +1,233 @@
+"""The FFN module swapped into an mlx-lm model, one per layer, and its row projections.
+
+The model's own MLP object is kept (so its activation, gating and any quirks stay mlx-lm's); only
+its projections are replaced by row projections that compute with the current rows:
+    up/gate:  x @ rows[role][:n].T (+ bias[:n])          ops.gather_matvec
+    down:     h @ rows["down_t"][:n]  (+ resident bias)    ops.gather_matvec_t
+This is exact for any MLP of the form down(act(up x)) or down(act(gate x) * up x) whose act is
+elementwise: the FFN output is a sum over neurons, so any subset of rows, in any order, gives that
+subset's contribution. `check_mlp_shape` verifies this on each MLP class before use.
+
+How a layer gets its rows (`FlashFFN.kind`):
+    resident  all neurons, loaded once in neuron order (dense mode, hybrid's resident layers)
+    streamed  all neurons, read into the shared streaming buffer at every call (naive, hybrid)
+    sparse    predicted neurons through a NeuronCache (flash); those that do not fit in the cache
+              are read into the streaming buffer for this call only
+"""
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import FlashError
+from ..ops import gather_matvec, gather_matvec_t
+from .neuron_cache import NeuronCache
+
+
+class CurrentRows:
+    """The rows an FFN call computes with (a plain object, so no array joins the parameter tree)."""
+
+    def __init__(self, quant: dict, down_bias=None):
+        self.quant = quant  # role -> {"group_size", "bits"} for quantized roles
+        self.down_bias = down_bias  # resident per-output bias of the down projection, or None
+        self.rows, self.n, self.add_down_bias = None, 0, True
+
+    def set(self, rows: dict, n: int, add_down_bias=True):
+        self.rows, self.n, self.add_down_bias = rows, n, add_down_bias
+
+
+class RowProjection(nn.Module):
+    """Stands in for an up or gate projection: y = x @ rows[role][:n].T (+ bias)."""
+
+    def __init__(self, role: str, current: CurrentRows):
+        super().__init__()
+        self.role, self._current = role, current
+
+    def __call__(self, x):
+        c, role = self._current, self.role
+        q = c.quant.get(role, {})
+        y = gather_matvec(x, c.rows[f"{role}.weight"], n=c.n, scales=c.rows.get(f"{role}.scales"),
+                          biases=c.rows.get(f"{role}.biases"), group_size=q.get("group_size", 64),
+                          bits=q.get("bits"))
+        if f"{role}.bias" in c.rows:
+            y = y + c.rows[f"{role}.bias"][: c.n]
+        return y
+
+
+class RowDown(nn.Module):
+    """Stands in for the down projection: y = h @ rows["down_t"][:n] (+ resident bias)."""
+
+    def __init__(self, current: CurrentRows):
+        super().__init__()
+        self._current = current
+
+    def __call__(self, h):
+        c = self._current
+        q = c.quant.get("down_t", {})
+        y = gather_matvec_t(h, c.rows["down_t.weight"], n=c.n, scales=c.rows.get("down_t.scales"),
+                            biases=c.rows.get("down_t.biases"), group_size=q.get("group_size", 64),
+                            bits=q.get("bits"))
+        if c.add_down_bias and c.down_bias is not None:
+            y = y + c.down_bias
+        return y
+
+
+class UpDownMLP(nn.Module):
+    """down(act(up x)) for models whose layer has no MLP object (OPT's fc1/fc2)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self._act = act
+
+    def __call__(self, x):
+        return self.down(self._act(self.up(x)))
+
+
+class FlashRuntime:
+    """What the FFN modules of one model share: loader, stats, window, predictors, caches and
+    the streaming buffer (allocated on first use, one per bundle layout)."""
+
+    def __init__(self, loader, stats, *, window=5, predictors=None):
+        self.loader, self.stats, self.window = loader, stats, window
+        self.predictors = predictors or {}
+        self.caches: dict[int, NeuronCache] = {}
+        self._stream: dict[tuple, dict] = {}
+
+    def stream_rows(self, layer: int) -> dict:
+        entry = self.loader.entry(layer)
+        key = tuple((c["name"], c["dtype"], tuple(c["shape"])) for c in entry["components"])
+        if key not in self._stream:
+            self._stream[key] = self.loader.alloc(layer, entry["count"])
+        return self._stream[key]
+
+
+class FlashFFN(nn.Module):
+    """The FFN of one layer, run as `kind` says (module docstring)."""
+
+    def __init__(self, mlp, current: CurrentRows, layer: int, kind: str, runtime: FlashRuntime):
+        super().__init__()
+        self.mlp = mlp
+        self.layer, self.kind = layer, kind
+        self._current, self._rt = current, runtime
+        self._n = runtime.loader.entry(layer)["count"]
+        self._all = np.arange(self._n)
+
+    def _run(self, x, rows, n, add_down_bias=True):
+        self._current.set(rows, n, add_down_bias)
+        return self.mlp(x)
+
+    def __call__(self, x):
+        step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
+        if self.kind == "resident":
+            step.neurons_needed += self._n
+            step.hits += self._n
+            return self._run(x, self._rt.caches[self.layer].rows, self._n)
+        if self.kind == "streamed":
+            return self._streamed(x, step)
+        return self._sparse(x, step)
+
+    def _read_stream(self, ids, step):
+        buf = self._rt.stream_rows(self.layer)
+        t0 = time.perf_counter()
+        stats = self._rt.loader.read(self.layer, ids, buf, np.arange(len(ids)))
+        step.io_s += time.perf_counter() - t0
+        step.bytes_read += stats.bytes_read
+        step.neurons_loaded += len(ids)
+        return buf
+
+    def _streamed(self, x, step):
+        buf = self._read_stream(self._all, step)
+        step.neurons_needed += self._n
+        y = self._run(x, buf, self._n)
+        mx.eval(y)  # the buffer is reused by the next streamed layer
+        return y
+
+    def _sparse(self, x, step):
+        mask = self._rt.predictors[self.layer](x)
+        active = np.nonzero(np.array(mask.reshape(-1, self._n).any(axis=0)))[0]
+        cache = self._rt.caches[self.layer]
+        upd = cache.update(active, len(self._rt.stats.steps), self._rt.window)
+        step.io_s += upd.io_s
+        step.mem_s += upd.mem_s
+        step.bytes_read += upd.bytes_read
+        step.neurons_loaded += upd.loaded
+        step.neurons_needed += upd.needed
+        step.hits += upd.hits
+        step.window.append(upd.window)
+        y = self._run(x, cache.rows, cache.num_used)
+        if len(upd.overflow):
+            buf = self._read_stream(upd.overflow, step)
+            y = y + self._run(x, buf, len(upd.overflow), add_down_bias=False)
+            mx.eval(y)
+        return y
+
+
+def check_mlp_shape(mlp, current: CurrentRows, roles, hidden: int, path: str):
+    """FlashError unless `mlp` (projections already replaced) computes a per-neuron sum:
+    no weights of its own, each projection called once, gate/up on the MLP input itself, and
+    two halves of a random row set adding up to the whole (float32 probe, 4 neurons)."""
+    from mlx.utils import tree_flatten
+
+    unsupported = (f"{path}: unsupported MLP shape ({type(mlp).__name__}): mlx-flash runs "
+                   f"down(act(up x)) or down(act(gate x) * up x) with an elementwise act")
+    own = [k for k, _ in tree_flatten(mlp.parameters())]
+    if own:
+        raise FlashError(f"{unsupported}; it has weights of its own ({', '.join(own[:3])})")
+    keys = mx.random.split(mx.random.key(0), len(roles) + 1)
+    rows = {f"{r}.weight": mx.random.normal((4, hidden), key=keys[i])
+            for i, r in enumerate(roles)}
+    x = mx.random.normal((1, 1, hidden), key=keys[-1])
+    saved = (current.quant, current.down_bias)
+    current.quant, current.down_bias = {}, None
+    recorder = _Recorder()
+    try:
+        recorder.install(mlp)
+        whole = _eval_with(mlp, current, rows, 4, x)
+        recorder.uninstall(mlp)
+        if sorted(r for r, _ in recorder.calls) != sorted(roles) or \
+                any(arg is not x for r, arg in recorder.calls if r != "down_t"):
+            raise FlashError(f"{unsupported}; projections called: {[r for r, _ in recorder.calls]}")
+        halves = [_eval_with(mlp, current, {k: v[s] for k, v in rows.items()}, 2, x)
+                  for s in (slice(0, 2), slice(2, 4))]
+        if not mx.allclose(whole, halves[0] + halves[1], rtol=1e-4, atol=1e-4).item():
+            raise FlashError(f"{unsupported}; its output is not a sum over neurons")
+    finally:
+        recorder.uninstall(mlp)
+        current.quant, current.down_bias = saved
+
+
+class _Recorder:
+    """Temporarily wraps an MLP's row projections to record (role, input) of each call."""
+
+    def __init__(self):
+        self.calls, self.saved = [], {}
+
+    def install(self, mlp):
+        for name, child in mlp.children().items():
+            if isinstance(child, (RowProjection, RowDown)):
+                self.saved[name] = child
+                mlp[name] = _Recording(child, getattr(child, "role", "down_t"), self.calls)
+
+    def uninstall(self, mlp):
+        for name, child in self.saved.items():
+            mlp[name] = child
+        self.saved = {}
+
+
+class _Recording(nn.Module):
+    def __init__(self, inner, role, calls):
+        super().__init__()
+        self._inner, self._role, self._calls = inner, role, calls
+
+    def __call__(self, x):
+        self._calls.append((self._role, x))
+        return self._inner(x)
+
+
+def _eval_with(mlp, current, rows, n, x):
+    current.set(rows, n)
+    y = mlp(x)
+    mx.eval(y)
+    return y

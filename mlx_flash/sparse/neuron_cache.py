@@ -1,0 +1,141 @@
+"""Per-layer neuron cache of "LLM in a flash" section 3.3.
+
+One preallocated matrix per bundle component (`rows`, `capacity` rows each; row r of every
+component belongs to the same neuron), a pointer vector `ids` (neuron id held by each row, -1 when
+unused), `num_used` (rows 0..num_used-1 are live), and `last_active` (the step at which the neuron
+in each row was last predicted active: the last-k-active bookkeeping of the sliding window).
+
+Rows are written only two ways: swap-delete (a row that leaves is overwritten by one of the last
+live rows, so live rows stay contiguous) and loader fills (new neurons are read straight from flash
+into rows num_used..). The projections then run on `[:num_used]` of each matrix.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..io import host_bytes
+
+
+@dataclass
+class CacheUpdate:
+    """What one `update` did. Times are wall seconds."""
+    needed: int = 0  # neurons predicted active this step
+    hits: int = 0  # of those, already in the cache
+    loaded: int = 0  # read from flash into the cache
+    evicted: int = 0
+    rows_moved: int = 0  # rows copied by swap-delete
+    overflow: np.ndarray = None  # needed neurons that did not fit (the caller streams them)
+    window: int = 0  # effective window after the update (tokens)
+    io_s: float = 0.0
+    mem_s: float = 0.0
+    bytes_read: int = 0
+
+
+class NeuronCache:
+    """Neuron cache of one layer: `capacity` preallocated rows filled by `loader`."""
+
+    def __init__(self, loader, layer: int, capacity: int):
+        self.loader, self.layer = loader, layer
+        self.n_neurons = loader.entry(layer)["count"]
+        self.capacity = int(min(capacity, self.n_neurons))
+        self.rows = loader.alloc(layer, self.capacity)  # {component: mx.array [capacity, ...]}
+        # uint8 views of the same memory, for swap-delete copies (no MLX graph, no reallocation)
+        self._host = [host_bytes(a).reshape(self.capacity, -1) for a in self.rows.values()]
+        self.ids = np.full(self.capacity, -1, np.int64)
+        self.slot_of = np.full(self.n_neurons, -1, np.int64)  # neuron -> row, -1 when absent
+        self.last_active = np.zeros(self.capacity, np.int64)
+        self.num_used = 0
+        self.rows_moved = 0  # lifetime counters: every row write is one of these two
+        self.rows_loaded = 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one cached neuron (all its components)."""
+        return sum(h.shape[1] for h in self._host)
+
+    def delete(self, slots) -> int:
+        """Swap-delete the rows `slots`; returns the number of rows copied."""
+        slots = np.unique(np.asarray(slots, np.int64))
+        if not len(slots):
+            return 0
+        n_after = self.num_used - len(slots)
+        holes = slots[slots < n_after]  # deleted rows inside the new live prefix
+        gone = np.zeros(self.num_used, bool)
+        gone[slots] = True
+        movers = np.nonzero(~gone[n_after:])[0] + n_after  # surviving rows beyond it
+        self.slot_of[self.ids[slots]] = -1
+        if len(holes):
+            for h in self._host:
+                h[holes] = h[movers]
+            self.ids[holes] = self.ids[movers]
+            self.last_active[holes] = self.last_active[movers]
+            self.slot_of[self.ids[holes]] = holes
+        self.ids[n_after: self.num_used] = -1
+        self.num_used = n_after
+        self.rows_moved += len(holes)
+        return len(holes)
+
+    def load(self, neuron_ids, step: int):
+        """Read `neuron_ids` (not cached, fitting) from flash into rows num_used..; ReadStats."""
+        neuron_ids = np.asarray(neuron_ids, np.int64)
+        k = len(neuron_ids)
+        slots = np.arange(self.num_used, self.num_used + k)
+        stats = self.loader.read(self.layer, neuron_ids, self.rows, slots)
+        self.ids[slots] = neuron_ids
+        self.slot_of[neuron_ids] = slots
+        self.last_active[slots] = step
+        self.num_used += k
+        self.rows_loaded += k
+        return stats
+
+    def update(self, active, step: int, window: int) -> CacheUpdate:
+        """Make the cache hold the neurons `active` (sorted unique ids) at `step`.
+
+        Neurons last active `window` or more steps ago leave; if the survivors and the new
+        neurons still do not fit, the oldest survivors leave too (the window shrinks). Needed
+        neurons beyond the capacity are returned in `overflow`, not cached.
+        """
+        t0 = time.perf_counter()
+        active = np.asarray(active, np.int64)
+        out = CacheUpdate(needed=len(active))
+        slots = self.slot_of[active]
+        present = slots >= 0
+        out.hits = int(present.sum())
+        self.last_active[slots[present]] = step
+        new = active[~present]
+        live = self.last_active[: self.num_used]
+        expired = np.nonzero(live <= step - window)[0]
+        room = self.capacity - (self.num_used - len(expired))
+        if len(new) > room:  # shrink the window: drop the oldest non-current survivors
+            keep = np.nonzero(live > step - window)[0]
+            old = keep[live[keep] < step]
+            extra = old[np.argsort(live[old], kind="stable")][: len(new) - room]
+            expired = np.concatenate([expired, extra])
+            room += len(extra)
+        out.evicted = len(expired)
+        out.rows_moved = self.delete(expired)
+        fit, out.overflow = new[:room], new[room:]
+        t1 = time.perf_counter()
+        if len(fit):
+            stats = self.load(fit, step)
+            out.loaded, out.bytes_read = len(fit), stats.bytes_read
+        t2 = time.perf_counter()
+        live = self.last_active[: self.num_used]
+        out.window = int(step - live.min() + 1) if self.num_used else 0
+        out.io_s, out.mem_s = t2 - t1, t1 - t0
+        return out
+
+    def check(self, bundles=None):
+        """Assert the invariants (tests): no duplicates, consistent pointers, num_used bound;
+        with `bundles` ({component: np.ndarray [n_neurons, bytes]}), every row equals its bundle."""
+        n = self.num_used
+        assert 0 <= n <= self.capacity
+        ids = self.ids[:n]
+        assert len(np.unique(ids)) == n and (ids >= 0).all() and (self.ids[n:] == -1).all()
+        assert (self.slot_of[ids] == np.arange(n)).all()
+        assert (self.slot_of >= 0).sum() == n
+        if bundles is not None:
+            for name, h in zip(self.rows, self._host):
+                assert np.array_equal(h[:n], bundles[name][ids]), f"row content of {name}"

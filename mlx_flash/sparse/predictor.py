@@ -1,0 +1,258 @@
+"""Activation predictors: which FFN neurons a token needs, stored inside a flash pack.
+
+`python -m mlx_flash.calibrate` writes two files into the pack directory:
+
+    predictors.json          format, format_version, the pack it belongs to (resident crc32), the
+                             FFN activation, calibration settings and text, and per layer:
+                             kind, n_neurons, rank, threshold, prob_threshold, stats (recall,
+                             over-prediction, ...), capacity (Req_i for windows 1..max_window)
+    predictors.safetensors   low-rank factors, float16: layers.{i}.A [rank, hidden],
+                             layers.{i}.B [n_neurons, rank], layers.{i}.bias [n_neurons]
+                             (its crc32 is in predictors.json, so the pair is checked on load)
+
+Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attention output):
+    "all"             sparsity off: every neuron
+    "exact-relu"      ReLU models, resident up projection: mask = up(x) + b > 0 (exact)
+    "gate-threshold"  gated models, resident gate: mask = |act(gate x)| > threshold (exact for the
+                      thresholded model)
+    "low-rank"        the paper's predictor: mask = sigmoid(B (A x) + bias) > prob_threshold
+Resident gate/up rows are read from the pack's own bundle files when the predictors are loaded.
+
+What the runtime must do with `LayerPredictor.threshold` (float >= 0, activation units): compute
+only the predicted neurons, and of those keep neuron i only where |act(gate_i x)| > threshold:
+    h_i = act(gate_i x) * (up_i x)  if |act(gate_i x)| > threshold else 0     (gated models)
+    h_i = relu(up_i x + b_i)                                                  (ReLU models, t = 0)
+    y = down[:, active] h[active] (+ down bias)
+so a false positive of the predictor only costs I/O and the model computed is the thresholded one
+(CATS), not a truncated one; a false negative drops a neuron the thresholded model would keep.
+With threshold 0 the rule changes nothing (only exact zeros are dropped).
+"""
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import FlashError
+
+FORMAT = "mlx-flash-predictors"
+FORMAT_VERSION = 1
+PREDICTORS_JSON = "predictors.json"
+PREDICTORS_FILE = "predictors.safetensors"
+KINDS = ("all", "exact-relu", "gate-threshold", "low-rank")
+ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
+
+
+def _logit(p: float) -> float:
+    return float(np.log(p) - np.log1p(-p))
+
+
+class LayerPredictor:
+    """Predicted active neurons of one layer's FFN: `predictor(x) -> bool [..., n_neurons]`.
+
+    Attributes: layer, kind, n_neurons, rank (0 unless low-rank), threshold (activation cutoff the
+    runtime applies, see the module docstring), prob_threshold (sigmoid cutoff, low-rank only),
+    activation (name), stats (calibration numbers), resident_bytes (bytes of arrays it holds).
+    """
+
+    def __init__(self, layer, kind, n_neurons, *, threshold=0.0, prob_threshold=0.5, rank=0,
+                 activation="silu", stats=None, tensors=None, quantization=None):
+        if kind not in KINDS:
+            raise FlashError(f"{PREDICTORS_JSON}: layer {layer} has unknown kind {kind!r}")
+        self.layer, self.kind, self.n_neurons = layer, kind, int(n_neurons)
+        self.threshold, self.prob_threshold = float(threshold), float(prob_threshold)
+        self.rank, self.activation, self.stats = int(rank), activation, dict(stats or {})
+        self._t = dict(tensors or {})
+        self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
+        self._act = ACTIVATIONS[activation]
+        self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
+        self.resident_bytes = int(sum(a.nbytes for a in self._t.values()))
+
+    def _rows(self, role, x):
+        """x @ rows.T (+ bias) for resident `role` rows ("gate" or "up"), quantized or not."""
+        w = self._t[f"{role}.weight"]
+        if self._q:
+            y = mx.quantized_matmul(x, w, self._t[f"{role}.scales"], self._t[f"{role}.biases"],
+                                    transpose=True, **self._q)
+        else:
+            y = x @ w.T
+        if f"{role}.bias" in self._t:
+            y = y + self._t[f"{role}.bias"]
+        return y
+
+    def gate_activation(self, x):
+        """act(gate x) [..., n_neurons] from the resident gate ("gate-threshold" only)."""
+        return self._act(self._rows("gate", x))
+
+    def logits(self, x):
+        """B (A x) + bias [..., n_neurons], float32 ("low-rank" only)."""
+        a, b = self._t["A"], self._t["B"]
+        h = (x.astype(a.dtype) @ a.T) @ b.T
+        return h.astype(mx.float32) + self._t["bias"].astype(mx.float32)
+
+    def __call__(self, x):
+        if self.kind == "all":
+            return mx.ones((*x.shape[:-1], self.n_neurons), dtype=mx.bool_)
+        if self.kind == "exact-relu":
+            return self._rows("up", x) > 0
+        if self.kind == "gate-threshold":
+            return mx.abs(self.gate_activation(x)) > self.threshold
+        return self.logits(x) > self._logit_cut
+
+    def __repr__(self):
+        return (f"LayerPredictor(layer={self.layer}, kind={self.kind!r}, n={self.n_neurons}, "
+                f"rank={self.rank}, threshold={self.threshold:.4g}, "
+                f"prob_threshold={self.prob_threshold:.3g}, resident_bytes={self.resident_bytes})")
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
+    """Write predictors.safetensors then predictors.json into `pack_dir`, each atomically.
+
+    meta: top-level fields (activation, calibration, ...); layers: {layer: {kind, n_neurons, rank,
+    threshold, prob_threshold, stats, capacity}}; factors: {layer: {"A", "B", "bias"}} (low-rank).
+    The json carries the safetensors crc32, so a crash between the two renames is caught on load.
+    """
+    from ..pack import read_manifest
+
+    pack = Path(pack_dir)
+    manifest = read_manifest(pack)
+    arrays = {f"layers.{i}.{k}": v.astype(mx.float16) for i, f in factors.items() for k, v in f.items()}
+    st_path, js_path = pack / PREDICTORS_FILE, pack / PREDICTORS_JSON
+    try:
+        if arrays:
+            _atomic_write(st_path, lambda p: mx.save_safetensors(str(p), arrays))
+            crc = zlib.crc32(st_path.read_bytes())
+        else:
+            st_path.unlink(missing_ok=True)
+            crc = None
+        doc = {"format": FORMAT, "format_version": FORMAT_VERSION,
+               "pack_resident_crc32": manifest["resident"]["crc32"],
+               "tensors_file": PREDICTORS_FILE if arrays else None, "tensors_crc32": crc, **meta,
+               "layers": {str(i): layers[i] for i in sorted(layers)}}
+        text = json.dumps(doc, indent=1)
+        _atomic_write(js_path, lambda p: p.write_text(text))
+    except OSError as e:
+        raise FlashError(f"{e.filename or pack}: cannot write predictors ({e.strerror or e})") from None
+    return js_path
+
+
+def read_predictors_json(pack_dir):
+    """The validated predictors.json of a pack, or None when the pack has none."""
+    from ..pack import read_manifest
+
+    path = Path(pack_dir) / PREDICTORS_JSON
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise FlashError(f"{path}: unreadable predictors file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FlashError(f"{path}: not a predictors file")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise FlashError(f"{path}: predictors format version {doc.get('format_version')}, this "
+                         f"mlx-flash reads {FORMAT_VERSION}; re-run python -m mlx_flash.calibrate")
+    manifest = read_manifest(pack_dir)
+    if doc.get("pack_resident_crc32") != manifest["resident"]["crc32"]:
+        raise FlashError(f"{path}: calibrated for a different pack; re-run python -m mlx_flash.calibrate")
+    layers = doc.get("layers")
+    n_layers = len(manifest["bundles"])
+    if not isinstance(layers, dict) or sorted(map(int, layers)) != sorted(b["layer"] for b in manifest["bundles"]):
+        raise FlashError(f"{path}: layers do not match the pack's {n_layers} FFN layers")
+    for key, entry in layers.items():
+        if entry.get("kind") not in KINDS:
+            raise FlashError(f"{path}: layer {key} has unknown kind {entry.get('kind')!r}")
+    return doc
+
+
+def load_predictors(pack_dir):
+    """{layer: LayerPredictor} from a pack's predictors files, or None when it has none.
+
+    Raises FlashError naming the file when a file is corrupt, truncated or from another pack.
+    """
+    from ..pack import layer_bundles, read_layer_components, read_manifest
+
+    pack = Path(pack_dir)
+    doc = read_predictors_json(pack)
+    if doc is None:
+        return None
+    factors = {}
+    if doc.get("tensors_file"):
+        st_path = pack / doc["tensors_file"]
+        try:
+            raw = st_path.read_bytes()
+        except OSError as e:
+            raise FlashError(f"{st_path}: cannot read predictors ({e.strerror})") from None
+        if zlib.crc32(raw) != doc.get("tensors_crc32"):
+            raise FlashError(f"{st_path}: checksum mismatch with {PREDICTORS_JSON} (corrupt or "
+                             "from another calibration run)")
+        try:
+            factors = mx.load(str(st_path))
+        except Exception as e:
+            raise FlashError(f"{st_path}: unreadable safetensors ({e})") from None
+    bundles = layer_bundles(read_manifest(pack))
+    out = {}
+    for key, entry in doc["layers"].items():
+        i, kind = int(key), entry["kind"]
+        tensors, quant = {}, None
+        if kind == "low-rank":
+            names = {k: f"layers.{i}.{k}" for k in ("A", "B", "bias")}
+            missing = [v for v in names.values() if v not in factors]
+            if missing:
+                raise FlashError(f"{pack / PREDICTORS_FILE}: missing tensor {missing[0]}")
+            tensors = {k: factors[v] for k, v in names.items()}
+            r, n = int(entry["rank"]), int(entry["n_neurons"])
+            if tensors["A"].shape[0] != r or tensors["B"].shape != (n, r) or tensors["bias"].shape != (n,):
+                raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
+                                 f"{r} and {n} neurons")
+        elif kind in ("exact-relu", "gate-threshold"):
+            role = "up" if kind == "exact-relu" else "gate"
+            comps = read_layer_components(pack, bundles[i])
+            tensors = {k: v for k, v in comps.items() if k.startswith(role + ".")}
+            if f"{role}.weight" not in tensors:
+                raise FlashError(f"{pack / bundles[i]['file']}: no {role} rows for a {kind} predictor")
+            meta = next(c for c in bundles[i]["components"] if c["name"] == f"{role}.weight")
+            quant = meta.get("quantization")
+            del comps
+        out[i] = LayerPredictor(i, kind, entry["n_neurons"], threshold=entry.get("threshold", 0.0),
+                                prob_threshold=entry.get("prob_threshold", 0.5),
+                                rank=entry.get("rank", 0), activation=doc.get("activation", "silu"),
+                                stats=entry.get("stats"), tensors=tensors, quantization=quant)
+    return out
+
+
+def calibrated_capacity(pack_dir, window: int) -> dict:
+    """{layer: Req_i}: neuron rows that hold the union of predicted-active neurons over the last
+    `window` tokens (the calibration text's 99th percentile, windows 1..max_window measured).
+
+    Beyond the measured windows the union's last increment is extrapolated linearly (an upper
+    bound, the union grows concavely), capped at the layer's neuron count.
+    """
+    if window < 1:
+        raise FlashError(f"window {window}: must be at least 1 token")
+    doc = read_predictors_json(pack_dir)
+    if doc is None:
+        raise FlashError(f"{Path(pack_dir) / PREDICTORS_JSON}: missing; run python -m mlx_flash.calibrate")
+    out = {}
+    for key, entry in doc["layers"].items():
+        caps, n = entry["capacity"], int(entry["n_neurons"])
+        if window <= len(caps):
+            out[int(key)] = int(caps[window - 1])
+        else:
+            step = caps[-1] - caps[-2] if len(caps) > 1 else caps[-1]
+            out[int(key)] = int(min(n, caps[-1] + step * (window - len(caps))))
+    return out

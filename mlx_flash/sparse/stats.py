@@ -1,0 +1,119 @@
+"""Per-step runtime statistics of a flash model (the paper's Table 3 split).
+
+A step is one forward pass of the model (the prompt, then one per generated token). I/O and
+memory-management times are measured where they happen (loader reads; neuron-cache deletes and
+bookkeeping); compute is the rest of the step's wall time (attention, FFN matmuls, predictors,
+lm_head, sampling), so io + mem + compute = wall time.
+"""
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass
+class StepStats:
+    """One forward pass. Times in seconds, sizes in bytes, counts in neurons."""
+    tokens: int
+    start: float
+    end: float | None = None
+    io_s: float = 0.0
+    mem_s: float = 0.0
+    bytes_read: int = 0
+    neurons_loaded: int = 0
+    neurons_needed: int = 0
+    hits: int = 0
+    window: list = field(default_factory=list)  # effective window per flash layer (tokens)
+
+    @property
+    def wall_s(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+
+class FlashStats:
+    """Collects StepStats; `summary()` gives per-token means. Available as `model.flash_stats`."""
+
+    def __init__(self, plan=None):
+        self.plan = plan  # budget.MemoryPlan of the model
+        self.reset()
+
+    def reset(self):
+        """Forget all steps and restart MLX's peak-memory counter."""
+        self.steps: list[StepStats] = []
+        self._last_layer = None
+        mx.reset_peak_memory()
+
+    def enter_layer(self, layer: int, tokens: int) -> StepStats:
+        """Called by each FFN module; a layer index not above the previous one starts a step."""
+        if self._last_layer is None or layer <= self._last_layer:
+            now = time.perf_counter()
+            if self.steps and self.steps[-1].end is None:
+                self.steps[-1].end = now
+            self.steps.append(StepStats(tokens=tokens, start=now))
+        self._last_layer = layer
+        return self.steps[-1]
+
+    def finish(self):
+        """Close the current step (call after the last token is evaluated)."""
+        if self.steps and self.steps[-1].end is None:
+            self.steps[-1].end = time.perf_counter()
+        self._last_layer = None
+
+    def summary(self) -> dict:
+        """Per-token means over single-token (decode) steps, the prompt step(s) separately.
+
+        Keys: tokens, io_ms, mem_ms, compute_ms, total_ms, bytes_read, neurons_loaded, hit_rate,
+        window (mean effective window, flash only), prompt_tokens, prompt_ms, prompt_bytes_read,
+        peak_memory (bytes, MLX allocator), peak_rss (bytes, whole process), budget, weights_bytes.
+        """
+        decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
+        prompt = [s for s in self.steps if s.tokens > 1 and s.end is not None]
+        n = max(1, len(decode))
+
+        def mean(f):
+            return sum(f(s) for s in decode) / n
+
+        needed = sum(s.neurons_needed for s in decode)
+        windows = [w for s in decode for w in s.window]
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = {
+            "tokens": len(decode),
+            "io_ms": 1e3 * mean(lambda s: s.io_s),
+            "mem_ms": 1e3 * mean(lambda s: s.mem_s),
+            "compute_ms": 1e3 * mean(lambda s: s.wall_s - s.io_s - s.mem_s),
+            "total_ms": 1e3 * mean(lambda s: s.wall_s),
+            "bytes_read": mean(lambda s: s.bytes_read),
+            "neurons_loaded": mean(lambda s: s.neurons_loaded),
+            "hit_rate": sum(s.hits for s in decode) / needed if needed else None,
+            "window": sum(windows) / len(windows) if windows else None,
+            "prompt_tokens": sum(s.tokens for s in prompt),
+            "prompt_ms": 1e3 * sum(s.wall_s for s in prompt),
+            "prompt_bytes_read": sum(s.bytes_read for s in prompt),
+            "peak_memory": mx.get_peak_memory(),
+            "peak_rss": rss if sys.platform == "darwin" else rss * 1024,
+            "budget": self.plan.budget if self.plan else None,
+            "weights_bytes": self.plan.weights if self.plan else None,
+        }
+        return out
+
+    def format(self) -> str:
+        """The --stats lines."""
+        s = self.summary()
+        gb = 1e9
+        lines = [f"Per token ({s['tokens']} tokens): I/O {s['io_ms']:.2f} ms, memory management "
+                 f"{s['mem_ms']:.2f} ms, compute {s['compute_ms']:.2f} ms, total {s['total_ms']:.2f} ms",
+                 f"Per token: {s['bytes_read'] / 1e6:.3f} MB read, {s['neurons_loaded']:.0f} neurons "
+                 f"loaded, cache hit rate "
+                 + ("n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%")
+                 + ("" if s["window"] is None else f", mean effective window {s['window']:.2f} tokens"),
+                 f"Prompt: {s['prompt_tokens']} tokens in {s['prompt_ms']:.1f} ms, "
+                 f"{s['prompt_bytes_read'] / 1e6:.2f} MB read",
+                 f"Peak memory: {s['peak_memory'] / gb:.3f} GB (MLX), {s['peak_rss'] / gb:.3f} GB "
+                 f"(process RSS)"]
+        if self.plan is not None:
+            lines.append(f"Memory plan: {self.plan.describe()}; weights held "
+                         f"{s['weights_bytes'] / gb:.3f} GB")
+        return "\n".join(lines)

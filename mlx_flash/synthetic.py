@@ -1,0 +1,295 @@
+"""Synthetic flash packs: random weights in a real architecture's shape, for speed measurements only.
+
+    python -m mlx_flash.convert --synthetic opt-1.3b --sparsity 0.95 --dtype float16 --out PACK
+
+Why synthetic: the papers' models (OPT-6.7B, Llama-2-7B) cannot be downloaded here, but the speed of
+flash loading depends only on tensor shapes, dtypes and how many FFN neurons fire, not on what the
+weights mean. A synthetic pack is labelled `"synthetic"` in its manifest and config, and every bench
+report that uses one says so; it is never used for quality.
+
+FFN design (so the activation sparsity is chosen and a low-rank predictor is exact):
+    up   = B @ A          A: [rank, hidden] orthonormal rows, B: [ffn, rank] unit rows
+    bias = -Phi^-1(sparsity)   (for every neuron)
+The FFN input is a layer-normalised vector (|x|^2 = hidden), so for a random direction A x has
+unit-variance coordinates, B_i . (A x) ~ N(0, 1), and neuron i fires (up_i . x + bias_i > 0) with
+probability 1 - sparsity. The predictor `(x @ A.T) @ B.T + bias` is the up projection itself, in
+low rank: exact up to float rounding. OPT shapes use ReLU (exact zeros); Llama shapes are gated
+with SiLU (mlx-lm's llama), so the gate carries B @ A and the bias (mlp_bias) and "inactive"
+neurons are small rather than zero: speed only.
+
+The tokenizer is the embedded SmolLM2 tokenizer (49152 tokens), padded with placeholder tokens
+when the architecture's vocabulary is larger; a smaller vocabulary (Llama-2's 32000) is raised to
+49152 and the manifest says so.
+"""
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .errors import FlashError
+
+# Shapes from the models' published config.json files.
+ARCHS = {
+    "opt-125m": dict(model_type="opt", hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+                     num_attention_heads=12, vocab_size=50272, max_position_embeddings=2048),
+    "opt-1.3b": dict(model_type="opt", hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                     num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048),
+    "opt-6.7b": dict(model_type="opt", hidden_size=4096, num_hidden_layers=32, ffn_dim=16384,
+                     num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048),
+    "llama-2-7b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                       intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                       vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=False),
+    # Tiny shapes for tests and quick runs.
+    "opt-tiny": dict(model_type="opt", hidden_size=64, num_hidden_layers=2, ffn_dim=256,
+                     num_attention_heads=4, vocab_size=49152, max_position_embeddings=512),
+    "llama-tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=True),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEFAULT_RANK = 128
+
+
+def inverse_normal_cdf(p: float) -> float:
+    """Phi^-1(p) for 0 < p < 1 (bisection on erf: exact to ~1e-12, no scipy)."""
+    lo, hi = -12.0, 12.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def ffn_roles(config: dict) -> dict:
+    """{"sparse": module whose output sets sparsity, ...} names for layer {i} of this architecture."""
+    if config["model_type"] == "opt":
+        return {"prefix": "model.decoder.layers.{i}.", "sparse": "fc1", "down": "fc2", "up": None}
+    return {"prefix": "model.layers.{i}.mlp.", "sparse": "gate_proj", "down": "down_proj",
+            "up": "up_proj"}
+
+
+def _tokenizer_source() -> Path:
+    from .models.source import resolve_model
+
+    return resolve_model(None, progress=False)
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> int:
+    """Copy the embedded tokenizer into `out`, padded to `vocab_size`; return its token count."""
+    src = _tokenizer_source()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    ids = set(tok["model"]["vocab"].values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    n = max(ids) + 1
+    if vocab_size > n:
+        # Placeholder tokens so every id the random lm_head can produce decodes to something.
+        tok.setdefault("added_tokens", []).extend(
+            {"id": i, "content": f"<|synthetic_{i}|>", "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True} for i in range(n, vocab_size))
+        (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+        n = vocab_size
+    return n
+
+
+def _orthonormal_rows(rows: int, cols: int, key):
+    """[rows, cols] float32 with orthonormal rows (rows <= cols), via QR of a Gaussian matrix."""
+    import numpy as np
+
+    rng = np.random.default_rng(key)
+    q, _ = np.linalg.qr(rng.standard_normal((cols, rows)).astype(np.float32))
+    return q.T.copy()
+
+
+def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: int = DEFAULT_RANK,
+                        seed: int = 0, dtype: str = "float16", progress: bool = True) -> dict:
+    """Write a random mlx-lm folder of architecture `arch` at `out` (one safetensors shard per layer).
+
+    Returns {"config", "predictor": {layer: (A [rank, hidden], B [ffn, rank], bias [ffn])},
+    "synthetic": label}. float32 predictor factors are kept in memory (small: rank x (hidden+ffn)).
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    if arch not in ARCHS:
+        raise FlashError(f"--synthetic {arch}: unknown architecture (choose from {', '.join(ARCHS)})")
+    if not 0.0 < sparsity < 1.0:
+        raise FlashError(f"--sparsity {sparsity}: must be between 0 and 1 (fraction of FFN neurons off)")
+    config = dict(ARCHS[arch])
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    ffn = config.get("ffn_dim") or config["intermediate_size"]
+    rank = min(rank, hidden)
+    out.mkdir(parents=True)
+    n_tokens = _write_tokenizer(out, config["vocab_size"])
+    vocab_note = None
+    if n_tokens > config["vocab_size"]:
+        vocab_note = (f"vocab_size {n_tokens} (the embedded tokenizer's) instead of "
+                      f"{config['vocab_size']}: the tokenizer cannot be shrunk")
+        config["vocab_size"] = n_tokens
+    label = {"arch": arch, "sparsity": sparsity, "predictor_rank": rank, "seed": seed,
+             "dtype": dtype, "note": "random weights in a real architecture's shape: "
+                                     "for speed measurements only, never quality"}
+    if vocab_note:
+        label["vocab_note"] = vocab_note
+    roles = ffn_roles(config)
+    if config["model_type"] == "llama":
+        config["mlp_bias"] = True
+        config["hidden_act"] = "silu"
+    else:
+        config.update(activation_function="relu", do_layer_norm_before=True, enable_bias=True,
+                      word_embed_proj_dim=hidden, tie_word_embeddings=True)
+    config["synthetic"] = label
+    target = getattr(mx, dtype)
+    rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    threshold = inverse_normal_cdf(sparsity)  # bias = -threshold: P(N(0,1) > threshold) = 1 - sparsity
+
+    def normal(shape, std):
+        return (mx.random.normal(shape) * std).astype(target)
+
+    def save(name, weights):
+        mx.eval(weights)
+        mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+
+    V = config["vocab_size"]
+    attn_std = 1 / math.sqrt(hidden)
+    if config["model_type"] == "opt":
+        top = {"model.decoder.embed_tokens.weight": normal((V, hidden), 1.0),
+               "model.decoder.embed_positions.weight": normal((config["max_position_embeddings"] + 2,
+                                                              hidden), 0.1),
+               "model.decoder.final_layer_norm.weight": mx.ones((hidden,), target),
+               "model.decoder.final_layer_norm.bias": mx.zeros((hidden,), target)}
+    else:
+        top = {"model.embed_tokens.weight": normal((V, hidden), 1.0),
+               "model.norm.weight": mx.ones((hidden,), target)}
+        if not config["tie_word_embeddings"]:
+            top["lm_head.weight"] = normal((V, hidden), attn_std)
+    save("model-top.safetensors", top)
+    del top
+    predictor = {}
+    from tqdm import tqdm
+
+    for i in tqdm(range(layers), desc=f"synthetic {arch}", unit="layer", disable=not progress,
+                  file=sys.stderr):
+        p = roles["prefix"].format(i=i)
+        A = _orthonormal_rows(rank, hidden, int(rng.integers(1 << 31)))
+        B = rng.standard_normal((ffn, rank)).astype(np.float32)
+        B /= np.linalg.norm(B, axis=1, keepdims=True)
+        bias = np.full((ffn,), -threshold, np.float32)
+        predictor[i] = (A, B, bias)
+        w = {}
+        if config["model_type"] == "opt":
+            attn = p + "self_attn."
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                w[f"{attn}{n}.weight"] = normal((hidden, hidden), attn_std)
+                w[f"{attn}{n}.bias"] = mx.zeros((hidden,), target)
+            for n in ("self_attn_layer_norm", "final_layer_norm"):
+                w[f"{p}{n}.weight"] = mx.ones((hidden,), target)
+                w[f"{p}{n}.bias"] = mx.zeros((hidden,), target)
+        else:
+            lp = f"model.layers.{i}."
+            kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+            for n, rows in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv), ("o_proj", hidden)):
+                w[f"{lp}self_attn.{n}.weight"] = normal((rows, hidden), attn_std)
+            w[f"{lp}input_layernorm.weight"] = mx.ones((hidden,), target)
+            w[f"{lp}post_attention_layernorm.weight"] = mx.ones((hidden,), target)
+            w[f"{p}{roles['up']}.weight"] = normal((ffn, hidden), attn_std)
+            w[f"{p}{roles['up']}.bias"] = mx.zeros((ffn,), target)
+        w[f"{p}{roles['sparse']}.weight"] = (mx.array(B) @ mx.array(A)).astype(target)
+        w[f"{p}{roles['sparse']}.bias"] = mx.array(bias).astype(target)
+        # Down projection scaled so the FFN output has O(1) variance with (1 - sparsity) of neurons on.
+        w[f"{p}{roles['down']}.weight"] = normal((hidden, ffn), 1 / math.sqrt((1 - sparsity) * ffn))
+        w[f"{p}{roles['down']}.bias"] = mx.zeros((hidden,), target)
+        save(f"model-layer{i:03d}.safetensors", w)
+        del w
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return {"config": config, "predictor": predictor, "synthetic": label}
+
+
+def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str = "float16",
+                         quantize=None, group_size: int = 64, rank: int = DEFAULT_RANK,
+                         seed: int = 0, progress: bool = True) -> Path:
+    """A flash pack of random weights shaped like `arch`, with an exact low-rank predictor.
+
+    Built in a temporary folder beside `out` (the random mlx-lm source is deleted) and renamed
+    into place. The manifest gets a top-level "synthetic" label. Returns `out`.
+    """
+    from .convert import atomic_output_dir
+    from .pack import write_pack
+
+    out = Path(out).expanduser()
+    t0 = time.perf_counter()
+    with atomic_output_dir(out) as tmp:
+        src = tmp / "source"
+        made = write_source_folder(arch, src, sparsity=sparsity, rank=rank, seed=seed,
+                                   dtype=dtype, progress=progress)
+        pack = tmp / "pack"
+        write_pack(src, pack, dtype=dtype, quantize=quantize, group_size=group_size,
+                   progress=progress)
+        shutil.rmtree(src)
+        manifest_path = pack / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        label = dict(made["synthetic"], quantize=quantize,
+                     group_size=group_size if quantize else None,
+                     seconds_to_build=round(time.perf_counter() - t0, 1))
+        manifest["synthetic"] = label
+        manifest["source"] = {"synthetic": arch}
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+        write_predictor(pack, made["predictor"], made["config"])
+        for f in pack.iterdir():  # the pack's files become the output folder itself
+            f.rename(tmp / f.name)
+        pack.rmdir()
+    return out
+
+
+def analytic_capacity(n_neurons: int, active: float, max_window: int, z: float = 2.326) -> list:
+    """Req_i for windows 1..max_window: 99th percentile (z = 2.326) of the union of active neurons
+    over w tokens if tokens fired independently (Binomial(n, 1 - (1 - active)^w)); real text reuses
+    neurons across tokens, so this is an upper bound."""
+    caps = []
+    for w in range(1, max_window + 1):
+        p = 1 - (1 - active) ** w
+        caps.append(int(min(n_neurons, math.ceil(n_neurons * p + z * math.sqrt(n_neurons * p * (1 - p))))))
+    return caps
+
+
+def write_predictor(pack: Path, predictor: dict, config: dict, max_window: int = 8) -> None:
+    """Store the exact low-rank predictors in the pack, in mlx_flash.sparse.predictor's format
+    (kind "low-rank", prob_threshold 0.5: predicted iff B (A x) + bias > 0, i.e. iff up x + b > 0)."""
+    import mlx.core as mx
+
+    from .sparse.predictor import save_predictors
+
+    label = config["synthetic"]
+    active = 1 - label["sparsity"]
+    layers, factors = {}, {}
+    for i, (A, B, bias) in predictor.items():
+        n = B.shape[0]
+        layers[i] = {"kind": "low-rank", "n_neurons": n, "rank": int(A.shape[0]), "threshold": 0.0,
+                     "prob_threshold": 0.5,
+                     "stats": {"note": "synthetic: exact by construction (up = B @ A)",
+                               "designed_active_fraction": active},
+                     "capacity": analytic_capacity(n, active, max_window)}
+        factors[i] = {"A": mx.array(A), "B": mx.array(B), "bias": mx.array(bias)}
+    activation = "relu" if config["model_type"] == "opt" else "silu"
+    meta = {"activation": activation,
+            "calibration": {"synthetic": True, "method": "exact low-rank factors of the synthetic "
+                            "up/gate projection; capacity analytic (independent tokens, 99th pct)"}}
+    save_predictors(pack, meta, layers, factors)
+
+
+def is_synthetic(pack_dir) -> dict | None:
+    """The pack's synthetic label, or None for a pack converted from a real model."""
+    try:
+        manifest = json.loads((Path(pack_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest.get("synthetic") or manifest.get("config", {}).get("synthetic")

@@ -1,0 +1,87 @@
+"""Synthetic packs: real architecture shapes, chosen FFN sparsity, exact low-rank predictor, labels."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash.convert import main as convert_main
+from mlx_flash.errors import FlashError
+from mlx_flash.pack import load_pack_weights, read_manifest
+from mlx_flash.synthetic import ARCHS, analytic_capacity, inverse_normal_cdf, is_synthetic
+
+
+def _normalised(n, hidden, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, hidden)).astype(np.float32)
+    x -= x.mean(-1, keepdims=True)
+    return mx.array(x / np.sqrt((x ** 2).mean(-1, keepdims=True)))
+
+
+def test_inverse_normal_cdf():
+    assert inverse_normal_cdf(0.5) == pytest.approx(0.0, abs=1e-9)
+    assert inverse_normal_cdf(0.95) == pytest.approx(1.644853627, abs=1e-6)
+
+
+def test_capacity_grows_with_window_and_is_bounded():
+    caps = analytic_capacity(1000, 0.05, 8)
+    assert caps == sorted(caps) and 50 < caps[0] < 100 and caps[-1] <= 1000
+
+
+@pytest.mark.parametrize("arch,sparse,quantize", [("opt-tiny", "fc1", None),
+                                                  ("llama-tiny", "gate_proj", 8)])
+def test_synthetic_pack_sparsity_predictor_and_labels(tmp_path, arch, sparse, quantize):
+    out = tmp_path / "pack"
+    argv = ["--synthetic", arch, "--out", str(out), "--sparsity", "0.9", "--dtype", "float32"]
+    if quantize:
+        argv += ["--quantize", str(quantize), "--group-size", "32"]
+    assert convert_main(argv) == 0
+    manifest = read_manifest(out)
+    label = manifest["synthetic"]
+    assert label["arch"] == arch and label["sparsity"] == 0.9 and "speed" in label["note"]
+    assert is_synthetic(out)["arch"] == arch
+    assert json.loads((out / "config.json").read_text())["synthetic"]["arch"] == arch
+    assert manifest["quantization"] == ({"group_size": 32, "bits": 8} if quantize else None)
+    assert not list(tmp_path.glob(".*"))  # no temporary folders left
+    config, weights = load_pack_weights(out)
+    assert config["hidden_size"] == ARCHS[arch]["hidden_size"]
+
+    from mlx_flash.sparse.predictor import load_predictors
+
+    predictors = load_predictors(out)
+    assert sorted(predictors) == list(range(config["num_hidden_layers"]))
+    x = _normalised(2000, config["hidden_size"])
+    for i, pred in predictors.items():
+        assert pred.kind == "low-rank"
+        prefix = f"model.decoder.layers.{i}." if arch.startswith("opt") else f"model.layers.{i}.mlp."
+        w = weights[f"{prefix}{sparse}.weight"]
+        if quantize:
+            w = mx.dequantize(w, weights[f"{prefix}{sparse}.scales"],
+                              weights[f"{prefix}{sparse}.biases"], group_size=32, bits=8)
+        pre = x @ w.T + weights[f"{prefix}{sparse}.bias"]
+        active = np.array(pre > 0)
+        assert abs(active.mean() - 0.1) < 0.02  # the designed 90% sparsity
+        agree = (np.array(pred(x)) == active).mean()
+        assert agree > (0.99 if quantize else 0.999)  # exact up to rounding
+
+
+def test_synthetic_model_generates(tmp_path):
+    from mlx_flash.calibrate import load_dense_model
+
+    out = tmp_path / "pack"
+    assert convert_main(["--synthetic", "opt-tiny", "--out", str(out)]) == 0
+    model = load_dense_model(out)
+    model = model[0] if isinstance(model, tuple) else model
+    logits = model(mx.array([[1, 2, 3, 4]]))
+    assert logits.shape == (1, 4, ARCHS["opt-tiny"]["vocab_size"])
+    assert bool(mx.all(mx.isfinite(logits)))
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(FlashError, match="unknown architecture"):
+        convert_main(["--synthetic", "gpt-9", "--out", str(tmp_path / "a")])
+    with pytest.raises(FlashError, match="sparsity"):
+        convert_main(["--synthetic", "opt-tiny", "--sparsity", "1.5", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit):  # --model and --synthetic are exclusive
+        convert_main(["--synthetic", "opt-tiny", "--model", "x", "--out", str(tmp_path / "c")])
