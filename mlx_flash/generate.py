@@ -5,6 +5,7 @@ import os
 import sys
 
 from .cli import run_cli
+from .flash_config import MODE_HELP, MODES
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -27,6 +28,17 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the raw prompt without the tokenizer's chat template")
+    flash = parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)")
+    flash.add_argument("--mode", choices=MODES, default="dense",
+                       help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items()))
+    flash.add_argument("--memory-budget", default=None,
+                       help="memory for weights: a fraction of the pack (0.65) or a size (6GB, 700MiB); "
+                            "default: no limit")
+    flash.add_argument("--window", type=int, default=5,
+                       help="flash: tokens whose active neurons stay cached (default 5)")
+    flash.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
+    flash.add_argument("--stats", action="store_true",
+                       help="print per-token I/O / memory / compute ms, bytes read, hit rate, peak memory")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return parser
 
@@ -63,11 +75,15 @@ def _main(argv):
     if args.seed is not None:
         mx.random.seed(args.seed)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
+                            window=args.window, threads=args.threads)
+    stats = getattr(model, "flash_stats", None)
     tokens = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     check_prompt_fits(model, len(tokens))
     print("==========", flush=True)
     response = None
+    if stats is not None:
+        stats.reset()
     for response in stream_generate(model, tokenizer, tokens, args.max_tokens, temp=args.temp, top_p=args.top_p):
         print(response.text, end="", flush=True)
     print()
@@ -76,6 +92,12 @@ def _main(argv):
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
+    if args.stats:
+        if stats is None:
+            print("Flash stats: none (not a flash pack; convert one with python -m mlx_flash.convert)")
+        else:
+            stats.finish()
+            print(stats.format())
     return 0
 
 

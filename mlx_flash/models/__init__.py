@@ -71,8 +71,9 @@ def load(model=None, flash_config=None, *, progress: bool = True):
         from .flash import load_flash
 
         return load_flash(path, flash_config)
-    if flash_config is not None and flash_config.mode != "dense":
-        raise FlashError(f"--mode {flash_config.mode}: needs a flash pack; {path} is a plain model "
-                         f"folder (make one with python -m mlx_flash.convert --model {path} --out PACK)")
+    if flash_config is not None and (flash_config.mode != "dense" or flash_config.memory_budget is not None):
+        flag = f"--mode {flash_config.mode}" if flash_config.mode != "dense" else "--memory-budget"
+        raise FlashError(f"{flag}: needs a flash pack; {path} is a plain model folder "
+                         f"(make one with python -m mlx_flash.convert --model {path} --out PACK)")
     nn_model, _ = load_model(path, lazy=False)
     return nn_model, load_tokenizer(path)
