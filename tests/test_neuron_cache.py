@@ -1,0 +1,95 @@
+"""Neuron cache (paper section 3.3) under random activation sequences, on a real tiny pack."""
+
+import numpy as np
+import pytest
+
+from mlx_flash.io import FlashLoader, host_bytes
+from mlx_flash.pack import write_pack
+from mlx_flash.sparse.neuron_cache import NeuronCache
+
+N = 96  # neurons per layer of the tiny model
+
+
+@pytest.fixture(scope="module")
+def loader(tmp_path_factory):
+    from conftest import write_tiny_llama
+
+    base = tmp_path_factory.mktemp("cache")
+    src = write_tiny_llama(base / "src", intermediate=N, quantize=(4, 32))
+    pack = write_pack(src, base / "pack", progress=False)
+    with FlashLoader(pack, threads=4, plan=False) as ld:
+        yield ld
+
+
+def all_bundles(loader, layer):
+    """{component: uint8 [N, bytes]}: every neuron's bundle, read in neuron order."""
+    rows = loader.alloc(layer, N)
+    loader.read(layer, np.arange(N), rows)
+    return {name: host_bytes(a).reshape(N, -1).copy() for name, a in rows.items()}
+
+
+def snapshot(cache):
+    return [h.copy() for h in cache._host]
+
+
+@pytest.mark.parametrize("capacity, window, p_active", [(40, 3, 0.15), (12, 5, 0.2), (N, 2, 0.5)])
+def test_invariants_under_random_activations(loader, capacity, window, p_active):
+    rng = np.random.default_rng(capacity)
+    bundles = all_bundles(loader, 1)
+    cache = NeuronCache(loader, 1, capacity)
+    history = []
+    for step in range(60):
+        active = np.nonzero(rng.random(N) < p_active)[0]
+        before, n_before = snapshot(cache), cache.num_used
+        upd = cache.update(active, step, window)
+        cache.check(bundles)  # no duplicates, pointers match rows, num_used <= capacity, contents
+        assert cache.num_used <= capacity
+        # every needed neuron is either cached now or returned as overflow, never both
+        cached = set(cache.ids[: cache.num_used].tolist())
+        over = set(upd.overflow.tolist())
+        assert cached.isdisjoint(over) and set(active.tolist()) <= cached | over
+        assert upd.hits + upd.loaded + len(over) == len(active) == upd.needed
+        # rows written this step: only swap-delete holes and loader fills
+        changed = {r for h0, h1 in zip(before, cache._host)
+                   for r in np.nonzero((h0 != h1).any(axis=1))[0].tolist()}
+        assert len(changed) <= upd.rows_moved + upd.loaded
+        assert all(r < max(cache.num_used, n_before) for r in changed)
+        history.append(set(active.tolist()))
+        # the sliding window: with room for everything, the last `window` steps' neurons all stay
+        if capacity == N:
+            recent = set().union(*history[-window:])
+            assert recent <= cached
+        # nothing older than the window survives
+        if cache.num_used:
+            assert cache.last_active[: cache.num_used].min() > step - window
+
+
+def test_window_shrinks_when_full(loader):
+    cache = NeuronCache(loader, 0, 10)
+    cache.update(np.arange(0, 6), 0, window=5)
+    upd = cache.update(np.arange(6, 12), 1, window=5)
+    # 6 new neurons, 4 free rows: the two oldest survivors of step 0 leave, the window shrinks
+    assert upd.evicted == 2 and upd.loaded == 6 and not len(upd.overflow)
+    assert upd.window == 2 and cache.num_used == 10
+    upd = cache.update(np.arange(20, 32), 2, window=5)
+    # 12 needed, 10 rows: all older rows leave, two neurons overflow to the caller
+    assert upd.loaded == 10 and len(upd.overflow) == 2 and upd.window == 1
+    cache.check(all_bundles(loader, 0))
+
+
+def test_hits_do_not_read(loader):
+    cache = NeuronCache(loader, 0, 32)
+    first = cache.update(np.array([3, 7, 50]), 0, window=4)
+    again = cache.update(np.array([3, 7, 50]), 1, window=4)
+    assert first.loaded == 3 and first.bytes_read > 0
+    assert again.hits == 3 and again.loaded == 0 and again.bytes_read == 0 and again.rows_moved == 0
+
+
+def test_swap_delete_keeps_live_rows_contiguous(loader):
+    cache = NeuronCache(loader, 0, 8)
+    cache.load(np.arange(10, 18), step=0)
+    moved = cache.delete([1, 2, 7])
+    assert moved == 2 and cache.num_used == 5  # rows 1 and 2 refilled from rows 5 and 6
+    assert sorted(cache.ids[:5].tolist()) == [10, 13, 14, 15, 16]
+    assert (cache.ids[5:] == -1).all()
+    cache.check(all_bundles(loader, 0))
