@@ -44,6 +44,20 @@ def write_tiny_llama(path: Path, *, quantize=None, dtype="float32", seed=0, tie=
     return path
 
 
+def write_tiny_opt(path: Path, *, seed=0, hidden=64, layers=2, ffn=128, vocab=128) -> Path:
+    """A random OPT (ReLU FFN, pre-LN, float32) saved as a folder in Hugging Face's names."""
+    from mlx_flash.models import opt
+
+    config = {"model_type": "opt", "hidden_size": hidden, "num_hidden_layers": layers, "ffn_dim": ffn,
+              "num_attention_heads": 4, "vocab_size": vocab, "max_position_embeddings": 256}
+    mx.random.seed(seed)
+    model = opt.Model(opt.ModelArgs.from_dict(config))
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 @pytest.fixture
 def tiny_llama(tmp_path):
     """Factory: tiny_llama(name, quantize=None, dtype='float32', ...) -> folder path."""

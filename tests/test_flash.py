@@ -1,0 +1,215 @@
+"""Flash packs run per mode (models/flash.py, sparse/ffn.py, sparse/budget.py): exactness against
+dense, predictors, budgets, statistics, and the generate CLI's flash flags."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_flash.errors import FlashError
+from mlx_flash.flash_config import FlashConfig
+from mlx_flash.models import load_model
+from mlx_flash.models.flash import build_flash_model
+from mlx_flash.pack import read_manifest, write_pack
+from mlx_flash.sparse.budget import layer_bytes, stream_bytes
+from mlx_flash.sparse.predictor import save_predictors
+
+TOKENS = [[5, 17, 3, 99, 42, 7], [11], [64], [2], [120]]  # a prompt, then four decode steps
+
+
+def run_steps(model):
+    """Logits of a prompt then single-token steps through a KV cache, as generation runs them."""
+    cache = make_prompt_cache(model)
+    out = []
+    for ids in TOKENS:
+        y = model(mx.array([ids]), cache=cache)
+        mx.eval(y)
+        out.append(y)
+    if hasattr(model, "flash_stats"):
+        model.flash_stats.finish()
+    return out
+
+
+def all_neurons(n):
+    return lambda x: mx.ones((*x.shape[:-1], n), dtype=mx.bool_)
+
+
+def assert_identical(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and mx.array_equal(x, y).item(), f"step {i}: max diff {mx.abs(x - y).max()}"
+
+
+def hybrid_budget(pack, resident_layers):
+    """A byte budget that fits the fixed part of hybrid mode plus `resident_layers` whole FFNs."""
+    m = read_manifest(pack)
+    return m["resident"]["length"] + stream_bytes(m) + sum(layer_bytes(b) for b in m["bundles"][:resident_layers])
+
+
+@pytest.mark.parametrize("dtype, quant", [("float32", None), ("float16", None), ("float32", (4, 32)),
+                                          ("bfloat16", (8, 32))])
+def test_every_mode_equals_dense_bit_for_bit_without_sparsity(tiny_llama, tmp_path, dtype, quant):
+    src = tiny_llama("src", dtype=dtype, quantize=quant, layers=4, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
+    source = run_steps(load_model(src, lazy=False)[0])
+    if dtype == "float32" and quant is None:  # the pack's dense model is mlx-lm's, bit for bit
+        assert_identical(source, dense)
+    else:
+        # The pack holds down_proj transposed (row-column bundles), so the down projection sums in
+        # another order: float16 rounding, <= 4 ulp of the largest logit (2^-10 relative each;
+        # observed 1-2). Quantized sources also re-quantize down along the other axis (manifest
+        # down_requantized; down_bits=16 avoids it): a real weight change, observed <= 3%.
+        rel = 0.05 if quant else 4 * 2.0 ** -10
+        for x, y in zip(source, dense):
+            x, y = x.astype(mx.float32), y.astype(mx.float32)
+            assert mx.abs(x - y).max().item() <= rel * mx.abs(x).max().item()
+    predictors = {i: all_neurons(96) for i in range(4)}
+    runs = {
+        "naive": build_flash_model(pack, FlashConfig("naive")),
+        "hybrid": build_flash_model(pack, FlashConfig("hybrid", memory_budget=hybrid_budget(pack, 1))),
+        "flash": build_flash_model(pack, FlashConfig("flash", window=2), predictors=predictors,
+                                   capacity={i: 96 for i in range(4)}),
+    }
+    assert runs["hybrid"].flash_stats.plan.resident_layers == [0]
+    for mode, model in runs.items():
+        assert_identical(run_steps(model), dense)
+
+
+def test_flash_overflow_past_the_cache_stays_exact_up_to_rounding(tiny_llama, tmp_path):
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
+    model = build_flash_model(pack, FlashConfig("flash"), predictors={i: all_neurons(96) for i in range(2)},
+                              capacity={0: 30, 1: 50})
+    got = run_steps(model)
+    for x, y in zip(got, dense):  # float32, sums split in two parts: rounding only
+        assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
+    s = model.flash_stats.summary()
+    # every step needs all 192 neurons: 80 cached rows stay (hits), 112 stream as overflow
+    assert s["hit_rate"] == pytest.approx(80 / 192) and s["neurons_loaded"] == 112
+
+
+def opt_pack_with_exact_predictors(tmp_path):
+    from conftest import write_tiny_opt
+
+    src = write_tiny_opt(tmp_path / "opt", ffn=128)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    layers = {i: {"kind": "exact-relu", "n_neurons": 128, "rank": 0, "threshold": 0.0,
+                  "prob_threshold": 0.5, "stats": {}, "capacity": [80] * 8} for i in range(2)}
+    save_predictors(pack, {"activation": "relu"}, layers, {})
+    return src, pack
+
+
+def test_opt_exact_relu_predictor_matches_dense(tmp_path):
+    src, pack = opt_pack_with_exact_predictors(tmp_path)
+    dense = run_steps(load_model(src, lazy=False)[0])
+    model = build_flash_model(pack, FlashConfig("flash", window=2))
+    got = run_steps(model)
+    for x, y in zip(got, dense):  # inactive ReLU neurons contribute exact zeros: rounding only
+        assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
+    s = model.flash_stats.summary()
+    # a random ReLU layer fires about half its neurons: far fewer than all 256 are needed per token
+    assert 0 < s["neurons_loaded"] < 256 and s["bytes_read"] > 0
+    assert model.flash_stats.plan.capacity == {0: 80, 1: 80}
+
+
+def test_stats_count_what_the_caches_and_reads_did(tmp_path):
+    _, pack = opt_pack_with_exact_predictors(tmp_path)
+    model = build_flash_model(pack, FlashConfig("flash", window=3))
+    run_steps(model)
+    steps = model.flash_stats.steps
+    assert len(steps) == len(TOKENS)
+    stride = read_manifest(pack)["bundles"][0]["stride"]
+    for s in steps:
+        # each needed neuron was a cache hit or was read from flash (into the cache or streamed)
+        assert s.hits + s.neurons_loaded == s.neurons_needed > 0
+        assert s.bytes_read >= s.neurons_loaded * stride  # whole bundles; merged reads add gaps
+    caches = model.flash_runtime.caches.values()
+    assert sum(s.neurons_loaded for s in steps) >= sum(c.rows_loaded for c in caches)
+
+
+def test_naive_reads_every_ffn_every_step(tiny_llama, tmp_path):
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    model = build_flash_model(pack, FlashConfig("naive"))
+    run_steps(model)
+    m = read_manifest(pack)
+    per_step = sum(b["count"] * b["stride"] for b in m["bundles"])
+    for s in model.flash_stats.steps:
+        assert s.neurons_loaded == 192 and s.hits == 0
+        assert s.bytes_read >= per_step  # whole bundles, aligned reads may add edges
+
+
+def test_flash_without_predictors_points_at_calibrate(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    with pytest.raises(FlashError, match="python -m mlx_flash.calibrate"):
+        build_flash_model(pack, FlashConfig("flash"))
+
+
+def test_budget_below_minimum_says_the_minimum(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    with pytest.raises(FlashError, match=r"--memory-budget .*below the minimum .* give at least"):
+        build_flash_model(pack, FlashConfig("naive", memory_budget="10kB"))
+    with pytest.raises(FlashError, match="--memory-budget"):
+        FlashConfig("naive", memory_budget="lots")
+
+
+def test_unsupported_mlp_shape_is_refused():
+    import mlx.nn as nn
+
+    from mlx_flash.sparse.ffn import CurrentRows, RowDown, RowProjection, check_mlp_shape
+
+    class SoftmaxMLP(nn.Module):  # the activation mixes neurons: a subset's sum is not the FFN
+        def __init__(self, current):
+            super().__init__()
+            self.up, self.down = RowProjection("up", current), RowDown(current)
+
+        def __call__(self, x):
+            return self.down(mx.softmax(self.up(x), axis=-1))
+
+    current = CurrentRows({})
+    with pytest.raises(FlashError, match="unsupported MLP shape"):
+        check_mlp_shape(SoftmaxMLP(current), current, ["down_t", "up"], 16, "model.layers.0.mlp")
+
+
+# ---- the generate CLI on the embedded model's pack -----------------------------------------
+
+@pytest.fixture(scope="module")
+def embedded_pack(embedded_model_dir, tmp_path_factory):
+    return write_pack(embedded_model_dir, tmp_path_factory.mktemp("embedded") / "pack", progress=False)
+
+
+def generate(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tempfile.gettempdir())
+
+
+def test_cli_hybrid_stats(embedded_pack):
+    r = generate("--model", str(embedded_pack), "--prompt", "What is the capital of France?",
+                 "--max-tokens", "8", "--mode", "hybrid", "--memory-budget", "0.65", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    for line in ("Per token (", "MB read", "cache hit rate", "Peak memory:", "Memory plan: mode hybrid"):
+        assert line in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "flash"], "--mode flash needs activation predictors"),
+    (["--mode", "naive", "--memory-budget", "0.2"], "below the minimum resident set of mode naive"),
+    (["--mode", "naive", "--window", "0"], "--window 0: must be a whole number of tokens >= 1"),
+])
+def test_cli_flash_errors_are_one_line(embedded_pack, args, message):
+    r = generate("--model", str(embedded_pack), "--max-tokens", "2", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_cli_memory_budget_needs_a_pack(embedded_model_dir):
+    r = generate("--model", str(embedded_model_dir), "--memory-budget", "0.5")
+    assert r.returncode == 2 and "--memory-budget: needs a flash pack" in r.stderr
