@@ -110,7 +110,8 @@ class LayerPredictor:
 
 
 def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # keep the suffix last: mx.save_safetensors appends ".safetensors" to any other name
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         write(tmp)
         os.replace(tmp, path)
