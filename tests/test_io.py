@@ -309,3 +309,34 @@ def test_evict_and_residency(tmp_path):
     result = evict(tmp_path)
     assert result["method"] == "posix_fadvise(DONTNEED)"
     assert result["residency"] < 0.05 and residency([f]) < 0.05
+
+
+def test_expert_blocks_and_biased_neurons_through_the_loader(tmp_path):
+    # MoE layers: one contiguous block per expert; OPT-style FFN: up row + down column + up bias
+    from conftest import write_tiny_opt
+
+    rng = np.random.default_rng(0)
+    hidden, inter, experts = 32, 48, 6
+    moe = {"model.layers.0.mlp.gate.weight": rng.standard_normal((experts, hidden)),
+           "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((hidden, hidden))}
+    for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        moe[f"model.layers.0.mlp.switch_mlp.{role}_proj.weight"] = rng.standard_normal((experts, *shape))
+    src = tmp_path / "moe"
+    src.mkdir()
+    mx.save_safetensors(str(src / "model.safetensors"),
+                        {k: mx.array(v.astype(np.float16)) for k, v in moe.items()})
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
+    packs = {"moe": write_pack(src, tmp_path / "moe.pack", progress=False),
+             "opt": write_pack(write_tiny_opt(tmp_path / "opt"), tmp_path / "opt.pack", progress=False)}
+    for name, pack in packs.items():
+        entry = read_manifest(pack)["bundles"][0]
+        assert entry["kind"] == ("experts" if name == "moe" else "neurons")
+        ids = [5, 0, 3] if name == "moe" else [127, 0, 64, 1]
+        for direct in (True, False):
+            with FlashLoader(pack, threads=2, direct=direct, cost=COST) as loader:
+                dest = loader.alloc(0, len(ids))
+                assert loader.read(0, ids, dest).bundles == len(ids)
+                check_rows(pack, loader, 0, ids, dest, list(range(len(ids))))
+        if name == "moe":  # each expert's block equals the source expert's matrices
+            w = moe["model.layers.0.mlp.switch_mlp.up_proj.weight"].astype(np.float16)
+            assert np.array_equal(np.array(dest["up.weight"]), w[ids])

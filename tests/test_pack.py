@@ -298,3 +298,20 @@ def test_truncated_bundle_file(tiny_llama, tmp_path):
     os.truncate(pack / entry["file"], 5000)
     with pytest.raises(FlashError, match=r"layer_000\.bin: truncated"):
         load_pack_weights(pack)
+
+
+def test_interrupt_midway_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    # Ctrl-C while the second bundle file is written: no pack, no temporary directory
+    src = tiny_llama("src", layers=3)
+    real, calls = pack_writer._write_bytes, []
+
+    def interrupted(path, pieces, length):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(path, pieces, length)
+
+    monkeypatch.setattr(pack_writer, "_write_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_pack(src, tmp_path / "pack", progress=False)
+    assert len(calls) == 2 and leftovers(tmp_path, "pack") == []
