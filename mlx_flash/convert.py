@@ -83,6 +83,10 @@ def _main(argv):
                         help="pack: MLX affine-quantize weights to this many bits (float sources)")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
                         help="pack: quantization group size (with --quantize)")
+    parser.add_argument("--down-bits", type=int, choices=(4, 8, 16), default=None,
+                        help="pack, already quantized sources: how to store each down projection "
+                             "column (its groups must run the other way): re-quantize at 4 or 8 "
+                             "bits, or 16 = exact float values (default: the source's bits)")
     parser.add_argument("--sparsity", type=float, default=0.95,
                         help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
     parser.add_argument("--rank", type=int, default=128,
@@ -119,7 +123,7 @@ def _main(argv):
         from .pack import write_pack
 
         write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
-                   group_size=args.group_size)
+                   group_size=args.group_size, down_bits=args.down_bits)
     print(f"Wrote {out}", file=sys.stderr)
     return 0
 

@@ -41,6 +41,15 @@ def test_convert_to_pack_from_gguf_and_folder(embedded_gguf, tiny_llama, tmp_pat
     assert read_manifest(tmp_path / "p2")["config"]["quantization"]["bits"] == 8
 
 
+@pytest.mark.parametrize("down_bits, requantized", [("8", True), ("16", False)])
+def test_down_bits_flag(tiny_llama, tmp_path, down_bits, requantized):
+    from mlx_flash.pack import read_manifest
+
+    src = tiny_llama("q", quantize=(4, 32), intermediate=128)
+    assert main(["--model", str(src), "--out", str(tmp_path / "p"), "--down-bits", down_bits]) == 0
+    assert read_manifest(tmp_path / "p")["down_requantized"] is requantized
+
+
 def test_existing_output_is_refused(embedded_gguf, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", str(embedded_gguf), "--out", str(tmp_path)])
