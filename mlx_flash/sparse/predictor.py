@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
+from ..ops import half_matvec, quantized_matvec
 
 FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
@@ -76,10 +77,10 @@ class LayerPredictor:
         """x @ rows.T (+ bias) for resident `role` rows ("gate" or "up"), quantized or not."""
         w = self._t[f"{role}.weight"]
         if self._q:
-            y = mx.quantized_matmul(x, w, self._t[f"{role}.scales"], self._t[f"{role}.biases"],
-                                    transpose=True, **self._q)
+            y = quantized_matvec(x, w, self._t[f"{role}.scales"], self._t[f"{role}.biases"],
+                                 self._q["group_size"], self._q["bits"])
         else:
-            y = x @ w.T
+            y = half_matvec(x, w)  # our kernel for half weights, x @ w.T otherwise
         if f"{role}.bias" in self._t:
             y = y + self._t[f"{role}.bias"]
         return y
