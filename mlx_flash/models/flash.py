@@ -19,8 +19,11 @@ from ..ops import patch_linear_layers
 from ..pack import load_resident, read_manifest
 from ..sparse.budget import plan_memory
 from ..sparse.ffn import CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, UpDownMLP, check_mlp_shape
+from ..sparse.neuron_cache import NeuronCache
+from ..sparse.predictor import calibrated_capacity, load_predictors
 from ..sparse.stats import FlashStats
 from . import get_model_classes, load_tokenizer
+
 
 def load_flash(pack_dir, flash_config=None):
     """(model, tokenizer) of a flash pack run as `flash_config` says (default: dense)."""
@@ -42,7 +45,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     if cfg.mode == "flash":
         predictors = predictors if predictors is not None else _pack_predictors(pack)
-        capacity = capacity if capacity is not None else _pack_capacity(pack, cfg.window)
+        capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
     plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
                        predictor_bytes=_nbytes(predictors) if cfg.mode == "flash" else 0,
                        requested_capacity=capacity)
@@ -58,10 +61,10 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                 else "sparse" if cfg.mode == "flash" else "streamed")
         _swap_ffn(model, entry, weights, runtime, kind, checked, config)
         if kind == "resident":
-            runtime.caches[layer] = cache = _neuron_cache(loader, layer, entry["count"])
+            runtime.caches[layer] = cache = NeuronCache(loader, layer, entry["count"])
             cache.load(range(entry["count"]), step=0)
         elif kind == "sparse":
-            runtime.caches[layer] = _neuron_cache(loader, layer, plan.capacity[layer])
+            runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -72,12 +75,6 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     model.flash_runtime = runtime
     stats.reset()
     return model
-
-
-def _neuron_cache(loader, layer, capacity):
-    from ..sparse.neuron_cache import NeuronCache
-
-    return NeuronCache(loader, layer, capacity)
 
 
 def _build_model(config, weights):
@@ -149,23 +146,11 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
 
 
 def _pack_predictors(pack: Path):
-    try:
-        from ..sparse.predictor import load_predictors
-    except ImportError:
-        load_predictors = None
-    predictors = load_predictors(pack) if load_predictors else None
+    predictors = load_predictors(pack)
     if not predictors:
         raise FlashError(f"{pack}: --mode flash needs activation predictors and this pack has none; "
                          f"make them with python -m mlx_flash.calibrate --model {pack}")
     return predictors
-
-
-def _pack_capacity(pack: Path, window: int):
-    try:
-        from ..sparse.predictor import calibrated_capacity
-    except ImportError:
-        return None
-    return calibrated_capacity(pack, window)
 
 
 def _nbytes(predictors) -> int:
