@@ -8,4 +8,5 @@ SUBCOMMANDS = {
     "blas": "Float32 matmul/matvec speed of MLX's CPU backend and the BLAS it uses",
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
+    "run": "The paper's protocol: cold runs of every mode and the peers, Tables 2-3, sweeps",
 }

@@ -1,0 +1,158 @@
+"""What one benchmark child process does: load a flash pack in one mode, generate, report.
+
+Called through bench.cap.run_capped("mlx_flash.bench.measure:generate_flash", {...}) so each run
+is a fresh process (cold, optionally inside a cgroup memory cap). Every read the runtime makes
+goes through `LoggedReads`, which records it per step, so the report can check that the bytes
+the statistics count are the bytes the loader read, and that the neuron caches' own counters
+agree with the reads that landed in them.
+
+Emulations used only by the ablation rows (paper Table 2):
+  unbundled: reads go to a matrix-major copy of the pack written by bench.io.write_unbundled
+             (up rows and down columns as separate requests), into the same destination rows;
+  no_window: every neuron cache is emptied before each token, so every predicted neuron is
+             read again (the predictor without the sliding window).
+"""
+
+import time
+
+import numpy as np
+
+
+class LoggedReads:
+    """Stands in for the runtime's FlashLoader: forwards layout calls, logs every read.
+
+    log rows: (step index, layer, bundles, bytes read from the device, useful bytes, reads,
+    seconds, True when the destination is a neuron cache, bundles x the pack's bytes per neuron)."""
+
+    def __init__(self, loader, stats, caches, unbundled=None, layer_map=None):
+        self._loader, self._stats = loader, stats
+        self._cache_dests = {id(c.rows) for c in caches.values()}
+        self._unbundled, self._layer_map = unbundled, layer_map
+        self.log = []
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def read(self, layer, ids, dest, slots=None):
+        if self._unbundled is None:
+            s = self._loader.read(layer, ids, dest, slots)
+        else:
+            # one request per matrix, each with only its own destination arrays
+            s = self._unbundled.read_many(
+                [(lid, ids, {c["name"]: dest[c["name"]] for c in self._unbundled.entry(lid)["components"]},
+                  slots) for lid in self._layer_map[layer]])
+        self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
+                         s.reads, s.seconds, id(dest) in self._cache_dests,
+                         len(ids) * sum(c["length"] for c in self._loader.entry(layer)["components"])))
+        return s
+
+
+def _empty_before_update(cache):
+    update = cache.update
+
+    def emptied_update(active, step, window):
+        cache.delete(np.arange(cache.num_used))
+        return update(active, step, window)
+
+    cache.update = emptied_update
+
+
+def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, threads=32, temp=0.0,
+                   top_p=1.0, seed=0, unbundled=None, no_window=False, keep_steps=True) -> dict:
+    """Load `pack` as `mode`, generate `gen_tokens` tokens after `prompt` (token ids), measure.
+
+    Returns JSON-ready figures: `summary` (sparse.stats.FlashStats.summary(): per-token ms, bytes,
+    neurons, hit rate, peak memory in bytes), `steps` (per decode step: io_ms, mem_ms, total_ms,
+    bytes_read), `accounting` (loader log vs statistics vs neuron-cache counters), load seconds,
+    mlx-lm's tokens/s, the memory plan, and the generated text.
+    """
+    import mlx.core as mx
+
+    import mlx_flash
+    from mlx_flash.io import FlashLoader
+
+    t0 = time.perf_counter()
+    model, tokenizer = mlx_flash.load(pack, mode=mode, memory_budget=budget, window=window,
+                                      threads=threads, progress=False)
+    load_s = time.perf_counter() - t0
+    rt, stats = model.flash_runtime, model.flash_stats
+    base_rows = {i: c.rows_loaded for i, c in rt.caches.items()}
+    extra = None
+    if unbundled:
+        extra = FlashLoader(unbundled["path"], threads=threads)
+        layer_map = {int(k): v for k, v in unbundled["layer_map"].items()}
+        reads = LoggedReads(rt.loader, stats, rt.caches, extra, layer_map)
+    else:
+        reads = LoggedReads(rt.loader, stats, rt.caches)
+    rt.loader = reads
+    for cache in rt.caches.values():
+        cache.loader = reads
+        if no_window and mode == "flash":
+            _empty_before_update(cache)
+    mx.random.seed(seed)
+    stats.reset()
+    text, last, t1 = [], None, time.perf_counter()
+    for r in mlx_flash.stream_generate(model, tokenizer, list(prompt), max_tokens=gen_tokens,
+                                       temp=temp, top_p=top_p):
+        text.append(r.text)
+        last = r
+    stats.finish()
+    wall_s = time.perf_counter() - t1
+    if extra is not None:
+        extra.close()
+    summary = stats.summary()
+    decode = [(i, s) for i, s in enumerate(stats.steps) if s.tokens == 1 and s.end is not None]
+    logged = {}
+    for step, _, _, nbytes, *_ in reads.log:
+        logged[step] = logged.get(step, 0) + nbytes
+    cache_rows_logged = sum(r[2] for r in reads.log if r[7])
+    io_s = sum(r[6] for r in reads.log)
+    useful = sum(r[4] for r in reads.log)
+    accounting = {
+        "decode_bytes_stats": sum(s.bytes_read for _, s in decode),
+        "decode_bytes_loader": sum(logged.get(i, 0) for i, _ in decode),
+        "all_bytes_stats": sum(s.bytes_read for s in stats.steps),
+        "all_bytes_loader": sum(r[3] for r in reads.log),
+        "useful_bytes_loader": useful,
+        "useful_bytes_expected": sum(r[8] for r in reads.log),  # neurons x the pack's row bytes
+        "reads": sum(r[5] for r in reads.log),
+        "cache_rows_loaded": sum(c.rows_loaded - base_rows[i] for i, c in rt.caches.items()),
+        "cache_rows_logged": cache_rows_logged,
+        "neurons_loaded_stats": sum(s.neurons_loaded for s in stats.steps),
+        "neurons_read_loader": sum(r[2] for r in reads.log),
+        "loader_seconds": io_s,
+    }
+    out = {
+        "mode": mode, "window": window, "budget": budget, "threads": threads, "temp": temp,
+        "top_p": top_p, "unbundled": bool(unbundled), "no_window": no_window,
+        "load_s": load_s, "generate_s": wall_s, "summary": summary,
+        "plan": stats.plan.describe() if stats.plan else None,
+        "plan_weights_bytes": stats.plan.weights if stats.plan else None,
+        "generation_tps": last.generation_tps if last else None,
+        "prompt_tps": last.prompt_tps if last else None,
+        "generated_tokens": last.generation_tokens if last else 0,
+        "text": "".join(text)[:300], "accounting": accounting,
+    }
+    if keep_steps:
+        out["steps"] = {"io_ms": [1e3 * s.io_s for _, s in decode],
+                        "mem_ms": [1e3 * s.mem_s for _, s in decode],
+                        "total_ms": [1e3 * s.wall_s for _, s in decode],
+                        "bytes_read": [s.bytes_read for _, s in decode]}
+    return out
+
+
+def process_baseline(pack) -> dict:
+    """Memory a benchmark child needs besides the weights: interpreter, MLX, mlx-lm, tokenizer.
+    Returns {"rss_bytes"}; the caller reads the cgroup peak (page cache included)."""
+    import resource
+    import sys
+
+    import mlx.core as mx  # noqa: F401
+    import mlx_lm.generate  # noqa: F401
+
+    from mlx_flash.models import load_tokenizer
+    from pathlib import Path
+
+    load_tokenizer(Path(pack))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rss_bytes": rss if sys.platform == "darwin" else rss * 1024}

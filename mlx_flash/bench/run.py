@@ -1,0 +1,507 @@
+"""The purge-aware benchmark suite: the paper's protocol, tables and figures on one model.
+
+    python -m mlx_flash.bench run --model PACK --modes dense,naive,hybrid,flash \\
+        --memory-budget 0.5 [--cap] [--prompt-tokens 128 --gen-tokens 256] [--repeats N] \\
+        [--ablation] [--sweeps budget,window,length] [--peers auto] --out DIR
+
+Protocol (paper section 4.1, DESIGN.md "Honest measurement"): prompts are the first
+--prompt-tokens tokens of real text (one document per repeat: --text files, or by default the
+reStructuredText sources of Python's documentation that Debian's python3-doc installs), then
+--gen-tokens generated tokens. Every run is a fresh child process started after the files it
+reads were evicted from the page cache (the method and the residency left are reported). With
+--cap each child runs inside a cgroup v1 memory cap (bench/cap.py) of the memory budget plus the
+process's own measured baseline (interpreter, MLX, tokenizer) and the KV cache, so the page cache
+cannot hide I/O; peers run under the same cap with the same prompts. Mean and standard deviation
+over --repeats. Output: DIR/results.json (every figure, machine, package versions, command),
+DIR/report.md with tables and PNG plots, and a printed summary.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+from ..errors import FlashError
+
+DEFAULT_TEXT_GLOB = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
+MODES = ("dense", "naive", "hybrid", "flash")
+SWEEPS = ("budget", "window", "length")
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", help="flash pack, GGUF file or model folder (default: the "
+                        "embedded SmolLM2-135M-Instruct; non-packs are converted once into "
+                        "$MLX_FLASH_HOME/bench-packs)")
+    parser.add_argument("--modes", default="dense,naive,hybrid,flash",
+                        help="comma-separated modes to run (default all four)")
+    parser.add_argument("--memory-budget", default="0.5",
+                        help="weights budget: fraction of the pack (0.5) or a size (1.3GB)")
+    parser.add_argument("--cap", action="store_true",
+                        help="run every child inside a cgroup memory cap (Linux, root)")
+    parser.add_argument("--cap-bytes", help="cap size (default: budget + measured process "
+                        "baseline + KV cache)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="cold runs per row (mean, std)")
+    parser.add_argument("--window", type=int, default=5, help="flash window k (tokens)")
+    parser.add_argument("--threads", type=int, default=32, help="reads in flight")
+    parser.add_argument("--text", nargs="+", help="text files for prompts (default: python3-doc "
+                        f"sources, {DEFAULT_TEXT_GLOB})")
+    parser.add_argument("--ablation", action="store_true",
+                        help="Table 2 rows: +Predictor (no window, unbundled), +Windowing "
+                        "(unbundled), +Bundling")
+    parser.add_argument("--sweeps", default="",
+                        help=f"comma-separated from {','.join(SWEEPS)} (PNG plots: Fig. 7 / 8, "
+                        "greedy vs nucleus in the length sweep)")
+    parser.add_argument("--sweep-budgets", default="0.4,0.5,0.65,0.8,0.95")
+    parser.add_argument("--sweep-windows", default="1,2,4,8")
+    parser.add_argument("--sweep-length", type=int, default=1000,
+                        help="tokens generated in the length sweep (capped by the context)")
+    parser.add_argument("--sweep-gen-tokens", type=int, default=64,
+                        help="tokens generated per budget/window sweep point")
+    parser.add_argument("--peers", default="auto",
+                        help="mlx-lm,llama.cpp, 'auto' (those installed) or 'none'")
+    parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "
+                        "source GGUF, or one written from the pack)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="also write /proc/sys/vm/drop_caches when fadvise leaves pages (root)")
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds per child run")
+    parser.add_argument("--out", required=True, help="output folder (created; files replaced)")
+    parser.add_argument("--verbose", action="store_true")
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+def resolve_pack(model) -> dict:
+    """{"pack", "mlx_folder" (or None), "gguf" (or None), "converted"} for a --model value."""
+    from ..io.planner import flash_home
+    from ..models import is_flash_pack
+    from ..models.source import default_gguf_path, is_gguf, resolve_model
+
+    if model is not None and is_flash_pack(Path(model).expanduser()):
+        return {"pack": Path(model).expanduser(), "mlx_folder": None, "gguf": None,
+                "converted": False}
+    gguf = None
+    if model is None:
+        gguf = default_gguf_path()
+    elif Path(model).expanduser().is_file() and is_gguf(Path(model).expanduser()):
+        gguf = Path(model).expanduser()
+    folder = resolve_model(model)
+    key = zlib.crc32(str(folder.resolve()).encode())
+    pack = flash_home() / "bench-packs" / f"{folder.name}-{key:08x}"
+    if not pack.exists():
+        from ..pack import write_pack
+
+        print(f"converting {folder} into a flash pack at {pack} (once)", file=sys.stderr)
+        write_pack(folder, pack, progress=False)
+    return {"pack": pack, "mlx_folder": folder, "gguf": gguf, "converted": True}
+
+
+def text_sources(paths) -> list[Path]:
+    """The prompt text files: --text, else python3-doc's .rst sources; FlashError if none."""
+    import glob
+
+    if paths:
+        files = [Path(p).expanduser() for p in paths]
+        for f in files:
+            if not f.is_file():
+                raise FlashError(f"--text {f}: no such file")
+        return files
+    files = [Path(p) for p in sorted(glob.glob(DEFAULT_TEXT_GLOB))]
+    if not files:
+        raise FlashError("--text: no prompt text given and python3-doc's sources are not installed "
+                         f"({DEFAULT_TEXT_GLOB}); pass --text FILE or apt-get install python3-doc")
+    return files
+
+
+def make_prompts(tokenizer, files, n_prompts, n_tokens) -> list[dict]:
+    """`n_prompts` prompts of exactly `n_tokens` token ids: the first tokens of successive files
+    (of successive chunks when one file is given), like the paper's first 128 tokens of C4 docs."""
+    prompts = []
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError as e:
+            raise FlashError(f"--text {f}: cannot read ({e.strerror})") from None
+        ids = tokenizer.encode(text)
+        chunks = range(0, len(ids) - n_tokens + 1, n_tokens) if len(files) == 1 else [0]
+        for start in chunks:
+            if len(ids) >= start + n_tokens:
+                prompts.append({"source": str(f), "start_token": start,
+                                "ids": [int(t) for t in ids[start: start + n_tokens]]})
+            if len(prompts) == n_prompts:
+                return prompts
+    if not prompts:
+        raise FlashError(f"--text: no file has {n_tokens} tokens (--prompt-tokens)")
+    while len(prompts) < n_prompts:  # short texts: reuse prompts rather than fail
+        prompts.append(prompts[len(prompts) % len(prompts)])
+    return prompts
+
+
+def machine_info() -> dict:
+    """Platform, CPU, memory, disk of the pack, load average."""
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_bytes"] = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    return info
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("mlx", "mlx-lm", "mlx-flash-runtime", "numpy", "llama_cpp_python", "gguf",
+                 "matplotlib"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# ---- running children ---------------------------------------------------------------------------
+
+class Suite:
+    """Runs cold children for one pack and keeps every result."""
+
+    def __init__(self, args, model_info):
+        from ..bench.cap import cgroup_status
+        from ..pack import read_manifest
+        from ..sparse.budget import pack_bytes, resolve_budget
+
+        self.args = args
+        self.pack = Path(model_info["pack"])
+        self.model_info = model_info
+        self.manifest = read_manifest(self.pack)
+        self.pack_bytes = pack_bytes(self.manifest)
+        self.budget_bytes = resolve_budget(args.memory_budget, self.manifest)
+        self.runs = []
+        self.evictions = {}
+        self.extra_paths = []
+        usable, reason = cgroup_status()
+        self.cap = {"asked": args.cap, "used": bool(args.cap and usable), "reason": reason}
+        if args.cap and not usable:
+            print(f"note: --cap asked but not available ({reason}); running uncapped",
+                  file=sys.stderr)
+        self.use_cgroup = usable  # peak memory from an (unlimited) cgroup even without --cap
+
+    # -- cap size
+    def measure_baseline(self, prompt):
+        """Memory a run needs besides its weights budget: a short uncapped naive run's peak RSS
+        minus the weights its plan holds (interpreter, MLX, loader threads, activations), plus an
+        upper bound of the KV cache for the longest run (float32)."""
+        from ..bench.cap import run_capped
+
+        kwargs = {"pack": str(self.pack), "mode": "naive", "prompt": prompt["ids"][:8],
+                  "gen_tokens": 4, "threads": self.args.threads, "keep_steps": False}
+        r = run_capped("mlx_flash.bench.measure:generate_flash", kwargs, use_cgroup=False,
+                       timeout=self.args.timeout)
+        if not r.ok:
+            raise FlashError(f"{self.pack}: the baseline run (naive, uncapped) failed: {r.error}")
+        v = r.value
+        self.baseline_bytes = max(0, v["summary"]["peak_rss"] - v["plan_weights_bytes"])
+        cfg = json.loads((self.pack / "config.json").read_text())
+        layers = cfg.get("num_hidden_layers", len(self.manifest["bundles"]))
+        hidden = cfg.get("hidden_size", 0)
+        heads = cfg.get("num_attention_heads", 1)
+        kv_dim = hidden // heads * (cfg.get("num_key_value_heads") or heads)
+        tokens = self.args.prompt_tokens + max(self.args.gen_tokens, self.sweep_length())
+        self.kv_bytes = tokens * layers * 2 * kv_dim * 4
+        self.cap["baseline_bytes"] = self.baseline_bytes
+        self.cap["baseline_method"] = ("peak RSS of an uncapped 4-token naive run minus the "
+                                       "weights its memory plan holds")
+        self.cap["kv_cache_bytes"] = self.kv_bytes
+
+    def cap_for(self, budget_bytes):
+        """Cap bytes for a run whose weights budget is `budget_bytes` (None when uncapped)."""
+        if not self.cap["used"]:
+            return None
+        if self.args.cap_bytes:
+            from ..flash_config import parse_memory_budget
+
+            kind, amount = parse_memory_budget(self.args.cap_bytes)
+            return int(amount * self.pack_bytes) if kind == "fraction" else amount
+        return int(budget_bytes + self.baseline_bytes + self.kv_bytes)
+
+    def sweep_length(self):
+        if "length" not in self.sweeps():
+            return 0
+        cfg = json.loads((self.pack / "config.json").read_text())
+        limit = cfg.get("max_position_embeddings") or 10**9
+        return max(1, min(self.args.sweep_length, limit - self.args.prompt_tokens - 2))
+
+    def sweeps(self):
+        names = [s for s in self.args.sweeps.split(",") if s]
+        for s in names:
+            if s not in SWEEPS:
+                raise FlashError(f"--sweeps {s}: unknown sweep (choose from {', '.join(SWEEPS)})")
+        return names
+
+    def evict(self, paths):
+        from ..io import evict
+        from ..io.cache import pack_files
+
+        files = [f for p in map(Path, paths) for f in (pack_files(p) if p.is_dir() else [p])]
+        r = evict(files, drop_caches=self.args.drop_caches)
+        self.evictions[r["method"]] = max(self.evictions.get(r["method"], 0.0), r["residency"] or 0.0)
+        return r
+
+    def child(self, group, label, function, kwargs, *, budget_bytes, paths=None, repeat=0,
+              extra=None) -> dict:
+        """One cold child run; appends and returns its record."""
+        from ..bench.cap import run_capped
+
+        cap = self.cap_for(budget_bytes) if budget_bytes is not None else self.cap_for(self.pack_bytes)
+        ev = self.evict(paths or [self.pack] + self.extra_paths)
+        t0 = time.perf_counter()
+        r = run_capped(function, kwargs, cap_bytes=cap, use_cgroup=self.use_cgroup,
+                       timeout=self.args.timeout)
+        rec = {"group": group, "label": label, "repeat": repeat, "function": function,
+               "kwargs": {k: v for k, v in kwargs.items() if k != "prompt"},
+               "evict": ev, "cap_bytes": cap, "ok": r.ok, "error": r.error,
+               "peak_bytes": r.peak_bytes, "peak_source": r.peak_source, "oom_killed": r.oom_killed,
+               "failcnt": r.failcnt, "seconds": round(time.perf_counter() - t0, 2),
+               "value": r.value, **(extra or {})}
+        if not r.ok and self.args.verbose:
+            print(r.stderr_tail, file=sys.stderr)
+        state = "ok" if r.ok else f"FAILED: {r.error}"
+        total = (r.value or {}).get("summary", {}).get("total_ms") if r.ok else None
+        print(f"  [{group}] {label} #{repeat + 1}: {state}"
+              + (f", {total:.1f} ms/token" if total is not None else "")
+              + (f", peak {r.peak_bytes / 1e9:.3f} GB" if r.peak_bytes else ""), file=sys.stderr)
+        self.runs.append(rec)
+        return rec
+
+    def flash_run(self, group, label, mode, prompt, *, budget=None, window=None, gen_tokens=None,
+                  repeat=0, **kw):
+        budget = self.args.memory_budget if budget is None else budget
+        from ..sparse.budget import resolve_budget
+
+        weights_budget = None if mode == "dense" else budget
+        budget_bytes = self.pack_bytes if mode == "dense" else resolve_budget(budget, self.manifest)
+        kwargs = {"pack": str(self.pack), "mode": mode, "prompt": prompt["ids"],
+                  "gen_tokens": gen_tokens or self.args.gen_tokens, "budget": weights_budget,
+                  "window": window or self.args.window, "threads": self.args.threads, **kw}
+        return self.child(group, label, "mlx_flash.bench.measure:generate_flash", kwargs,
+                          budget_bytes=budget_bytes, repeat=repeat,
+                          extra={"mode": mode, "memory_budget": budget,
+                                 "budget_bytes": budget_bytes,
+                                 "prompt_source": prompt["source"]})
+
+
+# ---- aggregation --------------------------------------------------------------------------------
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate(records) -> dict:
+    """Mean/std over the repeats of one row (records of the same label)."""
+    ok = [r for r in records if r["ok"]]
+    row = {"label": records[0]["label"], "runs": len(records), "ok_runs": len(ok),
+           "errors": sorted({r["error"] for r in records if not r["ok"]}),
+           "peak_bytes": max((r["peak_bytes"] or 0 for r in records), default=None),
+           "cap_bytes": records[0]["cap_bytes"]}
+    for key in ("mode", "memory_budget", "budget_bytes"):
+        if key in records[0]:
+            row[key] = records[0][key]
+    if not ok:
+        return row
+    summaries = [r["value"]["summary"] for r in ok]
+    for key in ("total_ms", "io_ms", "mem_ms", "compute_ms", "bytes_read", "neurons_loaded",
+                "hit_rate", "window", "prompt_ms", "peak_memory", "peak_rss"):
+        row[key], row[key + "_std"] = mean_std([s.get(key) for s in summaries])
+    row["plan_weights_bytes"] = ok[0]["value"].get("plan_weights_bytes")
+    row["plan"] = ok[0]["value"].get("plan")
+    row["tokens"] = summaries[0]["tokens"]
+    row["load_s"], row["load_s_std"] = mean_std([r["value"]["load_s"] for r in ok])
+    io = [s["io_ms"] for s in summaries]
+    row["throughput_gbps"] = (row["bytes_read"] / (statistics.fmean(io) / 1e3) / 1e9
+                              if io and statistics.fmean(io) > 0 else None)
+    acc = [r["value"]["accounting"] for r in ok]
+    row["accounting_ok"] = all(
+        a["decode_bytes_stats"] == a["decode_bytes_loader"] and a["all_bytes_stats"] == a["all_bytes_loader"]
+        and a["cache_rows_loaded"] == a["cache_rows_logged"]
+        and a["neurons_loaded_stats"] == a["neurons_read_loader"]
+        and a["useful_bytes_loader"] == a["useful_bytes_expected"] for a in acc)
+    return row
+
+
+def rows_by_label(runs, group) -> dict:
+    labels = {}
+    for r in runs:
+        if r["group"] == group:
+            labels.setdefault(r["label"], []).append(r)
+    return {label: aggregate(recs) for label, recs in labels.items()}
+
+
+# ---- the suite ----------------------------------------------------------------------------------
+
+def run(args) -> int:
+    from ..models import load_tokenizer
+    from . import peers as peer_mod
+    from . import report
+
+    for name, value in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
+                        ("--repeats", args.repeats)):
+        if value < 1:
+            raise FlashError(f"{name} {value}: must be at least 1")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise FlashError(f"--modes {m}: unknown mode (choose from {', '.join(MODES)})")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise FlashError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    peer_names = peer_mod.choose(args.peers)
+    model_info = resolve_pack(args.model)
+    suite = Suite(args, model_info)
+    suite.sweeps()
+    from ..synthetic import is_synthetic
+
+    synthetic = is_synthetic(suite.pack)
+    files = text_sources(args.text)
+    tokenizer = load_tokenizer(suite.pack)
+    n_prompts = max(args.repeats, 1)
+    prompts = make_prompts(tokenizer, files, n_prompts, args.prompt_tokens)
+    if suite.cap["used"]:
+        suite.measure_baseline(prompts[0])
+    if "flash" in modes or args.ablation or suite.sweeps():
+        from ..sparse.predictor import read_predictors_json
+
+        if read_predictors_json(suite.pack) is None:
+            raise FlashError(f"{suite.pack}: --mode flash (and --ablation/--sweeps) need predictors; "
+                             f"run python -m mlx_flash.calibrate --model {suite.pack}, or drop flash "
+                             f"from --modes")
+    command = _command(args)
+    print(f"pack {suite.pack} ({suite.pack_bytes / 1e9:.3f} GB"
+          + (", SYNTHETIC: random weights, speed only" if synthetic else "")
+          + f"), budget {suite.budget_bytes / 1e9:.3f} GB, cap: "
+          + (f"{suite.cap_for(suite.budget_bytes) / 1e9:.3f} GB" if suite.cap["used"] else
+             f"none ({suite.cap['reason'] if args.cap else 'not asked'})"), file=sys.stderr)
+
+    # 1. the modes (Table 3)
+    for rep in range(args.repeats):  # repeats outermost: background load hits every mode alike
+        for mode in modes:
+            suite.flash_run("modes", mode, mode, prompts[rep], repeat=rep)
+    # 2. Table 2 ablation: the two unbundled rows (naive/hybrid/flash rows come from step 1)
+    unbundled = None
+    if args.ablation:
+        unbundled = write_unbundled_copy(suite.pack, out / "unbundled-copy")
+        suite.extra_paths = [Path(unbundled["path"])]
+        for rep in range(args.repeats):
+            suite.flash_run("ablation", "+predictor", "flash", prompts[rep], repeat=rep,
+                            unbundled=unbundled, no_window=True)
+            suite.flash_run("ablation", "+windowing", "flash", prompts[rep], repeat=rep,
+                            unbundled=unbundled)
+        for mode in ("naive", "hybrid", "flash"):
+            if mode not in modes:
+                for rep in range(args.repeats):
+                    suite.flash_run("modes", mode, mode, prompts[rep], repeat=rep)
+        suite.extra_paths = []
+        import shutil
+
+        shutil.rmtree(unbundled["path"], ignore_errors=True)
+    # 3. sweeps (one cold run per point)
+    sweeps = suite.sweeps()
+    if "budget" in sweeps:
+        for b in args.sweep_budgets.split(","):
+            for mode in ("hybrid", "flash"):
+                suite.flash_run("sweep-budget", f"{mode}@{b}", mode, prompts[0], budget=b,
+                                gen_tokens=args.sweep_gen_tokens)
+    if "window" in sweeps:
+        for w in args.sweep_windows.split(","):
+            suite.flash_run("sweep-window", f"flash@w{w}", "flash", prompts[0], window=int(w),
+                            gen_tokens=args.sweep_gen_tokens)
+    if "length" in sweeps:
+        n = suite.sweep_length()
+        suite.flash_run("sweep-length", "greedy", "flash", prompts[0], gen_tokens=n)
+        suite.flash_run("sweep-length", "nucleus (top-p 0.9, temp 1.0)", "flash", prompts[0],
+                        gen_tokens=n, temp=1.0, top_p=0.9, seed=1)
+    # 4. peers under the same cap and prompts
+    peer_results = peer_mod.run_peers(suite, peer_names, prompts, out)
+
+    result = {
+        "command": command, "cwd": os.getcwd(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(), "packages": package_versions(),
+        "model": {"pack": str(suite.pack), "pack_bytes": suite.pack_bytes,
+                  "resident_bytes": suite.manifest["resident"]["length"],
+                  "layers": len(suite.manifest["bundles"]), "synthetic": synthetic,
+                  "mlx_folder": str(model_info["mlx_folder"] or ""),
+                  "gguf": str(model_info["gguf"] or ""), "converted": model_info["converted"]},
+        "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+                     "repeats": args.repeats, "window": args.window, "threads": args.threads,
+                     "memory_budget": args.memory_budget, "budget_bytes": suite.budget_bytes,
+                     "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
+                     "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
+                     "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
+        "modes": rows_by_label(suite.runs, "modes"),
+        "ablation": rows_by_label(suite.runs, "ablation"),
+        "sweeps": {name: rows_by_label(suite.runs, f"sweep-{name}") for name in sweeps},
+        "length_steps": {r["label"]: r["value"]["steps"] for r in suite.runs
+                         if r["group"] == "sweep-length" and r["ok"]},
+        "peers": peer_results,
+        "runs": suite.runs,
+    }
+    result["table2"] = report.table2_rows(result)
+    result["table3"] = report.table3_rows(result)
+    result["speedups"] = report.speedups(result)
+    result["plots"] = report.plots(result, out)
+    report.write_json(out / "results.json", result)
+    report.write_text(out / "report.md", report.markdown(result))
+    print(report.summary(result))
+    print(f"\nresults: {out / 'results.json'}\nreport:  {out / 'report.md'}")
+    return 0
+
+
+def _command(args) -> str:
+    """The command line that reproduces this run (set by bench/__main__, else rebuilt from the
+    parsed options when run() is called from Python)."""
+    import shlex
+
+    if getattr(args, "command_line", None):
+        return args.command_line
+    parts = ["python", "-m", "mlx_flash.bench", "run"]
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False):
+            parts += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return shlex.join(parts)
+
+
+def write_unbundled_copy(pack: Path, dest: Path) -> dict:
+    """The matrix-major (unbundled) copy bench io compares against, written by bench.io's own
+    writer; {"path", "layer_map": {pack layer: [copy layers]}}. Rewritten on every call."""
+    import shutil
+    from types import SimpleNamespace
+
+    from ..pack import read_manifest
+    from .io import write_unbundled
+
+    manifest = read_manifest(pack)
+    entries = {b["layer"]: b for b in manifest["bundles"]}
+    shutil.rmtree(dest, ignore_errors=True)
+    view = SimpleNamespace(pack=pack, manifest=manifest, layers=sorted(entries), entries=entries)
+    layer_map = write_unbundled(view, dest)
+    return {"path": str(dest), "layer_map": {str(k): v for k, v in layer_map.items()}}
