@@ -10,6 +10,7 @@ unless named `_t` (y = h @ W[rows]).
 """
 
 import importlib
+import os
 import warnings
 
 import mlx.core as mx
@@ -35,12 +36,17 @@ def _load_extension():
 
 _ext, EXTENSION_ERROR = _load_extension()
 EXTENSION_AVAILABLE = _ext is not None
-_enabled = True
+# MLX_FLASH_KERNELS=0 in the environment starts with the kernels off (MLX's own ops everywhere),
+# e.g. `MLX_FLASH_KERNELS=0 python -m mlx_flash.generate` to compare with MLX's CPU path.
+_enabled = os.environ.get("MLX_FLASH_KERNELS", "1").strip() != "0"
 _warned = False
 
 
 def set_kernels_enabled(enabled: bool) -> None:
-    """Turn the CPU kernels on/off process-wide (off: always the MLX-op path; for tests and bench)."""
+    """Turn the CPU kernels on/off process-wide (off: always the MLX-op path; for tests and bench).
+
+    The initial state comes from the environment: MLX_FLASH_KERNELS=0 starts with them off.
+    """
     global _enabled
     _enabled = bool(enabled)
 

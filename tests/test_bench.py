@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mlx_flash.bench.__main__ import main
 
 
@@ -10,3 +12,40 @@ def test_blas_bench_reports(tmp_path):
     assert main(["blas", "--size", "64", "--repeats", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["matmul_gflops"] > 0 and result["matvec_gb_per_s"] > 0 and result["blas"]
+
+
+def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys):
+    import shutil
+
+    from mlx_flash import ops
+
+    if not ops.EXTENSION_AVAILABLE:
+        pytest.skip(f"mlx_flash._ext not built ({ops.EXTENSION_ERROR})")
+    # a tiny random 4-bit llama with the embedded model's tokenizer (fast to generate with)
+    model = tiny_llama("m", quantize=(4, 32), vocab=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir / name, model / name)
+    out = tmp_path / "kernels.json"
+    # a model folder (not a GGUF): the llama.cpp column is skipped with its reason
+    assert main(["kernels", "--only", "smollm2 k/v", "--working-set", "1", "--repeats", "1",
+                 "--bandwidth-mib", "8", "--generate", str(model), "--max-tokens", "4",
+                 "--gen-repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["reference_bandwidth_gbs"] > 0 and "kernels" in result["command"]
+    (case,) = result["cases"]
+    assert case["kind"] == "q4g32" and case["N"] == 192 and case["K"] == 576
+    assert case["bytes_per_call"] == 192 * (576 // 2 + 4 * 576 // 32)  # packed 4-bit + f16 scales/biases
+    assert case["ours_gbs"] > 0 and case["mlx_gbs"] > 0 and case["ours_fraction"] > 0
+    g = result["generate"]
+    assert g["mlx"]["layers_patched"] == 0 and g["mlx_flash"]["layers_patched"] == 15
+    assert g["mlx"]["generation_tps"] > 0 and g["mlx_flash"]["generation_tps"] > 0
+    assert g["mlx_flash"]["generated_tokens"] == 4 and g["prompt_tokens"] > 5
+    assert "llama.cpp" not in g and g["llama_cpp_missing"]
+    text = capsys.readouterr().out
+    assert "llama.cpp: skipped" in text and "command: python" in text
+
+
+def test_kernels_bench_refuses_no_kernels_without_generate(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["kernels", "--no-kernels"])
+    assert e.value.code == 2 and "--no-kernels" in capsys.readouterr().err

@@ -308,3 +308,19 @@ def test_patch_linear_layers_logits_match(tiny_llama, variant):
     for a, r in ((patched, dense), (patched_step, step)):
         a, r = _f32(a), _f32(r)
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+
+
+@pytest.mark.parametrize("value,active", [("0", False), ("1", True)])
+def test_environment_switch(value, active):
+    # MLX_FLASH_KERNELS=0 python -m mlx_flash.generate ... runs MLX's own ops (nothing patched)
+    import os
+    import subprocess
+    import sys
+
+    code = ("import mlx.core as mx, mlx.nn as nn; from mlx_flash import ops; "
+            "mx.set_default_device(mx.cpu); m = nn.QuantizedLinear(64, 8, group_size=32, bits=4); "
+            "print(ops.kernels_active(), ops.patch_linear_layers(nn.Sequential(m)))")
+    env = {**os.environ, "MLX_FLASH_KERNELS": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    want = (active and ops.EXTENSION_AVAILABLE)
+    assert out.stdout.split() == [str(want), str(int(want))]

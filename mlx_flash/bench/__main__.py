@@ -1,5 +1,6 @@
 import argparse
 import importlib
+import shlex
 import sys
 
 from ..cli import run_cli
@@ -18,7 +19,9 @@ def _main(argv):
     sub_parser = argparse.ArgumentParser(prog=f"python -m mlx_flash.bench {command}",
                                          description=SUBCOMMANDS[command])
     module.add_arguments(sub_parser)
-    return module.run(sub_parser.parse_args(argv[1:])) or 0
+    args = sub_parser.parse_args(argv[1:])
+    args.command_line = "python -m mlx_flash.bench " + shlex.join(argv)  # for reports: how to reproduce
+    return module.run(args) or 0
 
 
 def main(argv=None):

@@ -398,7 +398,7 @@ def run(args) -> int:
     main = next(r for r in comparisons if r["fraction"] == args.fraction)
     if not args.no_fio and not fio:
         print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
-    result = {"pack": str(bench.pack), "machine": machine(), "command": " ".join(sys.argv),
+    result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
               "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
               "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
               "bundled_vs_unbundled": comparisons, "fio": fio}

@@ -6,7 +6,11 @@ Each kernel is then timed on cold weights: enough copies of the matrix to exceed
 cache (--working-set MiB), one op per copy, evaluated in batches; effective bandwidth = bytes of
 packed weights + scales + biases actually read (selected rows only for gathers) / seconds.
 
-  python -m mlx_flash.bench kernels [--json out.json] [--generate MODEL_DIR]
+Generation (--generate): decode tokens/s of the dense `python -m mlx_flash.generate` path with our
+kernels vs MLX's own CPU ops (kernels off), and llama.cpp (llama-cpp-python) on the same GGUF and
+thread count, greedy, the same chat-templated prompt ids.
+
+  python -m mlx_flash.bench kernels [--json out.json] [--generate [MODEL]] [--no-kernels]
 """
 
 import json
@@ -14,6 +18,9 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
+
+from ..errors import FlashError
 
 TARGET_FRACTION = 0.70
 
@@ -42,12 +49,21 @@ def add_arguments(parser):
     parser.add_argument("--json", default=None, help="save the results to this file")
     parser.add_argument("--working-set", type=int, default=256,
                         help="MiB of distinct weights cycled through per timing (beats the cache)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="MiB streamed to measure memory bandwidth (default 512)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per case (best is kept)")
     parser.add_argument("--only", default=None, help="run only cases whose name or kind contains this")
     parser.add_argument("--no-mlx", action="store_true", help="skip timing MLX's own ops")
-    parser.add_argument("--generate", metavar="MODEL_DIR", default=None,
-                        help="also time token generation of this mlx-lm model folder, unpatched vs patched")
+    parser.add_argument("--generate", metavar="MODEL", nargs="?", const="", default=None,
+                        help="also time generation as `python -m mlx_flash.generate` runs it (MODEL: "
+                        "anything --model accepts; none = the embedded default) with our kernels, "
+                        "with MLX's own ops, and with llama.cpp on the same GGUF when installed")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the per-kernel table (only with --generate)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation run")
+    parser.add_argument("--gen-repeats", type=int, default=3, help="generation runs per engine (best kept)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp threads (default: the kernels' thread count)")
     parser.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
 
 
@@ -194,38 +210,136 @@ def _bench_case(name, kind, n, k, m, opts, args, bandwidth):
     return row
 
 
+def _chat_ids(tokenizer, prompt):
+    """Token ids of `prompt` as `python -m mlx_flash.generate` sends it (chat template applied)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))
+
+
+def _decode_rate(stamps):
+    """Generation tokens/s from the wall-clock times at which tokens 1..n arrived: (n-1) tokens
+    over the time from the first to the last (prompt processing excluded), the same rule for every
+    engine."""
+    if len(stamps) < 2:
+        return float("nan")
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _mlx_flash_run(model, tokenizer, ids, max_tokens):
+    """One greedy generation through mlx_flash.stream_generate -> (tokens/s, tokens, mlx-lm's own
+    generation_tps)."""
+    from mlx_flash import stream_generate
+
+    stamps, tokens, last = [], [], None
+    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, temp=0.0):
+        stamps.append(time.perf_counter())
+        tokens.append(r.token)
+        last = r
+    return _decode_rate(stamps), tokens, last.generation_tps
+
+
+def _llama_cpp_model(gguf, threads):
+    """A llama.cpp model (llama-cpp-python) on `gguf` with `threads` threads, or (None, reason)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None, ("llama-cpp-python is not installed: `scripts/setup.sh --peers` "
+                      "(or pip install 'llama-cpp-python>=0.3.16'; compiles llama.cpp, ~10 min)")
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                 n_batch=512, verbose=False), None
+
+
+def _llama_cpp_run(llm, ids, max_tokens):
+    """One greedy generation of `max_tokens` tokens with llama.cpp -> (tokens/s, tokens)."""
+    stamps, tokens = [], []
+    llm.reset()
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(tok)
+        if len(tokens) >= max_tokens:
+            break
+    return _decode_rate(stamps), tokens
+
+
 def _generate(args):
-    """Tokens/s of mlx-lm generation on MODEL_DIR, before and after patch_linear_layers."""
+    """Decode tokens/s of the `python -m mlx_flash.generate` path (mlx_flash.load, dense) with our
+    kernels and with MLX's own ops (kernels off: nothing patched), and of llama.cpp on the same GGUF
+    with the same thread count. Runs are interleaved; best of --gen-repeats per engine."""
     import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.utils import load
 
-    from mlx_flash import ops
+    from mlx_flash import load, ops
+    from mlx_flash.models.source import default_gguf_path
 
-    model, tokenizer = load(args.generate)
-
-    def one_run(max_tokens):
-        last, tokens = None, []
-        for r in stream_generate(model, tokenizer, args.prompt, max_tokens=max_tokens):
-            last = r
-            tokens.append(r.token)
-        return last, tokens
-
-    results = {}
-    for label in ("mlx", "patched"):
-        if label == "patched":
-            results["layers_patched"] = ops.patch_linear_layers(model)
-        one_run(8)  # warm-up
-        last, tokens = one_run(args.max_tokens)
-        results[label] = {"generation_tps": last.generation_tps, "prompt_tps": last.prompt_tps,
-                          "generation_tokens": last.generation_tokens, "prompt_tokens": last.prompt_tokens,
-                          "peak_memory_gb": last.peak_memory}
-        results[label + "_tokens"] = tokens
-    same = results.pop("mlx_tokens") == results.pop("patched_tokens")
-    results["same_greedy_tokens"] = same
-    results["speedup"] = results["patched"]["generation_tps"] / results["mlx"]["generation_tps"]
+    source = args.generate or None
+    gguf = default_gguf_path() if source is None else Path(source)
+    gguf = gguf if gguf.suffix.lower() == ".gguf" and gguf.is_file() else None
+    threads = args.threads or ops._ext.num_threads()
+    engines = {}
+    for label, enabled in (("mlx", False), ("mlx_flash", True)):
+        ops.set_kernels_enabled(enabled)
+        model, tokenizer = load(source, progress=False)
+        patched = sum(type(m).__name__.startswith("Kernel") for _, m in model.named_modules())
+        engines[label] = {"model": model, "patched": patched}
+    ops.set_kernels_enabled(True)
+    ids = _chat_ids(tokenizer, args.prompt)
+    llm, why = _llama_cpp_model(gguf, threads) if gguf else (None, "--generate is not a .gguf file")
+    if llm is not None:
+        engines["llama.cpp"] = {"llm": llm}
+    results = {"model": str(source or "embedded default"), "gguf": str(gguf) if gguf else None,
+               "threads": threads, "kernel_threads": ops._ext.num_threads(),
+               "prompt_tokens": len(ids), "max_tokens": args.max_tokens, "llama_cpp_missing": why}
+    best, tokens, mlx_lm_tps = {}, {}, {}
+    for label, e in engines.items():  # warm-up: threads, allocator, compiled graphs
+        ops.set_kernels_enabled(label != "mlx")
+        if label == "llama.cpp":
+            _llama_cpp_run(e["llm"], ids, min(8, args.max_tokens))
+        else:
+            _mlx_flash_run(e["model"], tokenizer, ids, min(8, args.max_tokens))
+    for _ in range(args.gen_repeats):
+        for label, e in engines.items():
+            ops.set_kernels_enabled(label != "mlx")
+            if label == "llama.cpp":
+                tps, toks = _llama_cpp_run(e["llm"], ids, args.max_tokens)
+            else:
+                tps, toks, own = _mlx_flash_run(e["model"], tokenizer, ids, args.max_tokens)
+                mlx_lm_tps[label] = max(own, mlx_lm_tps.get(label, 0.0))
+            best[label] = max(tps, best.get(label, 0.0))
+            tokens[label] = toks
+    ops.set_kernels_enabled(True)
+    for label, e in engines.items():
+        results[label] = {"generation_tps": best[label], "generated_tokens": len(tokens[label])}
+        if label in mlx_lm_tps:
+            results[label].update(mlx_lm_generation_tps=mlx_lm_tps[label], layers_patched=e["patched"])
+    results["same_greedy_tokens_as_mlx"] = tokens["mlx_flash"] == tokens["mlx"]
+    results["speedup_over_mlx"] = best["mlx_flash"] / best["mlx"]
+    if "llama.cpp" in best:
+        n = min(len(tokens["llama.cpp"]), len(tokens["mlx_flash"]))
+        results["greedy_tokens_agree_with_llama_cpp"] = sum(
+            a == b for a, b in zip(tokens["llama.cpp"][:n], tokens["mlx_flash"][:n])) / max(1, n)
+        results["fraction_of_llama_cpp"] = best["mlx_flash"] / best["llama.cpp"]
+    del engines
     mx.clear_cache()
     return results
+
+
+def _print_generate(g):
+    print(f"\ngeneration on {g['model']} (greedy, prompt {g['prompt_tokens']} tokens, up to "
+          f"{g['max_tokens']} new; decode tokens/s = (n-1) / time from first to last token; best "
+          f"of runs taken in turns)")
+    print(f"  MLX's own CPU ops (kernels off):  {g['mlx']['generation_tps']:6.1f} tok/s "
+          f"({g['mlx']['generated_tokens']} tokens)")
+    print(f"  mlx-flash kernels ({g['mlx_flash']['layers_patched']} layers):     "
+          f"{g['mlx_flash']['generation_tps']:6.1f} tok/s ({g['mlx_flash']['generated_tokens']} tokens), "
+          f"{g['speedup_over_mlx']:.1f}x MLX; same greedy tokens as MLX: {g['same_greedy_tokens_as_mlx']}")
+    if "llama.cpp" in g:
+        print(f"  llama.cpp ({g['threads']} threads, same GGUF):  {g['llama.cpp']['generation_tps']:6.1f} "
+              f"tok/s ({g['llama.cpp']['generated_tokens']} tokens); mlx-flash = "
+              f"{g['fraction_of_llama_cpp']:.2f}x llama.cpp (target >= 0.6x); greedy tokens agree "
+              f"{g['greedy_tokens_agree_with_llama_cpp']:.0%}")
+    else:
+        print(f"  llama.cpp: skipped ({g['llama_cpp_missing']})")
 
 
 def run(args):
@@ -238,15 +352,44 @@ def run(args):
         print(f"mlx_flash._ext is not available ({ops.EXTENSION_ERROR}); build it with `pip install .`",
               file=sys.stderr)
         return 1
+    if args.no_kernels and args.generate is None:
+        raise FlashError("--no-kernels: only with --generate (otherwise there is nothing to measure)")
     load_before = os.getloadavg()
-    bw = measure_bandwidth()
+    bw = measure_bandwidth(args.bandwidth_mib)
     bandwidth = max(bw.values())
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, mlx {mx.__version__}, "
           f"kernel threads {ops._ext.num_threads()}, simd {ops._ext.simd_active()}")
-    print("memory read bandwidth (numpy float32 max over 512 MiB, best of 5): "
+    print(f"memory read bandwidth (numpy float32 max over {args.bandwidth_mib} MiB, best of 5): "
           + ", ".join(f"{t} thread{'s' if t > 1 else ''} {v:.1f} GB/s" for t, v in sorted(bw.items())))
     print(f"reference bandwidth: {bandwidth:.1f} GB/s; target >= {TARGET_FRACTION:.0%} of it\n")
 
+    rows = []
+    if not args.no_kernels:
+        rows = _kernel_table(args, bandwidth)
+    load_after = os.getloadavg()
+    result = {"command": args.command_line, "machine": platform.platform(), "cpu_count": os.cpu_count(),
+              "mlx_version": mx.__version__, "kernel_threads": ops._ext.num_threads(),
+              "bandwidth_gbs": {str(t): v for t, v in bw.items()}, "reference_bandwidth_gbs": bandwidth,
+              "target_fraction": TARGET_FRACTION, "cases": rows}
+    if args.generate is not None:
+        result["generate"] = g = _generate(args)
+        _print_generate(g)
+        load_after = os.getloadavg()
+    result["load_average_before_after"] = [load_before[0], load_after[0]]
+    busy = max(load_before[0], load_after[0]) > 0.5
+    print(f"\n1-min load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}"
+          + (" -- other processes were using the CPU; figures are pessimistic" if busy else ""))
+    print(f"command: {result['command']}")
+    if args.json:
+        tmp = Path(f"{args.json}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, args.json)
+        print(f"saved {args.json}")
+    return 0
+
+
+def _kernel_table(args, bandwidth):
+    """Time every case of CASES (filtered by --only), print the table, return the rows."""
     rows = []
     head = f"{'case':22} {'kind':6} {'N x K':>12} {'M':>2} {'KiB/call':>9} {'ours us':>8} {'GB/s':>6} {'of BW':>6}"
     head += "" if args.no_mlx else f" {'MLX us':>9} {'GB/s':>6} {'speedup':>7}"
@@ -264,26 +407,4 @@ def run(args):
         print(line, flush=True)
     met = sum(r["ours_fraction"] >= TARGET_FRACTION for r in rows)
     print(f"\n{met}/{len(rows)} cases at >= {TARGET_FRACTION:.0%} of measured bandwidth")
-    load_after = os.getloadavg()
-    busy = max(load_before[0], load_after[0]) > 0.5
-    print(f"1-min load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}"
-          + (" -- other processes were using the CPU; figures are pessimistic" if busy else ""))
-
-    result = {"command": " ".join(sys.argv), "machine": platform.platform(), "cpu_count": os.cpu_count(),
-              "mlx_version": mx.__version__, "kernel_threads": ops._ext.num_threads(),
-              "bandwidth_gbs": {str(t): v for t, v in bw.items()}, "reference_bandwidth_gbs": bandwidth,
-              "load_average_before_after": [load_before[0], load_after[0]],
-              "cases": rows}
-    if args.generate:
-        g = _generate(args)
-        result["generate"] = g
-        print(f"\ngeneration on {args.generate} ({args.max_tokens} tokens, prompt {g['mlx']['prompt_tokens']} tokens):")
-        print(f"  MLX ops:            {g['mlx']['generation_tps']:.1f} tok/s (prompt {g['mlx']['prompt_tps']:.1f} tok/s)")
-        print(f"  patched ({g['layers_patched']} layers): {g['patched']['generation_tps']:.1f} tok/s "
-              f"(prompt {g['patched']['prompt_tps']:.1f} tok/s), {g['speedup']:.1f}x; "
-              f"same greedy tokens: {g['same_greedy_tokens']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {args.json}")
-    return 0
+    return rows
