@@ -438,7 +438,9 @@ def run(args) -> int:
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        tmp = Path(f"{args.json}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.json)
         print(f"\nresults: {args.json}")
     if (args.plot or "").lower() != "none":
         path = args.plot or (Path(args.json).with_suffix(".png") if args.json else Path("io_bench.png"))
