@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from mlx_flash.convert import main as convert_main
-from mlx_flash.errors import FlashError
 from mlx_flash.pack import load_pack_weights, read_manifest
 from mlx_flash.synthetic import ARCHS, analytic_capacity, inverse_normal_cdf, is_synthetic
 
@@ -77,11 +76,18 @@ def test_synthetic_model_generates(tmp_path):
     assert bool(mx.all(mx.isfinite(logits)))
 
 
-def test_bad_arguments(tmp_path):
-    with pytest.raises(FlashError, match="unknown architecture"):
-        convert_main(["--synthetic", "gpt-9", "--out", str(tmp_path / "a")])
-    with pytest.raises(FlashError, match="sparsity"):
-        convert_main(["--synthetic", "opt-tiny", "--sparsity", "1.5", "--out", str(tmp_path / "b")])
+def test_bad_arguments(tmp_path, capsys):
+    def error(argv):
+        with pytest.raises(SystemExit) as e:
+            convert_main(argv)
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert "--synthetic gpt-9: unknown architecture" in error(
+        ["--synthetic", "gpt-9", "--out", str(tmp_path / "a")])
+    assert "--sparsity 1.5" in error(
+        ["--synthetic", "opt-tiny", "--sparsity", "1.5", "--out", str(tmp_path / "b")])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not list(tmp_path.glob(".*"))  # no temporary folders left behind
     with pytest.raises(SystemExit):  # --model and --synthetic are exclusive
         convert_main(["--synthetic", "opt-tiny", "--model", "x", "--out", str(tmp_path / "c")])
