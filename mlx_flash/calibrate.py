@@ -20,6 +20,7 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,41 +28,59 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import FlashError
-from .sparse.predictor import ACTIVATIONS, KINDS, save_predictors
+from .sparse.predictor import ACTIVATIONS, KINDS, LOW_RANK, LayerPredictor, read_predictors_json, save_predictors
 
 SEQ_LEN = 512           # tokens per forward chunk
 MIN_TOKENS = 64         # a calibration text shorter than this cannot train or measure anything
 HOLDOUT = 0.1           # fraction of calibration tokens kept out of training for the stats
 MAX_WINDOW = 8          # capacity measured for windows 1..MAX_WINDOW tokens
 CAPACITY_PERCENTILE = 99
-DEFAULTS = {"kind": None, "target_sparsity": 0.4, "rank": 128, "threshold": 0.5, "epochs": 10}
+DEFAULTS = {"kind": None, "target_sparsity": 0.4, "rank": 128, "threshold": 0.5, "epochs": 10,
+            "recall": 0.95}
 
 
 # ---- the dense model of a pack, with swappable FFNs ------------------------------------------
 
 def load_dense_model(pack_dir):
-    """(model, tokenizer, config, manifest): the pack's model rebuilt dense, every weight resident."""
+    """(model, tokenizer, config, manifest): the pack's model rebuilt dense in float32.
+
+    Quantized weights are dequantized (the values the quantized model computes with): MLX's CPU
+    backend multiplies float32 matrices with BLAS (fast with OpenBLAS preloaded, see the README's
+    Linux notes) and quantized or half ones slowly, and calibration runs whole chunks of tokens.
+    """
     from .models import get_model_classes, load_tokenizer
     from .pack import load_pack_weights, read_manifest
 
     pack = Path(pack_dir)
     manifest = read_manifest(pack)
     config, weights = load_pack_weights(pack)
+    weights = dequantized(weights, config.get("quantization"))
     model_class, args_class = get_model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    if q := config.get("quantization"):
-        def quantizable(path, module):
-            if path in q:  # per-module override, as mlx-lm writes them
-                return q[path]
-            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
-
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=quantizable)
+    model = model_class(args_class.from_dict({k: v for k, v in config.items() if k != "quantization"}))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     model.load_weights(list(weights.items()))
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     model.eval()
     return model, load_tokenizer(pack), config, manifest
+
+
+def dequantized(weights: dict, quantization) -> dict:
+    """weights with every affine-quantized `X.weight` (+ X.scales, X.biases) replaced by its float32
+    values; quantization: the config's {"group_size", "bits", per-module overrides}."""
+    if not quantization:
+        return weights
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith(".scales")]:
+        module = key[: -len(".scales")]
+        q = quantization.get(module)
+        q = q if isinstance(q, dict) else quantization
+        out[f"{module}.weight"] = mx.dequantize(weights[f"{module}.weight"], weights[key],
+                                                weights[f"{module}.biases"], q["group_size"],
+                                                q["bits"]).astype(mx.float32)
+        del out[key], out[f"{module}.biases"]
+    return out
 
 
 def ffn_activation(config, manifest) -> str:
@@ -189,9 +208,10 @@ def collect_ffn_inputs(model, ffns, chunks, progress=True):
     for ffn in ffns.values():
         ffn.inputs = []
     for chunk in tqdm(chunks, desc="dense pass", unit="chunk", disable=not progress):
-        model(mx.array(chunk)[None])
-        for i, ffn in ffns.items():
-            x = ffn.inputs.pop()
+        model(mx.array(chunk)[None])  # lazy: only what the FFN inputs need is computed
+        inputs = {i: ffn.inputs.pop() for i, ffn in ffns.items()}
+        mx.eval(*inputs.values())
+        for i, x in inputs.items():
             dtype = x.dtype
             xs[i].append(np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32)))
     for ffn in ffns.values():
@@ -270,3 +290,375 @@ def train_low_rank(x, labels, rank, *, epochs=10, batch=256, lr=2e-3, seed=0):
             step(xs[idx], ys[idx])
             mx.eval(state)
     return {"A": clf.A / scale, "B": clf.B, "bias": clf.bias}
+
+
+def _resident_rows(module, role: str):
+    """(tensors, quantization) of a gate/up projection for a resident LayerPredictor."""
+    tensors = {f"{role}.weight": module.weight}
+    quant = None
+    if hasattr(module, "scales"):
+        tensors[f"{role}.scales"] = module.scales
+        tensors[f"{role}.biases"] = module.biases
+        quant = {"group_size": module.group_size, "bits": module.bits}
+    if "bias" in module:
+        tensors[f"{role}.bias"] = module.bias
+    return tensors, quant
+
+
+def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
+    """{"A", "B", "bias"} float32 with B (A x) + bias the best rank-`rank` approximation of the
+    gate pre-activations gate x over the inputs x [tokens, hidden] (reduced-rank regression: the
+    pre-activations projected on their top principal directions V, A = V^T W_gate, B = V)."""
+    g = np.array(ffn.gate(mx.array(x)).astype(mx.float32)).astype(np.float64)
+    mean = g.mean(axis=0)
+    g -= mean
+    _, vecs = np.linalg.eigh(g.T @ g)
+    del g
+    v = vecs[:, ::-1][:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
+    w = np.array(dequantized_weight(ffn.gate).astype(mx.float32)).astype(np.float64)
+    b = np.array(ffn.gate.bias).astype(np.float64) if "bias" in ffn.gate else np.zeros(len(mean))
+    proj = v @ v.T
+    bias = proj @ b + (np.eye(len(mean)) - proj) @ mean
+    return {"A": mx.array((v.T @ w).astype(np.float32)), "B": mx.array(v.astype(np.float32)),
+            "bias": mx.array(bias.astype(np.float32))}
+
+
+def dequantized_weight(module):
+    """The float weight matrix of a Linear or QuantizedLinear [out, in]."""
+    if hasattr(module, "scales"):
+        return mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    return module.weight
+
+
+def recall_cut(score: np.ndarray, active: np.ndarray, recall: float) -> float:
+    """The largest cutoff c with at least `recall` of the active entries having score > c."""
+    s = score[active]
+    if not len(s):
+        return float(score.max()) if score.size else 0.0
+    return float(np.quantile(s, 1 - recall)) * (1 - 1e-6)
+
+
+def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None, prob_threshold=0.5,
+                    cut=0.0):
+    """The LayerPredictor the runtime will build for this layer, on the in-memory weights.
+
+    Low-rank factors are rounded to float16, as predictors.safetensors stores them, so calibration
+    measures exactly the predictor that is saved.
+    """
+    tensors, quant = {}, None
+    if kind == "exact-relu":
+        tensors, quant = _resident_rows(ffn.up, "up")
+    elif kind == "gate-threshold":
+        tensors, quant = _resident_rows(ffn.gate, "gate")
+    elif kind in LOW_RANK:
+        tensors = {k: v.astype(mx.float16) for k, v in factors.items()}
+    return LayerPredictor(layer, kind, n_neurons, threshold=threshold, prob_threshold=prob_threshold,
+                          cut=cut,
+                          rank=int(factors["A"].shape[0]) if factors else 0,
+                          activation=ffn.activation, tensors=tensors, quantization=quant)
+
+
+def predict_masks(predictor, x: np.ndarray, dtype, batch=2048) -> np.ndarray:
+    """bool [tokens, n_neurons]: the neurons `predictor` marks active for inputs x (in dtype)."""
+    out = []
+    for s in range(0, len(x), batch):
+        out.append(np.array(predictor(mx.array(x[s: s + batch]).astype(dtype))))
+    return np.concatenate(out)
+
+
+def window_capacity(predicted: np.ndarray, max_window=MAX_WINDOW, percentile=CAPACITY_PERCENTILE):
+    """[Req_1 .. Req_max_window]: the `percentile` of the number of distinct neurons predicted
+    over the last w consecutive tokens (rows of `predicted`, bool [tokens, n_neurons])."""
+    union = predicted.copy()
+    caps = []
+    for w in range(1, max_window + 1):
+        if w > 1:
+            union = union[1:] | predicted[: len(union) - 1]  # union[t] covers tokens t..t+w-1
+        sizes = union.sum(axis=1) if len(union) else np.zeros(1)
+        caps.append(int(math.ceil(np.percentile(sizes, percentile))))
+    return caps
+
+
+def prediction_stats(active: np.ndarray, predicted: np.ndarray) -> dict:
+    """Appendix-B numbers over held-out tokens (fractions of neurons per token, averaged):
+    active (thresholded model), predicted, both; recall = both / active (1 - false negatives);
+    over_prediction = predicted / active."""
+    a, p = active.mean(), predicted.mean()
+    both = (active & predicted).mean()
+    return {"active": float(a), "predicted": float(p), "both": float(both),
+            "recall": float(both / a) if a else 1.0,
+            "over_prediction": float(p / a) if a else float("inf") if p else 1.0}
+
+
+def parse_rank_per_layer(spec, n_layers: int) -> dict:
+    """--rank-per-layer "26-29:256,3:64" -> {26: 256, 27: 256, 28: 256, 29: 256, 3: 64}."""
+    out = {}
+    if not spec:
+        return out
+    for part in str(spec).split(","):
+        try:
+            layers, rank = part.split(":")
+            lo, _, hi = layers.partition("-")
+            lo, hi, rank = int(lo), int(hi or lo), int(rank)
+        except ValueError:
+            raise FlashError(f"--rank-per-layer {spec}: expected LAYERS:RANK[,...] such as 26-29:256") from None
+        if not 0 <= lo <= hi < n_layers or rank < 1:
+            raise FlashError(f"--rank-per-layer {spec}: layers must lie in 0..{n_layers - 1} and "
+                             "ranks be >= 1")
+        out.update({i: rank for i in range(lo, hi + 1)})
+    return out
+
+
+def default_kind(gated: bool, activation: str) -> str:
+    """Gated models: low-rank-gate (a logistic low-rank classifier cannot express |act(g)| > t,
+    which holds on both lobes of silu/gelu); others: the paper's low-rank predictor."""
+    return "low-rank-gate" if gated else "low-rank"
+
+
+def check_kind(kind: str, gated: bool, activation: str):
+    if kind not in KINDS:
+        raise FlashError(f"--kind {kind}: unknown (choose from {', '.join(KINDS)})")
+    if kind in ("gate-threshold", "low-rank-gate") and not gated:
+        raise FlashError(f"--kind {kind}: the model's FFN has no gate projection "
+                         "(use exact-relu or low-rank)")
+    if kind == "exact-relu" and (gated or activation != "relu"):
+        raise FlashError(f"--kind exact-relu: needs an ungated ReLU FFN, the model's is "
+                         f"{'gated ' if gated else ''}{activation} (use gate-threshold or low-rank)")
+
+
+def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, target_sparsity,
+                    rank, prob_threshold, epochs, max_window, seed, recall=DEFAULTS["recall"]):
+    """(predictors.json entry, low-rank factors or None) for one layer; x = its FFN inputs."""
+    abs_act = layer_activations(ffn, x, dtype)
+    n = abs_act.shape[1]
+    threshold = sparsity_threshold(abs_act[:n_train], target_sparsity)
+    active = abs_act > threshold
+    del abs_act
+    factors, cut = None, 0.0
+    if kind == "low-rank":
+        factors = train_low_rank(x[:n_train], active[:n_train], rank, epochs=epochs, seed=seed + layer)
+    elif kind == "low-rank-gate":
+        factors = fit_low_rank_gate(ffn, x[:n_train], rank)
+        approx = layer_predictor(layer, kind, ffn, n, factors=factors)
+        score = np.concatenate([np.array(mx.abs(approx.gate_estimate(mx.array(x[s: min(s + 2048, n_train)]))))
+                                for s in range(0, n_train, 2048)])
+        cut = recall_cut(score, active[:n_train], recall)
+        del score
+    pred = layer_predictor(layer, kind, ffn, n, threshold=threshold, factors=factors,
+                           prob_threshold=prob_threshold, cut=cut)
+    predicted = predict_masks(pred, x[n_train:], dtype)
+    stats = prediction_stats(active[n_train:], predicted)
+    stats["train_active"] = float(active[:n_train].mean())
+    entry = {"kind": kind, "n_neurons": n, "rank": pred.rank, "threshold": threshold,
+             "prob_threshold": prob_threshold, "cut": cut, "stats": stats,
+             "capacity": window_capacity(predicted, max_window)}
+    return entry, factors
+
+
+def format_report(layers: dict, window=5) -> str:
+    """Per-layer table like the paper's appendix B (percent of the layer's neurons per token)."""
+    lines = [f"{'layer':>5} {'kind':>14} {'rank':>5} {'t':>8} {'active%':>8} {'pred%':>7} "
+             f"{'both%':>7} {'recall%':>8} {'over-pred':>9} {'Req_1':>6} {'Req_' + str(window):>6}"]
+    for i in sorted(layers):
+        e, s = layers[i], layers[i]["stats"]
+        caps = e["capacity"]
+        lines.append(f"{i:>5} {e['kind']:>14} {e['rank']:>5} {e['threshold']:>8.4f} "
+                     f"{100 * s['active']:>8.1f} {100 * s['predicted']:>7.1f} {100 * s['both']:>7.1f} "
+                     f"{100 * s['recall']:>8.2f} {s['over_prediction']:>9.2f} {caps[0]:>6} "
+                     f"{caps[min(window, len(caps)) - 1]:>6}")
+    mean = {k: np.mean([layers[i]["stats"][k] for i in layers]) for k in
+            ("active", "predicted", "both", "recall", "over_prediction")}
+    lines.append(f"{'mean':>5} {'':>14} {'':>5} {'':>8} {100 * mean['active']:>8.1f} "
+                 f"{100 * mean['predicted']:>7.1f} {100 * mean['both']:>7.1f} "
+                 f"{100 * mean['recall']:>8.2f} {mean['over_prediction']:>9.2f}")
+    return "\n".join(lines)
+
+
+@dataclass
+class CalibrationData:
+    """A pack's dense model and the FFN inputs it saw on the calibration text (collect_inputs)."""
+    pack: Path
+    model: object
+    config: dict
+    manifest: dict
+    activation: str
+    gated: bool
+    ffns: dict  # {layer: MaskedFFN}
+    xs: dict  # {layer: float32 np.ndarray [tokens, hidden]}
+    dtype: object
+    n_train: int  # the first n_train tokens train, the rest are held out for the statistics
+    texts: list
+
+
+def collect_inputs(pack_dir, text_files, *, max_tokens=None, max_window=MAX_WINDOW,
+                   progress=True) -> CalibrationData:
+    """Run the pack's model dense over the text and record every layer's FFN inputs."""
+    pack = Path(pack_dir)
+    if not pack.is_dir():
+        raise FlashError(f"--model {pack}: no such pack directory")
+    if not text_files:
+        raise FlashError("--text: give at least one calibration text file")
+    model, tokenizer, config, manifest = load_dense_model(pack)
+    activation = ffn_activation(config, manifest)
+    gated = any(c["name"] == "gate.weight" for c in manifest["bundles"][0]["components"])
+    tokens = text_tokens(text_files, tokenizer, max_tokens)
+    ffns = install_masked_ffns(model, manifest, activation, config["hidden_size"])
+    xs, dtype = collect_ffn_inputs(model, ffns, token_chunks(tokens), progress=progress)
+    n_tok = len(next(iter(xs.values())))
+    n_train = int(round(n_tok * (1 - HOLDOUT)))
+    if n_tok - n_train < max_window + 1:
+        raise FlashError(f"--text: {n_tok} tokens leave too few held out for the statistics")
+    return CalibrationData(pack, model, config, manifest, activation, gated, ffns, xs, dtype,
+                           n_train, [str(f) for f in text_files])
+
+
+def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, rank=None,
+                     rank_per_layer=None, threshold=None, epochs=None, recall=None,
+                     max_window=MAX_WINDOW) -> dict:
+    """Checked calibration settings with the defaults filled in (FlashError naming the flag)."""
+    gated, activation = data.gated, data.activation
+    kind = kind or default_kind(gated, activation)
+    check_kind(kind, gated, activation)
+    relu = activation == "relu" and not gated
+    if target_sparsity is None:
+        target_sparsity = 0.0 if relu else DEFAULTS["target_sparsity"]
+    if not 0 <= target_sparsity < 1:
+        raise FlashError(f"--target-sparsity {target_sparsity}: must be in [0, 1)")
+    if relu and target_sparsity > 0:
+        raise FlashError(f"--target-sparsity {target_sparsity}: ReLU models use their natural "
+                         "sparsity (threshold 0); leave it out")
+    if kind in ("all", "exact-relu"):
+        target_sparsity = 0.0
+    prob_threshold = DEFAULTS["threshold"] if threshold is None else float(threshold)
+    if not 0 < prob_threshold < 1:
+        raise FlashError(f"--threshold {prob_threshold}: the predictor's sigmoid cutoff must be in (0, 1)")
+    recall = DEFAULTS["recall"] if recall is None else float(recall)
+    if not 0 < recall <= 1:
+        raise FlashError(f"--recall {recall}: must be in (0, 1]")
+    rank = DEFAULTS["rank"] if rank is None else int(rank)
+    if rank < 1:
+        raise FlashError(f"--rank {rank}: must be >= 1")
+    epochs = DEFAULTS["epochs"] if epochs is None else int(epochs)
+    if epochs < 1:
+        raise FlashError(f"--epochs {epochs}: must be >= 1")
+    if not 1 <= max_window <= 64:
+        raise FlashError(f"--max-window {max_window}: must be in 1..64")
+    n_layers = len(data.manifest["bundles"])
+    ranks = dict(rank_per_layer) if isinstance(rank_per_layer, dict) else \
+        parse_rank_per_layer(rank_per_layer, n_layers)
+    return {"kind": kind, "target_sparsity": float(target_sparsity), "rank": rank,
+            "rank_per_layer": ranks, "prob_threshold": prob_threshold, "recall": recall,
+            "epochs": epochs, "max_window": max_window}
+
+
+def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=True, say=None,
+                   **settings) -> dict:
+    """Fit every layer's predictor on `data` and write predictors.json/.safetensors into
+    `out_pack` (default: the calibrated pack). settings: see resolve_settings. Returns the json."""
+    from tqdm import tqdm
+
+    say = say or (lambda *a: None)
+    st = resolve_settings(data, **settings)
+    kind = st["kind"]
+    n_tok = len(next(iter(data.xs.values())))
+    say(f"Calibrating {data.pack}: {n_tok} tokens ({data.n_train} train, {n_tok - data.n_train} "
+        f"held out) from {len(data.texts)} file(s), {len(data.ffns)} layers, kind {kind}, "
+        f"{data.activation}{' gated' if data.gated else ''}, target sparsity {st['target_sparsity']:g}"
+        + (f", rank {st['rank']}" if kind in LOW_RANK else "")
+        + (f", threshold {st['prob_threshold']:g}" if kind == "low-rank" else "")
+        + (f", recall {st['recall']:g}" if kind == "low-rank-gate" else ""))
+    layers, factors = {}, {}
+    t0 = time.perf_counter()
+    for i in tqdm(sorted(data.ffns), desc=f"{kind} predictors", unit="layer", disable=not progress):
+        entry, f = calibrate_layer(i, data.ffns[i], data.xs[i], data.dtype, data.n_train, kind=kind,
+                                   target_sparsity=st["target_sparsity"],
+                                   rank=st["rank_per_layer"].get(i, st["rank"]),
+                                   prob_threshold=st["prob_threshold"], epochs=st["epochs"],
+                                   max_window=st["max_window"], seed=seed, recall=st["recall"])
+        layers[i] = entry
+        if f is not None:
+            factors[i] = f
+    calib = {k: v for k, v in st.items() if k != "rank_per_layer"}
+    calib.update(rank_per_layer={str(k): v for k, v in sorted(st["rank_per_layer"].items())},
+                 tokens=n_tok, train_tokens=data.n_train, holdout_tokens=n_tok - data.n_train,
+                 texts=[Path(f).name for f in data.texts], capacity_percentile=CAPACITY_PERCENTILE,
+                 seed=seed, seconds=round(time.perf_counter() - t0, 1))
+    out = Path(out_pack or data.pack)
+    path = save_predictors(out, {"activation": data.activation, "calibration": calib}, layers, factors)
+    say(format_report(layers))
+    say(f"Wrote {path}")
+    return read_predictors_json(out)
+
+
+def calibrate(pack_dir, text_files, *, max_tokens=None, seed=0, progress=True, **settings) -> dict:
+    """Calibrate predictors for every FFN layer of a flash pack and write them into the pack.
+
+    text_files: calibration text (UTF-8). settings (resolve_settings): kind; target_sparsity
+    (fraction of gated activations thresholded away; ReLU models: 0, their natural sparsity);
+    rank (low-rank rank), rank_per_layer ({layer: rank} or "26-29:256"); threshold (low-rank
+    sigmoid cutoff); recall (low-rank-gate target recall); epochs; max_window (tokens).
+    max_tokens: calibration tokens used at most. Returns the written predictors.json as a dict.
+    """
+    say = (lambda *a: print(*a, flush=True)) if progress else None
+    data = collect_inputs(pack_dir, text_files, max_tokens=max_tokens,
+                          max_window=settings.get("max_window", MAX_WINDOW), progress=progress)
+    return fit_predictors(data, seed=seed, progress=progress, say=say, **settings)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_flash.calibrate",
+        description="Calibrate activation predictors for a flash pack from text and store them in "
+                    "the pack (predictors.json, predictors.safetensors).")
+    parser.add_argument("--model", required=True, help="the flash pack (python -m mlx_flash.convert --out PACK)")
+    parser.add_argument("--text", nargs="+", required=True, metavar="FILE",
+                        help="calibration text files (UTF-8)")
+    parser.add_argument("--kind", choices=KINDS, default=None,
+                        help="predictor: low-rank-gate (default for gated models: rank-r estimate of "
+                             "the gate, which streams with the bundle), low-rank (default otherwise: "
+                             "the paper's classifier), gate-threshold (resident gate, exact), "
+                             "exact-relu (ReLU models, resident up, exact), all (sparsity off)")
+    parser.add_argument("--target-sparsity", type=float, default=None,
+                        help="gated models: fraction of |act(gate x)| thresholded to zero "
+                             f"(default {DEFAULTS['target_sparsity']}); ReLU models: natural sparsity")
+    parser.add_argument("--rank", type=int, default=None,
+                        help=f"low-rank predictor rank (default {DEFAULTS['rank']})")
+    parser.add_argument("--rank-per-layer", default=None, metavar="LAYERS:RANK[,...]",
+                        help="ranks for chosen layers, e.g. 26-29:256")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help=f"low-rank sigmoid cutoff (default {DEFAULTS['threshold']}; higher "
+                             "loads fewer neurons)")
+    parser.add_argument("--recall", type=float, default=None,
+                        help="low-rank-gate: fraction of the thresholded model's active neurons the "
+                             f"predictor must keep on the calibration text (default {DEFAULTS['recall']})")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"low-rank training epochs (default {DEFAULTS['epochs']})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="use at most this many calibration tokens (default: all)")
+    parser.add_argument("--max-window", type=int, default=MAX_WINDOW,
+                        help=f"measure neuron-cache capacity for windows 1..N (default {MAX_WINDOW})")
+    parser.add_argument("--seed", type=int, default=0, help="training seed")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return parser
+
+
+def _main(argv):
+    args = build_parser().parse_args(argv)
+    if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
+        raise FlashError(f"--max-tokens {args.max_tokens}: need at least {MIN_TOKENS}")
+    calibrate(args.model, args.text, kind=args.kind, target_sparsity=args.target_sparsity,
+              rank=args.rank, rank_per_layer=args.rank_per_layer, threshold=args.threshold,
+              recall=args.recall, epochs=args.epochs, max_tokens=args.max_tokens,
+              max_window=args.max_window, seed=args.seed, progress=not args.quiet)
+    return 0
+
+
+def main(argv=None):
+    from .cli import run_cli
+
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

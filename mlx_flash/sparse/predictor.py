@@ -8,7 +8,8 @@
                              over-prediction, ...), capacity (Req_i for windows 1..max_window)
     predictors.safetensors   low-rank factors, float16: layers.{i}.A [rank, hidden],
                              layers.{i}.B [n_neurons, rank], layers.{i}.bias [n_neurons]
-                             (its crc32 is in predictors.json, so the pair is checked on load)
+                             (its crc32 is in predictors.json, so the pair is checked on load);
+                             the same names for "low-rank-gate" (B A x + bias approximates gate x)
 
 Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attention output):
     "all"             sparsity off: every neuron
@@ -16,6 +17,9 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
     "gate-threshold"  gated models, resident gate: mask = |act(gate x)| > threshold (exact for the
                       thresholded model)
     "low-rank"        the paper's predictor: mask = sigmoid(B (A x) + bias) > prob_threshold
+    "low-rank-gate"   gated models, gate streamed with the bundle: g = B (A x) + bias is a rank-r
+                      approximation of gate x (fitted to calibration activations), and
+                      mask = |act(g)| > cut, with cut set per layer for a target recall
 Resident gate/up rows are read from the pack's own bundle files when the predictors are loaded.
 
 What the runtime must do with `LayerPredictor.threshold` (float >= 0, activation units): compute
@@ -44,7 +48,8 @@ FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
 PREDICTORS_JSON = "predictors.json"
 PREDICTORS_FILE = "predictors.safetensors"
-KINDS = ("all", "exact-relu", "gate-threshold", "low-rank")
+KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate")
+LOW_RANK = ("low-rank", "low-rank-gate")  # kinds whose factors live in predictors.safetensors
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
@@ -57,21 +62,23 @@ class LayerPredictor:
 
     Attributes: layer, kind, n_neurons, rank (0 unless low-rank), threshold (activation cutoff the
     runtime applies, see the module docstring), prob_threshold (sigmoid cutoff, low-rank only),
-    activation (name), stats (calibration numbers), resident_bytes (bytes of arrays it holds).
+    cut (|act(approximate gate)| cutoff, low-rank-gate only), activation (name), stats
+    (calibration numbers), nbytes (bytes of the arrays it holds, counted in the memory budget).
     """
 
     def __init__(self, layer, kind, n_neurons, *, threshold=0.0, prob_threshold=0.5, rank=0,
-                 activation="silu", stats=None, tensors=None, quantization=None):
+                 activation="silu", stats=None, tensors=None, quantization=None, cut=0.0):
         if kind not in KINDS:
             raise FlashError(f"{PREDICTORS_JSON}: layer {layer} has unknown kind {kind!r}")
         self.layer, self.kind, self.n_neurons = layer, kind, int(n_neurons)
         self.threshold, self.prob_threshold = float(threshold), float(prob_threshold)
+        self.cut = float(cut)
         self.rank, self.activation, self.stats = int(rank), activation, dict(stats or {})
         self._t = dict(tensors or {})
         self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
         self._act = ACTIVATIONS[activation]
         self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
-        self.resident_bytes = int(sum(a.nbytes for a in self._t.values()))
+        self.nbytes = int(sum(a.nbytes for a in self._t.values()))
 
     def _rows(self, role, x):
         """x @ rows.T (+ bias) for resident `role` rows ("gate" or "up"), quantized or not."""
@@ -89,8 +96,12 @@ class LayerPredictor:
         """act(gate x) [..., n_neurons] from the resident gate ("gate-threshold" only)."""
         return self._act(self._rows("gate", x))
 
+    def gate_estimate(self, x):
+        """act(B (A x) + bias) [..., n_neurons], float32 ("low-rank-gate" only)."""
+        return self._act(self.logits(x))
+
     def logits(self, x):
-        """B (A x) + bias [..., n_neurons], float32 ("low-rank" only)."""
+        """B (A x) + bias [..., n_neurons], float32 ("low-rank", "low-rank-gate")."""
         a, b = self._t["A"], self._t["B"]
         h = (x.astype(a.dtype) @ a.T) @ b.T
         return h.astype(mx.float32) + self._t["bias"].astype(mx.float32)
@@ -102,12 +113,14 @@ class LayerPredictor:
             return self._rows("up", x) > 0
         if self.kind == "gate-threshold":
             return mx.abs(self.gate_activation(x)) > self.threshold
+        if self.kind == "low-rank-gate":
+            return mx.abs(self.gate_estimate(x)) > self.cut
         return self.logits(x) > self._logit_cut
 
     def __repr__(self):
         return (f"LayerPredictor(layer={self.layer}, kind={self.kind!r}, n={self.n_neurons}, "
                 f"rank={self.rank}, threshold={self.threshold:.4g}, "
-                f"prob_threshold={self.prob_threshold:.3g}, resident_bytes={self.resident_bytes})")
+                f"prob_threshold={self.prob_threshold:.3g}, cut={self.cut:.4g}, nbytes={self.nbytes})")
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -125,7 +138,8 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     """Write predictors.safetensors then predictors.json into `pack_dir`, each atomically.
 
     meta: top-level fields (activation, calibration, ...); layers: {layer: {kind, n_neurons, rank,
-    threshold, prob_threshold, stats, capacity}}; factors: {layer: {"A", "B", "bias"}} (low-rank).
+    threshold, prob_threshold, cut, stats, capacity}}; factors: {layer: {"A", "B", "bias"}} (low-rank
+    kinds).
     The json carries the safetensors crc32, so a crash between the two renames is caught on load.
     """
     from ..pack import read_manifest
@@ -211,7 +225,7 @@ def load_predictors(pack_dir):
     for key, entry in doc["layers"].items():
         i, kind = int(key), entry["kind"]
         tensors, quant = {}, None
-        if kind == "low-rank":
+        if kind in LOW_RANK:
             names = {k: f"layers.{i}.{k}" for k in ("A", "B", "bias")}
             missing = [v for v in names.values() if v not in factors]
             if missing:
@@ -233,7 +247,8 @@ def load_predictors(pack_dir):
         out[i] = LayerPredictor(i, kind, entry["n_neurons"], threshold=entry.get("threshold", 0.0),
                                 prob_threshold=entry.get("prob_threshold", 0.5),
                                 rank=entry.get("rank", 0), activation=doc.get("activation", "silu"),
-                                stats=entry.get("stats"), tensors=tensors, quantization=quant)
+                                stats=entry.get("stats"), tensors=tensors, quantization=quant,
+                                cut=entry.get("cut", 0.0))
     return out
 
 
