@@ -305,16 +305,23 @@ def _resident_rows(module, role: str):
     return tensors, quant
 
 
+_GATE_PCA = {}  # (id(ffn), tokens) -> (mean, principal directions) of the gate pre-activations
+
+
 def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
     """{"A", "B", "bias"} float32 with B (A x) + bias the best rank-`rank` approximation of the
     gate pre-activations gate x over the inputs x [tokens, hidden] (reduced-rank regression: the
     pre-activations projected on their top principal directions V, A = V^T W_gate, B = V)."""
-    g = np.array(ffn.gate(mx.array(x)).astype(mx.float32)).astype(np.float64)
-    mean = g.mean(axis=0)
-    g -= mean
-    _, vecs = np.linalg.eigh(g.T @ g)
-    del g
-    v = vecs[:, ::-1][:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
+    key = (id(ffn), len(x))
+    if key not in _GATE_PCA:  # independent of the threshold: a sweep computes it once per layer
+        g = ffn.gate(mx.array(x)).astype(mx.float32)
+        mean = g.mean(axis=0)
+        g = g - mean
+        cov = np.array(g.T @ g).astype(np.float64)
+        _GATE_PCA.clear() if len(_GATE_PCA) > 64 else None
+        _GATE_PCA[key] = (np.array(mean).astype(np.float64), np.linalg.eigh(cov)[1][:, ::-1])
+    mean, vecs = _GATE_PCA[key]
+    v = vecs[:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
     w = np.array(dequantized_weight(ffn.gate).astype(mx.float32)).astype(np.float64)
     b = np.array(ffn.gate.bias).astype(np.float64) if "bias" in ffn.gate else np.zeros(len(mean))
     proj = v @ v.T
