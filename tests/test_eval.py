@@ -1,0 +1,81 @@
+"""eval: perplexity and greedy agreement against dense, on tiny random packs with a byte tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mlx_flash import calibrate as cal
+from mlx_flash import eval as ev
+from mlx_flash.errors import FlashError
+from test_calibrate import tiny_llama_pack, write_text
+
+
+@pytest.fixture
+def pack(tiny_llama, tmp_path):
+    return tiny_llama_pack(tiny_llama, tmp_path)
+
+
+@pytest.fixture
+def text(tmp_path):
+    return write_text(tmp_path / "eval.txt", n_words=60, seed=11)
+
+
+def test_dense_vs_dense_is_identical(pack, text):
+    r = ev.evaluate_ppl(pack, [text], mode="dense", max_tokens=96, seq_len=32, progress=False)
+    assert r["tokens"] == 3 * 31 and r["sequences"] == 3
+    assert r["ppl"] == r["dense_ppl"] and r["ppl_ratio"] == 1.0 and r["agreement"] == 1.0
+    assert r["ppl"] > 1 and r["ppl_se"] > 0
+
+
+def test_flash_with_sparsity_off_matches_dense_and_sparse_differs(pack, text, tmp_path):
+    calib = write_text(tmp_path / "calib.txt", seed=12)
+    ref = ev.dense_reference(pack, [text], 64, 32, progress=False)
+    cal.calibrate(pack, [calib], kind="all", progress=False)
+    r = ev.evaluate_ppl(pack, [text], mode="flash", window=3, reference=ref, progress=False)
+    assert r["ppl"] == r["dense_ppl"] and r["agreement"] == 1.0
+    assert r["flash_stats"]["hit_rate"] > 0.9  # every neuron stays cached after the first token
+    cal.calibrate(pack, [calib], kind="gate-threshold", target_sparsity=0.6, progress=False)
+    r = ev.evaluate_ppl(pack, [text], mode="flash", window=3, reference=ref, progress=False)
+    assert r["ppl"] != r["dense_ppl"]  # 60% of the activations dropped changes the model
+
+
+def test_perplexity_matches_mlx_lm_formula():
+    nll = np.array([1.0, 2.0, 3.0])
+    ppl, se = ev.perplexity(nll)
+    assert ppl == pytest.approx(np.exp(2.0)) and se == pytest.approx(np.exp(2.0) * 1.0 / np.sqrt(3))
+
+
+def test_cli_json_and_errors(pack, text, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert ev.main(["ppl", "--model", str(pack), "--mode", "naive", "--text", str(text),
+                    "--max-tokens", "40", "--sequence-length", "20", "--json", str(out), "--quiet"]) == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "naive" and r["agreement"] == 1.0 and r["tokens"] == 2 * 19
+    assert "Perplexity:" in capsys.readouterr().out
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    for argv, message in [
+        (["ppl", "--model", str(pack), "--text", str(short), "--quiet"], "short.txt: 4 tokens, need at least 256"),
+        (["ppl", "--model", str(tmp_path), "--text", str(text), "--quiet"], "not a flash pack"),
+        (["ppl", "--model", str(pack), "--mode", "flash", "--text", str(text), "--max-tokens", "64",
+          "--sequence-length", "32", "--quiet"], "python -m mlx_flash.calibrate"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            ev.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_sweep_leaves_the_pack_untouched(pack, text, tmp_path):
+    calib = write_text(tmp_path / "calib.txt", seed=13)
+    rows = ev.sweep(pack, [calib], [text], target_sparsities=[0.0, 0.5], memory_budget=None,
+                    max_tokens=64, seq_len=32, calib_tokens=2000, progress=False,
+                    kind="gate-threshold")
+    assert [r["target_sparsity"] for r in rows] == [0.0, 0.5]
+    assert rows[0]["agreement"] == 1.0 and rows[0]["ppl_ratio"] == 1.0  # threshold 0 drops nothing
+    assert rows[1]["active"] == pytest.approx(0.5, abs=0.02)
+    assert not (pack / "predictors.json").exists()
+    assert "| 0.5 | gate-threshold |" in ev.format_sweep(rows)
+    with pytest.raises(FlashError, match="must be disjoint"):
+        ev.sweep(pack, [text], [text], target_sparsities=[0.1], progress=False)

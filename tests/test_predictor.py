@@ -1,0 +1,128 @@
+"""sparse/predictor: the predictors file format (save, load, checks) and each kind's mask rule."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_flash.errors import FlashError
+from mlx_flash.pack import write_pack
+from mlx_flash.sparse.predictor import (PREDICTORS_FILE, PREDICTORS_JSON, LayerPredictor,
+                                        calibrated_capacity, load_predictors, save_predictors)
+
+
+@pytest.fixture
+def pack(tiny_llama, tmp_path):
+    return write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)  # 2 layers, 96 neurons
+
+
+def low_rank_factors(rank=4, hidden=64, n=96, seed=0):
+    k = mx.random.split(mx.random.key(seed), 3)
+    return {"A": mx.random.normal((rank, hidden), key=k[0]), "B": mx.random.normal((n, rank), key=k[1]),
+            "bias": mx.random.normal((n,), key=k[2])}
+
+
+def entry(kind, rank=0, capacity=(10, 20, 30), **kw):
+    return {"kind": kind, "n_neurons": 96, "rank": rank, "threshold": kw.get("threshold", 0.0),
+            "prob_threshold": kw.get("prob_threshold", 0.5), "cut": kw.get("cut", 0.0),
+            "stats": {"recall": 1.0}, "capacity": list(capacity)}
+
+
+def test_round_trip_low_rank_and_gate_threshold(pack):
+    f = low_rank_factors()
+    save_predictors(pack, {"activation": "silu"},
+                    {0: entry("low-rank", 4, prob_threshold=0.7), 1: entry("gate-threshold", threshold=0.2)},
+                    {0: f})
+    preds = load_predictors(pack)
+    x = mx.random.normal((3, 64), key=mx.random.key(9))
+    p0, p1 = preds[0], preds[1]
+    assert (p0.kind, p0.rank, p1.kind) == ("low-rank", 4, "gate-threshold")
+    # low-rank: sigmoid(B A x + bias) > 0.7 with the float16 factors that were stored
+    a, b, bias = (f[k].astype(mx.float16).astype(mx.float32) for k in ("A", "B", "bias"))
+    z = (x.astype(mx.float16).astype(mx.float32) @ a.T) @ b.T + bias
+    want = np.array(mx.sigmoid(z)) > 0.7
+    got = np.array(p0(x))
+    assert (got == want).mean() > 0.99  # float16 matmul rounding may flip a borderline neuron
+    assert p0.nbytes == sum(v.astype(mx.float16).nbytes for v in f.values())
+    # gate-threshold: the pack's own gate rows, exactly |silu(gate x)| > 0.2
+    from mlx_flash.pack import load_pack_weights
+
+    _, weights = load_pack_weights(pack)
+    gate = weights["model.layers.1.mlp.gate_proj.weight"]
+    want = np.array(mx.abs(nn.silu(x @ gate.T)) > 0.2)
+    assert np.array_equal(np.array(p1(x)), want)
+    assert p1.nbytes == gate.nbytes
+
+
+def test_low_rank_gate_and_all_rules(pack):
+    f = low_rank_factors(seed=1)
+    save_predictors(pack, {"activation": "silu"},
+                    {0: entry("low-rank-gate", 4, cut=0.3), 1: entry("all")}, {0: f})
+    preds = load_predictors(pack)
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(3))
+    est = np.array(preds[0].gate_estimate(x))
+    assert np.array_equal(np.array(preds[0](x)), np.abs(est) > 0.3)
+    assert np.array(preds[1](x)).all() and preds[1](x).shape == (2, 5, 96)
+
+
+def test_capacity_window_lookup_and_extrapolation(pack):
+    save_predictors(pack, {"activation": "silu"}, {0: entry("all", capacity=(10, 20, 25)),
+                                                   1: entry("all", capacity=(90, 95, 96))}, {})
+    assert calibrated_capacity(pack, 2) == {0: 20, 1: 95}
+    assert calibrated_capacity(pack, 5) == {0: 35, 1: 96}  # last increment, capped at n
+    with pytest.raises(FlashError, match="window 0"):
+        calibrated_capacity(pack, 0)
+
+
+def test_missing_and_corrupt_files(pack):
+    assert load_predictors(pack) is None
+    with pytest.raises(FlashError, match="predictors.json: missing; run python -m mlx_flash.calibrate"):
+        calibrated_capacity(pack, 5)
+    save_predictors(pack, {"activation": "silu"}, {0: entry("low-rank", 4), 1: entry("low-rank", 4)},
+                    {0: low_rank_factors(), 1: low_rank_factors(seed=2)})
+    st = pack / PREDICTORS_FILE
+    raw = bytearray(st.read_bytes())
+    raw[-3] ^= 0xFF
+    st.write_bytes(bytes(raw))
+    with pytest.raises(FlashError, match="checksum mismatch"):
+        load_predictors(pack)
+    js = pack / PREDICTORS_JSON
+    doc = json.loads(js.read_text())
+    doc["pack_resident_crc32"] += 1
+    js.write_text(json.dumps(doc))
+    with pytest.raises(FlashError, match="calibrated for a different pack"):
+        load_predictors(pack)
+    doc["pack_resident_crc32"] -= 1
+    doc["layers"]["0"]["kind"] = "magic"
+    js.write_text(json.dumps(doc))
+    with pytest.raises(FlashError, match="unknown kind 'magic'"):
+        load_predictors(pack)
+    del doc["layers"]["1"]
+    doc["layers"]["0"]["kind"] = "all"
+    js.write_text(json.dumps(doc))
+    with pytest.raises(FlashError, match="do not match the pack's 2 FFN layers"):
+        load_predictors(pack)
+    js.write_text("{not json")
+    with pytest.raises(FlashError, match="unreadable predictors file"):
+        load_predictors(pack)
+
+
+def test_factor_shapes_checked(pack):
+    save_predictors(pack, {"activation": "silu"}, {0: entry("low-rank", 8), 1: entry("all")},
+                    {0: low_rank_factors(rank=4)})
+    with pytest.raises(FlashError, match="layer 0 factors do not match rank 8"):
+        load_predictors(pack)
+
+
+def test_flash_mode_without_predictors_points_at_calibrate(pack):
+    import mlx_flash
+
+    with pytest.raises(FlashError, match="python -m mlx_flash.calibrate --model"):
+        mlx_flash.load(str(pack), mode="flash")
+
+
+def test_unknown_kind_refused():
+    with pytest.raises(FlashError, match="unknown kind"):
+        LayerPredictor(0, "psychic", 8)
