@@ -132,6 +132,10 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "prompt_tps": last.prompt_tps if last else None,
         "generated_tokens": last.generation_tokens if last else 0,
         "text": "".join(text)[:300], "accounting": accounting,
+        # predicted-active fraction of the FFN neurons per decode token (flash): the sparsity seen
+        "active_fraction": (sum(s.neurons_needed for _, s in decode) / len(decode)
+                            / sum(rt.loader.entry(i)["count"] for i in rt.caches)
+                            if mode == "flash" and decode and rt.caches else None),
     }
     if keep_steps:
         out["steps"] = {"io_ms": [1e3 * s.io_s for _, s in decode],

@@ -254,6 +254,10 @@ def markdown(result) -> str:
         out += [f"Byte accounting: bytes counted per token by the statistics "
                 f"{'equal' if good else 'DO NOT equal'} the bytes the loader read, and neuron-cache "
                 f"row counters equal the reads that landed in caches, in every run.", ""]
+    fl = (result.get("modes") or {}).get("flash") or {}
+    if fl.get("active_fraction") is not None:
+        out += [f"Flash: the predictors marked {100 * fl['active_fraction']:.1f}% of the FFN "
+                f"neurons active per token on average (the sparsity the runs really had).", ""]
     if result["speedups"]:
         out += ["Speed-ups of flash (per-token latency ratio): " + ", ".join(
             f"{k.removeprefix('flash_vs_')} {v:.2f}x" for k, v in result["speedups"].items()), ""]

@@ -191,6 +191,7 @@ class Suite:
         self.pack_bytes = pack_bytes(self.manifest)
         self.budget_bytes = resolve_budget(args.memory_budget, self.manifest)
         self.runs = []
+        self.out = None
         self.evictions = {}
         self.extra_paths = []
         usable, reason = cgroup_status()
@@ -285,6 +286,10 @@ class Suite:
               + (f", {total:.1f} ms/token" if total is not None else "")
               + (f", peak {r.peak_bytes / 1e9:.3f} GB" if r.peak_bytes else ""), file=sys.stderr)
         self.runs.append(rec)
+        if self.out is not None:  # what is done so far survives an interrupted suite
+            from .report import write_json
+
+            write_json(self.out / "runs.partial.json", self.runs)
         return rec
 
     def flash_run(self, group, label, mode, prompt, *, budget=None, window=None, gen_tokens=None,
@@ -292,8 +297,10 @@ class Suite:
         budget = self.args.memory_budget if budget is None else budget
         from ..sparse.budget import resolve_budget
 
+        # dense holds every weight whatever the budget; its cap is the same as every mode's,
+        # so under a cap below the model size it is reported as not fitting
         weights_budget = None if mode == "dense" else budget
-        budget_bytes = self.pack_bytes if mode == "dense" else resolve_budget(budget, self.manifest)
+        budget_bytes = resolve_budget(budget, self.manifest)
         kwargs = {"pack": str(self.pack), "mode": mode, "prompt": prompt["ids"],
                   "gen_tokens": gen_tokens or self.args.gen_tokens, "budget": weights_budget,
                   "window": window or self.args.window, "threads": self.args.threads, **kw}
@@ -332,6 +339,7 @@ def aggregate(records) -> dict:
     row["plan_weights_bytes"] = ok[0]["value"].get("plan_weights_bytes")
     row["plan"] = ok[0]["value"].get("plan")
     row["tokens"] = summaries[0]["tokens"]
+    row["active_fraction"], _ = mean_std([r["value"].get("active_fraction") for r in ok])
     row["load_s"], row["load_s_std"] = mean_std([r["value"]["load_s"] for r in ok])
     io = [s["io_ms"] for s in summaries]
     row["throughput_gbps"] = (row["bytes_read"] / (statistics.fmean(io) / 1e3) / 1e9
@@ -375,6 +383,7 @@ def run(args) -> int:
     peer_names = peer_mod.choose(args.peers)
     model_info = resolve_pack(args.model)
     suite = Suite(args, model_info)
+    suite.out = out
     suite.sweeps()
     from ..synthetic import is_synthetic
 
@@ -468,6 +477,7 @@ def run(args) -> int:
     result["plots"] = report.plots(result, out)
     report.write_json(out / "results.json", result)
     report.write_text(out / "report.md", report.markdown(result))
+    (out / "runs.partial.json").unlink(missing_ok=True)
     print(report.summary(result))
     print(f"\nresults: {out / 'results.json'}\nreport:  {out / 'report.md'}")
     return 0
