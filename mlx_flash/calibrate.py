@@ -1,19 +1,26 @@
 """python -m mlx_flash.calibrate: activation predictors for a flash pack, from calibration text.
 
-    python -m mlx_flash.calibrate --model PACK --text FILE [FILE ...] [--kind low-rank]
-        [--target-sparsity 0.4] [--rank 128] [--rank-per-layer 26-29:256] [--threshold 0.5]
+    python -m mlx_flash.calibrate --model PACK --text FILE [FILE ...] [--kind KIND]
+        [--target-sparsity T] [--rank R] [--rank-per-layer 26-29:256] [--recall 0.99]
+        [--threshold 0.5] [--max-tokens N]
 
-Runs the pack's model dense over the text, records every layer's FFN input x (the normalised
-attention output) and activations, then per layer:
+Runs the pack's model dense (float32) over the text, records every layer's FFN input x (the
+normalised attention output), then per layer:
   * threshold t: for gated (SwiGLU) models the |act(gate x)| value below which --target-sparsity
     of the calibration activations lie (CATS); ReLU models use t = 0 (their natural sparsity);
-  * predictor (--kind): "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact),
-    "low-rank" (the paper's sigmoid(B A x) classifier, balanced loss, trained on 90% of the tokens)
-    or "all" (sparsity off);
+  * predictor (--kind), fitted on the first 90% of the tokens:
+      "low-rank-gate" (gated default): B (A x) + bias, the best rank-r estimate of gate x on the
+        calibration inputs (PCA of the gate pre-activations); mask = |act(estimate)| > cut, the
+        cut set per layer so --recall of the thresholded model's active neurons are kept;
+      "low-rank" (ReLU default, the paper's): sigmoid(B A x + bias) > --threshold, trained with
+        the balanced loss (positives and negatives weighted equally);
+      "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
   * capacity Req_i for windows 1..--max-window tokens (99th percentile of the predicted union).
-and writes predictors.json + predictors.safetensors into the pack (sparse/predictor.py).
+and writes predictors.json + predictors.safetensors into the pack (sparse/predictor.py), each
+atomically. The low-rank classifier cannot express |act(g)| > t for silu/gelu (true on both lobes
+of the activation), which is why gated models default to the gate estimate.
 """
 
 import argparse
@@ -35,7 +42,7 @@ MIN_TOKENS = 64         # a calibration text shorter than this cannot train or m
 HOLDOUT = 0.1           # fraction of calibration tokens kept out of training for the stats
 MAX_WINDOW = 8          # capacity measured for windows 1..MAX_WINDOW tokens
 CAPACITY_PERCENTILE = 99
-DEFAULTS = {"kind": None, "target_sparsity": 0.4, "rank": 128, "threshold": 0.5, "epochs": 10,
+DEFAULTS = {"kind": None, "target_sparsity": 0.4, "rank": 64, "threshold": 0.5, "epochs": 10,
             "recall": 0.95}
 
 
