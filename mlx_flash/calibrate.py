@@ -42,8 +42,8 @@ MIN_TOKENS = 64         # a calibration text shorter than this cannot train or m
 HOLDOUT = 0.1           # fraction of calibration tokens kept out of training for the stats
 MAX_WINDOW = 8          # capacity measured for windows 1..MAX_WINDOW tokens
 CAPACITY_PERCENTILE = 99
-DEFAULTS = {"kind": None, "target_sparsity": 0.4, "rank": 64, "threshold": 0.5, "epochs": 10,
-            "recall": 0.95}
+DEFAULTS = {"kind": None, "target_sparsity": 0.2, "rank": 64, "threshold": 0.5, "epochs": 10,
+            "recall": 0.99}
 
 
 # ---- the dense model of a pack, with swappable FFNs ------------------------------------------

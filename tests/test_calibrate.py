@@ -101,7 +101,7 @@ def test_calibrate_writes_predictors_that_load(llama_pack, text, kind):
         if kind == "gate-threshold":
             assert s["over_prediction"] == pytest.approx(1.0)
         if kind == "low-rank-gate":
-            assert s["recall"] > 0.8  # 0.95 on the training tokens, held-out tokens are close
+            assert s["recall"] > 0.8  # 0.99 on the training tokens, held-out tokens are close
         if kind != "all":
             assert abs(s["train_active"] - 0.7) < 0.01  # the threshold is the 0.3 quantile
     assert calibrated_capacity(llama_pack, 5) == {i: doc["layers"][str(i)]["capacity"][4] for i in (0, 1)}
