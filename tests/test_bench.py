@@ -29,8 +29,10 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     # a model folder (not a GGUF): the llama.cpp column is skipped with its reason
     assert main(["kernels", "--only", "smollm2 k/v", "--working-set", "1", "--repeats", "1",
                  "--bandwidth-mib", "8", "--generate", str(model), "--max-tokens", "4",
-                 "--gen-repeats", "1", "--json", str(out)]) == 0
+                 "--gen-repeats", "1", "--breakdown", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    b = result["decode_breakdown"]
+    assert b["matvecs"] == 15 and 0 < b["matvecs_ms"] and b["step_ms"] > 0 and b["weight_bytes"] > 0
     assert result["reference_bandwidth_gbs"] > 0 and "kernels" in result["command"]
     (case,) = result["cases"]
     assert case["kind"] == "q4g32" and case["N"] == 192 and case["K"] == 576

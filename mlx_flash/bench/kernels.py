@@ -59,8 +59,11 @@ def add_arguments(parser):
                         help="also time generation as `python -m mlx_flash.generate` runs it (MODEL: "
                         "anything --model accepts; none = the embedded default) with our kernels, "
                         "with MLX's own ops, and with llama.cpp on the same GGUF when installed")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split one decode step of the --generate model (default: embedded) "
+                        "into kernel matvecs and everything else")
     parser.add_argument("--no-kernels", action="store_true",
-                        help="skip the per-kernel table (only with --generate)")
+                        help="skip the per-kernel table (only with --generate or --breakdown)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation run")
     parser.add_argument("--gen-repeats", type=int, default=3, help="generation runs per engine (best kept)")
     parser.add_argument("--threads", type=int, default=None,
@@ -356,6 +359,49 @@ def _print_generate(g):
         print(f"  llama.cpp: skipped ({g['llama_cpp_missing']})")
 
 
+def _decode_breakdown(args):
+    """Where a decode step's time goes: one step of the dense model (mlx_flash.load, kernels on)
+    vs the same step's kernel matvecs alone (every patched layer once, evaluated together), in ms;
+    the rest is MLX building and evaluating the other ops (attention, norms, RoPE, ...)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_flash import load, ops
+
+    ops.set_kernels_enabled(True)
+    model, _ = load(args.generate or None, progress=False)
+    cache, token = make_prompt_cache(model), mx.array([[1]])
+    layers = [m for _, m in model.named_modules() if type(m).__name__.startswith("Kernel")]
+    xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[1]))
+          for m in layers]
+    mx.eval(xs)
+
+    def step():
+        mx.eval(model(token, cache=cache))
+
+    def matvecs():
+        mx.eval([m.as_linear(x) if hasattr(m, "as_linear") else m(x) for m, x in zip(layers, xs)])
+
+    def best_ms(fn, n=30):
+        fn()
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            runs.append((time.perf_counter() - t0) / n * 1e3)
+        return min(runs)
+
+    weight_bytes = sum(sum(v.nbytes for k, v in m.parameters().items() if k != "bias") for m in layers)
+    out = {"step_ms": best_ms(step), "matvecs_ms": best_ms(matvecs), "matvecs": len(layers),
+           "weight_bytes": weight_bytes}
+    out["other_ms"] = out["step_ms"] - out["matvecs_ms"]
+    print(f"\ndecode step breakdown ({ops._ext.num_threads()} kernel threads): step {out['step_ms']:.1f} ms = "
+          f"{out['matvecs']} kernel matvecs {out['matvecs_ms']:.1f} ms ({weight_bytes / 1e6:.0f} MB, "
+          f"{weight_bytes / out['matvecs_ms'] / 1e6:.1f} GB/s) + everything else {out['other_ms']:.1f} ms")
+    return out
+
+
 def run(args):
     import mlx.core as mx
 
@@ -366,8 +412,8 @@ def run(args):
         print(f"mlx_flash._ext is not available ({ops.EXTENSION_ERROR}); build it with `pip install .`",
               file=sys.stderr)
         return 1
-    if args.no_kernels and args.generate is None:
-        raise FlashError("--no-kernels: only with --generate (otherwise there is nothing to measure)")
+    if args.no_kernels and args.generate is None and not args.breakdown:
+        raise FlashError("--no-kernels: only with --generate or --breakdown (otherwise there is nothing to measure)")
     load_before = os.getloadavg()
     bw = measure_bandwidth(args.bandwidth_mib)
     bandwidth = max(bw.values())
@@ -385,6 +431,8 @@ def run(args):
               "mlx_version": mx.__version__, "kernel_threads": ops._ext.num_threads(),
               "bandwidth_gbs": {str(t): v for t, v in bw.items()}, "reference_bandwidth_gbs": bandwidth,
               "target_fraction": TARGET_FRACTION, "cases": rows}
+    if args.breakdown:
+        result["decode_breakdown"] = _decode_breakdown(args)
     if args.generate is not None:
         result["generate"] = g = _generate(args)
         _print_generate(g)
