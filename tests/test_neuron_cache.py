@@ -93,3 +93,10 @@ def test_swap_delete_keeps_live_rows_contiguous(loader):
     assert sorted(cache.ids[:5].tolist()) == [10, 13, 14, 15, 16]
     assert (cache.ids[5:] == -1).all()
     cache.check(all_bundles(loader, 0))
+
+
+def test_zero_capacity_streams_everything(loader):
+    cache = NeuronCache(loader, 0, 0)  # a budget that leaves a layer no cache rows
+    upd = cache.update(np.array([1, 4, 9]), 0, window=3)
+    assert cache.num_used == 0 and upd.loaded == 0 and upd.overflow.tolist() == [1, 4, 9]
+    assert cache.row_bytes == NeuronCache(loader, 0, 4).row_bytes > 0

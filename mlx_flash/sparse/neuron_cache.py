@@ -41,8 +41,11 @@ class NeuronCache:
         self.n_neurons = loader.entry(layer)["count"]
         self.capacity = int(min(capacity, self.n_neurons))
         self.rows = loader.alloc(layer, self.capacity)  # {component: mx.array [capacity, ...]}
-        # uint8 views of the same memory, for swap-delete copies (no MLX graph, no reallocation)
-        self._host = [host_bytes(a).reshape(self.capacity, -1) for a in self.rows.values()]
+        # uint8 views of the same memory, for swap-delete copies (no MLX graph, no reallocation);
+        # a budget can leave a layer no rows at all: then every needed neuron overflows (streams)
+        self._host = [host_bytes(a).reshape(self.capacity, -1) if self.capacity else
+                      np.zeros((0, int(np.prod(a.shape[1:])) * a.dtype.size), np.uint8)
+                      for a in self.rows.values()]
         self.ids = np.full(self.capacity, -1, np.int64)
         self.slot_of = np.full(self.n_neurons, -1, np.int64)  # neuron -> row, -1 when absent
         self.last_active = np.zeros(self.capacity, np.int64)
