@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .api import context_length
 from .errors import FlashError
 from .sparse.predictor import ACTIVATIONS, KINDS, LOW_RANK, LayerPredictor, read_predictors_json, save_predictors
 
@@ -517,7 +518,10 @@ def collect_inputs(pack_dir, text_files, *, max_tokens=None, max_window=MAX_WIND
     gated = any(c["name"] == "gate.weight" for c in manifest["bundles"][0]["components"])
     tokens = text_tokens(text_files, tokenizer, max_tokens)
     ffns = install_masked_ffns(model, manifest, activation, config["hidden_size"])
-    xs, dtype = collect_ffn_inputs(model, ffns, token_chunks(tokens), progress=progress)
+    # never past the model's context: positions beyond it would index learned position tables
+    # (OPT) out of bounds, which MLX does not check
+    seq_len = min(SEQ_LEN, context_length(model) or SEQ_LEN)
+    xs, dtype = collect_ffn_inputs(model, ffns, token_chunks(tokens, seq_len), progress=progress)
     n_tok = len(next(iter(xs.values())))
     n_train = int(round(n_tok * (1 - HOLDOUT)))
     if n_tok - n_train < max_window + 1:

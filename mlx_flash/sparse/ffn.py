@@ -160,7 +160,7 @@ class FlashFFN(nn.Module):
         if len(upd.overflow):
             buf = self._read_stream(upd.overflow, step)
             y = y + self._run(x, buf, len(upd.overflow), add_down_bias=False)
-            mx.eval(y)
+        mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         return y
 
 
