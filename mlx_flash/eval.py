@@ -104,7 +104,12 @@ def load_mode(pack, mode, memory_budget=None, window=5, threads=32):
 
 def dense_reference(pack, files, max_tokens, seq_len, progress=True):
     """(sequences, nll, greedy) of the dense model on the text."""
+    from .api import context_length
+
     model, tokenizer = load_mode(pack, "dense")
+    limit = context_length(model)
+    if limit is not None and seq_len > limit:
+        raise FlashError(f"--sequence-length {seq_len}: longer than the model's context of {limit} tokens")
     seqs = eval_sequences(files, tokenizer, max_tokens, seq_len)
     nll, greedy = score_sequences(model, seqs, progress, desc="dense")
     return seqs, nll, greedy

@@ -58,6 +58,8 @@ def test_cli_json_and_errors(pack, text, tmp_path, capsys):
     for argv, message in [
         (["ppl", "--model", str(pack), "--text", str(short), "--quiet"], "short.txt: 4 tokens, need at least 256"),
         (["ppl", "--model", str(tmp_path), "--text", str(text), "--quiet"], "not a flash pack"),
+        (["ppl", "--model", str(pack), "--text", str(text), "--sequence-length", "1000", "--quiet"],
+         "--sequence-length 1000: longer than the model's context"),
         (["ppl", "--model", str(pack), "--mode", "flash", "--text", str(text), "--max-tokens", "64",
           "--sequence-length", "32", "--quiet"], "python -m mlx_flash.calibrate"),
     ]:
