@@ -316,11 +316,14 @@ def test_environment_switch(value, active):
     import os
     import subprocess
     import sys
+    import tempfile
 
     code = ("import mlx.core as mx, mlx.nn as nn; from mlx_flash import ops; "
             "mx.set_default_device(mx.cpu); m = nn.QuantizedLinear(64, 8, group_size=32, bits=4); "
             "print(ops.kernels_active(), ops.patch_linear_layers(nn.Sequential(m)))")
     env = {**os.environ, "MLX_FLASH_KERNELS": value}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    # cwd away from the checkout, so `-c` imports the installed package (with its compiled kernels)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=tempfile.gettempdir())
     want = (active and ops.EXTENSION_AVAILABLE)
     assert out.stdout.split() == [str(want), str(int(want))]
