@@ -1,11 +1,6 @@
 """Flash packs run per mode (models/flash.py, sparse/ffn.py, sparse/budget.py): exactness against
 dense, predictors, budgets, statistics, and the generate CLI's flash flags."""
 
-import os
-import subprocess
-import sys
-import tempfile
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,6 +13,7 @@ from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import layer_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
+from test_generate import run as generate  # the CLI in a subprocess, as users run it
 
 TOKENS = [[5, 17, 3, 99, 42, 7], [11], [64], [2], [120]]  # a prompt, then four decode steps
 
@@ -182,12 +178,6 @@ def test_unsupported_mlp_shape_is_refused():
 @pytest.fixture(scope="module")
 def embedded_pack(embedded_model_dir, tmp_path_factory):
     return write_pack(embedded_model_dir, tmp_path_factory.mktemp("embedded") / "pack", progress=False)
-
-
-def generate(*args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=tempfile.gettempdir())
 
 
 def test_cli_hybrid_stats(embedded_pack):
