@@ -11,7 +11,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "layer_ops.h"
 #include "matvec.h"
+#include "mlx_view.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -25,57 +27,7 @@ namespace mx = mlx::core;
 
 namespace {
 
-int scalar_type(mx::Dtype t) {
-  if (t == mx::float16) return flash::DT_F16;
-  if (t == mx::bfloat16) return flash::DT_BF16;
-  if (t == mx::float32) return flash::DT_F32;
-  throw std::invalid_argument("mlx_flash: expected float32, float16 or bfloat16");
-}
-
-// What a task needs to read one input: captured by value at eval time (the buffers themselves
-// are kept alive by MLX until the stream's task has run).
-struct View {
-  const uint8_t* ptr = nullptr;
-  mx::Dtype dtype = mx::float32;
-  mx::Shape shape;
-  mx::Strides strides;
-  bool contiguous = false;
-
-  static View of(const mx::array& a) {
-    View v;
-    v.ptr = a.data<uint8_t>();
-    v.dtype = a.dtype();
-    v.shape = a.shape();
-    v.strides = a.strides();
-    v.contiguous = a.flags().row_contiguous;
-    return v;
-  }
-  int64_t size() const {
-    int64_t n = 1;
-    for (auto s : shape) n *= s;
-    return n;
-  }
-  // Element offset (in elements) of flat row-major index i.
-  int64_t offset(int64_t i) const {
-    int64_t off = 0;
-    for (int d = int(shape.size()) - 1; d >= 0 && i > 0; --d) {
-      off += (i % shape[d]) * strides[d];
-      i /= shape[d];
-    }
-    return off;
-  }
-};
-
-// x (any float dtype, any strides) -> contiguous float32.
-void to_float(const View& v, float* dst) {
-  const int dt = scalar_type(v.dtype);
-  const int64_t n = v.size();
-  if (v.contiguous) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = flash::load_scalar(v.ptr, dt, i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = flash::load_scalar(v.ptr, dt, v.offset(i));
-  }
-}
+using namespace flash_ext;
 
 // A 2-D weight-like input: rows may be strided, but each row must be dense; otherwise copy.
 struct Rows2D {
@@ -195,22 +147,6 @@ class FlashMatvec : public mx::Primitive {
   int n_;
 };
 
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("mlx_flash: " + msg); }
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(int(i));
-  s << ")";
-  return s.str();
-}
-
-mx::Stream cpu_stream() {
-  mx::Stream s = mx::to_stream({});
-  if (s.device != mx::Device::cpu) fail("kernels need the CPU device (mx.set_default_device(mx.cpu))");
-  return s;
-}
-
 int weight_format(const mx::array& w, std::optional<int> bits) {
   if (bits) {
     if (w.dtype() != mx::uint32) fail("quantized weights must be uint32");
@@ -317,6 +253,25 @@ NB_MODULE(_ext, m) {
       nb::arg("h"), nb::arg("w"), nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
       nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64, nb::arg("bits").none() = nb::none(),
       "y[..., :] = sum_i h[..., i] * W[rows[i], :] (or W[:n]); bits=None for float16/bfloat16 W.");
+  m.def(
+      "rms_norm",
+      [](const mx::array& x, std::optional<mx::array> weight, float eps) { return flash_ext::rms_norm(x, weight, eps); },
+      nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
+      "mx.fast.rms_norm as one CPU primitive: x * rsqrt(mean(x^2, -1) + eps) * weight.");
+  m.def(
+      "rope",
+      [](const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
+         std::optional<mx::array> freqs) { return flash_ext::rope(x, dims, traditional, base, scale, offset, freqs); },
+      nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
+      nb::arg("freqs").none() = nb::none(),
+      "mx.fast.rope (integer offset) as one CPU primitive; base is ignored when freqs is given.");
+  m.def(
+      "attention",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+        return flash_ext::attention(q, k, v, scale, causal);
+      },
+      nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("causal") = false,
+      "mx.fast.scaled_dot_product_attention without a mask or with a causal one, as one CPU primitive.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the AVX2 path when the CPU has it (True) or force the portable scalar path (False).");
   m.def("simd_active", &flash::simd_active);

@@ -795,6 +795,10 @@ thread_local std::vector<float> tl_x, tl_xsum;
 
 }  // namespace
 
+void parallel_for(int chunks, ChunkFn fn, const void* ctx) {
+  if (chunks > 0) pool().run(fn, ctx, chunks);
+}
+
 void matvec(const Problem& p) {
   if (p.n == 0 || p.M == 0) return;
   const bool quant = p.fmt == FMT_Q4 || p.fmt == FMT_Q8;

@@ -38,6 +38,10 @@ bool simd_active();
 void set_num_threads(int n);
 int num_threads();
 
+// Runs fn(ctx, c) for c in [0, chunks) on the calling thread and the persistent pool.
+using ChunkFn = void (*)(const void* ctx, int chunk);
+void parallel_for(int chunks, ChunkFn fn, const void* ctx);
+
 float load_scalar(const void* base, int dtype, int64_t i);
 void store_scalar(void* base, int dtype, int64_t i, float v);
 

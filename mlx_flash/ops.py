@@ -1,4 +1,4 @@
-"""Matvec ops on MLX weight layouts: our CPU kernels (mlx_flash._ext) with MLX-op twins.
+"""Matvec and layer ops: our CPU kernels (mlx_flash._ext) with MLX-op twins.
 
 Every op returns a lazy MLX array. On the CPU device with the extension built, few-row inputs
 (decode: M <= MAX_KERNEL_ROWS rows) run our kernels; everything else (Metal, prefill, unsupported
@@ -7,7 +7,12 @@ formats, extension missing) runs the equivalent MLX ops, so results agree to flo
 Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `scales`/`biases`
 [N, K/group_size] (w = scale*q + bias), or float16/bfloat16 `w` [N, K]. All ops compute y = x @ W.T
 unless named `_t` (y = h @ W[rows]).
+
+The layer ops (rms_norm, rope, scaled_dot_product_attention) mirror mx.fast's: on the CPU stream
+MLX runs those as op-by-op fallbacks (about a hundred primitives per decoder layer, each costing a
+few microseconds of dispatch), ours are one primitive each.
 """
+import sys
 
 import importlib
 import os
@@ -160,7 +165,57 @@ def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_siz
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernel-backed layer classes. patch_linear_layers re-classes modules in place, so parameters,
+# Layer ops
+
+MAX_ATTENTION_QUERIES = MAX_KERNEL_ROWS  # longer prompts: MLX's matmul-based attention is faster
+
+
+def _layer_kernel_ok(*arrays):
+    if not kernels_active():
+        _say_fallback_once()
+        return False
+    return all(a.dtype in _FLOATS for a in arrays)
+
+
+def rms_norm(x, weight, eps):
+    """mx.fast.rms_norm(x, weight, eps): x * rsqrt(mean(x^2, -1) + eps) * weight."""
+    if _layer_kernel_ok(x) and x.ndim >= 1 and (weight is None or (weight.dtype in _FLOATS and weight.ndim == 1)):
+        return _ext.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rope(x, dims, *, traditional, base, scale, offset, freqs=None):
+    """mx.fast.rope with the same arguments (x [..., L, D]; positions offset .. offset + L - 1)."""
+    if (_layer_kernel_ok(x) and isinstance(offset, int) and x.ndim >= 2 and dims % 2 == 0
+            and 0 < dims <= x.shape[-1] and (freqs is None) != (base is None)):
+        return _ext.rope(x, dims, traditional, 1.0 if base is None else base, scale, offset, freqs)
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+
+
+def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
+    """mx.fast.scaled_dot_product_attention; the kernel serves masks None and "causal", few queries."""
+    causal = isinstance(mask, str) and mask == "causal"
+    if (_layer_kernel_ok(q, k, v) and sinks is None and (mask is None or causal) and q.ndim == k.ndim == v.ndim == 4
+            and q.shape[2] <= MAX_ATTENTION_QUERIES and k.shape[2] >= q.shape[2]):
+        return _ext.attention(q, k, v, scale, causal)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """Drop-in for mlx_lm.models.base.scaled_dot_product_attention (quantized caches keep theirs)."""
+    if hasattr(cache, "bits"):
+        return _MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+    return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+try:
+    from mlx_lm.models.base import scaled_dot_product_attention as _MLX_LM_ATTENTION
+except ImportError:  # mlx-lm missing: nothing to patch
+    _MLX_LM_ATTENTION = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel-backed layer classes. patch_layers re-classes modules in place, so parameters,
 # names and isinstance checks are unchanged; only __call__ / as_linear route through our ops.
 
 
@@ -178,6 +233,16 @@ class KernelLinear(nn.Linear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x):
+        return rms_norm(x, self["weight"], self.eps)
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x, offset: int = 0):
+        return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -199,12 +264,15 @@ def _affine_ok(m):
     )
 
 
-def patch_linear_layers(model) -> int:
-    """Route a loaded mlx-lm model's linear layers (and tied lm_head) through the CPU kernels.
+def patch_layers(model) -> int:
+    """Route a loaded mlx-lm model's layers through the CPU kernels where they apply.
 
     Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
-    weights, and nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head).
-    Weights are untouched. Returns the number of modules swapped; 0 unless kernels_active().
+    weights, nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head),
+    nn.RMSNorm and nn.RoPE, and points the model's module-level `scaled_dot_product_attention`
+    (mlx-lm's) at ours. Each swapped call still checks kernels_active(), so turning the kernels off
+    later restores MLX's ops. Weights are untouched. Returns the number of modules swapped; 0
+    unless kernels_active().
     """
     if not kernels_active():
         _say_fallback_once()
@@ -220,7 +288,19 @@ def patch_linear_layers(model) -> int:
             m.__class__ = KernelQuantizedEmbedding
         elif cls is nn.Embedding and m["weight"].dtype in _HALF:
             m.__class__ = KernelEmbedding
+        elif cls is nn.RMSNorm:
+            m.__class__ = KernelRMSNorm
+        elif cls is nn.RoPE:
+            m.__class__ = KernelRoPE
         else:
+            _patch_attention(type(m).__module__)
             continue
         swapped += 1
     return swapped
+
+
+def _patch_attention(module_name):
+    # mlx-lm's model files import base.scaled_dot_product_attention by name; rebind that name.
+    module = sys.modules.get(module_name)
+    if _MLX_LM_ATTENTION is not None and getattr(module, "scaled_dot_product_attention", None) is _MLX_LM_ATTENTION:
+        module.scaled_dot_product_attention = _mlx_lm_attention

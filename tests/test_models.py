@@ -16,11 +16,11 @@ def test_logits_bit_identical_to_mlx_lm_load(embedded_model_dir):
 
     import mlx_flash
 
-    from mlx_flash.ops import patch_linear_layers
+    from mlx_flash.ops import patch_layers
 
     ours, our_tok = mlx_flash.load(str(embedded_model_dir))
     ref, ref_tok = mlx_lm_load(str(embedded_model_dir))
-    patch_linear_layers(ref)  # the same seam: mlx-lm's model with its linear layers on our kernels
+    patch_layers(ref)  # the same seam: mlx-lm's model with its linear layers on our kernels
     ids = ref_tok.encode("Bit-identical logits are the contract of the dense path.")
     assert our_tok.encode("Bit-identical logits are the contract of the dense path.") == ids
     from mlx_flash import ops

@@ -1,4 +1,4 @@
-"""mlx_flash.ops: CPU kernels vs MLX's own ops, the MLX-op fallback, and patch_linear_layers.
+"""mlx_flash.ops: CPU kernels vs MLX's own ops, the MLX-op fallback, and patch_layers.
 
 Tolerance. Kernels and references both sum float32 products, in different orders. A float32 sum of
 n products, each formed with at most c roundings, is off by at most gamma_{n+c} * sum |terms|,
@@ -236,6 +236,87 @@ def test_bad_arguments_raise():
 
 
 # ------------------------------------------------------------------------------------------------
+# Layer ops (RMSNorm, RoPE, attention) vs mx.fast on float32 copies of the same inputs.
+# Ours computes in float32 and rounds each output once; the reference is MLX's float32 result, so
+# the allowed error is the output's rounding (HALF_ULP * |ref|, or the float16 subnormal floor) plus
+# a few float32 ulps of the terms summed (RMSNorm: |x| * 8u; attention: a softmax-weighted sum of
+# |v|, 16u each). RoPE angles pos * inv_freq are float32 in both, but inv_freq may differ by an ulp
+# (exp2 vs exp), so a rotated pair may differ by pos * 2^-22 radians times its magnitude.
+
+def _layer_bound(ref, terms, dtype):
+    return HALF_ULP[dtype] * np.abs(ref) + terms + HALF_TINY
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm_matches_mlx(path, dtype, weight):
+    x = _x((2, 3, 100), dtype) * 3
+    w = (_x((100,), dtype, seed=2) * 0.2 + 1).astype(dtype) if weight else None
+    strided = _x((3, 2, 100), dtype).transpose(1, 0, 2)  # rows not contiguous
+    for inp in (x, strided, x[:, :1]):
+        y = ops.rms_norm(inp, w, 1e-5)
+        ref = mx.fast.rms_norm(inp.astype(mx.float32), None if w is None else w.astype(mx.float32), 1e-5)
+        assert y.dtype == mx.fast.rms_norm(inp, w, 1e-5).dtype == dtype
+        # ours rounds x*rsqrt to dtype before the weight multiply (as MLX does): two roundings
+        r = _f32(ref)
+        _assert_close(y, r, _layer_bound(r, 2 * HALF_ULP[dtype] * np.abs(r) + 8 * U * np.abs(r), dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_matches_mlx(path, dtype, traditional):
+    q = _x((1, 5, 9, 64), dtype).transpose(0, 2, 1, 3)  # [B, H, L, D] view, as attention passes it
+    cases = [dict(dims=64, base=10000.0, scale=1.0, offset=0), dict(dims=64, base=10000.0, scale=1.0, offset=777),
+             dict(dims=32, base=500000.0, scale=0.25, offset=3),
+             dict(dims=32, base=None, scale=1.0, offset=11, freqs=mx.exp(mx.arange(16) * 0.7))]
+    for c in cases:
+        y = ops.rope(q, c["dims"], traditional=traditional, base=c["base"], scale=c["scale"], offset=c["offset"],
+                     freqs=c.get("freqs"))
+        ref = _f32(mx.fast.rope(q.astype(mx.float32), c["dims"], traditional=traditional, base=c["base"],
+                                scale=c["scale"], offset=c["offset"], freqs=c.get("freqs")))
+        pos = (c["offset"] + q.shape[2]) * c["scale"]
+        mag = np.abs(_f32(q)).max()
+        assert y.dtype == dtype and y.shape == q.shape
+        _assert_close(y, ref, _layer_bound(ref, 8 * U * mag + 2 * pos * 2.0**-22 * mag, dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False)])
+def test_attention_matches_mlx(path, dtype, lq, causal):
+    B, Hq, Hkv, D, Dv, cap, Lk = 2, 6, 2, 32, 48, 64, 37
+    q = _x((B, lq, Hq, D), dtype).transpose(0, 2, 1, 3)
+    k = _x((B, Hkv, cap, D), dtype, seed=3)[:, :, :Lk]  # a KV-cache slice of a larger buffer
+    v = _x((B, Hkv, cap, Dv), dtype, seed=4)[:, :, :Lk]
+    mask = "causal" if causal else None
+    y = ops.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+    ref = _f32(mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                                    v.astype(mx.float32), scale=D**-0.5, mask=mask))
+    assert y.dtype == dtype and y.shape == (B, Hq, lq, Dv)
+    vmax = np.abs(_f32(v)).max()
+    _assert_close(y, ref, _layer_bound(ref, 16 * U * Lk * vmax, dtype))
+
+
+@needs_ext
+def test_layer_ops_fall_back_where_the_kernel_does_not_apply():
+    q, k = _x((1, 4, 2, 16), mx.float32), _x((1, 4, 5, 16), mx.float32, seed=2)
+    mask = mx.array(np.tril(np.ones((2, 5), bool), 3))
+    y = ops.scaled_dot_product_attention(q, k, k, scale=0.25, mask=mask)  # array masks: MLX's op
+    assert np.array_equal(_f32(y), _f32(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=mask)))
+    off = mx.array(3)  # array offsets (batched caches): MLX's op
+    y = ops.rope(q, 16, traditional=False, base=1e4, scale=1.0, offset=off)
+    assert np.array_equal(_f32(y), _f32(mx.fast.rope(q, 16, traditional=False, base=1e4, scale=1.0, offset=off)))
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        ops._ext.attention(_x((1, 3, 1, 16), mx.float32), k, k, 0.25)
+    with pytest.raises(ValueError, match="dims must be even"):
+        ops._ext.rope(q, 15, False, 1e4, 1.0, 0)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ops._ext.rms_norm(q, mx.ones((3,)), 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
 # Public ops: the same answers with kernels on or off (fallback path tested without the extension)
 
 
@@ -275,12 +356,12 @@ def test_fallback_when_disabled_patches_nothing():
     ops.set_kernels_enabled(False)
     model = nn.Sequential(nn.Linear(8, 8))
     model.set_dtype(mx.float16)
-    assert ops.patch_linear_layers(model) == 0
+    assert ops.patch_layers(model) == 0
     assert type(model.layers[0]) is nn.Linear
 
 
 # ------------------------------------------------------------------------------------------------
-# patch_linear_layers on tiny mlx-lm llamas
+# patch_layers on tiny mlx-lm llamas
 
 
 @needs_ext
@@ -290,7 +371,7 @@ def test_fallback_when_disabled_patches_nothing():
      dict(dtype="bfloat16", tie=False)],
     ids=["q4g32", "q8g64", "f16", "bf16-untied"],
 )
-def test_patch_linear_layers_logits_match(tiny_llama, variant):
+def test_patch_layers_logits_match(tiny_llama, variant):
     from mlx_lm.utils import load_model
 
     path = tiny_llama("m", **variant)
@@ -299,10 +380,11 @@ def test_patch_linear_layers_logits_match(tiny_llama, variant):
     dense = model(tokens)  # prefill shape: 6 rows -> kernels (M <= 8)
     step = model(tokens[:, :1])
     mx.eval(dense, step)
-    swapped = ops.patch_linear_layers(model)
-    # 2 layers x 7 projections + the embedding (its as_linear is the tied lm_head) [+ untied lm_head]
-    assert swapped == 15 + (not variant.get("tie", True))
-    assert ops.patch_linear_layers(model) == 0  # already patched
+    swapped = ops.patch_layers(model)
+    # 2 layers x (7 projections + 2 norms + RoPE) + the final norm + the embedding (its as_linear is
+    # the tied lm_head) [+ untied lm_head]
+    assert swapped == 2 * 10 + 2 + (not variant.get("tie", True))
+    assert ops.patch_layers(model) == 0  # already patched
     patched, patched_step = model(tokens), model(tokens[:, :1])
     tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
     for a, r in ((patched, dense), (patched_step, step)):
@@ -320,7 +402,7 @@ def test_environment_switch(value, active):
 
     code = ("import mlx.core as mx, mlx.nn as nn; from mlx_flash import ops; "
             "mx.set_default_device(mx.cpu); m = nn.QuantizedLinear(64, 8, group_size=32, bits=4); "
-            "print(ops.kernels_active(), ops.patch_linear_layers(nn.Sequential(m)))")
+            "print(ops.kernels_active(), ops.patch_layers(nn.Sequential(m)))")
     env = {**os.environ, "MLX_FLASH_KERNELS": value}
     # cwd away from the checkout, so `-c` imports the installed package (with its compiled kernels)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -371,7 +371,8 @@ def _decode_breakdown(args):
     ops.set_kernels_enabled(True)
     model, _ = load(args.generate or None, progress=False)
     cache, token = make_prompt_cache(model), mx.array([[1]])
-    layers = [m for _, m in model.named_modules() if type(m).__name__.startswith("Kernel")]
+    matvec_classes = (ops.KernelQuantizedLinear, ops.KernelLinear, ops.KernelQuantizedEmbedding, ops.KernelEmbedding)
+    layers = [m for _, m in model.named_modules() if isinstance(m, matvec_classes)]
     xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[1]))
           for m in layers]
     mx.eval(xs)

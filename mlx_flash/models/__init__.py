@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import FlashError
-from ..ops import patch_linear_layers
+from ..ops import patch_layers
 from .source import resolve_model
 
 
@@ -77,5 +77,5 @@ def load(model=None, flash_config=None, *, progress: bool = True):
         raise FlashError(f"{flag}: needs a flash pack; {path} is a plain model folder "
                          f"(make one with python -m mlx_flash.convert --model {path} --out PACK)")
     nn_model, _ = load_model(path, lazy=False)
-    patch_linear_layers(nn_model)  # our CPU kernels where they apply (ops.py); weights untouched
+    patch_layers(nn_model)  # our CPU kernels where they apply (ops.py); weights untouched
     return nn_model, load_tokenizer(path)

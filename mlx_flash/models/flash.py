@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..errors import FlashError
 from ..flash_config import FlashConfig
 from ..io import FlashLoader
-from ..ops import patch_linear_layers
+from ..ops import patch_layers
 from ..pack import load_resident, read_manifest
 from ..sparse.budget import plan_memory
 from ..sparse.ffn import CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, UpDownMLP, check_mlp_shape
@@ -70,7 +70,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     except ValueError as e:
         raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
     mx.eval(model.parameters())
-    patch_linear_layers(model)
+    patch_layers(model)
     model.flash_stats = stats
     model.flash_runtime = runtime
     stats.reset()

@@ -1,0 +1,25 @@
+// The non-matvec ops of a decoder layer as MLX CPU primitives. On the CPU stream MLX runs its
+// mx.fast.rms_norm / rope / scaled_dot_product_attention as their op-by-op fallbacks (~100
+// primitives per layer, each a few microseconds of dispatch); these are one primitive each.
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+
+namespace flash_ext {
+
+// mx.fast.rms_norm: x * rsqrt(mean(x^2, -1) + eps) [* w]; dtype promote(x, w).
+mlx::core::array rms_norm(const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps);
+
+// mx.fast.rope on x [..., L, D]: rotates the first `dims` features of position offset + l.
+// inv_freq[j] = 1 / freqs[j] when freqs is given, else base^(-2j/dims).
+mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional, float base, float scale, int offset,
+                      const std::optional<mlx::core::array>& freqs);
+
+// mx.fast.scaled_dot_product_attention for q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]
+// (Hq a multiple of Hkv), no mask or a causal one (query i sees keys j <= Lk - Lq + i).
+mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                           float scale, bool causal);
+
+}  // namespace flash_ext
