@@ -47,9 +47,9 @@ thread_local std::vector<float> tl_in;
 
 class FlashMatvec : public mx::Primitive {
  public:
-  FlashMatvec(mx::Stream s, int fmt, int group_size, bool transposed, bool has_rows, int n)
+  FlashMatvec(mx::Stream s, int fmt, int group_size, bool transposed, bool has_rows, int n, bool q8x)
       : mx::Primitive(s), fmt_(fmt), group_size_(group_size), transposed_(transposed),
-        has_rows_(has_rows), n_(n) {}
+        has_rows_(has_rows), n_(n), q8x_(q8x) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -70,7 +70,7 @@ class FlashMatvec : public mx::Primitive {
     const int out_dtype = scalar_type(out.dtype());
     uint8_t* out_ptr = out.data<uint8_t>();
     const int fmt = fmt_, gs = group_size_, n_prefix = n_;
-    const bool transposed = transposed_, has_rows = has_rows_;
+    const bool transposed = transposed_, has_rows = has_rows_, q8x = q8x_;
 
     enc.dispatch([=]() {
       const int64_t wcols = w.shape.back();  // uint32 words (quantized) or elements (half)
@@ -115,6 +115,7 @@ class FlashMatvec : public mx::Primitive {
       p.in = tl_in.data();
       p.out = out_ptr;
       p.out_dtype = out_dtype;
+      p.q8_activations = q8x;
       if (transposed) {
         if (p.M == 0 && x.size() == 0) {  // h has no columns: the weighted sum of no rows is 0
           int64_t lead = 1;
@@ -138,13 +139,14 @@ class FlashMatvec : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FlashMatvec&>(other);
     return fmt_ == o.fmt_ && group_size_ == o.group_size_ && transposed_ == o.transposed_ &&
-           has_rows_ == o.has_rows_ && n_ == o.n_;
+           has_rows_ == o.has_rows_ && n_ == o.n_ && q8x_ == o.q8x_;
   }
 
  private:
   int fmt_, group_size_;
   bool transposed_, has_rows_;
   int n_;
+  bool q8x_;
 };
 
 int weight_format(const mx::array& w, std::optional<int> bits) {
@@ -162,10 +164,11 @@ int weight_format(const mx::array& w, std::optional<int> bits) {
 // One builder for all variants. x: [..., K] (forward) or [..., n] (transposed).
 mx::array build(mx::array x, const mx::array& w, std::optional<mx::array> scales,
                 std::optional<mx::array> biases, std::optional<mx::array> rows, int n_prefix,
-                int group_size, std::optional<int> bits, bool transposed) {
+                int group_size, std::optional<int> bits, bool transposed, bool q8x = false) {
   mx::Stream s = cpu_stream();
   const int fmt = weight_format(w, bits);
   const bool quant = bits.has_value();
+  if (q8x && (!quant || transposed)) fail("q8_activations: only for the forward quantized matvec");
   if (w.ndim() != 2) fail("weight must be 2-D, got " + shape_str(w));
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (!mx::issubdtype(x.dtype(), mx::floating)) fail("x must be a floating point array");
@@ -207,7 +210,7 @@ mx::array build(mx::array x, const mx::array& w, std::optional<mx::array> scales
   out_shape.back() = transposed ? K : n;
   // A plain matvec is the prefix n = N of the weight.
   auto prim = std::make_shared<FlashMatvec>(s, fmt, quant ? group_size : 0, transposed, rows.has_value(),
-                                            rows ? -1 : n);
+                                            rows ? -1 : n, q8x);
   return mx::array(out_shape, out_dtype, prim, std::move(inputs));
 }
 
@@ -220,11 +223,13 @@ NB_MODULE(_ext, m) {
   m.def(
       "quantized_matvec",
       [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-         int group_size, int bits) {
-        return build(x, w, scales, biases, std::nullopt, -1, group_size, bits, false);
+         int group_size, int bits, bool q8_activations) {
+        return build(x, w, scales, biases, std::nullopt, -1, group_size, bits, false, q8_activations);
       },
       nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-      nb::arg("bits"), "y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K].");
+      nb::arg("bits"), nb::arg("q8_activations") = false,
+      "y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K]. q8_activations: x rounded "
+      "to int8 per 32-element block (scale max|x|/127) and integer dot products.");
   m.def(
       "half_matvec",
       [](const mx::array& x, const mx::array& w) {
@@ -235,12 +240,13 @@ NB_MODULE(_ext, m) {
       "gather_matvec",
       [](const mx::array& x, const mx::array& w, std::optional<mx::array> scales,
          std::optional<mx::array> biases, std::optional<mx::array> rows, std::optional<int> n,
-         int group_size, std::optional<int> bits) {
+         int group_size, std::optional<int> bits, bool q8_activations) {
         if (!rows && !n) fail("pass rows or n");
-        return build(x, w, scales, biases, rows, rows ? -1 : *n, group_size, bits, false);
+        return build(x, w, scales, biases, rows, rows ? -1 : *n, group_size, bits, false, q8_activations);
       },
       nb::arg("x"), nb::arg("w"), nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
       nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64, nb::arg("bits").none() = nb::none(),
+      nb::arg("q8_activations") = false,
       "y[..., i] = dot(W[rows[i]], x) (or W[:n]); bits=None for float16/bfloat16 W.");
   m.def(
       "gather_matvec_t",

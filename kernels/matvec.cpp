@@ -257,6 +257,10 @@ static float* scratch(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
+static int8_t* scratch_bytes(std::vector<int8_t>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
 
 // The 4-bit forward SIMD loop consumes a 32-element block as [0,2,..,14][1,3,..,15][16,..,30][17,..,31];
 // natural index of permuted position p:
@@ -286,6 +290,47 @@ static void q_fwd_scalar(const Problem& p, const float* x, const float* xsum, in
         }
         acc += ld<ST>(p.scales, r * p.sb_row + g) * qd;
         bacc += ld<ST>(p.biases, r * p.sb_row + g) * xsum[int64_t(m) * G + g];
+      }
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, acc + bacc);
+    }
+  }
+}
+
+// x rounded to int8 per 32-block: xq [M, K] natural order, xd [M, K/32] block scales.
+struct Q8X {
+  const int8_t* xq;
+  const float* xd;
+};
+
+// Integer dot of one 32-block of a quantized row (natural order) with xq. 8-bit rows use q - 128
+// (a signed byte, as the SIMD path needs) and fold 128*s into the bias term, which takes exact x.
+static inline int32_t q_block_dot(const uint8_t* wr, int64_t k, const int8_t* xq, bool q4) {
+  int32_t s = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int64_t e = k + j;
+    const int q = q4 ? ((wr[e >> 1] >> ((e & 1) * 4)) & 0xf) : int(wr[e]) - 128;  // 8-bit: see below
+    s += q * int32_t(xq[e]);
+  }
+  return s;
+}
+
+template <int ST>
+static void q_fwd_i8_scalar(const Problem& p, const Q8X& xa, const float* xsum, int i0, int i1) {
+  const int K = p.K, gs = p.group_size, G = K / gs, B = K / 32;
+  const bool q4 = p.fmt == FMT_Q4;
+  for (int i = i0; i < i1; ++i) {
+    int64_t r = row_of(p, i);
+    for (int m = 0; m < p.M; ++m) {
+      if (bad_row(p, r)) { store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
+      const uint8_t* wr = p.w + r * p.w_row_bytes;
+      float acc = 0.f, bacc = 0.f;
+      for (int b = 0; b < B; ++b)
+        acc += ld<ST>(p.scales, r * p.sb_row + b * 32 / gs) * xa.xd[int64_t(m) * B + b] *
+               float(q_block_dot(wr, int64_t(b) * 32, xa.xq + int64_t(m) * K, q4));
+      for (int g = 0; g < G; ++g) {
+        float b = ld<ST>(p.biases, r * p.sb_row + g);
+        if (!q4) b += 128.f * ld<ST>(p.scales, r * p.sb_row + g);  // 8-bit: s*q + b = s*(q-128) + (b+128s)
+        bacc += b * xsum[int64_t(m) * G + g];
       }
       store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, acc + bacc);
     }
@@ -677,6 +722,101 @@ FLASH_AVX2 static void h_fwd_avx2_rows(const Problem& p, const float* x, int i0,
     default: break;
   }
 }
+// int8-activation forward (Problem::q8_activations), one x row at a time. 4-bit: a 64-element chunk
+// is two 32-blocks A, B in 32 packed bytes; masking / shifting gives the even elements of A then B
+// (low nibbles) and the odd ones (high nibbles), so x is pre-arranged as xe / xo per chunk (xperm).
+// maddubs (u8 x s8 -> pairwise s16, at most 15*127*2) then madd (-> s32) gives per-lane partial
+// sums; lanes 0-3 belong to A, 4-7 to B, each scaled by its block's s*d. 8-bit: q - 128 as s8 with
+// the abs/sign trick (at most 128*127*2 per pair); the +128 part is folded into the bias term.
+// n scale-like values of a row starting at element i, as float (8 at a time for half types).
+template <int ST>
+FLASH_AVX2 static inline __m256 load8s(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  else if constexpr (ST == DT_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
+  else return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+// sum_g (b_g [+ 128 s_g for 8-bit]) * xsum_g over a row's G groups.
+template <int ST, bool Q4>
+FLASH_AVX2 static inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= G; g += 8) {
+    __m256 b = load8s<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b = _mm256_fmadd_ps(_mm256_set1_ps(128.f), load8s<ST>(p.scales, sb + g), b);
+    acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float t = hsum(acc);
+  for (; g < G; ++g) {
+    float b = ldv<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b += 128.f * ldv<ST>(p.scales, sb + g);
+    t += b * xsum[g];
+  }
+  return t;
+}
+
+template <int ST, bool Q4>
+FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8_t* xperm, const float* xsum, int i0,
+                                     int i1) {
+  const int K = p.K, gs = p.group_size, G = K / gs, B = K / 32, bpg = gs / 32;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), bias8 = _mm256_set1_epi8(char(0x80));
+  float sd[4096 / 32 + 8];  // per-block s*d of the current row (K <= 4096 here; larger K: chunks below)
+  for (int i = i0; i < i1; ++i) {
+    const int64_t r = row_of(p, i);
+    for (int m = 0; m < p.M; ++m) {
+      if (bad_row(p, r)) { store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
+      if (m == 0 && p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
+        prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+      const uint8_t* wr = p.w + r * p.w_row_bytes;
+      const int64_t sb = r * p.sb_row;
+      const float* xd = xa.xd + int64_t(m) * B;
+      const int8_t* xq = xa.xq + int64_t(m) * K;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      float tail = 0.f;
+      // Blocks are handled in spans of at most 4096 elements so sd stays on the stack.
+      for (int64_t k0 = 0; k0 < K; k0 += 4096) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + 4096);
+        const int b0 = int(k0 / 32), nb = int((k1 - k0) / 32);
+        int b = 0;
+        if (bpg == 1)
+          for (; b + 8 <= nb; b += 8)
+            _mm256_storeu_ps(sd + b, _mm256_mul_ps(load8s<ST>(p.scales, sb + b0 + b), _mm256_loadu_ps(xd + b0 + b)));
+        for (; b < nb; ++b) sd[b] = ldv<ST>(p.scales, sb + (b0 + b) / bpg) * xd[b0 + b];
+        if constexpr (Q4) {
+          const int8_t* xp = xperm + int64_t(m) * K;
+          int64_t k = k0;
+          for (; k + 64 <= k1; k += 64) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + k));
+            const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + k + 32));
+            const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xe), ones),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xo), ones));
+            const float* sc = sd + (k - k0) / 32;
+            const __m256 scv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc)), _mm_broadcast_ss(sc + 1), 1);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scv, acc0);
+            std::swap(acc0, acc1);
+          }
+          if (k < k1)  // a last lone 32-block
+            tail += sd[(k - k0) / 32] * float(q_block_dot(wr, k, xq, true));
+        } else {
+          for (int64_t k = k0; k < k1; k += 32) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k)), bias8);
+            const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k));
+            const __m256i s32 =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x8, q)), ones);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_broadcast_ss(sd + (k - k0) / 32), acc0);
+            std::swap(acc0, acc1);
+          }
+        }
+      }
+      const float bacc = row_bias_dot<ST, Q4>(p, sb, xsum + int64_t(m) * G, G);
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, hsum(_mm256_add_ps(acc0, acc1)) + tail + bacc);
+    }
+  }
+}
 #endif  // FLASH_X86
 
 // ---------------------------------------------------------------------------------------------
@@ -689,10 +829,23 @@ struct FwdCtx {
   const float* xsum;  // quantized only
   bool simd;
   int rows_per_chunk;
+  Q8X q8{nullptr, nullptr};         // q8_activations only
+  const int8_t* xperm = nullptr;    // q8_activations, 4-bit SIMD: xq arranged per 64-chunk
 };
 
 template <int ST>
 void q_fwd_range(const FwdCtx& c, int i0, int i1) {
+  if (c.q8.xq) {
+#if FLASH_X86
+    if (c.simd) {
+      if (c.p->fmt == FMT_Q4) q_fwd_i8_avx2<ST, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      else q_fwd_i8_avx2<ST, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      return;
+    }
+#endif
+    q_fwd_i8_scalar<ST>(*c.p, c.q8, c.xsum, i0, i1);
+    return;
+  }
 #if FLASH_X86
   if (c.simd) {
     if (c.p->fmt == FMT_Q4) q_fwd_avx2_rows<ST, true>(*c.p, c.x, c.xsum, i0, i1);
@@ -791,7 +944,20 @@ int64_t bytes_per_row(const Problem& p) {
   }
 }
 
-thread_local std::vector<float> tl_x, tl_xsum;
+thread_local std::vector<float> tl_x, tl_xsum, tl_xd;
+thread_local std::vector<int8_t> tl_xq, tl_xperm;
+
+// x [M, K] -> int8 per 32-block (round half to even of x / d, d = max|x| / 127) and the block scales.
+void quantize_x(const Problem& p, int8_t* xq, float* xd) {
+  for (int64_t b = 0; b < int64_t(p.M) * p.K / 32; ++b) {
+    const float* xb = p.in + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    xd[b] = d;
+    for (int j = 0; j < 32; ++j) xq[b * 32 + j] = int8_t(std::nearbyint(xb[j] * inv));
+  }
+}
 
 }  // namespace
 
@@ -815,7 +981,23 @@ void matvec(const Problem& p) {
         xsum[int64_t(m) * G + g] = s;
       }
     c.xsum = xsum;
-    if (simd && p.fmt == FMT_Q4) {  // reorder x to the nibble order the SIMD loop consumes
+    if (p.q8_activations) {
+      int8_t* xq = reinterpret_cast<int8_t*>(scratch_bytes(tl_xq, size_t(p.M) * p.K));
+      float* xd = scratch(tl_xd, size_t(p.M) * p.K / 32);
+      quantize_x(p, xq, xd);
+      c.q8 = Q8X{xq, xd};
+      if (simd && p.fmt == FMT_Q4) {  // per 64-chunk: even elements of both blocks, then the odd ones
+        int8_t* xp = reinterpret_cast<int8_t*>(scratch_bytes(tl_xperm, size_t(p.M) * p.K));
+        for (int64_t base = 0; base < int64_t(p.M) * p.K; base += p.K)
+          for (int64_t k = 0; k + 64 <= p.K; k += 64)
+            for (int j = 0; j < 32; ++j) {
+              const int64_t blk = base + k + (j / 16) * 32, e = 2 * (j % 16);
+              xp[base + k + j] = xq[blk + e];
+              xp[base + k + 32 + j] = xq[blk + e + 1];
+            }
+        c.xperm = xp;
+      }
+    } else if (simd && p.fmt == FMT_Q4) {  // reorder x to the nibble order the SIMD loop consumes
       float* xp = scratch(tl_x, size_t(p.M) * p.K);
       for (int64_t b = 0; b < int64_t(p.M) * p.K; b += 32)
         for (int j = 0; j < 32; ++j) xp[b + j] = p.in[b + q4_natural(j)];

@@ -26,6 +26,9 @@ struct Problem {
   const float* in = nullptr;  // x [M, K] (forward) or h [M, n] (transposed), float32, contiguous
   void* out = nullptr;        // [M, n] (forward) or [M, K] (transposed), out_dtype, contiguous
   int out_dtype = DT_F32;
+  // Quantized forward only: round x to int8 per 32-element block (scale max|x|/127, as llama.cpp's
+  // q8 activations) and use integer dot products. Faster, but x carries that rounding error.
+  bool q8_activations = false;
 };
 
 // Runs the problem on the calling thread plus the persistent pool. Rows outside [0, N) give NaN.

@@ -39,6 +39,9 @@ def build_parser():
     flash.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
     flash.add_argument("--stats", action="store_true",
                        help="print per-token I/O / memory / compute ms, bytes read, hit rate, peak memory")
+    parser.add_argument("--q8-activations", action="store_true",
+                        help="CPU kernels: round activations to int8 per 32 values (as llama.cpp does) for "
+                             "integer dot products in quantized layers; faster, not bit-exact vs MLX")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return parser
 
@@ -74,6 +77,10 @@ def _main(argv):
 
     if args.seed is not None:
         mx.random.seed(args.seed)
+    if args.q8_activations:
+        from .ops import set_q8_activations
+
+        set_q8_activations(True)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
                             window=args.window, threads=args.threads)

@@ -44,6 +44,8 @@ EXTENSION_AVAILABLE = _ext is not None
 # MLX_FLASH_KERNELS=0 in the environment starts with the kernels off (MLX's own ops everywhere),
 # e.g. `MLX_FLASH_KERNELS=0 python -m mlx_flash.generate` to compare with MLX's CPU path.
 _enabled = os.environ.get("MLX_FLASH_KERNELS", "1").strip() != "0"
+# MLX_FLASH_Q8_ACTIVATIONS=1 (or --q8-activations, set_q8_activations) starts with int8 activations.
+_q8x = os.environ.get("MLX_FLASH_Q8_ACTIVATIONS", "0").strip() == "1"
 _warned = False
 
 
@@ -54,6 +56,15 @@ def set_kernels_enabled(enabled: bool) -> None:
     """
     global _enabled
     _enabled = bool(enabled)
+
+
+def set_q8_activations(enabled: bool) -> None:
+    """Quantized matvecs round x to int8 per 32-element block (scale max|x|/127, like llama.cpp's q8
+    activations) and use integer dot products: faster on the CPU kernels, but no longer equal to
+    MLX's ops within float rounding (x carries up to half an int8 step of error per element).
+    Off by default; the MLX-op fallback ignores it."""
+    global _q8x
+    _q8x = bool(enabled)
 
 
 def kernels_active() -> bool:
@@ -96,7 +107,7 @@ def _quant_ok(w, scales, biases, group_size, bits):
 def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
     """y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K] -> y [..., N]."""
     if _use_kernel(x) and _quant_ok(w, scales, biases, group_size, bits):
-        return _ext.quantized_matvec(x, w, scales, biases, group_size, bits)
+        return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x)
     return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
                                group_size=group_size, bits=bits)
 
@@ -132,7 +143,7 @@ def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=
     quant = bits is not None
     count = n if rows is None else rows.shape[0]
     if _use_kernel(x) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in _HALF):
-        return _ext.gather_matvec(x, w, scales, biases, rows, n, group_size, bits)
+        return _ext.gather_matvec(x, w, scales, biases, rows, n, group_size, bits, q8_activations=_q8x and quant)
     if count == 0:
         dtype = result_dtype(x.dtype, scales.dtype if quant else w.dtype)
         return mx.zeros((*x.shape[:-1], 0), dtype)

@@ -22,6 +22,13 @@ def test_default_model_generates(embedded_model_dir):
     assert "Prompt:" in r.stdout and "tokens-per-sec" in r.stdout and "Peak memory:" in r.stdout
 
 
+def test_q8_activations_flag(embedded_model_dir):
+    # int8 activations change the arithmetic, not the answer to an easy question
+    r = run("--prompt", "What is the capital of France?", "--max-tokens", "12", "--q8-activations")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
 def test_sampling_is_seeded(embedded_model_dir):
     args = ("--model", str(embedded_model_dir), "--prompt", "Tell me a story", "--max-tokens", "10",
             "--temp", "0.9", "--top-p", "0.95", "--seed", "3")

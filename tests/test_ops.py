@@ -236,6 +236,62 @@ def test_bad_arguments_raise():
 
 
 # ------------------------------------------------------------------------------------------------
+# int8 activations (opt-in): the kernels' integer dot products against the same rounding in numpy.
+# Reference: x rounded per 32-block to d * round_half_even(x / d), d = max|x| / 127, times the
+# weights' s*q' part, plus exact x times the rest (4-bit: q' = q, rest b; 8-bit: q' = q - 128,
+# rest b + 128 s). The integer sums are exact, so ours differs by float32 rounding only
+# (bounded as in the exact kernels, with |x| and |s|*|q'| + |rest| as magnitudes).
+
+def _q8_reference(x, wq, s, b, group, bits):
+    xf = _f32(x)
+    k = xf.shape[-1]
+    blocks = xf.reshape(-1, k // 32, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    xq = np.where(d > 0, np.round(blocks / np.where(d > 0, d, 1)), 0)  # numpy rounds half to even
+    xhat = (xq * d).reshape(xf.shape)
+    s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+    shift = 128 if bits == 8 else 0
+    scaled = _f32(mx.dequantize(wq, s32, mx.zeros_like(b32) - shift * s32, group_size=group, bits=bits))
+    rest = _f32(mx.dequantize(wq, mx.zeros_like(s32), b32 + shift * s32, group_size=group, bits=bits))
+    mag = np.abs(scaled) + np.abs(rest)
+    return xhat @ scaled.T + xf @ rest.T, mag
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_q8_activations_match_reference(path, bits, group):
+    k = {32: 352, 64: 320, 128: 384}[group]  # 352 = 5.5 chunks of 64: the lone last 32-block too
+    wq, s, b, _, _ = _quantized(37, k, bits, group, mx.float16)
+    x = _x((3, k), mx.float32) * 4
+    ref, mag = _q8_reference(x, wq, s, b, group, bits)
+    y = ops._ext.quantized_matvec(x, wq, s, b, group, bits, q8_activations=True)
+    _assert_close(y, ref, _bound(mag, x, k, mx.float32, ref))
+    rows = mx.array([5, 0, 36, 5], mx.int32)
+    yg = ops._ext.gather_matvec(x[:1], wq, s, b, rows, None, group, bits, q8_activations=True)
+    _assert_close(yg, ref[:1][:, np.array(rows)], _bound(mag[np.array(rows)], x[:1], k, mx.float32, ref[:1][:, np.array(rows)]))
+    # the rounding is real: a different answer from the exact kernel, but within a few int8 steps
+    exact = _f32(ops._ext.quantized_matvec(x, wq, s, b, group, bits))
+    assert 0 < np.max(np.abs(_f32(y) - exact)) < 0.05 * np.max(np.abs(exact))
+
+
+@needs_ext
+def test_q8_activations_switch():
+    wq, s, b, _, _ = _quantized(8, 64, 4, 32, mx.float16)
+    x = _x((1, 64), mx.float32)
+    exact = _f32(ops.quantized_matvec(x, wq, s, b, 32, 4))
+    try:
+        ops.set_q8_activations(True)
+        rounded = _f32(ops.quantized_matvec(x, wq, s, b, 32, 4))
+    finally:
+        ops.set_q8_activations(False)
+    assert not np.array_equal(rounded, exact)
+    assert np.array_equal(_f32(ops.quantized_matvec(x, wq, s, b, 32, 4)), exact)
+    with pytest.raises(ValueError, match="q8_activations"):  # half weights have no int8 path
+        ops._ext.gather_matvec(x, mx.zeros((8, 64), mx.float16), n=8, q8_activations=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # Layer ops (RMSNorm, RoPE, attention) vs mx.fast on float32 copies of the same inputs.
 # Ours computes in float32 and rounds each output once; the reference is MLX's float32 result, so
 # the allowed error is the output's rounding (HALF_ULP * |ref|, or the float16 subnormal floor) plus

@@ -299,7 +299,13 @@ def _generate(args):
         model, tokenizer = load(source, progress=False)
         patched = sum(type(m).__name__.startswith("Kernel") for _, m in model.named_modules())
         engines[label] = {"model": model, "patched": patched}
+    # the same patched model with int8 activations in the quantized matvecs (opt-in: --q8-activations)
+    engines["mlx_flash_q8x"] = dict(engines["mlx_flash"])
     ops.set_kernels_enabled(True)
+
+    def use(label):  # kernels off for MLX's own path; int8 activations only for their engine
+        ops.set_kernels_enabled(label != "mlx")
+        ops.set_q8_activations(label == "mlx_flash_q8x")
     ids = _chat_ids(tokenizer, args.prompt)
     llm, why = _llama_cpp_model(gguf, threads) if gguf else (None, "--generate is not a .gguf file")
     if llm is not None:
@@ -309,14 +315,14 @@ def _generate(args):
                "prompt_tokens": len(ids), "max_tokens": args.max_tokens, "llama_cpp_missing": why}
     best, tokens, mlx_lm_tps = {}, {}, {}
     for label, e in engines.items():  # warm-up: threads, allocator, compiled graphs
-        ops.set_kernels_enabled(label != "mlx")
+        use(label)
         if label == "llama.cpp":
             _llama_cpp_run(e["llm"], ids, min(8, args.max_tokens))
         else:
             _mlx_flash_run(e["model"], tokenizer, ids, min(8, args.max_tokens))
     for _ in range(args.gen_repeats):
         for label, e in engines.items():
-            ops.set_kernels_enabled(label != "mlx")
+            use(label)
             if label == "llama.cpp":
                 tps, toks = _llama_cpp_run(e["llm"], ids, args.max_tokens)
             else:
@@ -325,17 +331,20 @@ def _generate(args):
             best[label] = max(tps, best.get(label, 0.0))
             tokens[label] = toks
     ops.set_kernels_enabled(True)
+    ops.set_q8_activations(False)
     for label, e in engines.items():
         results[label] = {"generation_tps": best[label], "generated_tokens": len(tokens[label])}
         if label in mlx_lm_tps:
             results[label].update(mlx_lm_generation_tps=mlx_lm_tps[label], layers_patched=e["patched"])
     results["same_greedy_tokens_as_mlx"] = tokens["mlx_flash"] == tokens["mlx"]
     results["speedup_over_mlx"] = best["mlx_flash"] / best["mlx"]
+    results["q8x_same_greedy_tokens_as_mlx"] = tokens["mlx_flash_q8x"] == tokens["mlx"]
     if "llama.cpp" in best:
         n = min(len(tokens["llama.cpp"]), len(tokens["mlx_flash"]))
         results["greedy_tokens_agree_with_llama_cpp"] = sum(
             a == b for a, b in zip(tokens["llama.cpp"][:n], tokens["mlx_flash"][:n])) / max(1, n)
         results["fraction_of_llama_cpp"] = best["mlx_flash"] / best["llama.cpp"]
+        results["q8x_fraction_of_llama_cpp"] = best["mlx_flash_q8x"] / best["llama.cpp"]
     del engines
     mx.clear_cache()
     return results
@@ -350,6 +359,10 @@ def _print_generate(g):
     print(f"  mlx-flash kernels ({g['mlx_flash']['layers_patched']} layers):     "
           f"{g['mlx_flash']['generation_tps']:6.1f} tok/s ({g['mlx_flash']['generated_tokens']} tokens), "
           f"{g['speedup_over_mlx']:.1f}x MLX; same greedy tokens as MLX: {g['same_greedy_tokens_as_mlx']}")
+    q = g["mlx_flash_q8x"]
+    print(f"  mlx-flash kernels, --q8-activations: {q['generation_tps']:6.1f} tok/s ({q['generated_tokens']} tokens); "
+          f"same greedy tokens as MLX: {g['q8x_same_greedy_tokens_as_mlx']}"
+          + (f"; {g['q8x_fraction_of_llama_cpp']:.2f}x llama.cpp" if "llama.cpp" in g else ""))
     if "llama.cpp" in g:
         print(f"  llama.cpp ({g['threads']} threads, same GGUF):  {g['llama.cpp']['generation_tps']:6.1f} "
               f"tok/s ({g['llama.cpp']['generated_tokens']} tokens); mlx-flash = "
