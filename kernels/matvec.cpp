@@ -303,7 +303,8 @@ struct Q8X {
 };
 
 // Integer dot of one 32-block of a quantized row (natural order) with xq. 8-bit rows use q - 128
-// (a signed byte, as the SIMD path needs) and fold 128*s into the bias term, which takes exact x.
+// (a signed byte, as the SIMD path needs) and fold 128*s into the bias term (which uses the
+// rounded x's block sums, like everything else on this path).
 static inline int32_t q_block_dot(const uint8_t* wr, int64_t k, const int8_t* xq, bool q4) {
   int32_t s = 0;
   for (int j = 0; j < 32; ++j) {
@@ -985,6 +986,19 @@ void matvec(const Problem& p) {
       int8_t* xq = reinterpret_cast<int8_t*>(scratch_bytes(tl_xq, size_t(p.M) * p.K));
       float* xd = scratch(tl_xd, size_t(p.M) * p.K / 32);
       quantize_x(p, xq, xd);
+      // The bias term takes the rounded x too: w.x = s*sum(q x) + b*sum(x) has large cancelling parts
+      // (q >= 0), which must see the same x to cancel (exact sums here gave 10%+ errors on real layers).
+      const int G = p.K / p.group_size, bpg = p.group_size / 32;
+      for (int m = 0; m < p.M; ++m)
+        for (int g = 0; g < G; ++g) {
+          float t = 0.f;
+          for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
+            int32_t qs = 0;
+            for (int j = 0; j < 32; ++j) qs += xq[(int64_t(m) * p.K) + b * 32 + j];
+            t += xd[int64_t(m) * (p.K / 32) + b] * float(qs);
+          }
+          xsum[int64_t(m) * G + g] = t;
+        }
       c.q8 = Q8X{xq, xd};
       if (simd && p.fmt == FMT_Q4) {  // per 64-chunk: even elements of both blocks, then the odd ones
         int8_t* xp = reinterpret_cast<int8_t*>(scratch_bytes(tl_xperm, size_t(p.M) * p.K));

@@ -61,7 +61,8 @@ def set_kernels_enabled(enabled: bool) -> None:
 def set_q8_activations(enabled: bool) -> None:
     """Quantized matvecs round x to int8 per 32-element block (scale max|x|/127, like llama.cpp's q8
     activations) and use integer dot products: faster on the CPU kernels, but no longer equal to
-    MLX's ops within float rounding (x carries up to half an int8 step of error per element).
+    MLX's ops within float rounding: the result is W @ x_rounded, x_rounded carrying up to half an
+    int8 step of error per element.
     Off by default; the MLX-op fallback ignores it."""
     global _q8x
     _q8x = bool(enabled)

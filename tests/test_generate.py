@@ -23,10 +23,11 @@ def test_default_model_generates(embedded_model_dir):
 
 
 def test_q8_activations_flag(embedded_model_dir):
-    # int8 activations change the arithmetic, not the answer to an easy question
-    r = run("--prompt", "What is the capital of France?", "--max-tokens", "12", "--q8-activations")
+    # int8 activations change the arithmetic, not the answer to an easy question. (Not the France
+    # question: there "The" leads "L" by 0.08 logits, and both llama.cpp and this path say "L'Étoile")
+    r = run("--prompt", "Name three colors.", "--max-tokens", "24", "--q8-activations")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    assert "red" in r.stdout.lower() and "blue" in r.stdout.lower()
 
 
 def test_sampling_is_seeded(embedded_model_dir):

@@ -237,10 +237,9 @@ def test_bad_arguments_raise():
 
 # ------------------------------------------------------------------------------------------------
 # int8 activations (opt-in): the kernels' integer dot products against the same rounding in numpy.
-# Reference: x rounded per 32-block to d * round_half_even(x / d), d = max|x| / 127, times the
-# weights' s*q' part, plus exact x times the rest (4-bit: q' = q, rest b; 8-bit: q' = q - 128,
-# rest b + 128 s). The integer sums are exact, so ours differs by float32 rounding only
-# (bounded as in the exact kernels, with |x| and |s|*|q'| + |rest| as magnitudes).
+# Reference: W @ x_rounded, x rounded per 32-block to d * round_half_even(x / d), d = max|x| / 127.
+# The integer sums are exact, so ours differs by float32 rounding only (bounded as for the exact
+# kernels, with |x| and |s|*q + |b| as magnitudes; 8-bit rows compute s*(q-128) + (b+128s)).
 
 def _q8_reference(x, wq, s, b, group, bits):
     xf = _f32(x)
@@ -251,10 +250,10 @@ def _q8_reference(x, wq, s, b, group, bits):
     xhat = (xq * d).reshape(xf.shape)
     s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
     shift = 128 if bits == 8 else 0
-    scaled = _f32(mx.dequantize(wq, s32, mx.zeros_like(b32) - shift * s32, group_size=group, bits=bits))
-    rest = _f32(mx.dequantize(wq, mx.zeros_like(s32), b32 + shift * s32, group_size=group, bits=bits))
-    mag = np.abs(scaled) + np.abs(rest)
-    return xhat @ scaled.T + xf @ rest.T, mag
+    w = _f32(mx.dequantize(wq, s32, b32, group_size=group, bits=bits))
+    mag = (np.abs(_f32(mx.dequantize(wq, mx.abs(s32), mx.zeros_like(b32) - shift * mx.abs(s32), group_size=group, bits=bits)))
+           + np.abs(_f32(mx.dequantize(wq, mx.zeros_like(s32), b32 + shift * s32, group_size=group, bits=bits))))
+    return xhat @ w.T, mag
 
 
 @needs_ext
