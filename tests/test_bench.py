@@ -39,7 +39,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     assert case["bytes_per_call"] == 192 * (576 // 2 + 4 * 576 // 32)  # packed 4-bit + f16 scales/biases
     assert case["ours_gbs"] > 0 and case["mlx_gbs"] > 0 and case["ours_fraction"] > 0
     g = result["generate"]
-    assert g["mlx"]["layers_patched"] == 0 and g["mlx_flash"]["layers_patched"] == 15
+    assert g["mlx"]["layers_patched"] == 0 and g["mlx_flash"]["layers_patched"] == 22
     assert g["mlx"]["generation_tps"] > 0 and g["mlx_flash"]["generation_tps"] > 0
     assert g["mlx_flash"]["generated_tokens"] == 4 and g["prompt_tokens"] > 5
     assert "llama.cpp" not in g and g["llama_cpp_missing"]

@@ -10,6 +10,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.flash_config import FlashConfig
 from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
+from mlx_flash.ops import patch_layers
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import layer_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
@@ -52,7 +53,9 @@ def test_every_mode_equals_dense_bit_for_bit_without_sparsity(tiny_llama, tmp_pa
     src = tiny_llama("src", dtype=dtype, quantize=quant, layers=4, intermediate=96)
     pack = write_pack(src, tmp_path / "pack", progress=False)
     dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
-    source = run_steps(load_model(src, lazy=False)[0])
+    source_model = load_model(src, lazy=False)[0]
+    patch_layers(source_model)  # the same CPU kernels as the pack's model (build_flash_model patches)
+    source = run_steps(source_model)
     if dtype == "float32" and quant is None:  # the pack's dense model is mlx-lm's, bit for bit
         assert_identical(source, dense)
     else:
