@@ -1,7 +1,7 @@
 """Matvec and layer ops: our CPU kernels (mlx_flash._ext) with MLX-op twins.
 
 Every op returns a lazy MLX array. On the CPU device with the extension built, few-row inputs
-(decode: M <= MAX_KERNEL_ROWS rows) run our kernels; everything else (Metal, prefill, unsupported
+(up to MAX_KERNEL_ROWS rows, i.e. decode and prompt chunks) run our kernels; everything else (Metal, unsupported
 formats, extension missing) runs the equivalent MLX ops, so results agree to float32 rounding.
 
 Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `scales`/`biases`
@@ -21,7 +21,10 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_KERNEL_ROWS = 8  # above this the matvec kernels lose to MLX's GEMM, so prefill falls back
+# Rows of x per kernel call. MLX's CPU ops have no fast path for quantized or half weights (measured
+# 17-30x slower than ours from 8 to 512 rows), so prompts run on the kernels too, up to mlx-lm's
+# prefill chunk of 2048 tokens; beyond that MLX's ops (the kernel converts x to float32 scratch).
+MAX_KERNEL_ROWS = 2048
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
 _HALF = (mx.float16, mx.bfloat16)
@@ -179,7 +182,9 @@ def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_siz
 # ------------------------------------------------------------------------------------------------
 # Layer ops
 
-MAX_ATTENTION_QUERIES = MAX_KERNEL_ROWS  # longer prompts: MLX's matmul-based attention is faster
+# The attention kernel keeps a [query heads per kv head * Lq, Lk] float32 score block per thread;
+# above this many scores (16 MB) MLX's op runs instead.
+MAX_ATTENTION_SCORES = 1 << 22
 
 
 def _layer_kernel_ok(*arrays):
@@ -205,10 +210,11 @@ def rope(x, dims, *, traditional, base, scale, offset, freqs=None):
 
 
 def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
-    """mx.fast.scaled_dot_product_attention; the kernel serves masks None and "causal", few queries."""
+    """mx.fast.scaled_dot_product_attention; the kernel serves masks None and "causal" (scores <= 16 MB)."""
     causal = isinstance(mask, str) and mask == "causal"
     if (_layer_kernel_ok(q, k, v) and sinks is None and (mask is None or causal) and q.ndim == k.ndim == v.ndim == 4
-            and q.shape[2] <= MAX_ATTENTION_QUERIES and k.shape[2] >= q.shape[2]):
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape[2] >= q.shape[2]
+            and q.shape[1] // k.shape[1] * q.shape[2] * k.shape[2] <= MAX_ATTENTION_SCORES):
         return _ext.attention(q, k, v, scale, causal)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 

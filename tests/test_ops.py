@@ -339,9 +339,9 @@ def test_rope_matches_mlx(path, dtype, traditional):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False)])
+@pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False), (37, True)])
 def test_attention_matches_mlx(path, dtype, lq, causal):
-    B, Hq, Hkv, D, Dv, cap, Lk = 2, 6, 2, 32, 48, 64, 37
+    B, Hq, Hkv, D, Dv, cap, Lk = 2, 6, 2, 32, 48, 64, max(37, lq)
     q = _x((B, lq, Hq, D), dtype).transpose(0, 2, 1, 3)
     k = _x((B, Hkv, cap, D), dtype, seed=3)[:, :, :Lk]  # a KV-cache slice of a larger buffer
     v = _x((B, Hkv, cap, Dv), dtype, seed=4)[:, :, :Lk]
@@ -384,7 +384,7 @@ def test_public_ops_match_mlx(enabled):
     whf = _f32(wh)
     rows = mx.array([5, 1, 23, 1], mx.int32)
     sel = np.array([5, 1, 23, 1])
-    for m in (1, 4, 20):  # 20 rows: above MAX_KERNEL_ROWS, MLX's GEMM path
+    for m in (1, 4, 20, ops.MAX_KERNEL_ROWS + 1):  # the last: above MAX_KERNEL_ROWS, MLX's ops
         x = _x((m, k), mx.float32, seed=m)
         xf = _f32(x)
         cases = [
