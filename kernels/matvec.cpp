@@ -183,8 +183,11 @@ class Pool {
       uint64_t gen;
       while ((gen = state_.load(std::memory_order_acquire) >> 32) == seen) {
         cpu_relax();
-        if ((++spins & 255) == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+        if ((++spins & 255) != 0) continue;
+        // Let another runnable thread have this core between polls (mlx-lm builds the next token's
+        // graph in Python while this one computes: a busy spin would take a core from it).
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
           std::unique_lock<std::mutex> lk(mutex_);
           sleepers_.fetch_add(1, std::memory_order_acq_rel);
           cv_.wait(lk, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; });
