@@ -265,6 +265,13 @@ NB_MODULE(_ext, m) {
       nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
       "mx.fast.rms_norm as one CPU primitive: x * rsqrt(mean(x^2, -1) + eps) * weight.");
   m.def(
+      "layer_norm",
+      [](const mx::array& x, std::optional<mx::array> weight, std::optional<mx::array> bias, float eps) {
+        return flash_ext::layer_norm(x, weight, bias, eps);
+      },
+      nb::arg("x"), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("eps"),
+      "mx.fast.layer_norm as one CPU primitive: (x - mean) * rsqrt(var + eps) * weight + bias.");
+  m.def(
       "rope",
       [](const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
          std::optional<mx::array> freqs) { return flash_ext::rope(x, dims, traditional, base, scale, offset, freqs); },

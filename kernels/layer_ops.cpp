@@ -118,33 +118,49 @@ void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out
 }
 
 // ----------------------------------------------------------------------------------------------
-class FlashRMSNorm : public mx::Primitive {
+// RMSNorm (center = false) and LayerNorm (center = true: subtract the mean, then the variance).
+// Rounding follows MLX: the normalised x is rounded to the output dtype, then each affine step.
+class FlashNorm : public mx::Primitive {
  public:
-  FlashRMSNorm(mx::Stream s, float eps, bool has_weight) : mx::Primitive(s), eps_(eps), has_weight_(has_weight) {}
+  FlashNorm(mx::Stream s, bool center, float eps, bool has_weight, bool has_bias)
+      : mx::Primitive(s), center_(center), eps_(eps), has_weight_(has_weight), has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    View x = View::of(inputs[0]), w;
-    if (has_weight_) w = View::of(inputs[1]);
+    View x = View::of(inputs[0]), w, b;
+    size_t next = 1;
+    if (has_weight_) w = View::of(inputs[next++]);
+    if (has_bias_) b = View::of(inputs[next++]);
     const int odt = scalar_type(out.dtype());
     uint8_t* optr = allocate_output(out);
     const float eps = eps_;
-    const bool has_w = has_weight_;
+    const bool center = center_, has_w = has_weight_, has_b = has_bias_;
     dispatch(stream(), inputs, out, [=]() {
       const int D = int(x.shape.back());
       if (D == 0) return;
       const int64_t rows = x.size() / D;
       const int xdt = scalar_type(x.dtype);
       float* row = scratch(tl_row, D);
-      float* wf = scratch(tl_aux, D);
-      if (has_w) load_row(w.ptr, scalar_type(w.dtype), 0, w.strides.back(), D, wf);
+      float* wb = scratch(tl_aux, 2 * size_t(D));
+      if (has_w) load_row(w.ptr, scalar_type(w.dtype), 0, w.strides.back(), D, wb);
+      if (has_b) load_row(b.ptr, scalar_type(b.dtype), 0, b.strides.back(), D, wb + D);
       for (int64_t r = 0; r < rows; ++r) {
         load_row(x.ptr, xdt, row_offset(x, r), x.strides.back(), D, row);
+        if (center) {
+          float mean = 0.f;
+          for (int d = 0; d < D; ++d) mean += row[d];
+          mean /= float(D);
+          for (int d = 0; d < D; ++d) row[d] -= mean;
+        }
         const float inv = 1.f / std::sqrt(dot(row, row, D) / float(D) + eps);
         for (int d = 0; d < D; ++d) row[d] *= inv;
         if (has_w) {
           round_to(odt, row, D);
-          for (int d = 0; d < D; ++d) row[d] *= wf[d];
+          for (int d = 0; d < D; ++d) row[d] *= wb[d];
+        }
+        if (has_b) {
+          round_to(odt, row, D);
+          for (int d = 0; d < D; ++d) row[d] += wb[D + d];
         }
         store_row(optr, odt, r * D, D, row);
       }
@@ -153,15 +169,16 @@ class FlashRMSNorm : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
   }
-  const char* name() const override { return "FlashRMSNorm"; }
+  const char* name() const override { return center_ ? "FlashLayerNorm" : "FlashRMSNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const FlashRMSNorm&>(other);
-    return eps_ == o.eps_ && has_weight_ == o.has_weight_;
+    auto& o = static_cast<const FlashNorm&>(other);
+    return center_ == o.center_ && eps_ == o.eps_ && has_weight_ == o.has_weight_ && has_bias_ == o.has_bias_;
   }
 
  private:
+  bool center_;
   float eps_;
-  bool has_weight_;
+  bool has_weight_, has_bias_;
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -361,20 +378,36 @@ void check_float(const mx::array& a, const char* what) {
 
 }  // namespace
 
-mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+mx::array norm(const mx::array& x, const std::optional<mx::array>& w, const std::optional<mx::array>& b, float eps,
+               bool center) {
   mx::Stream s = cpu_stream();
   check_float(x, "x");
-  if (x.ndim() < 1) fail("rms_norm: x must have at least one dimension");
+  const char* op = center ? "layer_norm" : "rms_norm";
+  if (x.ndim() < 1) fail(std::string(op) + ": x must have at least one dimension");
   std::vector<mx::array> inputs = {x};
   mx::Dtype out_dtype = x.dtype();
-  if (w) {
-    check_float(*w, "weight");
-    if (w->ndim() != 1 || w->shape(0) != x.shape(-1))
-      fail("rms_norm: weight must have shape (" + std::to_string(x.shape(-1)) + ",), got " + shape_str(*w));
-    out_dtype = mx::promote_types(x.dtype(), w->dtype());
-    inputs.push_back(*w);
+  for (const auto* p : {&w, &b}) {
+    if (!*p) continue;
+    const auto& a = **p;
+    const char* what = p == &w ? "weight" : "bias";
+    check_float(a, what);
+    if (a.ndim() != 1 || a.shape(0) != x.shape(-1))
+      fail(std::string(op) + ": " + what + " must have shape (" + std::to_string(x.shape(-1)) + ",), got " +
+           shape_str(a));
+    out_dtype = mx::promote_types(out_dtype, a.dtype());
+    inputs.push_back(a);
   }
-  return mx::array(x.shape(), out_dtype, std::make_shared<FlashRMSNorm>(s, eps, w.has_value()), std::move(inputs));
+  return mx::array(x.shape(), out_dtype, std::make_shared<FlashNorm>(s, center, eps, w.has_value(), b.has_value()),
+                   std::move(inputs));
+}
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  return norm(x, w, std::nullopt, eps, false);
+}
+
+mx::array layer_norm(const mx::array& x, const std::optional<mx::array>& w, const std::optional<mx::array>& b,
+                     float eps) {
+  return norm(x, w, b, eps, true);
 }
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,

@@ -1,5 +1,5 @@
 // The non-matvec ops of a decoder layer as MLX CPU primitives. On the CPU stream MLX runs its
-// mx.fast.rms_norm / rope / scaled_dot_product_attention as their op-by-op fallbacks (~100
+// mx.fast.rms_norm / layer_norm / rope / scaled_dot_product_attention as their op-by-op fallbacks (~100
 // primitives per layer, each a few microseconds of dispatch); these are one primitive each.
 #pragma once
 
@@ -11,6 +11,10 @@ namespace flash_ext {
 
 // mx.fast.rms_norm: x * rsqrt(mean(x^2, -1) + eps) [* w]; dtype promote(x, w).
 mlx::core::array rms_norm(const mlx::core::array& x, const std::optional<mlx::core::array>& w, float eps);
+
+// mx.fast.layer_norm: (x - mean) * rsqrt(var + eps) [* w] [+ b]; dtype promote(x, w, b).
+mlx::core::array layer_norm(const mlx::core::array& x, const std::optional<mlx::core::array>& w,
+                            const std::optional<mlx::core::array>& b, float eps);
 
 // mx.fast.rope on x [..., L, D]: rotates the first `dims` features of position offset + l.
 // inv_freq[j] = 1 / freqs[j] when freqs is given, else base^(-2j/dims).

@@ -8,7 +8,7 @@ Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `s
 [N, K/group_size] (w = scale*q + bias), or float16/bfloat16 `w` [N, K]. All ops compute y = x @ W.T
 unless named `_t` (y = h @ W[rows]).
 
-The layer ops (rms_norm, rope, scaled_dot_product_attention) mirror mx.fast's: on the CPU stream
+The layer ops (rms_norm, layer_norm, rope, scaled_dot_product_attention) mirror mx.fast's: on the CPU stream
 MLX runs those as op-by-op fallbacks (about a hundred primitives per decoder layer, each costing a
 few microseconds of dispatch), ours are one primitive each.
 """
@@ -201,6 +201,14 @@ def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
 
+def layer_norm(x, weight, bias, eps):
+    """mx.fast.layer_norm(x, weight, bias, eps): (x - mean) * rsqrt(var + eps) * weight + bias."""
+    if _layer_kernel_ok(x) and x.ndim >= 1 and all(a is None or (a.dtype in _FLOATS and a.ndim == 1)
+                                                   for a in (weight, bias)):
+        return _ext.layer_norm(x, weight, bias, eps)
+    return mx.fast.layer_norm(x, weight, bias, eps)
+
+
 def rope(x, dims, *, traditional, base, scale, offset, freqs=None):
     """mx.fast.rope with the same arguments (x [..., L, D]; positions offset .. offset + L - 1)."""
     if (_layer_kernel_ok(x) and isinstance(offset, int) and x.ndim >= 2 and dims % 2 == 0
@@ -258,6 +266,13 @@ class KernelRMSNorm(nn.RMSNorm):
         return rms_norm(x, self["weight"], self.eps)
 
 
+class KernelLayerNorm(nn.LayerNorm):
+    def __call__(self, x):
+        weight = self.weight if "weight" in self else None
+        bias = self.bias if "bias" in self else None
+        return layer_norm(x, weight, bias, self.eps)
+
+
 class KernelRoPE(nn.RoPE):
     def __call__(self, x, offset: int = 0):
         return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
@@ -287,7 +302,7 @@ def patch_layers(model) -> int:
 
     Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
     weights, nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head),
-    nn.RMSNorm and nn.RoPE, and points the model's module-level `scaled_dot_product_attention`
+    nn.RMSNorm, nn.LayerNorm and nn.RoPE, and points the model's module-level `scaled_dot_product_attention`
     (mlx-lm's) at ours. Each swapped call still checks kernels_active(), so turning the kernels off
     later restores MLX's ops. Weights are untouched. Returns the number of modules swapped; 0
     unless kernels_active().
@@ -308,6 +323,8 @@ def patch_layers(model) -> int:
             m.__class__ = KernelEmbedding
         elif cls is nn.RMSNorm:
             m.__class__ = KernelRMSNorm
+        elif cls is nn.LayerNorm:
+            m.__class__ = KernelLayerNorm
         elif cls is nn.RoPE:
             m.__class__ = KernelRoPE
         else:

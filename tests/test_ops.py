@@ -320,6 +320,23 @@ def test_rms_norm_matches_mlx(path, dtype, weight):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("affine", ["none", "weight", "both"])
+def test_layer_norm_matches_mlx(path, dtype, affine):
+    x = _x((2, 3, 100), dtype) * 3 + 1  # an offset, so centring matters
+    w = (_x((100,), dtype, seed=2) * 0.2 + 1).astype(dtype) if affine != "none" else None
+    b = (_x((100,), dtype, seed=5) * 0.5).astype(dtype) if affine == "both" else None
+    f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
+    for inp in (x, _x((3, 2, 100), dtype).transpose(1, 0, 2)):
+        y = ops.layer_norm(inp, w, b, 1e-5)
+        r = _f32(mx.fast.layer_norm(inp.astype(mx.float32), f32(w), f32(b), 1e-5))
+        assert y.dtype == mx.fast.layer_norm(inp, w, b, 1e-5).dtype == dtype
+        # three roundings to dtype (normalised x, * weight, + bias), float32 sums of 100 terms
+        mag = np.abs(r) + (np.abs(_f32(b)) if b is not None else 0)
+        _assert_close(y, r, _layer_bound(r, 3 * HALF_ULP[dtype] * mag + 64 * U * mag, dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("traditional", [False, True])
 def test_rope_matches_mlx(path, dtype, traditional):
     q = _x((1, 5, 9, 64), dtype).transpose(0, 2, 1, 3)  # [B, H, L, D] view, as attention passes it
@@ -436,7 +453,7 @@ def test_patch_layers_logits_match(tiny_llama, variant):
     step = model(tokens[:, :1])
     mx.eval(dense, step)
     swapped = ops.patch_layers(model)
-    # 2 layers x (7 projections + 2 norms + RoPE) + the final norm + the embedding (its as_linear is
+    # 2 layers x (7 projections + 2 RMSNorms + RoPE) + the final norm + the embedding (its as_linear is
     # the tied lm_head) [+ untied lm_head]
     assert swapped == 2 * 10 + 2 + (not variant.get("tie", True))
     assert ops.patch_layers(model) == 0  # already patched
