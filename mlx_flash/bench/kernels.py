@@ -64,6 +64,8 @@ def add_arguments(parser):
                         "into kernel matvecs and everything else")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the per-kernel table (only with --generate or --breakdown)")
+    parser.add_argument("--q8-activations", action="store_true",
+                        help="time the quantized cases with int8 activations (the opt-in integer-dot kernels)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation run")
     parser.add_argument("--gen-repeats", type=int, default=3, help="generation runs per engine (best kept)")
     parser.add_argument("--threads", type=int, default=None,
@@ -439,12 +441,18 @@ def run(args):
 
     rows = []
     if not args.no_kernels:
-        rows = _kernel_table(args, bandwidth)
+        if args.q8_activations:
+            print("quantized cases: int8 activations (--q8-activations)")
+        ops.set_q8_activations(args.q8_activations)
+        try:
+            rows = _kernel_table(args, bandwidth)
+        finally:
+            ops.set_q8_activations(False)
     load_after = os.getloadavg()
     result = {"command": args.command_line, "machine": platform.platform(), "cpu_count": os.cpu_count(),
               "mlx_version": mx.__version__, "kernel_threads": ops._ext.num_threads(),
               "bandwidth_gbs": {str(t): v for t, v in bw.items()}, "reference_bandwidth_gbs": bandwidth,
-              "target_fraction": TARGET_FRACTION, "cases": rows}
+              "target_fraction": TARGET_FRACTION, "q8_activations": args.q8_activations, "cases": rows}
     if args.breakdown:
         result["decode_breakdown"] = _decode_breakdown(args)
     if args.generate is not None:
