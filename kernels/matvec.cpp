@@ -312,7 +312,7 @@ static inline int32_t q_block_dot(const uint8_t* wr, int64_t k, const int8_t* xq
   int32_t s = 0;
   for (int j = 0; j < 32; ++j) {
     const int64_t e = k + j;
-    const int q = q4 ? ((wr[e >> 1] >> ((e & 1) * 4)) & 0xf) : int(wr[e]) - 128;  // 8-bit: see below
+    const int q = q4 ? ((wr[e >> 1] >> ((e & 1) * 4)) & 0xf) : int(wr[e]) - 128;
     s += q * int32_t(xq[e]);
   }
   return s;
