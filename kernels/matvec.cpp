@@ -448,6 +448,35 @@ FLASH_AVX2 static inline void prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes && o < 512; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
 }
 
+// n scale-like values of a row starting at element i, as float (8 at a time for half types).
+template <int ST>
+FLASH_AVX2 static inline __m256 load8s(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  else if constexpr (ST == DT_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
+  else return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+// sum_g (b_g [+ 128 s_g for the int8-activation 8-bit path: Q4 = false]) * xsum_g over a row's G groups.
+template <int ST, bool Q4>
+FLASH_AVX2 static inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= G; g += 8) {
+    __m256 b = load8s<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b = _mm256_fmadd_ps(_mm256_set1_ps(128.f), load8s<ST>(p.scales, sb + g), b);
+    acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float t = hsum(acc);
+  for (; g < G; ++g) {
+    float b = ldv<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b += 128.f * ldv<ST>(p.scales, sb + g);
+    t += b * xsum[g];
+  }
+  return t;
+}
+
 template <int MB, int ST, bool Q4>
 FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float* xsum, int m0, int i0, int i1) {
   const int K = p.K, gs = p.group_size, G = K / gs, cpg = gs / 32;
@@ -482,12 +511,9 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
         }
       }
       const __m256 s = _mm256_set1_ps(ldv<ST>(p.scales, sb + g));
-      const float b = ldv<ST>(p.biases, sb + g);
-      for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm256_fmadd_ps(s, _mm256_add_ps(qa[m], qb[m]), acc[m]);
-        bacc[m] += b * xsum[int64_t(m0 + m) * G + g];
-      }
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(s, _mm256_add_ps(qa[m], qb[m]), acc[m]);
     }
+    for (int m = 0; m < MB; ++m) bacc[m] = row_bias_dot<ST, true>(p, sb, xsum + int64_t(m0 + m) * G, G);
     for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(acc[m]) + bacc[m]);
   }
 }
@@ -689,12 +715,11 @@ FLASH_AVX2 static void q_fwd_avx2_pair(const Problem& p, const float* x, const f
         qa1 = _mm256_fmadd_ps(load8q<Q4>(wa, k + 8), x1, qa1);
         qb1 = _mm256_fmadd_ps(load8q<Q4>(wb, k + 8), x1, qb1);
       }
-      const float xs = xsum[g];
       acca = _mm256_fmadd_ps(_mm256_set1_ps(ldv<ST>(p.scales, sa + g)), _mm256_add_ps(qa0, qa1), acca);
       accb = _mm256_fmadd_ps(_mm256_set1_ps(ldv<ST>(p.scales, sbb + g)), _mm256_add_ps(qb0, qb1), accb);
-      bacca += ldv<ST>(p.biases, sa + g) * xs;
-      baccb += ldv<ST>(p.biases, sbb + g) * xs;
     }
+    bacca = row_bias_dot<ST, true>(p, sa, xsum, G);
+    baccb = row_bias_dot<ST, true>(p, sbb, xsum, G);
     store_scalar(p.out, p.out_dtype, i, hsum(acca) + bacca);
     store_scalar(p.out, p.out_dtype, i + 1, hsum(accb) + baccb);
   }
@@ -732,35 +757,6 @@ FLASH_AVX2 static void h_fwd_avx2_rows(const Problem& p, const float* x, int i0,
 // maddubs (u8 x s8 -> pairwise s16, at most 15*127*2) then madd (-> s32) gives per-lane partial
 // sums; lanes 0-3 belong to A, 4-7 to B, each scaled by its block's s*d. 8-bit: q - 128 as s8 with
 // the abs/sign trick (at most 128*127*2 per pair); the +128 part is folded into the bias term.
-// n scale-like values of a row starting at element i, as float (8 at a time for half types).
-template <int ST>
-FLASH_AVX2 static inline __m256 load8s(const void* base, int64_t i) {
-  if constexpr (ST == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
-  else if constexpr (ST == DT_BF16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
-  else return _mm256_loadu_ps(static_cast<const float*>(base) + i);
-}
-
-// sum_g (b_g [+ 128 s_g for 8-bit]) * xsum_g over a row's G groups.
-template <int ST, bool Q4>
-FLASH_AVX2 static inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
-  __m256 acc = _mm256_setzero_ps();
-  int g = 0;
-  for (; g + 8 <= G; g += 8) {
-    __m256 b = load8s<ST>(p.biases, sb + g);
-    if constexpr (!Q4) b = _mm256_fmadd_ps(_mm256_set1_ps(128.f), load8s<ST>(p.scales, sb + g), b);
-    acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), acc);
-  }
-  float t = hsum(acc);
-  for (; g < G; ++g) {
-    float b = ldv<ST>(p.biases, sb + g);
-    if constexpr (!Q4) b += 128.f * ldv<ST>(p.scales, sb + g);
-    t += b * xsum[g];
-  }
-  return t;
-}
-
 template <int ST, bool Q4>
 FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8_t* xperm, const float* xsum, int i0,
                                      int i1) {
