@@ -149,10 +149,13 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     `read_cost` (callable(layer, neurons per token) -> expected read seconds) plans each layer
     (module docstring); predictor_bytes is then {layer: bytes}.
     """
-    if mode == "flash" and density is not None and read_cost is not None \
-            and resolve_budget(budget, manifest) is not None:
+    limit = resolve_budget(budget, manifest)
+    if mode == "flash" and density is not None and read_cost is not None and limit is not None \
+            and limit < manifest["resident"]["length"] + sum(layer_bytes(b) for b in manifest["bundles"]):
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
                                  requested_capacity, prefetch=prefetch)
+    # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
+    # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
     if isinstance(predictor_bytes, dict):
         predictor_bytes = sum(predictor_bytes.values())
     bundles = {b["layer"]: b for b in manifest["bundles"]}
