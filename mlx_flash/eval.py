@@ -91,13 +91,26 @@ def compare(nll, greedy, ref_nll, ref_greedy) -> dict:
             "agreement": float(np.mean(greedy == ref_greedy))}
 
 
-def load_mode(pack, mode, memory_budget=None, window=5, threads=32):
-    """(model, tokenizer) of a flash pack run in `mode`."""
+def load_mode(pack, mode, memory_budget=None, window=5, threads=32, all_sparse=False):
+    """(model, tokenizer) of a flash pack run in `mode`.
+
+    all_sparse (flash): every layer runs predictor + neuron cache, instead of the per-layer plan
+    (which streams or keeps resident the layers whose predictor would save no reads): measures
+    the predictors' effect on quality everywhere."""
     from .api import load
 
     if not (Path(pack) / "manifest.json").is_file():
         raise FlashError(f"--model {pack}: not a flash pack (no manifest.json; make one with "
                          "python -m mlx_flash.convert --model SRC --out PACK)")
+    if all_sparse and mode == "flash":
+        from .flash_config import FlashConfig
+        from .models import load_tokenizer
+        from .models.flash import _pack_predictors, build_flash_model
+
+        model = build_flash_model(pack, FlashConfig("flash", memory_budget=memory_budget, window=window,
+                                                    threads=threads),
+                                  predictors=_pack_predictors(Path(pack)))
+        return model, load_tokenizer(Path(pack))
     return load(str(pack), mode=mode, memory_budget=memory_budget, window=window, threads=threads,
                 progress=False)
 
@@ -128,14 +141,14 @@ def flash_summary(model) -> dict:
 
 def evaluate_ppl(pack, files, *, mode="dense", memory_budget=None, window=5, threads=32,
                  max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQUENCE_LENGTH, reference=None,
-                 progress=True) -> dict:
+                 progress=True, all_sparse=False) -> dict:
     """Perplexity and greedy agreement of `mode` against dense on the text (see module docstring).
 
     reference: (sequences, nll, greedy) from dense_reference, to reuse one dense run.
     Returns compare()'s dict plus mode settings, seconds and the flash runtime's per-token stats.
     """
     seqs, ref_nll, ref_greedy = reference or dense_reference(pack, files, max_tokens, seq_len, progress)
-    model, _ = load_mode(pack, mode, memory_budget, window, threads)
+    model, _ = load_mode(pack, mode, memory_budget, window, threads, all_sparse)
     stats = getattr(model, "flash_stats", None)
     if stats is not None:
         stats.reset()
@@ -144,6 +157,8 @@ def evaluate_ppl(pack, files, *, mode="dense", memory_budget=None, window=5, thr
     seconds = time.perf_counter() - t0
     out = {"model": str(pack), "mode": mode, "memory_budget": memory_budget, "window": window,
            "sequence_length": int(seqs.shape[1]), "sequences": int(seqs.shape[0]),
+           "all_sparse": bool(all_sparse and mode == "flash"),
+           "plan": stats.plan.describe() if stats is not None and stats.plan else None,
            **compare(nll, greedy, ref_nll, ref_greedy), "seconds": seconds,
            "flash_stats": flash_summary(model)}
     return out
@@ -152,7 +167,8 @@ def evaluate_ppl(pack, files, *, mode="dense", memory_budget=None, window=5, thr
 def format_ppl(r: dict) -> str:
     lines = [f"Model: {r['model']}  mode {r['mode']}"
              + (f", memory budget {r['memory_budget']}" if r["memory_budget"] is not None else "")
-             + (f", window {r['window']}" if r["mode"] == "flash" else ""),
+             + (f", window {r['window']}" if r["mode"] == "flash" else "")
+             + (", every layer sparse" if r.get("all_sparse") else ""),
              f"Tokens: {r['tokens']} ({r['sequences']} sequences of {r['sequence_length']})",
              f"Perplexity: {r['ppl']:.3f} ± {r['ppl_se']:.3f}   dense {r['dense_ppl']:.3f} ± "
              f"{r['dense_ppl_se']:.3f}   ratio {r['ppl_ratio']:.4f} ({100 * (r['ppl_ratio'] - 1):+.2f}%)",
@@ -162,6 +178,8 @@ def format_ppl(r: dict) -> str:
         hit = "n/a" if fs["hit_rate"] is None else f"{100 * fs['hit_rate']:.1f}%"
         lines.append(f"Per token: {fs['neurons_loaded']:.0f} neurons loaded, {fs['bytes_read'] / 1e6:.2f} MB "
                      f"read, cache hit rate {hit}, {fs['total_ms']:.1f} ms")
+    if r.get("plan"):
+        lines.append(f"Memory plan: {r['plan']}")
     return "\n".join(lines)
 
 
@@ -182,7 +200,8 @@ def sweep(pack, calib_files, eval_files, *, target_sparsities, memory_budget=0.6
           threads=32, max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQUENCE_LENGTH,
           calib_tokens=16384, progress=True, out=None, **settings) -> list:
     """Rows of the sparsity-vs-perplexity curve: for each target sparsity, predictors calibrated on
-    calib_files (settings: see calibrate.resolve_settings) evaluated in flash mode on eval_files."""
+    calib_files (settings: see calibrate.resolve_settings) evaluated in flash mode on eval_files,
+    with every layer sparse (the predictors' effect on quality, whatever the memory plan picks)."""
     import shutil
 
     from .calibrate import collect_inputs, fit_predictors
@@ -204,7 +223,7 @@ def sweep(pack, calib_files, eval_files, *, target_sparsities, memory_budget=0.6
             layer_stats = [e["stats"] for e in doc["layers"].values()]
             r = evaluate_ppl(view, eval_files, mode="flash", memory_budget=memory_budget,
                              window=window, threads=threads, max_tokens=max_tokens, seq_len=seq_len,
-                             reference=reference, progress=progress)
+                             reference=reference, progress=progress, all_sparse=True)
             r.update(model=str(pack), target_sparsity=sparsity, kind=doc["calibration"]["kind"],
                      rank=doc["calibration"]["rank"], recall_setting=doc["calibration"]["recall"],
                      calib_tokens=doc["calibration"]["tokens"],
@@ -264,6 +283,9 @@ def build_parser():
     ppl = sub.add_parser("ppl", help="perplexity of one mode vs dense on the same text")
     _common(ppl)
     ppl.add_argument("--mode", choices=MODES, default="flash", help="run mode to evaluate (default flash)")
+    ppl.add_argument("--all-sparse", action="store_true",
+                     help="flash: run every layer with its predictor and neuron cache instead of the "
+                          "per-layer memory plan (measures the predictors' effect on quality)")
     sw = sub.add_parser("sweep", help="calibrate at several target sparsities, evaluate each in flash mode")
     _common(sw)
     sw.add_argument("--calib-text", nargs="+", required=True, metavar="FILE",
@@ -300,7 +322,7 @@ def _main(argv):
     if args.command == "ppl":
         r = evaluate_ppl(args.model, args.text, mode=args.mode, memory_budget=args.memory_budget,
                          window=args.window, threads=args.threads, max_tokens=args.max_tokens,
-                         seq_len=args.sequence_length, progress=progress)
+                         seq_len=args.sequence_length, progress=progress, all_sparse=args.all_sparse)
         print(format_ppl(r))
         if args.json:
             _write_json(args.json, r)

@@ -26,7 +26,8 @@ def text_file(tmp_path_factory):
 
 
 def _budget(pack):
-    # a little more than the pack: flash also holds predictors and a streaming buffer
+    # a little more than the pack: flash also holds predictors and a streaming buffer (a budget
+    # that holds every FFN: flash runs every layer sparse, see sparse/budget.py)
     from mlx_flash.sparse.budget import pack_bytes
 
     return str(int(pack_bytes(read_manifest(pack)) * 1.05))

@@ -81,3 +81,24 @@ def test_sweep_leaves_the_pack_untouched(pack, text, tmp_path):
     assert "| 0.5 | gate-threshold |" in ev.format_sweep(rows)
     with pytest.raises(FlashError, match="must be disjoint"):
         ev.sweep(pack, [text], [text], target_sparsities=[0.1], progress=False)
+
+
+def test_all_sparse_runs_every_layer_with_its_predictor_under_a_budget(tiny_llama, text, tmp_path):
+    from mlx_flash.pack import read_manifest
+    from mlx_flash.sparse.budget import layer_bytes, stream_bytes
+
+    # six layers: one layer's streaming buffer is small next to all the FFNs
+    pack = tiny_llama_pack(tiny_llama, tmp_path, layers=6)
+    calib = write_text(tmp_path / "calib.txt", seed=12)
+    ref = ev.dense_reference(pack, [text], 64, 32, progress=False)
+    cal.calibrate(pack, [calib], kind="gate-threshold", target_sparsity=0.6, progress=False)
+    m = read_manifest(pack)
+    # the resident gates cost a third of the FFN: a budget that cannot hold every FFN
+    budget = m["resident"]["length"] + stream_bytes(m) + sum(layer_bytes(b) for b in m["bundles"]) // 2
+    planned = ev.evaluate_ppl(pack, [text], mode="flash", memory_budget=budget, window=3, reference=ref,
+                              progress=False)
+    forced = ev.evaluate_ppl(pack, [text], mode="flash", memory_budget=budget, window=3, reference=ref,
+                             progress=False, all_sparse=True)
+    assert forced["all_sparse"] and "0 sparse" not in forced["plan"] and "resident" in forced["plan"]
+    assert forced["ppl"] != forced["dense_ppl"]  # every layer thresholded at 60%
+    assert planned["plan"] != forced["plan"]

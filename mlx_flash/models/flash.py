@@ -17,10 +17,11 @@ from ..flash_config import FlashConfig
 from ..io import FlashLoader
 from ..ops import patch_layers
 from ..pack import load_resident, read_manifest
-from ..sparse.budget import plan_memory
-from ..sparse.ffn import CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, UpDownMLP, check_mlp_shape
+from ..sparse.budget import expected_read_seconds, plan_memory
+from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
+                          UpDownMLP, check_mlp_shape, layout_key)
 from ..sparse.neuron_cache import NeuronCache
-from ..sparse.predictor import calibrated_capacity, load_predictors
+from ..sparse.predictor import calibrated_capacity, load_predictors, predicted_density
 from ..sparse.stats import FlashStats
 from . import get_model_classes, load_tokenizer
 
@@ -32,39 +33,56 @@ def load_flash(pack_dir, flash_config=None):
     return model, load_tokenizer(pack)
 
 
-def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None):
+def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None, density=None,
+                      prefetch=True):
     """The mlx-lm model of a flash pack with its FFNs swapped per mode (no tokenizer).
 
     predictors: {layer: callable(x) -> bool mask [..., n_neurons]} to use instead of the pack's
       (tests, experiments). capacity: {layer: neuron-cache rows} (Req_i) instead of calibration's.
+    density: {layer: predicted fraction of neurons per token} for the per-layer flash plan
+      (sparse/budget.py); default: the pack's calibration statistics when its predictors are
+      used, none (every layer sparse, as before the per-layer plan) for predictors given here.
+    prefetch: flash layers the plan streams whole are read ahead by a background reader (a ring
+      of two streaming buffers, counted in the budget); False reads them in turn, as hybrid does.
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
     manifest = read_manifest(pack)
     if any(b["kind"] != "neurons" for b in manifest["bundles"]):
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
+    loader = FlashLoader(pack, threads=cfg.threads)
+    read_cost = None
     if cfg.mode == "flash":
-        predictors = predictors if predictors is not None else _pack_predictors(pack)
+        if predictors is None:
+            predictors = _pack_predictors(pack)
+            density = density if density is not None else predicted_density(pack)
         capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
+        read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
     plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
-                       predictor_bytes=_nbytes(predictors) if cfg.mode == "flash" else 0,
-                       requested_capacity=capacity)
+                       predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
+                       if cfg.mode == "flash" else 0,
+                       requested_capacity=capacity, density=density, read_cost=read_cost,
+                       prefetch=prefetch)
+    if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
+        predictors = {i: p for i, p in predictors.items() if i in plan.capacity}  # only sparse layers
     config, weights = load_resident(pack, manifest=manifest)
     model = _build_model(config, weights)
     stats = FlashStats(plan)
-    loader = FlashLoader(pack, threads=cfg.threads)
     runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
     checked = set()
     for entry in manifest["bundles"]:
         layer = entry["layer"]
         kind = ("resident" if layer in plan.resident_layers
-                else "sparse" if cfg.mode == "flash" else "streamed")
+                else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
+                else "streamed")
         _swap_ffn(model, entry, weights, runtime, kind, checked, config)
         if kind == "resident":
             runtime.caches[layer] = cache = NeuronCache(loader, layer, entry["count"])
             cache.load(range(entry["count"]), step=0)
         elif kind == "sparse":
             runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
+    if plan.streamed_layers and plan.prefetch:
+        runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

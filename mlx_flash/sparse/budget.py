@@ -8,6 +8,16 @@ What stays in memory per mode:
 The streaming buffer holds one layer's neurons while they are used (naive / hybrid layers, and in
 flash mode the predicted neurons that did not fit in a layer's cache); the staging area is the
 loader's page-aligned bounce buffer for the same reads.
+
+Flash mode with a budget and calibrated predicted densities plans each layer (`plan_flash_layers`):
+    resident  the whole FFN stays in memory (as in hybrid)
+    sparse    predictor + neuron cache; only predicted neurons are read
+    streamed  the whole FFN is read every token, prefetched by a background reader into a ring of
+              two streaming buffers while the previous layers compute (no predictor held)
+choosing for every layer the option that minimises the expected read time per token (the loader's
+cost model on the bytes and requests each option issues) within the budget. A predictor that marks
+most neurons active saves no reads (bundles of ~1 KB merge into whole-layer reads), so such layers
+are streamed or kept resident and the plan is never worse than hybrid's whole-layer choice.
 """
 
 import math
@@ -56,6 +66,9 @@ class MemoryPlan:
     stream: int = 0
     resident_layers: list = field(default_factory=list)
     capacity: dict = field(default_factory=dict)
+    streamed_layers: list = field(default_factory=list)  # flash: whole layers, prefetched
+    expected_read_s: float | None = None  # flash plans: the cost model's read seconds per token
+    prefetch: bool = False  # flash: streamed layers are read ahead into a ring of two buffers
     layer_bytes: dict = field(default_factory=dict)
     row_bytes: dict = field(default_factory=dict)
 
@@ -74,6 +87,11 @@ class MemoryPlan:
             parts.append(f"streaming buffer {fmt_bytes(self.stream)}")
         if self.resident_layers:
             parts.append(f"{len(self.resident_layers)}/{len(self.layer_bytes)} layer FFNs resident")
+        if self.streamed_layers:
+            parts.append(f"{len(self.streamed_layers)} streamed whole"
+                         + (" with prefetch" if self.prefetch else ""))
+        if self.mode == "flash" and (self.resident_layers or self.streamed_layers):
+            parts.append(f"{len(self.capacity)} sparse (predictor + neuron cache)")
         if self.capacity:
             frac = sum(self.capacity.values()) / max(1, sum(
                 self.layer_bytes[i] // self.row_bytes[i] for i in self.capacity))
@@ -91,12 +109,55 @@ def resolve_budget(value, manifest) -> int | None:
     return int(amount * pack_bytes(manifest)) if kind == "fraction" else amount
 
 
-def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None) -> MemoryPlan:
+def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
+    """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
+    planner's merged, aligned requests priced by its cost model: latency per read + bytes /
+    bandwidth); mean of `draws` random neuron sets. Without a cost model: bytes / 1 GB/s."""
+    import numpy as np
+
+    from ..io.planner import ReadCost, plan_read_arrays
+
+    entry = loader.entry(layer)
+    n, stride = entry["count"], entry["stride"]
+    if neurons <= 0:
+        return 0.0
+    cost = loader.cost if getattr(loader, "plan", True) else None
+    price = cost or ReadCost(0.0, 1e9)
+    rng = np.random.default_rng(seed)
+    total = 0.0
+    for _ in range(draws if neurons < n else 1):
+        ids = np.sort(rng.choice(n, neurons, replace=False)) if neurons < n else np.arange(n)
+        r0, r1, _ = plan_read_arrays(entry["offset"] + ids * stride, stride, align=loader.alignment,
+                                     cost=cost, max_read=loader.max_read)
+        total += len(r0) * price.latency_s + int((r1 - r0).sum()) / price.bandwidth
+    return total / (draws if neurons < n else 1)
+
+
+def prefetch_bytes(manifest) -> int:
+    """Flash's prefetch ring: two streaming buffers (largest layer) + the background reader's
+    staging for one whole layer."""
+    return max((2 * layer_bytes(b) + b["count"] * b["stride"] for b in manifest["bundles"]), default=0)
+
+
+def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
+                density=None, read_cost=None, prefetch=True) -> MemoryPlan:
     """Split `budget` (--memory-budget value) for `mode`; FlashError if it is below the minimum.
 
     requested_capacity: {layer: rows} for flash (calibrated Req_i for the window); without it the
     budget left after the fixed parts is spread evenly over the layers.
+    Flash with a budget, `density` ({layer: predicted fraction of neurons per token}) and
+    `read_cost` (callable(layer, neurons per token) -> expected read seconds) plans each layer
+    (module docstring); predictor_bytes is then {layer: bytes}.
     """
+    limit = resolve_budget(budget, manifest)
+    if mode == "flash" and density is not None and read_cost is not None and limit is not None \
+            and limit < manifest["resident"]["length"] + sum(layer_bytes(b) for b in manifest["bundles"]):
+        return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
+                                 requested_capacity, prefetch=prefetch)
+    # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
+    # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
+    if isinstance(predictor_bytes, dict):
+        predictor_bytes = sum(predictor_bytes.values())
     bundles = {b["layer"]: b for b in manifest["bundles"]}
     plan = MemoryPlan(mode, resolve_budget(budget, manifest), pack_bytes(manifest),
                       manifest["resident"]["length"],
@@ -132,6 +193,130 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
                 want = {i: min(full[i], per_layer // plan.row_bytes[i]) for i in want}
         plan.capacity = want
     return plan
+
+
+def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, read_cost,
+                      requested_capacity=None, units=4096, prefetch=True) -> MemoryPlan:
+    """The per-layer flash plan (module docstring): a multiple-choice knapsack over the layers
+    (options resident / sparse / streamed, memory in `units` steps) minimising expected read
+    seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
+    The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
+    neuron caches) when a layer is sparse. FlashError when even the smallest plan does not fit."""
+    import numpy as np
+
+    bundles = {b["layer"]: b for b in manifest["bundles"]}
+    layers = sorted(bundles)
+    base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
+                      manifest["resident"]["length"],
+                      layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
+                      row_bytes={i: row_bytes(b) for i, b in bundles.items()})
+    everything = base.resident + sum(base.layer_bytes.values())
+    if base.budget >= everything:
+        base.resident_layers = layers
+        base.expected_read_s = 0.0
+        return base
+    full = {i: b["count"] for i, b in bundles.items()}
+    cost = {i: {"streamed": float(read_cost(i, full[i])),
+                "sparse": float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))}
+            for i in layers}
+    found = []
+    # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
+    # ahead and sparse layers need their own streaming buffer; without it (also the fallback when
+    # the ring does not fit) streamed and sparse layers share one buffer, read in turn as hybrid's
+    cases = [(True, False, prefetch_bytes(manifest)),
+             (True, True, prefetch_bytes(manifest) + stream_bytes(manifest))] if prefetch else []
+    cases.append((False, True, stream_bytes(manifest)))
+    for ring, allow_sparse, fixed in cases:
+        room = base.budget - base.resident - fixed
+        if room < 0:
+            continue
+        unit = max(1, -(-room // units))
+        options = {}
+        for i in layers:
+            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0), ("streamed", 0, cost[i]["streamed"])]
+            if allow_sparse and cost[i]["sparse"] < cost[i]["streamed"]:  # else it saves nothing
+                opts.append(("sparse", -(-int(predictor_bytes.get(i, 0)) // unit), cost[i]["sparse"]))
+            options[i] = opts
+        choice = _knapsack(options, room // unit, np)
+        if choice is None:
+            continue
+        total = sum(c for _, _, c in (next(o for o in options[i] if o[0] == choice[i]) for i in layers))
+        if ring and "streamed" not in choice.values():
+            continue  # nothing to prefetch: the ring would be wasted memory
+        found.append((total, choice, fixed, room, ring))
+    sync = [f for f in found if not f[4]]
+    ahead = [f for f in found if f[4]]
+    best = min(sync, key=lambda f: f[0]) if sync else None
+    if ahead:
+        # the ring costs about one more layer read than the sync plan, which the overlap of reads
+        # with compute is meant to hide: use it unless it costs more than that
+        ring_best = min(ahead, key=lambda f: f[0])
+        one_layer = max(cost[i]["streamed"] for i in layers)
+        if best is None or ring_best[0] <= best[0] + one_layer + 1e-12:
+            best = ring_best
+    if best is None:
+        base.stream = stream_bytes(manifest)
+        _check_minimum(base, "streaming or predicting every layer")
+        raise FlashError(f"--memory-budget {fmt_bytes(base.budget)}: no flash plan fits")  # unreachable
+    total, choice, fixed, room, ring = best
+    # interchangeable layers (same sizes and costs) take resident, sparse, streamed in layer
+    # order: resident layers first compute while the prefetcher reads the first streamed ones
+    groups = {}
+    for i in layers:
+        sig = (base.layer_bytes[i], int(predictor_bytes.get(i, 0)), round(cost[i]["streamed"], 9),
+               round(cost[i]["sparse"], 9))
+        groups.setdefault(sig, []).append(i)
+    rank = {"resident": 0, "sparse": 1, "streamed": 2}
+    for members in groups.values():
+        for i, name in zip(members, sorted((choice[i] for i in members), key=rank.get)):
+            choice[i] = name
+    plan = base
+    plan.stream = fixed
+    plan.prefetch = ring
+    plan.expected_read_s = total
+    plan.resident_layers = [i for i in layers if choice[i] == "resident"]
+    plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]
+    sparse = [i for i in layers if choice[i] == "sparse"]
+    plan.predictors = sum(int(predictor_bytes.get(i, 0)) for i in sparse)
+    left = plan.budget - plan.weights
+    want = {i: min(full[i], int((requested_capacity or full).get(i, full[i]))) for i in sparse}
+    want_bytes = sum(want[i] * plan.row_bytes[i] for i in want)
+    if want_bytes > left:
+        scale = max(0.0, left / want_bytes)
+        want = {i: int(want[i] * scale) for i in want}
+    plan.capacity = want
+    _check_minimum(plan, "per-layer flash plan")
+    return plan
+
+
+def _knapsack(options: dict, capacity: int, np):
+    """{layer: option name} minimising the summed cost with summed units <= capacity, or None.
+    options: {layer: [(name, units, cost)]}."""
+    capacity = int(capacity)
+    inf = float("inf")
+    best = np.zeros(capacity + 1)  # best[u]: least cost of the layers so far within u units
+    picks = []
+    for i, opts in options.items():
+        new = np.full(capacity + 1, inf)
+        pick = np.full(capacity + 1, -1, np.int64)
+        for k, (_, units, c) in enumerate(opts):
+            if units > capacity:
+                continue
+            cand = np.full(capacity + 1, inf)
+            cand[units:] = best[: capacity + 1 - units] + c
+            better = cand < new - 1e-15
+            new[better], pick[better] = cand[better], k
+        best = new
+        picks.append((i, pick))
+    if not np.isfinite(best[capacity]):
+        return None
+    choice, u = {}, capacity
+    for i, pick in reversed(picks):
+        k = int(pick[u])
+        name, units, _ = options[i][k]
+        choice[i] = name
+        u -= units
+    return choice
 
 
 def _check_minimum(plan: MemoryPlan, what: str):

@@ -10,12 +10,14 @@ subset's contribution. `check_mlp_shape` verifies this on each MLP class before 
 
 How a layer gets its rows (`FlashFFN.kind`):
     resident  all neurons, loaded once in neuron order (dense mode, hybrid's resident layers)
-    streamed  all neurons, read into the shared streaming buffer at every call (naive, hybrid)
+    streamed  all neurons, read into the shared streaming buffer at every call (naive, hybrid);
+              in flash mode (layers the plan streams whole) read ahead by a `StreamPrefetcher`
     sparse    predicted neurons through a NeuronCache (flash); those that do not fit in the cache
               are read into the streaming buffer for this call only
 """
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,15 +87,92 @@ class UpDownMLP(nn.Module):
         return self.down(self._act(self.up(x)))
 
 
+def layout_key(entry) -> tuple:
+    """Bundle layout of a layer: layers with equal keys can share streaming buffers."""
+    return (entry["count"],) + tuple((c["name"], c["dtype"], tuple(c["shape"])) for c in entry["components"])
+
+
+class StreamPrefetcher:
+    """Reads whole streamed layers ahead, in a background thread, into a ring of two buffers.
+
+    The weights a streamed layer needs do not depend on the token, so while layer i computes (its
+    attention and FFN) the next streamed layers of the same forward pass are already being read.
+    Each forward pass schedules its streamed layers in order, at most `slots` ahead; a slot is
+    reused only after the FFN that used it has been evaluated. Reads go through `runtime.loader`
+    (whatever wraps it at the time) and are counted when the FFN consumes them, so per-step bytes
+    stay exact; the step's I/O time is the time the forward pass waited for a read.
+    """
+
+    def __init__(self, runtime, layers, slots=2):
+        self.rt, self.order = runtime, sorted(layers)
+        loader = runtime.loader
+        if len({layout_key(loader.entry(i)) for i in self.order}) != 1:
+            raise FlashError("prefetch: the streamed layers have different bundle layouts")
+        self.buffers = [loader.alloc(self.order[0], loader.entry(self.order[0])["count"])
+                        for _ in range(slots)]
+        for i in self.order:  # resolve destination views here, not in the reader thread
+            for buf in self.buffers:
+                loader._targets(loader.entry(i), buf)
+        self.free = list(range(slots))
+        self.pending = {}  # layer -> (slot, future) for the current step
+        self.step, self.cursor = None, 0  # step: the StepStats of the pass being scheduled
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-flash-prefetch")
+
+    def pump(self, step):
+        """Fill free slots with the next streamed layers of forward pass `step` (its StepStats)."""
+        if step is not self.step:
+            for slot, fut in self.pending.values():  # an aborted pass: drain before reuse
+                fut.result()
+                self.free.append(slot)
+            self.pending, self.step, self.cursor = {}, step, 0
+        while self.free and self.cursor < len(self.order):
+            layer = self.order[self.cursor]
+            self.cursor += 1
+            slot = self.free.pop(0)
+            n = self.rt.loader.entry(layer)["count"]
+            fut = self._pool.submit(self.rt.loader.read, layer, np.arange(n), self.buffers[slot])
+            self.pending[layer] = (slot, fut)
+
+    def ready(self, layer: int) -> bool:
+        """True when `layer`'s read is done (or was never scheduled)."""
+        fut = self.pending.get(layer, (None, None))[1]
+        return fut is None or fut.done()
+
+    def take(self, layer: int, step):
+        """(rows, slot, ReadStats, seconds waited) of `layer` for forward pass `step`."""
+        self.pump(step)
+        if layer not in self.pending:  # not scheduled (layer order unusual): read it now
+            if not self.free:
+                raise FlashError(f"layer {layer}: prefetch ring exhausted")
+            self.pending[layer] = (self.free.pop(0), None)
+        slot, fut = self.pending.pop(layer)
+        t0 = time.perf_counter()
+        if fut is None:
+            n = self.rt.loader.entry(layer)["count"]
+            stats = self.rt.loader.read(layer, np.arange(n), self.buffers[slot])
+        else:
+            stats = fut.result()
+        return self.buffers[slot], slot, stats, time.perf_counter() - t0
+
+    def release(self, slot: int, step):
+        self.free.append(slot)
+        self.pump(step)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+
 class FlashRuntime:
-    """What the FFN modules of one model share: loader, stats, window, predictors, caches and
-    the streaming buffer (allocated on first use, one per bundle layout)."""
+    """What the FFN modules of one model share: loader, stats, window, predictors, caches,
+    the streaming buffer (allocated on first use, one per bundle layout) and, in flash mode with
+    whole-layer streamed layers, their prefetcher."""
 
     def __init__(self, loader, stats, *, window=5, predictors=None):
         self.loader, self.stats, self.window = loader, stats, window
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
+        self.prefetcher: StreamPrefetcher | None = None
 
     def stream_rows(self, layer: int) -> dict:
         entry = self.loader.entry(layer)
@@ -120,6 +199,8 @@ class FlashFFN(nn.Module):
 
     def __call__(self, x):
         step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
+        if self._rt.prefetcher is not None:
+            self._rt.prefetcher.pump(step)
         if self.kind == "resident":
             step.neurons_needed += self._n
             step.hits += self._n
@@ -133,15 +214,35 @@ class FlashFFN(nn.Module):
         t0 = time.perf_counter()
         stats = self._rt.loader.read(self.layer, ids, buf, np.arange(len(ids)))
         step.io_s += time.perf_counter() - t0
+        step.io_read_s += stats.seconds
         step.bytes_read += stats.bytes_read
         step.neurons_loaded += len(ids)
         return buf
 
     def _streamed(self, x, step):
+        if self._rt.prefetcher is not None:
+            return self._prefetched(x, step)
         buf = self._read_stream(self._all, step)
         step.neurons_needed += self._n
         y = self._run(x, buf, self._n)
         mx.eval(y)  # the buffer is reused by the next streamed layer
+        return y
+
+    def _prefetched(self, x, step):
+        pf = self._rt.prefetcher
+        if not pf.ready(self.layer):
+            mx.async_eval(x)  # compute what leads up to this layer while its read finishes
+        buf, slot, stats, waited = pf.take(self.layer, step)
+        step.io_s += waited
+        step.io_read_s += stats.seconds
+        step.bytes_read += stats.bytes_read
+        step.neurons_loaded += self._n
+        step.neurons_needed += self._n
+        try:
+            y = self._run(x, buf, self._n)
+            mx.eval(y)  # the slot is refilled as soon as it is released
+        finally:
+            pf.release(slot, step)
         return y
 
     def _sparse(self, x, step):
@@ -150,6 +251,7 @@ class FlashFFN(nn.Module):
         cache = self._rt.caches[self.layer]
         upd = cache.update(active, len(self._rt.stats.steps), self._rt.window)
         step.io_s += upd.io_s
+        step.io_read_s += upd.io_s
         step.mem_s += upd.mem_s
         step.bytes_read += upd.bytes_read
         step.neurons_loaded += upd.loaded

@@ -252,6 +252,27 @@ def load_predictors(pack_dir):
     return out
 
 
+def predicted_density(pack_dir) -> dict | None:
+    """{layer: fraction of the layer's neurons predicted active per token} from a pack's
+    calibration: the held-out `predicted` statistic, a synthetic pack's designed fraction, or
+    Req_1 / n_neurons; None when the pack has no predictors."""
+    doc = read_predictors_json(pack_dir)
+    if doc is None:
+        return None
+    out = {}
+    for key, entry in doc["layers"].items():
+        n, stats = int(entry["n_neurons"]), entry.get("stats") or {}
+        if entry["kind"] == "all":
+            out[int(key)] = 1.0
+        elif "predicted" in stats:
+            out[int(key)] = float(stats["predicted"])
+        elif "designed_active_fraction" in stats:
+            out[int(key)] = float(stats["designed_active_fraction"])
+        else:
+            out[int(key)] = min(1.0, entry["capacity"][0] / n)
+    return out
+
+
 def calibrated_capacity(pack_dir, window: int) -> dict:
     """{layer: Req_i}: neuron rows that hold the union of predicted-active neurons over the last
     `window` tokens (the calibration text's 99th percentile, windows 1..max_window measured).

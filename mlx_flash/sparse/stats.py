@@ -20,7 +20,8 @@ class StepStats:
     tokens: int
     start: float
     end: float | None = None
-    io_s: float = 0.0
+    io_s: float = 0.0  # waited for reads (prefetched reads: only the part not hidden by compute)
+    io_read_s: float = 0.0  # loader time of this step's reads, hidden or not
     mem_s: float = 0.0
     bytes_read: int = 0
     neurons_loaded: int = 0
@@ -82,6 +83,7 @@ class FlashStats:
         out = {
             "tokens": len(decode),
             "io_ms": 1e3 * mean(lambda s: s.io_s),
+            "io_read_ms": 1e3 * mean(lambda s: s.io_read_s),
             "mem_ms": 1e3 * mean(lambda s: s.mem_s),
             "compute_ms": 1e3 * mean(lambda s: s.wall_s - s.io_s - s.mem_s),
             "total_ms": 1e3 * mean(lambda s: s.wall_s),
