@@ -973,7 +973,7 @@ void matvec(const Problem& p) {
   if (quant) {
     const int G = p.K / p.group_size;
     float* xsum = scratch(tl_xsum, size_t(p.M) * G);
-    for (int m = 0; m < p.M; ++m)
+    for (int m = 0; m < p.M && !p.q8_activations; ++m)  // int8 activations sum the rounded x below
       for (int g = 0; g < G; ++g) {
         const float* xg = p.in + int64_t(m) * p.K + int64_t(g) * p.group_size;
         float s = 0.f;
