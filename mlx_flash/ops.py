@@ -1,7 +1,7 @@
 """Matvec and layer ops: our CPU kernels (mlx_flash._ext) with MLX-op twins.
 
-Every op returns a lazy MLX array. On the CPU device with the extension built, few-row inputs
-(up to MAX_KERNEL_ROWS rows, i.e. decode and prompt chunks) run our kernels; everything else (Metal, unsupported
+Every op returns a lazy MLX array. On the CPU device with the extension built, inputs of up to
+MAX_KERNEL_ROWS rows (decode and prompt chunks) run our kernels; everything else (Metal, unsupported
 formats, extension missing) runs the equivalent MLX ops, so results agree to float32 rounding.
 
 Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `scales`/`biases`
@@ -12,10 +12,10 @@ The layer ops (rms_norm, layer_norm, rope, scaled_dot_product_attention) mirror 
 MLX runs those as op-by-op fallbacks (about a hundred primitives per decoder layer, each costing a
 few microseconds of dispatch), ours are one primitive each.
 """
-import sys
 
 import importlib
 import os
+import sys
 import warnings
 
 import mlx.core as mx
@@ -194,17 +194,22 @@ def _layer_kernel_ok(*arrays):
     return all(a.dtype in _FLOATS for a in arrays)
 
 
+def _norm_kernel_ok(x, *params):
+    """Kernel norms take x [..., D] and optional float vectors (weight, bias)."""
+    return _layer_kernel_ok(x) and x.ndim >= 1 and all(
+        a is None or (a.dtype in _FLOATS and a.ndim == 1) for a in params)
+
+
 def rms_norm(x, weight, eps):
     """mx.fast.rms_norm(x, weight, eps): x * rsqrt(mean(x^2, -1) + eps) * weight."""
-    if _layer_kernel_ok(x) and x.ndim >= 1 and (weight is None or (weight.dtype in _FLOATS and weight.ndim == 1)):
+    if _norm_kernel_ok(x, weight):
         return _ext.rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
 
 
 def layer_norm(x, weight, bias, eps):
     """mx.fast.layer_norm(x, weight, bias, eps): (x - mean) * rsqrt(var + eps) * weight + bias."""
-    if _layer_kernel_ok(x) and x.ndim >= 1 and all(a is None or (a.dtype in _FLOATS and a.ndim == 1)
-                                                   for a in (weight, bias)):
+    if _norm_kernel_ok(x, weight, bias):
         return _ext.layer_norm(x, weight, bias, eps)
     return mx.fast.layer_norm(x, weight, bias, eps)
 
