@@ -3,16 +3,32 @@
 import os
 import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args, stdin=None):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    # cwd away from the checkout, so `-m` runs the installed package (with its compiled kernels).
+    # From the checkout's root, as the README's Quickstart runs it (so `-m` imports the checkout).
     return subprocess.run([sys.executable, "-m", "mlx_flash.generate", *args], capture_output=True,
-                          text=True, env=env, input=stdin, timeout=300, cwd=tempfile.gettempdir())
+                          text=True, env=env, input=stdin, timeout=300, cwd=REPO)
+
+
+def test_quickstart_imports_the_kernels():
+    # The Quickstart runs from the checkout, whose mlx_flash/ shadows any installed copy: the
+    # compiled kernels must be importable from there (scripts/setup.sh installs editable, building
+    # them in place). CI always has a compiler, so there a missing extension is a failure.
+    code = "from mlx_flash import ops; print(ops.EXTENSION_AVAILABLE); print(ops.EXTENSION_ERROR)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    available, error = r.stdout.splitlines()
+    if os.environ.get("CI") == "true":
+        assert available == "True", f"CPU kernels not importable from the checkout: {error}"
+    from mlx_flash import ops
+
+    assert available == str(ops.EXTENSION_AVAILABLE)
 
 
 def test_default_model_generates(embedded_model_dir):
