@@ -4,6 +4,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 
 #include <cstring>
 #include <optional>
@@ -11,9 +12,11 @@
 #include <stdexcept>
 #include <vector>
 
+#include "fused_ops.h"
 #include "layer_ops.h"
 #include "matvec.h"
 #include "mlx_view.h"
+#include "row_ops.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -29,27 +32,16 @@ namespace {
 
 using namespace flash_ext;
 
-// A 2-D weight-like input: rows may be strided, but each row must be dense; otherwise copy.
-struct Rows2D {
-  const uint8_t* ptr;
-  int64_t row_bytes;
-};
-Rows2D rows2d(const View& v, std::vector<uint8_t>& tmp, bool force_copy = false) {
-  const int64_t item = mx::size_of(v.dtype);
-  if (!force_copy && v.shape.size() == 2 && (v.strides[1] == 1 || v.shape[1] == 1) && v.strides[0] >= 0)
-    return {v.ptr, v.strides[0] * item};
-  tmp.resize(size_t(v.size() * item));
-  for (int64_t i = 0; i < v.size(); ++i) std::memcpy(tmp.data() + i * item, v.ptr + v.offset(i) * item, item);
-  return {tmp.data(), v.shape.size() == 2 ? v.shape[1] * item : item};
-}
-
-thread_local std::vector<float> tl_in;
+thread_local std::vector<float> tl_in, tl_y;
 
 class FlashMatvec : public mx::Primitive {
  public:
-  FlashMatvec(mx::Stream s, int fmt, int group_size, bool transposed, bool has_rows, int n, bool q8x)
+  // add_dtype >= 0: a last input of the output's shape is added (residual): out = round(y) + add,
+  // y rounded to its own dtype y_dtype first, as the unfused `x + layer(h)` computes it.
+  FlashMatvec(mx::Stream s, int fmt, int group_size, bool transposed, bool has_rows, int n, bool q8x, int y_dtype,
+              bool has_add)
       : mx::Primitive(s), fmt_(fmt), group_size_(group_size), transposed_(transposed),
-        has_rows_(has_rows), n_(n), q8x_(q8x) {}
+        has_rows_(has_rows), n_(n), q8x_(q8x), y_dtype_(y_dtype), has_add_(has_add) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -67,34 +59,18 @@ class FlashMatvec : public mx::Primitive {
       biases = View::of(inputs[next++]);
     }
     if (has_rows_) rows = View::of(inputs[next++]);
+    View add;
+    if (has_add_) add = View::of(inputs[next++]);
     const int out_dtype = scalar_type(out.dtype());
     uint8_t* out_ptr = out.data<uint8_t>();
-    const int fmt = fmt_, gs = group_size_, n_prefix = n_;
-    const bool transposed = transposed_, has_rows = has_rows_, q8x = q8x_;
+    const int fmt = fmt_, gs = group_size_, n_prefix = n_, y_dtype = y_dtype_;
+    const bool transposed = transposed_, has_rows = has_rows_, q8x = q8x_, has_add = has_add_;
 
     enc.dispatch([=]() {
-      const int64_t wcols = w.shape.back();  // uint32 words (quantized) or elements (half)
-      const int64_t K = fmt == flash::FMT_Q4 ? wcols * 8 : fmt == flash::FMT_Q8 ? wcols * 4 : wcols;
-      std::vector<uint8_t> tmp_w, tmp_s, tmp_b;  // only used for non-dense rows (rare)
+      WeightCopies copies;  // only used for non-dense rows (rare)
       flash::Problem p;
-      p.fmt = fmt;
-      p.group_size = gs;
-      p.K = int(K);
-      p.N = int(w.shape[0]);
-      Rows2D wr = rows2d(w, tmp_w);
-      p.w = wr.ptr;
-      p.w_row_bytes = wr.row_bytes;
-      if (quant) {
-        Rows2D sr = rows2d(scales, tmp_s), br = rows2d(biases, tmp_b);
-        p.sb_dtype = scalar_type(scales.dtype);
-        if (sr.row_bytes != br.row_bytes) {  // different row strides: densify both so one stride serves
-          sr = rows2d(scales, tmp_s, true);
-          br = rows2d(biases, tmp_b, true);
-        }
-        p.scales = sr.ptr;
-        p.biases = br.ptr;
-        p.sb_row = sr.row_bytes / int64_t(mx::size_of(scales.dtype));
-      }
+      set_weights(p, fmt, gs, w, quant ? &scales : nullptr, quant ? &biases : nullptr, copies);
+      const int64_t K = p.K;
       std::vector<int32_t> tmp_rows;
       if (has_rows) {
         p.n = int(rows.size());
@@ -113,19 +89,35 @@ class FlashMatvec : public mx::Primitive {
       if (tl_in.size() < size_t(x.size())) tl_in.resize(size_t(x.size()));
       to_float(x, tl_in.data());
       p.in = tl_in.data();
-      p.out = out_ptr;
-      p.out_dtype = out_dtype;
+      const int64_t out_size = has_add ? add.size() : 0;
+      if (has_add) {  // y in float32 scratch, then round(y) + add into the output
+        if (tl_y.size() < size_t(2 * out_size)) tl_y.resize(size_t(2 * out_size));
+        std::fill_n(tl_y.data(), out_size, 0.f);
+        p.out = tl_y.data();
+        p.out_dtype = flash::DT_F32;
+      } else {
+        p.out = out_ptr;
+        p.out_dtype = out_dtype;
+      }
       p.q8_activations = q8x;
       if (transposed) {
         if (p.M == 0 && x.size() == 0) {  // h has no columns: the weighted sum of no rows is 0
           int64_t lead = 1;
           for (size_t d = 0; d + 1 < x.shape.size(); ++d) lead *= x.shape[d];
-          for (int64_t i = 0; i < lead * K; ++i) flash::store_scalar(out_ptr, out_dtype, i, 0.f);
-          return;
+          for (int64_t i = 0; i < lead * K && !has_add; ++i) flash::store_scalar(out_ptr, out_dtype, i, 0.f);
+        } else {
+          flash::matvec_t(p);
         }
-        flash::matvec_t(p);
       } else {
         flash::matvec(p);
+      }
+      if (has_add) {
+        float* y = tl_y.data();
+        float* r = y + out_size;
+        to_float(add, r);
+        round_to(y_dtype, y, int(out_size));
+        for (int64_t i = 0; i < out_size; ++i) y[i] += r[i];
+        store_row(out_ptr, out_dtype, 0, int(out_size), y);
       }
     });
   }
@@ -139,7 +131,8 @@ class FlashMatvec : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FlashMatvec&>(other);
     return fmt_ == o.fmt_ && group_size_ == o.group_size_ && transposed_ == o.transposed_ &&
-           has_rows_ == o.has_rows_ && n_ == o.n_ && q8x_ == o.q8x_;
+           has_rows_ == o.has_rows_ && n_ == o.n_ && q8x_ == o.q8x_ && y_dtype_ == o.y_dtype_ &&
+           has_add_ == o.has_add_;
   }
 
  private:
@@ -147,24 +140,15 @@ class FlashMatvec : public mx::Primitive {
   bool transposed_, has_rows_;
   int n_;
   bool q8x_;
+  int y_dtype_;
+  bool has_add_;
 };
-
-int weight_format(const mx::array& w, std::optional<int> bits) {
-  if (bits) {
-    if (w.dtype() != mx::uint32) fail("quantized weights must be uint32");
-    if (*bits == 4) return flash::FMT_Q4;
-    if (*bits == 8) return flash::FMT_Q8;
-    fail("bits must be 4 or 8");
-  }
-  if (w.dtype() == mx::float16) return flash::FMT_F16;
-  if (w.dtype() == mx::bfloat16) return flash::FMT_BF16;
-  fail("half weights must be float16 or bfloat16");
-}
 
 // One builder for all variants. x: [..., K] (forward) or [..., n] (transposed).
 mx::array build(mx::array x, const mx::array& w, std::optional<mx::array> scales,
                 std::optional<mx::array> biases, std::optional<mx::array> rows, int n_prefix,
-                int group_size, std::optional<int> bits, bool transposed, bool q8x = false) {
+                int group_size, std::optional<int> bits, bool transposed, bool q8x = false,
+                std::optional<mx::array> add = std::nullopt) {
   mx::Stream s = cpu_stream();
   const int fmt = weight_format(w, bits);
   const bool quant = bits.has_value();
@@ -208,10 +192,24 @@ mx::array build(mx::array x, const mx::array& w, std::optional<mx::array> scales
          shape_str(x));
   mx::Shape out_shape = x.shape();
   out_shape.back() = transposed ? K : n;
+  const mx::Dtype y_dtype = out_dtype;
+  if (add) {
+    if (add->shape() != out_shape)
+      fail("add must have the output's shape " + shape_str(out_shape) + ", got " + shape_str(*add));
+    scalar_type(add->dtype());
+    out_dtype = mx::promote_types(out_dtype, add->dtype());
+    inputs.push_back(*add);
+  }
   // A plain matvec is the prefix n = N of the weight.
   auto prim = std::make_shared<FlashMatvec>(s, fmt, quant ? group_size : 0, transposed, rows.has_value(),
-                                            rows ? -1 : n, q8x);
+                                            rows ? -1 : n, q8x, scalar_type(y_dtype), add.has_value());
   return mx::array(out_shape, out_dtype, prim, std::move(inputs));
+}
+
+// A projection from Python: (w, scales, biases, bias), the last three None where absent.
+using Proj = std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>>;
+flash_ext::Linear linear(const Proj& p) {
+  return {std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p)};
 }
 
 }  // namespace
@@ -223,19 +221,21 @@ NB_MODULE(_ext, m) {
   m.def(
       "quantized_matvec",
       [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-         int group_size, int bits, bool q8_activations) {
-        return build(x, w, scales, biases, std::nullopt, -1, group_size, bits, false, q8_activations);
+         int group_size, int bits, bool q8_activations, std::optional<mx::array> add) {
+        return build(x, w, scales, biases, std::nullopt, -1, group_size, bits, false, q8_activations, add);
       },
       nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-      nb::arg("bits"), nb::arg("q8_activations") = false,
-      "y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K]. q8_activations: x rounded "
-      "to int8 per 32-element block (scale max|x|/127) and integer dot products.");
+      nb::arg("bits"), nb::arg("q8_activations") = false, nb::arg("add").none() = nb::none(),
+      "y = x @ dequantize(w).T [+ add] for MLX affine-quantized w [N, K]; x [..., K]. q8_activations: x "
+      "rounded to int8 per 32-element block (scale max|x|/127) and integer dot products. add: a residual "
+      "of y's shape, added after y is rounded to its dtype.");
   m.def(
       "half_matvec",
-      [](const mx::array& x, const mx::array& w) {
-        return build(x, w, std::nullopt, std::nullopt, std::nullopt, -1, 0, std::nullopt, false);
+      [](const mx::array& x, const mx::array& w, std::optional<mx::array> add) {
+        return build(x, w, std::nullopt, std::nullopt, std::nullopt, -1, 0, std::nullopt, false, false, add);
       },
-      nb::arg("x"), nb::arg("w"), "y = x @ w.T for float16/bfloat16 w [N, K]; x [..., K].");
+      nb::arg("x"), nb::arg("w"), nb::arg("add").none() = nb::none(),
+      "y = x @ w.T [+ add] for float16/bfloat16 w [N, K]; x [..., K].");
   m.def(
       "gather_matvec",
       [](const mx::array& x, const mx::array& w, std::optional<mx::array> scales,
@@ -280,11 +280,40 @@ NB_MODULE(_ext, m) {
       "mx.fast.rope (integer offset) as one CPU primitive; base is ignored when freqs is given.");
   m.def(
       "attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
-        return flash_ext::attention(q, k, v, scale, causal);
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal, bool heads_last) {
+        return flash_ext::attention(q, k, v, scale, causal, heads_last);
       },
       nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("causal") = false,
-      "mx.fast.scaled_dot_product_attention without a mask or with a causal one, as one CPU primitive.");
+      nb::arg("heads_last") = false,
+      "mx.fast.scaled_dot_product_attention without a mask or with a causal one, as one CPU primitive; "
+      "heads_last: output [B, L, H * Dv] instead of [B, H, L, Dv].");
+  m.def(
+      "norm_qkv_rope",
+      [](const mx::array& x, std::optional<mx::array> norm_weight, float eps, const Proj& q, const Proj& k,
+         const Proj& v, int group_size, std::optional<int> bits, int n_heads, int n_kv_heads, int rope_dims,
+         bool traditional, float base, float scale, int offset, std::optional<mx::array> freqs,
+         bool q8_activations) {
+        auto out = flash_ext::norm_qkv_rope(x, norm_weight, eps, {linear(q), linear(k), linear(v)}, group_size, bits,
+                                            n_heads, n_kv_heads, rope_dims, traditional, base, scale, offset, freqs,
+                                            q8_activations);
+        return std::make_tuple(out[0], out[1], out[2]);
+      },
+      nb::arg("x"), nb::arg("norm_weight").none(), nb::arg("eps"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+      nb::arg("group_size"), nb::arg("bits").none(), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("rope_dims"),
+      nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs").none(),
+      nb::arg("q8_activations") = false,
+      "(q, k, v) of a llama-family attention block from x [B, L, D] as one CPU primitive: rms_norm, the three "
+      "projections (each (w, scales, biases, bias)), heads [B, H, L, head_dim] and RoPE on q and k.");
+  m.def(
+      "norm_swiglu",
+      [](const mx::array& x, std::optional<mx::array> norm_weight, float eps, const Proj& gate, const Proj& up,
+         int group_size, std::optional<int> bits, bool q8_activations) {
+        return flash_ext::norm_swiglu(x, norm_weight, eps, linear(gate), linear(up), group_size, bits, q8_activations);
+      },
+      nb::arg("x"), nb::arg("norm_weight").none(), nb::arg("eps"), nb::arg("gate"), nb::arg("up"),
+      nb::arg("group_size"), nb::arg("bits").none(), nb::arg("q8_activations") = false,
+      "silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x) (skipped when norm_weight is None), as one CPU primitive; "
+      "gate / up are (w, scales, biases, bias) with bias None.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the AVX2 path when the CPU has it (True) or force the portable scalar path (False).");
   m.def("simd_active", &flash::simd_active);

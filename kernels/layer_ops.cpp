@@ -10,112 +10,14 @@
 #include <vector>
 
 #include "matvec.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx_view.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FLASH_LAYER_X86 1
-#define FLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define FLASH_LAYER_X86 0
-#endif
+#include "row_ops.h"
 
 namespace flash_ext {
 
 namespace {
-
-// ----------------------------------------------------------------------------------------------
-// Row loads / stores between an MLX buffer (any float dtype, element stride) and float32.
-
-#if FLASH_LAYER_X86
-FLASH_AVX2 void load_f16_avx2(const uint16_t* src, int n, float* dst) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
-}
-FLASH_AVX2 void store_f16_avx2(const float* src, int n, uint16_t* dst) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-  for (; i < n; ++i) dst[i] = uint16_t(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
-}
-#endif
-
-// n elements starting at element `base`, `stride` elements apart -> dst.
-void load_row(const uint8_t* ptr, int dt, int64_t base, int64_t stride, int n, float* dst) {
-#if FLASH_LAYER_X86
-  if (dt == flash::DT_F16 && stride == 1 && flash::simd_active()) {
-    load_f16_avx2(reinterpret_cast<const uint16_t*>(ptr) + base, n, dst);
-    return;
-  }
-#endif
-  if (dt == flash::DT_F32 && stride == 1) {
-    std::copy_n(reinterpret_cast<const float*>(ptr) + base, n, dst);
-    return;
-  }
-  for (int i = 0; i < n; ++i) dst[i] = flash::load_scalar(ptr, dt, base + i * stride);
-}
-
-// n contiguous elements of a contiguous output starting at element `base`.
-void store_row(uint8_t* ptr, int dt, int64_t base, int n, const float* src) {
-#if FLASH_LAYER_X86
-  if (dt == flash::DT_F16 && flash::simd_active()) {
-    store_f16_avx2(src, n, reinterpret_cast<uint16_t*>(ptr) + base);
-    return;
-  }
-#endif
-  if (dt == flash::DT_F32) {
-    std::copy_n(src, n, reinterpret_cast<float*>(ptr) + base);
-    return;
-  }
-  for (int i = 0; i < n; ++i) flash::store_scalar(ptr, dt, base + i, src[i]);
-}
-
-// Round float32 values to dtype dt in place (what storing and reloading would give).
-void round_to(int dt, float* v, int n) {
-  if (dt == flash::DT_F32) return;
-  uint16_t h;
-  for (int i = 0; i < n; ++i) {
-    flash::store_scalar(&h, dt, 0, v[i]);
-    v[i] = flash::load_scalar(&h, dt, 0);
-  }
-}
-
-float dot(const float* a, const float* b, int n) {
-  float s = 0.f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-thread_local std::vector<float> tl_row, tl_aux, tl_scores;
-
-float* scratch(std::vector<float>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
-// Offset of row r (all dims but the last) of a view, in elements.
-int64_t row_offset(const View& v, int64_t r) { return v.offset(r * v.shape.back()); }
-
-// Shared eval plumbing (after allocate_output): register buffers, run `work` on the stream.
-uint8_t* allocate_output(mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return out.data<uint8_t>();
-}
-
-template <typename Fn>
-void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out, Fn&& work) {
-  auto& enc = mx::cpu::get_command_encoder(s);
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  enc.dispatch(std::forward<Fn>(work));
-}
 
 // ----------------------------------------------------------------------------------------------
 // RMSNorm (center = false) and LayerNorm (center = true: subtract the mean, then the variance).
@@ -135,7 +37,7 @@ class FlashNorm : public mx::Primitive {
     uint8_t* optr = allocate_output(out);
     const float eps = eps_;
     const bool center = center_, has_w = has_weight_, has_b = has_bias_;
-    dispatch(stream(), inputs, out, [=]() {
+    dispatch(stream(), inputs, {out}, [=]() {
       const int D = int(x.shape.back());
       if (D == 0) return;
       const int64_t rows = x.size() / D;
@@ -146,22 +48,7 @@ class FlashNorm : public mx::Primitive {
       if (has_b) load_row(b.ptr, scalar_type(b.dtype), 0, b.strides.back(), D, wb + D);
       for (int64_t r = 0; r < rows; ++r) {
         load_row(x.ptr, xdt, row_offset(x, r), x.strides.back(), D, row);
-        if (center) {
-          float mean = 0.f;
-          for (int d = 0; d < D; ++d) mean += row[d];
-          mean /= float(D);
-          for (int d = 0; d < D; ++d) row[d] -= mean;
-        }
-        const float inv = 1.f / std::sqrt(dot(row, row, D) / float(D) + eps);
-        for (int d = 0; d < D; ++d) row[d] *= inv;
-        if (has_w) {
-          round_to(odt, row, D);
-          for (int d = 0; d < D; ++d) row[d] *= wb[d];
-        }
-        if (has_b) {
-          round_to(odt, row, D);
-          for (int d = 0; d < D; ++d) row[d] += wb[D + d];
-        }
+        normalize_row(row, D, center, eps, has_w ? wb : nullptr, has_b ? wb + D : nullptr, odt);
         store_row(optr, odt, r * D, D, row);
       }
     });
@@ -197,42 +84,19 @@ class FlashRoPE : public mx::Primitive {
     const int dims = dims_, offset = offset_;
     const bool trad = traditional_, has_f = has_freqs_;
     const float base = base_, scale = scale_;
-    dispatch(stream(), inputs, out, [=]() {
+    dispatch(stream(), inputs, {out}, [=]() {
       const int D = int(x.shape.back());
       const int L = int(x.shape[x.shape.size() - 2]);
       if (D == 0 || L == 0) return;
       const int64_t rows = x.size() / D;
-      const int half = dims / 2;
-      // cos/sin for each of the L positions: [L, half] each.
-      float* cs = scratch(tl_aux, size_t(2) * L * half + half);
-      float* inv = cs + size_t(2) * L * half;
-      for (int j = 0; j < half; ++j) {
-        if (has_f) inv[j] = 1.f / flash::load_scalar(freqs.ptr, scalar_type(freqs.dtype), freqs.offset(j));
-        else inv[j] = std::exp2(-(float(j) / float(half)) * std::log2(base));
-      }
-      for (int l = 0; l < L; ++l) {
-        const float pos = scale * float(offset + l);
-        for (int j = 0; j < half; ++j) {
-          const float theta = pos * inv[j];
-          cs[size_t(l) * half + j] = std::cos(theta);
-          cs[size_t(L + l) * half + j] = std::sin(theta);
-        }
-      }
+      float* cs = scratch(tl_aux, size_t(2) * L * (dims / 2));
+      rope_tables(dims, base, scale, offset, L, has_f ? &freqs : nullptr, cs);
       const int xdt = scalar_type(x.dtype);
       float* row = scratch(tl_row, size_t(2) * D);
-      float* res = row + D;
       for (int64_t r = 0; r < rows; ++r) {
-        const int l = int(r % L);
         load_row(x.ptr, xdt, row_offset(x, r), x.strides.back(), D, row);
-        const float* c = cs + size_t(l) * half;
-        const float* s = cs + size_t(L + l) * half;
-        for (int j = 0; j < half; ++j) {
-          const int a = trad ? 2 * j : j, b = trad ? 2 * j + 1 : j + half;
-          res[a] = row[a] * c[j] - row[b] * s[j];
-          res[b] = row[a] * s[j] + row[b] * c[j];
-        }
-        for (int d = 2 * half; d < D; ++d) res[d] = row[d];
-        store_row(optr, odt, r * D, D, res);
+        rope_row(row, row + D, D, dims, trad, cs, L, int(r % L));
+        store_row(optr, odt, r * D, D, row + D);
       }
     });
   }
@@ -262,6 +126,7 @@ struct AttnCtx {
   int B, Hq, Hkv, Lq, Lk, D, Dv, odt;
   float scale;
   bool causal;
+  bool heads_last;  // output [B, Lq, Hq * Dv] (what the o_proj reads) instead of [B, Hq, Lq, Dv]
   uint8_t* out;
 };
 
@@ -313,7 +178,8 @@ void attention_chunk(const void* vctx, int chunk) {
   }
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < c.Lq; ++i) {
-      const int64_t row = (int64_t(b) * c.Hq + hk * G + g) * c.Lq + i;
+      const int h = hk * G + g;
+      const int64_t row = c.heads_last ? (int64_t(b) * c.Lq + i) * c.Hq + h : (int64_t(b) * c.Hq + h) * c.Lq + i;
       const float* a = acc + size_t(g * c.Lq + i) * c.Dv;
       if (limit(i) <= 0) {
         std::vector<float> nan(c.Dv, std::numeric_limits<float>::quiet_NaN());
@@ -326,7 +192,8 @@ void attention_chunk(const void* vctx, int chunk) {
 
 class FlashAttention : public mx::Primitive {
  public:
-  FlashAttention(mx::Stream s, float scale, bool causal) : mx::Primitive(s), scale_(scale), causal_(causal) {}
+  FlashAttention(mx::Stream s, float scale, bool causal, bool heads_last)
+      : mx::Primitive(s), scale_(scale), causal_(causal), heads_last_(heads_last) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -344,8 +211,9 @@ class FlashAttention : public mx::Primitive {
     c.odt = scalar_type(out.dtype());
     c.scale = scale_;
     c.causal = causal_;
+    c.heads_last = heads_last_;
     c.out = allocate_output(out);
-    dispatch(stream(), inputs, out, [c]() {
+    dispatch(stream(), inputs, {out}, [c]() {
       const int chunks = c.B * c.Hkv;
       if (chunks == 0 || c.Lq == 0 || c.Dv == 0) return;
       // Below ~64k multiply-adds a second thread costs more than it saves.
@@ -363,12 +231,12 @@ class FlashAttention : public mx::Primitive {
   const char* name() const override { return "FlashAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FlashAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && heads_last_ == o.heads_last_;
   }
 
  private:
   float scale_;
-  bool causal_;
+  bool causal_, heads_last_;
 };
 
 void check_float(const mx::array& a, const char* what) {
@@ -429,7 +297,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                    std::move(inputs));
 }
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                    bool heads_last) {
   mx::Stream s = cpu_stream();
   check_float(q, "queries");
   check_float(k, "keys");
@@ -445,8 +314,9 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
          std::to_string(k.shape(1)) + ")");
   mx::Shape out_shape = q.shape();
   out_shape[3] = v.shape(3);
+  if (heads_last) out_shape = {q.shape(0), q.shape(2), q.shape(1) * v.shape(3)};
   mx::Dtype out_dtype = mx::promote_types(q.dtype(), mx::promote_types(k.dtype(), v.dtype()));
-  return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal), {q, k, v});
+  return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal, heads_last), {q, k, v});
 }
 
 }  // namespace flash_ext

@@ -22,8 +22,10 @@ mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional, flo
                       const std::optional<mlx::core::array>& freqs);
 
 // mx.fast.scaled_dot_product_attention for q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]
-// (Hq a multiple of Hkv), no mask or a causal one (query i sees keys j <= Lk - Lq + i).
+// (Hq a multiple of Hkv), no mask or a causal one (query i sees keys j <= Lk - Lq + i). heads_last:
+// the output is [B, Lq, Hq * Dv] (the transpose + reshape mlx-lm applies before o_proj) instead of
+// [B, Hq, Lq, Dv].
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
-                           float scale, bool causal);
+                           float scale, bool causal, bool heads_last = false);
 
 }  // namespace flash_ext

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -142,14 +143,27 @@ class Pool {
       for (int c = 0; c < chunks; ++c) fn(ctx, c);
       return;
     }
+    for (int base = 0; base < chunks; base += kMaxChunks) run_locked(fn, ctx, base, std::min(kMaxChunks, chunks - base));
+    busy_.unlock();
+  }
+
+ private:
+  // The job's chunk count lives in the state word beside the generation and the next chunk: a
+  // worker still looping on the previous job must never compare its counter against the next job's
+  // count (a plain field written before the new generation is published let a straggler claim a
+  // chunk past the old job's end and run it on the new job's context).
+  static constexpr int kMaxChunks = 0xffff;
+  static uint64_t pack(uint64_t gen, int total, int next) { return gen << 32 | uint64_t(total) << 16 | uint64_t(next); }
+
+  void run_locked(TaskFn fn, const void* ctx, int base, int chunks) {
     fn_ = fn;
     ctx_ = ctx;
-    total_ = chunks;
+    base_ = base;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
     {
       std::lock_guard<std::mutex> lk(mutex_);
-      state_.store(gen << 32, std::memory_order_release);  // chunk counter 0 of a new generation
+      state_.store(pack(gen, chunks, 0), std::memory_order_release);
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
     work(gen);
@@ -157,20 +171,18 @@ class Pool {
       if (spins < 4096) cpu_relax();
       else std::this_thread::yield();
     }
-    busy_.unlock();
   }
 
- private:
   // Claim and run chunks of generation gen until none are left (or a newer job started).
   void work(uint64_t gen) {
     for (;;) {
       uint64_t s = state_.load(std::memory_order_acquire);
       if ((s >> 32) != gen) return;
-      const int c = int(s & 0xffffffffu);
-      if (c >= total_) return;
+      const int c = int(s & 0xffff), total = int((s >> 16) & 0xffff);
+      if (c >= total) return;
       if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
       // A claimed chunk keeps its job alive (the caller waits for done_), so fn_/ctx_ are stable.
-      fn_(ctx_, c);
+      fn_(ctx_, base_ + c);
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -202,11 +214,11 @@ class Pool {
   std::vector<std::thread> threads_;
   std::mutex busy_, mutex_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk to claim
+  std::atomic<uint64_t> state_{0};  // generation << 32 | chunks << 16 | next chunk to claim
   std::atomic<int> done_{0}, sleepers_{0};
   TaskFn fn_ = nullptr;
   const void* ctx_ = nullptr;
-  int total_ = 0;
+  int base_ = 0;  // chunk index of this round's chunk 0 (jobs over kMaxChunks run in rounds)
 };
 
 std::atomic<int> g_threads{0};  // 0: not decided yet
@@ -856,10 +868,8 @@ void q_fwd_range(const FwdCtx& c, int i0, int i1) {
   q_fwd_scalar<ST>(*c.p, c.x, c.xsum, i0, i1);
 }
 
-void fwd_chunk(const void* vctx, int chunk) {
-  const FwdCtx& c = *static_cast<const FwdCtx*>(vctx);
+void fwd_rows(const FwdCtx& c, int i0, int i1) {
   const Problem& p = *c.p;
-  int i0 = chunk * c.rows_per_chunk, i1 = std::min(p.n, i0 + c.rows_per_chunk);
   if (i0 >= i1) return;
   if (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) {
     switch (p.sb_dtype) {
@@ -944,8 +954,12 @@ int64_t bytes_per_row(const Problem& p) {
   }
 }
 
-thread_local std::vector<float> tl_x, tl_xsum, tl_xd;
-thread_local std::vector<int8_t> tl_xq, tl_xperm;
+// Prepared x of one problem (grows, never shrinks); one set per problem slot of matvec_many.
+struct XScratch {
+  std::vector<float> x, xsum, xd;
+  std::vector<int8_t> xq, xperm;
+};
+thread_local XScratch tl_xs[kMaxProblems];
 
 // x [M, K] -> int8 per 32-block (round half to even of x / d, d = max|x| / 127) and the block scales.
 void quantize_x(const Problem& p, int8_t* xq, float* xd) {
@@ -965,14 +979,16 @@ void parallel_for(int chunks, ChunkFn fn, const void* ctx) {
   if (chunks > 0) pool().run(fn, ctx, chunks);
 }
 
-void matvec(const Problem& p) {
-  if (p.n == 0 || p.M == 0) return;
+namespace {
+
+// x of problem p prepared as its forward kernel consumes it (group sums; 4-bit SIMD: nibble order;
+// int8 activations: rounded blocks), in the scratch set xs.
+FwdCtx prepare(const Problem& p, XScratch& xs, bool simd) {
   const bool quant = p.fmt == FMT_Q4 || p.fmt == FMT_Q8;
-  const bool simd = simd_active();
   FwdCtx c{&p, p.in, nullptr, simd, 0};
   if (quant) {
     const int G = p.K / p.group_size;
-    float* xsum = scratch(tl_xsum, size_t(p.M) * G);
+    float* xsum = scratch(xs.xsum, size_t(p.M) * G);
     for (int m = 0; m < p.M && !p.q8_activations; ++m)  // int8 activations sum the rounded x below
       for (int g = 0; g < G; ++g) {
         const float* xg = p.in + int64_t(m) * p.K + int64_t(g) * p.group_size;
@@ -982,8 +998,8 @@ void matvec(const Problem& p) {
       }
     c.xsum = xsum;
     if (p.q8_activations) {
-      int8_t* xq = reinterpret_cast<int8_t*>(scratch_bytes(tl_xq, size_t(p.M) * p.K));
-      float* xd = scratch(tl_xd, size_t(p.M) * p.K / 32);
+      int8_t* xq = reinterpret_cast<int8_t*>(scratch_bytes(xs.xq, size_t(p.M) * p.K));
+      float* xd = scratch(xs.xd, size_t(p.M) * p.K / 32);
       quantize_x(p, xq, xd);
       // The bias term takes the rounded x too: w.x = s*sum(q x) + b*sum(x) has large cancelling parts
       // (q >= 0), which must see the same x to cancel (exact sums here gave 10%+ errors on real layers).
@@ -1000,7 +1016,7 @@ void matvec(const Problem& p) {
         }
       c.q8 = Q8X{xq, xd};
       if (simd && p.fmt == FMT_Q4) {  // per 64-chunk: even elements of both blocks, then the odd ones
-        int8_t* xp = reinterpret_cast<int8_t*>(scratch_bytes(tl_xperm, size_t(p.M) * p.K));
+        int8_t* xp = reinterpret_cast<int8_t*>(scratch_bytes(xs.xperm, size_t(p.M) * p.K));
         for (int64_t base = 0; base < int64_t(p.M) * p.K; base += p.K)
           for (int64_t k = 0; k + 64 <= p.K; k += 64)
             for (int j = 0; j < 32; ++j) {
@@ -1011,15 +1027,85 @@ void matvec(const Problem& p) {
         c.xperm = xp;
       }
     } else if (simd && p.fmt == FMT_Q4) {  // reorder x to the nibble order the SIMD loop consumes
-      float* xp = scratch(tl_x, size_t(p.M) * p.K);
+      float* xp = scratch(xs.x, size_t(p.M) * p.K);
       for (int64_t b = 0; b < int64_t(p.M) * p.K; b += 32)
         for (int j = 0; j < 32; ++j) xp[b + j] = p.in[b + q4_natural(j)];
       c.x = xp;
     }
   }
-  int chunks = chunks_for(bytes_per_row(p) * p.n, p.n);
-  c.rows_per_chunk = (p.n + chunks - 1) / chunks;
-  pool().run(fwd_chunk, &c, chunks);
+  return c;
+}
+
+struct ManyCtx {
+  FwdCtx fwd[kMaxProblems];
+  int first_chunk[kMaxProblems + 1];  // split mode: problem j owns chunks [first_chunk[j], first_chunk[j+1])
+  int count = 0;
+  RowEpilogue epilogue = nullptr;     // paired mode: chunk c runs rows [i0, i1) of every problem, then this
+  const void* epilogue_ctx = nullptr;
+  int rows_per_chunk = 0, n = 0;
+};
+
+void split_chunk(const void* vctx, int chunk) {
+  const ManyCtx& m = *static_cast<const ManyCtx*>(vctx);
+  int j = 0;
+  while (chunk >= m.first_chunk[j + 1]) ++j;
+  const FwdCtx& c = m.fwd[j];
+  const int i0 = (chunk - m.first_chunk[j]) * c.rows_per_chunk;
+  fwd_rows(c, i0, std::min(c.p->n, i0 + c.rows_per_chunk));
+}
+
+void paired_chunk(const void* vctx, int chunk) {
+  const ManyCtx& m = *static_cast<const ManyCtx*>(vctx);
+  const int i0 = chunk * m.rows_per_chunk, i1 = std::min(m.n, i0 + m.rows_per_chunk);
+  if (i0 >= i1) return;
+  for (int j = 0; j < m.count; ++j) fwd_rows(m.fwd[j], i0, i1);
+  m.epilogue(m.epilogue_ctx, i0, i1);
+}
+
+}  // namespace
+
+void matvec_many(const Problem* ps, int count, RowEpilogue epilogue, const void* epilogue_ctx) {
+  if (count < 1 || count > kMaxProblems) throw std::invalid_argument("matvec_many: 1 to kMaxProblems problems");
+  const bool simd = simd_active();
+  ManyCtx m;
+  m.epilogue = epilogue;
+  m.epilogue_ctx = epilogue_ctx;
+  int64_t bytes = 0;
+  for (int j = 0; j < count; ++j) {
+    if (epilogue && (ps[j].n != ps[0].n || ps[j].M != ps[0].M))
+      throw std::invalid_argument("matvec_many: paired problems need the same rows and x rows");
+    if (ps[j].M == 0 || ps[j].n == 0) {
+      if (epilogue) return;  // nothing to pair
+      continue;
+    }
+    m.fwd[m.count++] = prepare(ps[j], tl_xs[j], simd);
+    bytes += bytes_per_row(ps[j]) * ps[j].n;
+  }
+  if (m.count == 0) return;
+  if (epilogue) {
+    m.n = ps[0].n;
+    if (m.n == 0) return;
+    const int chunks = chunks_for(bytes, m.n);
+    m.rows_per_chunk = (m.n + chunks - 1) / chunks;
+    pool().run(paired_chunk, &m, (m.n + m.rows_per_chunk - 1) / m.rows_per_chunk);
+    return;
+  }
+  // Split mode: chunks in proportion to each problem's bytes, so threads get equal shares.
+  const int total = chunks_for(bytes, 1 << 20);
+  m.first_chunk[0] = 0;
+  for (int j = 0; j < m.count; ++j) {
+    const Problem& p = *m.fwd[j].p;
+    const int64_t b = bytes_per_row(p) * p.n;
+    const int c = int(std::max<int64_t>(1, std::min<int64_t>(p.n, (total * b + bytes - 1) / std::max<int64_t>(bytes, 1))));
+    m.fwd[j].rows_per_chunk = (p.n + c - 1) / c;
+    m.first_chunk[j + 1] = m.first_chunk[j] + (p.n + m.fwd[j].rows_per_chunk - 1) / m.fwd[j].rows_per_chunk;
+  }
+  pool().run(split_chunk, &m, m.first_chunk[m.count]);
+}
+
+void matvec(const Problem& p) {
+  if (p.n == 0 || p.M == 0) return;
+  matvec_many(&p, 1);
 }
 
 void matvec_t(const Problem& p) {

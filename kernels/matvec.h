@@ -35,6 +35,14 @@ struct Problem {
 void matvec(const Problem& p);
 void matvec_t(const Problem& p);
 
+// Several forward problems in one pool dispatch (fused q/k/v, gate/up). Without an epilogue the
+// rows of all problems are split into chunks by bytes. With one, the problems must have equal n and
+// M ("paired"): each chunk computes rows [i0, i1) of every problem, then calls epilogue(ctx, i0, i1)
+// on the same thread (e.g. SwiGLU of gate and up rows i0..i1).
+constexpr int kMaxProblems = 4;
+using RowEpilogue = void (*)(const void* ctx, int i0, int i1);
+void matvec_many(const Problem* ps, int count, RowEpilogue epilogue = nullptr, const void* epilogue_ctx = nullptr);
+
 // Test/bench hooks: force the portable scalar path; number of threads used (>= 1).
 void set_simd_enabled(bool enabled);
 bool simd_active();

@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "matvec.h"
 #include "mlx/array.h"
@@ -68,14 +71,74 @@ inline void to_float(const View& v, float* dst) {
 }
 
 
+// A 2-D weight-like input: rows may be strided, but each row must be dense; otherwise copy.
+struct Rows2D {
+  const uint8_t* ptr;
+  int64_t row_bytes;
+};
+inline Rows2D rows2d(const View& v, std::vector<uint8_t>& tmp, bool force_copy = false) {
+  const int64_t item = mx::size_of(v.dtype);
+  if (!force_copy && v.shape.size() == 2 && (v.strides[1] == 1 || v.shape[1] == 1) && v.strides[0] >= 0)
+    return {v.ptr, v.strides[0] * item};
+  tmp.resize(size_t(v.size() * item));
+  for (int64_t i = 0; i < v.size(); ++i) std::memcpy(tmp.data() + i * item, v.ptr + v.offset(i) * item, item);
+  return {tmp.data(), v.shape.size() == 2 ? v.shape[1] * item : item};
+}
+
+// Copies of weight inputs whose rows are not dense (rare); they must outlive the problem.
+struct WeightCopies {
+  std::vector<uint8_t> w, scales, biases;
+};
+
+// Points p at weight w [N, Kw] (uint32 words when quantized, else half elements) and, for the
+// quantized formats, its scales / biases [N, K / gs]: sets fmt, group_size, K, N and the pointers.
+inline void set_weights(flash::Problem& p, int fmt, int gs, const View& w, const View* scales, const View* biases,
+                        WeightCopies& copies) {
+  const int64_t wcols = w.shape.back();
+  p.fmt = fmt;
+  p.group_size = gs;
+  p.K = int(fmt == flash::FMT_Q4 ? wcols * 8 : fmt == flash::FMT_Q8 ? wcols * 4 : wcols);
+  p.N = int(w.shape[0]);
+  Rows2D wr = rows2d(w, copies.w);
+  p.w = wr.ptr;
+  p.w_row_bytes = wr.row_bytes;
+  if (scales) {
+    Rows2D sr = rows2d(*scales, copies.scales), br = rows2d(*biases, copies.biases);
+    p.sb_dtype = scalar_type(scales->dtype);
+    if (sr.row_bytes != br.row_bytes) {  // different row strides: densify both so one stride serves
+      sr = rows2d(*scales, copies.scales, true);
+      br = rows2d(*biases, copies.biases, true);
+    }
+    p.scales = sr.ptr;
+    p.biases = br.ptr;
+    p.sb_row = sr.row_bytes / int64_t(mx::size_of(scales->dtype));
+  }
+}
+
 [[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument("mlx_flash: " + msg); }
 
-inline std::string shape_str(const mx::array& a) {
+inline std::string shape_str(const mx::Shape& shape);
+inline std::string shape_str(const mx::array& a) { return shape_str(a.shape()); }
+
+inline std::string shape_str(const mx::Shape& shape) {
   std::ostringstream s;
   s << "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(int(i));
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
   s << ")";
   return s.str();
+}
+
+// Kernel weight format of w: MLX affine-quantized uint32 words (bits 4 / 8) or float16 / bfloat16.
+inline int weight_format(const mx::array& w, std::optional<int> bits) {
+  if (bits) {
+    if (w.dtype() != mx::uint32) fail("quantized weights must be uint32");
+    if (*bits == 4) return flash::FMT_Q4;
+    if (*bits == 8) return flash::FMT_Q8;
+    fail("bits must be 4 or 8");
+  }
+  if (w.dtype() == mx::float16) return flash::FMT_F16;
+  if (w.dtype() == mx::bfloat16) return flash::FMT_BF16;
+  fail("half weights must be float16 or bfloat16");
 }
 
 inline mx::Stream cpu_stream() {

@@ -27,7 +27,7 @@ import mlx.nn as nn
 MAX_KERNEL_ROWS = 2048
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
-_HALF = (mx.float16, mx.bfloat16)
+HALF_DTYPES = _HALF = (mx.float16, mx.bfloat16)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -76,7 +76,7 @@ def kernels_active() -> bool:
     return EXTENSION_AVAILABLE and _enabled and mx.default_device() == mx.cpu
 
 
-def _say_fallback_once():
+def say_fallback_once():
     global _warned
     if not _warned and not EXTENSION_AVAILABLE and mx.default_device() == mx.cpu:
         _warned = True
@@ -89,7 +89,7 @@ def _say_fallback_once():
 
 def _use_kernel(x):
     if not kernels_active():
-        _say_fallback_once()
+        say_fallback_once()
         return False
     if x.dtype not in _FLOATS or x.ndim == 0 or x.shape[-1] == 0:
         return False
@@ -189,7 +189,7 @@ MAX_ATTENTION_SCORES = 1 << 22
 
 def _layer_kernel_ok(*arrays):
     if not kernels_active():
-        _say_fallback_once()
+        say_fallback_once()
         return False
     return all(a.dtype in _FLOATS for a in arrays)
 
@@ -222,125 +222,126 @@ def rope(x, dims, *, traditional, base, scale, offset, freqs=None):
     return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
 
 
+def _attention_kernel_ok(q, k, v, mask, sinks):
+    causal = isinstance(mask, str) and mask == "causal"
+    return (_layer_kernel_ok(q, k, v) and sinks is None and (mask is None or causal)
+            and q.ndim == k.ndim == v.ndim == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+            and k.shape[2] >= q.shape[2]
+            and q.shape[1] // k.shape[1] * q.shape[2] * k.shape[2] <= MAX_ATTENTION_SCORES)
+
+
 def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
     """mx.fast.scaled_dot_product_attention; the kernel serves masks None and "causal" (scores <= 16 MB)."""
-    causal = isinstance(mask, str) and mask == "causal"
-    if (_layer_kernel_ok(q, k, v) and sinks is None and (mask is None or causal) and q.ndim == k.ndim == v.ndim == 4
-            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape[2] >= q.shape[2]
-            and q.shape[1] // k.shape[1] * q.shape[2] * k.shape[2] <= MAX_ATTENTION_SCORES):
-        return _ext.attention(q, k, v, scale, causal)
+    if _attention_kernel_ok(q, k, v, mask, sinks):
+        return _ext.attention(q, k, v, scale, isinstance(mask, str))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
-def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx_lm.models.base.scaled_dot_product_attention (quantized caches keep theirs)."""
     if hasattr(cache, "bits"):
-        return _MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+        return MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
     return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-try:
-    from mlx_lm.models.base import scaled_dot_product_attention as _MLX_LM_ATTENTION
-except ImportError:  # mlx-lm missing: nothing to patch
-    _MLX_LM_ATTENTION = None
+def attention_heads_last(q, k, v, cache, *, scale, mask=None):
+    """mlx-lm's attention followed by its transpose(0, 2, 1, 3).reshape(B, L, -1): [B, L, H * Dv],
+    what o_proj reads; one primitive on the kernel."""
+    if not hasattr(cache, "bits") and _attention_kernel_ok(q, k, v, mask, None):
+        return _ext.attention(q, k, v, scale, isinstance(mask, str), heads_last=True)
+    B, _, L, _ = q.shape
+    return mlx_lm_attention(q, k, v, cache, scale, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernel-backed layer classes. patch_layers re-classes modules in place, so parameters,
-# names and isinstance checks are unchanged; only __call__ / as_linear route through our ops.
+# Fused decoder-layer ops: each is several MLX ops of mlx-lm's llama-family blocks in one primitive
+# (one dispatch, one thread-pool job for several matvecs); the twins are those MLX ops. Layers are
+# mlx.nn modules (QuantizedLinear / Linear, RMSNorm, RoPE), read but never changed.
 
 
-class KernelQuantizedLinear(nn.QuantizedLinear):
-    def __call__(self, x):
-        y = quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+def projection(layer):
+    """((w, scales, biases, bias), group_size, bits) of a linear layer the kernels read, else None.
+    bits is None for float16/bfloat16 weights; scales, biases and bias are None where absent."""
+    bias = layer["bias"] if "bias" in layer else None
+    if isinstance(layer, nn.QuantizedLinear):
+        if (getattr(layer, "mode", "affine") == "affine" and _quant_ok(layer["weight"], layer["scales"],
+                                                                      layer.get("biases"), layer.group_size, layer.bits)):
+            return (layer["weight"], layer["scales"], layer["biases"], bias), layer.group_size, layer.bits
+        return None
+    if isinstance(layer, nn.Linear) and layer["weight"].dtype in _HALF and layer["weight"].ndim == 2:
+        return (layer["weight"], None, None, bias), None, None
+    return None
 
 
-class KernelLinear(nn.Linear):
-    def __call__(self, x):
-        y = half_matvec(x, self["weight"])
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+def _shared_projections(*layers):
+    """The layers' projections when all are kernel-readable in one format, else None."""
+    projs = [projection(m) for m in layers]
+    if any(p is None for p in projs) or len({(p[1], p[2], p[0][0].dtype, p[0][1] is None or p[0][1].dtype)
+                                             for p in projs}) != 1:
+        return None
+    return projs
 
 
-class KernelRMSNorm(nn.RMSNorm):
-    def __call__(self, x):
-        return rms_norm(x, self["weight"], self.eps)
+def _rms_weight(norm):
+    """(weight, eps) of an RMSNorm module the fused kernels apply, or None."""
+    if isinstance(norm, nn.RMSNorm) and "weight" in norm and norm["weight"].dtype in _FLOATS and norm["weight"].ndim == 1:
+        return norm["weight"], norm.eps
+    return None
 
 
-class KernelLayerNorm(nn.LayerNorm):
-    def __call__(self, x):
-        weight = self.weight if "weight" in self else None
-        bias = self.bias if "bias" in self else None
-        return layer_norm(x, weight, bias, self.eps)
+def linear(x, layer, add=None):
+    """layer(x), plus `add` (a residual of the output's shape) when given: `add + layer(x)` in one
+    primitive on the kernels (the sum sees layer(x) rounded to its dtype, as the unfused ops)."""
+    proj = projection(layer) if add is not None and _use_kernel(x) else None
+    if proj is not None and proj[0][3] is None:
+        (w, scales, biases, _), group_size, bits = proj
+        if add.shape == (*x.shape[:-1], w.shape[0]) and add.dtype in _FLOATS:
+            if bits is None:
+                return _ext.half_matvec(x, w, add=add)
+            return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x, add=add)
+    y = layer(x)
+    return y if add is None else add + y
 
 
-class KernelRoPE(nn.RoPE):
-    def __call__(self, x, offset: int = 0):
-        return rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+def norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, offset=0):
+    """(q, k, v) [B, H, L, head_dim] as mlx-lm's llama Attention computes them before its KV cache:
+    h = norm(x) (None: h = x); q_proj(h), k_proj(h), v_proj(h) split into heads; RoPE at positions
+    offset.. on q and k. One primitive on the kernels (plain nn.RoPE, one weight format)."""
+    projs = _shared_projections(q_proj, k_proj, v_proj) if _use_kernel(x) and x.ndim == 3 else None
+    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
+    if (projs is not None and nw is not None and isinstance(rope, nn.RoPE) and isinstance(offset, int)
+            and (rope.base is not None) and rope.dims % 2 == 0 and 0 < rope.dims):
+        (q, group_size, bits), (k, _, _), (v, _, _) = projs
+        if q[0].shape[0] % n_heads == 0 and rope.dims <= q[0].shape[0] // n_heads:
+            return _ext.norm_qkv_rope(x, nw[0], nw[1], q, k, v, group_size or 64, bits, n_heads, n_kv_heads,
+                                      rope.dims, rope.traditional, rope.base, rope.scale, offset, None,
+                                      q8_activations=_q8x)
+    h = norm(x) if norm is not None else x
+    B, L, _ = x.shape
+    q, k, v = (m(h).reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+               for m, heads in ((q_proj, n_heads), (k_proj, n_kv_heads), (v_proj, n_kv_heads)))
+    return rope(q, offset=offset), rope(k, offset=offset), v
 
 
-class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    def as_linear(self, x):
-        return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+def norm_swiglu(x, norm, gate_proj, up_proj):
+    """swiglu(gate_proj(h), up_proj(h)) = silu(gate) * up with h = norm(x) (None: h = x): mlx-lm's
+    gated MLP before its down projection. One primitive on the kernels."""
+    projs = _shared_projections(gate_proj, up_proj) if _use_kernel(x) else None
+    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
+    if projs is not None and nw is not None and projs[0][0][3] is None and projs[1][0][3] is None:
+        (g, group_size, bits), (u, _, _) = projs
+        return _ext.norm_swiglu(x, nw[0], nw[1], g, u, group_size or 64, bits, q8_activations=_q8x)
+    h = norm(x) if norm is not None else x
+    return _swiglu(gate_proj(h), up_proj(h))
 
 
-class KernelEmbedding(nn.Embedding):
-    def as_linear(self, x):
-        return half_matvec(x, self.weight)
+try:
+    from mlx_lm.models.activations import swiglu as _swiglu
+    from mlx_lm.models.base import scaled_dot_product_attention as MLX_LM_ATTENTION  # what we replace
+except ImportError:  # mlx-lm missing: nothing to patch
+    MLX_LM_ATTENTION = None
+
+    def _swiglu(gate, x):
+        return nn.silu(gate) * x
 
 
-def _affine_ok(m):
-    return (
-        getattr(m, "mode", "affine") == "affine"
-        and m.bits in KERNEL_BITS
-        and m.group_size in KERNEL_GROUP_SIZES
-        and "biases" in m
-    )
-
-
-def patch_layers(model) -> int:
-    """Route a loaded mlx-lm model's layers through the CPU kernels where they apply.
-
-    Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
-    weights, nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head),
-    nn.RMSNorm, nn.LayerNorm and nn.RoPE, and points the model's module-level `scaled_dot_product_attention`
-    (mlx-lm's) at ours. Each swapped call still checks kernels_active(), so turning the kernels off
-    later restores MLX's ops. Weights are untouched. Returns the number of modules swapped; 0
-    unless kernels_active().
-    """
-    if not kernels_active():
-        _say_fallback_once()
-        return 0
-    swapped = 0
-    for _, m in model.named_modules():
-        cls = type(m)
-        if cls is nn.QuantizedLinear and _affine_ok(m):
-            m.__class__ = KernelQuantizedLinear
-        elif cls is nn.Linear and m["weight"].dtype in _HALF:
-            m.__class__ = KernelLinear
-        elif cls is nn.QuantizedEmbedding and _affine_ok(m):
-            m.__class__ = KernelQuantizedEmbedding
-        elif cls is nn.Embedding and m["weight"].dtype in _HALF:
-            m.__class__ = KernelEmbedding
-        elif cls is nn.RMSNorm:
-            m.__class__ = KernelRMSNorm
-        elif cls is nn.LayerNorm:
-            m.__class__ = KernelLayerNorm
-        elif cls is nn.RoPE:
-            m.__class__ = KernelRoPE
-        else:
-            _patch_attention(type(m).__module__)
-            continue
-        swapped += 1
-    return swapped
-
-
-def _patch_attention(module_name):
-    # mlx-lm's model files import base.scaled_dot_product_attention by name; rebind that name.
-    module = sys.modules.get(module_name)
-    if _MLX_LM_ATTENTION is not None and getattr(module, "scaled_dot_product_attention", None) is _MLX_LM_ATTENTION:
-        module.scaled_dot_product_attention = _mlx_lm_attention

@@ -10,7 +10,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.flash_config import FlashConfig
 from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
-from mlx_flash.ops import patch_layers
+from mlx_flash.models.kernel_layers import patch_layers
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import layer_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors

@@ -15,18 +15,17 @@ def test_logits_bit_identical_to_mlx_lm_load(embedded_model_dir):
     from mlx_lm import load as mlx_lm_load
 
     import mlx_flash
-
-    from mlx_flash.ops import patch_layers
+    from mlx_flash import ops
+    from mlx_flash.models.kernel_layers import FusedBlock, KernelQuantizedLinear, patch_layers
 
     ours, our_tok = mlx_flash.load(str(embedded_model_dir))
     ref, ref_tok = mlx_lm_load(str(embedded_model_dir))
     patch_layers(ref)  # the same seam: mlx-lm's model with its linear layers on our kernels
     ids = ref_tok.encode("Bit-identical logits are the contract of the dense path.")
     assert our_tok.encode("Bit-identical logits are the contract of the dense path.") == ids
-    from mlx_flash import ops
-
-    if ops.kernels_active():  # the dense path runs on our kernels with no flag (issue 6)
-        assert any(isinstance(m, ops.KernelQuantizedLinear) for _, m in ours.named_modules())
+    if ops.kernels_active():  # the dense path runs on our kernels (fused blocks) with no flag (issue 6)
+        assert any(isinstance(m, KernelQuantizedLinear) for _, m in ours.named_modules())
+        assert all(isinstance(layer, FusedBlock) for layer in ours.model.layers)
     a, b = ours(mx.array([ids])), ref(mx.array([ids]))
     assert a.dtype == b.dtype
     assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))

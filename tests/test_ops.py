@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_flash import ops
+from mlx_flash.models.kernel_layers import patch_layers
 
 needs_ext = pytest.mark.skipif(
     not ops.EXTENSION_AVAILABLE,
@@ -428,7 +429,7 @@ def test_fallback_when_disabled_patches_nothing():
     ops.set_kernels_enabled(False)
     model = nn.Sequential(nn.Linear(8, 8))
     model.set_dtype(mx.float16)
-    assert ops.patch_layers(model) == 0
+    assert patch_layers(model) == 0
     assert type(model.layers[0]) is nn.Linear
 
 
@@ -452,15 +453,51 @@ def test_patch_layers_logits_match(tiny_llama, variant):
     dense = model(tokens)  # prefill shape: 6 rows -> kernels (M <= 8)
     step = model(tokens[:, :1])
     mx.eval(dense, step)
-    swapped = ops.patch_layers(model)
-    # 2 layers x (7 projections + 2 RMSNorms + RoPE) + the final norm + the embedding (its as_linear is
-    # the tied lm_head) [+ untied lm_head]
-    assert swapped == 2 * 10 + 2 + (not variant.get("tie", True))
-    assert ops.patch_layers(model) == 0  # already patched
+    swapped = patch_layers(model)
+    # 2 layers x (7 projections + 2 RMSNorms + RoPE + the block itself, fused) + the final norm + the
+    # embedding (its as_linear is the tied lm_head) [+ untied lm_head]
+    assert swapped == 2 * 11 + 2 + (not variant.get("tie", True))
+    assert patch_layers(model) == 0  # already patched
     patched, patched_step = model(tokens), model(tokens[:, :1])
     tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
     for a, r in ((patched, dense), (patched_step, step)):
         a, r = _f32(a), _f32(r)
+        assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "variant",
+    [dict(quantize=(4, 32)), dict(quantize=(8, 64), intermediate=192), dict(dtype="float16"),
+     dict(dtype="bfloat16", tie=False)],
+    ids=["q4g32", "q8g64", "f16", "bf16-untied"],
+)
+def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
+    # A prompt then decode steps through mlx-lm's KV cache: the fused blocks (norm+qkv+rope,
+    # attention, o_proj+residual, norm+swiglu, down+residual) against MLX's own ops on the same model.
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from mlx_flash.models.kernel_layers import FusedBlock
+
+    model, _ = load_model(tiny_llama("m", **variant))
+    patch_layers(model)
+    assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
+    prompt, steps = mx.array([[1, 5, 9, 2, 7, 3, 11]]), [4, 8, 6, 10]
+
+    def run():
+        cache = make_prompt_cache(model)
+        outs = [model(prompt, cache=cache)]
+        outs += [model(mx.array([[t]]), cache=cache) for t in steps]
+        mx.eval(outs)
+        return [_f32(o) for o in outs]
+
+    fused = run()
+    ops.set_kernels_enabled(False)
+    reference = run()
+    ops.set_kernels_enabled(True)
+    tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
+    for a, r in zip(fused, reference):
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
 
 
@@ -473,10 +510,10 @@ def test_environment_switch(value, active):
     import tempfile
 
     code = ("import mlx.core as mx, mlx.nn as nn; from mlx_flash import ops; "
+            "from mlx_flash.models.kernel_layers import patch_layers; "
             "mx.set_default_device(mx.cpu); m = nn.QuantizedLinear(64, 8, group_size=32, bits=4); "
-            "print(ops.kernels_active(), ops.patch_layers(nn.Sequential(m)))")
+            "print(ops.kernels_active(), patch_layers(nn.Sequential(m)))")
     env = {**os.environ, "MLX_FLASH_KERNELS": value}
-    # cwd away from the checkout, so `-c` imports the installed package (with its compiled kernels)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=tempfile.gettempdir())
     want = (active and ops.EXTENSION_AVAILABLE)

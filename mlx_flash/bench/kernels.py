@@ -382,11 +382,12 @@ def _decode_breakdown(args):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_flash import load, ops
+    from mlx_flash.models import kernel_layers as kl
 
     ops.set_kernels_enabled(True)
     model, _ = load(args.generate or None, progress=False)
     cache, token = make_prompt_cache(model), mx.array([[1]])
-    matvec_classes = (ops.KernelQuantizedLinear, ops.KernelLinear, ops.KernelQuantizedEmbedding, ops.KernelEmbedding)
+    matvec_classes = (kl.KernelQuantizedLinear, kl.KernelLinear, kl.KernelQuantizedEmbedding, kl.KernelEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, matvec_classes)]
     xs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[1]))
           for m in layers]

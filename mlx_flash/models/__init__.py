@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import FlashError
-from ..ops import patch_layers
+from .kernel_layers import patch_layers
 from .source import resolve_model
 
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..errors import FlashError
 from ..flash_config import FlashConfig
 from ..io import FlashLoader
-from ..ops import patch_layers
+from .kernel_layers import patch_layers
 from ..pack import load_resident, read_manifest
 from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,

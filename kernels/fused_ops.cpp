@@ -1,0 +1,369 @@
+// Fused decoder-layer primitives (see fused_ops.h).
+
+#include "fused_ops.h"
+
+#include <cmath>
+#include <string>
+
+#include "matvec.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx_view.h"
+#include "row_ops.h"
+
+namespace flash_ext {
+
+namespace {
+
+thread_local std::vector<float> tl_x, tl_y, tl_tmp;
+
+// What eval needs of one projection: its weights and optional bias.
+struct ProjView {
+  View w, scales, biases, bias;
+  bool has_bias = false;
+};
+
+// Inputs are laid out as x, [norm weight], then per projection w, [scales, biases], [bias].
+struct FusedLayout {
+  bool has_norm = false, quant = false;
+  int n_proj = 0;
+  std::vector<bool> has_bias;
+};
+
+std::vector<mx::array> fused_inputs(const mx::array& x, const std::optional<mx::array>& norm_weight,
+                                    const std::vector<Linear>& projs, FusedLayout& layout) {
+  std::vector<mx::array> inputs = {x};
+  layout.has_norm = norm_weight.has_value();
+  if (norm_weight) inputs.push_back(*norm_weight);
+  layout.n_proj = int(projs.size());
+  for (const auto& p : projs) {
+    inputs.push_back(p.w);
+    if (p.scales) {
+      inputs.push_back(*p.scales);
+      inputs.push_back(*p.biases);
+    }
+    layout.has_bias.push_back(p.bias.has_value());
+    if (p.bias) inputs.push_back(*p.bias);
+  }
+  return inputs;
+}
+
+// x as float32 rows [M, D] in tl_x, normalised as mx.fast.rms_norm would (then rounded to its dtype hdt).
+float* normed_input(const View& x, const View* norm_w, float eps, int hdt) {
+  const int D = int(x.shape.back());
+  const int64_t M = x.size() / std::max(D, 1);
+  float* xin = scratch(tl_x, size_t(M) * D + D);
+  to_float(x, xin);
+  if (norm_w) {
+    float* w = xin + size_t(M) * D;
+    load_row(norm_w->ptr, scalar_type(norm_w->dtype), 0, norm_w->strides.back(), D, w);
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = xin + size_t(r) * D;
+      normalize_row(row, D, false, eps, w, nullptr, hdt);
+      round_to(hdt, row, D);
+    }
+  }
+  return xin;
+}
+
+// Problem for projection j over input rows xin [M, K] into float32 out [M, N].
+void set_problem(flash::Problem& p, const ProjView& v, int fmt, int gs, WeightCopies& copies, const float* xin,
+                 int M, float* out, bool q8x) {
+  const bool quant = fmt == flash::FMT_Q4 || fmt == flash::FMT_Q8;
+  set_weights(p, fmt, gs, v.w, quant ? &v.scales : nullptr, quant ? &v.biases : nullptr, copies);
+  p.n = p.N;
+  p.M = M;
+  p.in = xin;
+  p.out = out;
+  p.out_dtype = flash::DT_F32;
+  p.q8_activations = q8x && quant;
+}
+
+std::vector<ProjView> proj_views(const std::vector<mx::array>& inputs, const FusedLayout& layout, size_t& next) {
+  std::vector<ProjView> views(layout.n_proj);
+  for (int j = 0; j < layout.n_proj; ++j) {
+    views[j].w = View::of(inputs[next++]);
+    if (layout.quant) {
+      views[j].scales = View::of(inputs[next++]);
+      views[j].biases = View::of(inputs[next++]);
+    }
+    views[j].has_bias = layout.has_bias[j];
+    if (layout.has_bias[j]) views[j].bias = View::of(inputs[next++]);
+  }
+  return views;
+}
+
+// ----------------------------------------------------------------------------------------------
+class FlashQKV : public mx::Primitive {
+ public:
+  struct Params {
+    FusedLayout layout;
+    int fmt, group_size, hdt, ydt;  // hdt: normed x dtype; ydt: the matvec outputs' dtype
+    float eps;
+    int n_heads, n_kv_heads, head_dim, rope_dims, offset;
+    bool traditional, has_freqs, q8x;
+    float base, scale;
+  };
+  FlashQKV(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Params P = p_;
+    View x = View::of(inputs[0]), norm_w;
+    size_t next = 1;
+    if (P.layout.has_norm) norm_w = View::of(inputs[next++]);
+    std::vector<ProjView> views = proj_views(inputs, P.layout, next);
+    View freqs;
+    if (P.has_freqs) freqs = View::of(inputs[next++]);
+    uint8_t* out[3];
+    int odt[3];
+    for (int j = 0; j < 3; ++j) {
+      out[j] = allocate_output(outputs[j]);
+      odt[j] = scalar_type(outputs[j].dtype());
+    }
+    dispatch(stream(), inputs, outputs, [=]() {
+      const int B = int(x.shape[0]), L = int(x.shape[1]), M = B * L, hd = P.head_dim;
+      if (M == 0) return;
+      const float* xin = normed_input(x, P.layout.has_norm ? &norm_w : nullptr, P.eps, P.hdt);
+      const int heads[3] = {P.n_heads, P.n_kv_heads, P.n_kv_heads};
+      int64_t total = 0;
+      for (int j = 0; j < 3; ++j) total += int64_t(heads[j]) * hd;
+      float* y = scratch(tl_y, size_t(M) * total);
+      flash::Problem ps[3];
+      WeightCopies copies[3];
+      float* yj[3];
+      for (int j = 0, off = 0; j < 3; off += M * heads[j] * hd, ++j) {
+        yj[j] = y + off;
+        set_problem(ps[j], views[j], P.fmt, P.group_size, copies[j], xin, M, yj[j], P.q8x);
+      }
+      flash::matvec_many(ps, 3);
+      const int half = P.rope_dims / 2;
+      float* cs = scratch(tl_tmp, size_t(2) * L * half + hd + 2 * size_t(hd) * heads[0]);
+      rope_tables(P.rope_dims, P.base, P.scale, P.offset, L, P.has_freqs ? &freqs : nullptr, cs);
+      float* rot = cs + size_t(2) * L * half;
+      float* bias = rot + hd;
+      for (int j = 0; j < 3; ++j) {
+        const int N = heads[j] * hd;
+        if (views[j].has_bias) load_row(views[j].bias.ptr, scalar_type(views[j].bias.dtype), 0,
+                                        views[j].bias.strides.back(), N, bias);
+        for (int m = 0; m < M; ++m) {
+          float* row = yj[j] + size_t(m) * N;
+          round_to(P.ydt, row, N);  // the projection's output, as stored
+          if (views[j].has_bias) {
+            for (int i = 0; i < N; ++i) row[i] += bias[i];
+            round_to(odt[j], row, N);
+          }
+          const int b = m / L, l = m % L;
+          for (int h = 0; h < heads[j]; ++h) {
+            const float* src = row + size_t(h) * hd;
+            const int64_t dst = ((int64_t(b) * heads[j] + h) * L + l) * hd;
+            if (j < 2) {
+              rope_row(src, rot, hd, P.rope_dims, P.traditional, cs, L, l);
+              store_row(out[j], odt[j], dst, hd, rot);
+            } else {
+              store_row(out[j], odt[j], dst, hd, src);
+            }
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
+  }
+  const char* name() const override { return "FlashQKV"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Params& o = static_cast<const FlashQKV&>(other).p_;
+    return p_.layout.has_norm == o.layout.has_norm && p_.layout.has_bias == o.layout.has_bias &&
+           p_.fmt == o.fmt && p_.group_size == o.group_size && p_.hdt == o.hdt && p_.ydt == o.ydt &&
+           p_.eps == o.eps && p_.n_heads == o.n_heads && p_.n_kv_heads == o.n_kv_heads &&
+           p_.head_dim == o.head_dim && p_.rope_dims == o.rope_dims && p_.offset == o.offset &&
+           p_.traditional == o.traditional && p_.has_freqs == o.has_freqs && p_.q8x == o.q8x &&
+           p_.base == o.base && p_.scale == o.scale;
+  }
+
+ private:
+  Params p_;
+};
+
+// ----------------------------------------------------------------------------------------------
+class FlashSwiGLU : public mx::Primitive {
+ public:
+  struct Params {
+    FusedLayout layout;
+    int fmt, group_size, hdt, ydt;
+    float eps;
+    bool q8x;
+  };
+  FlashSwiGLU(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
+
+  struct Epilogue {
+    const float *g, *u;
+    int M, n, ydt, odt;
+    uint8_t* out;
+  };
+  // silu(g) * u for rows [i0, i1) of every x row, each factor first rounded to the projections' dtype.
+  static void epilogue(const void* vctx, int i0, int i1) {
+    const Epilogue& e = *static_cast<const Epilogue*>(vctx);
+    float v[256];
+    for (int m = 0; m < e.M; ++m)
+      for (int i = i0; i < i1; i += 256) {
+        const int len = std::min(256, i1 - i);
+        const float* g = e.g + size_t(m) * e.n + i;
+        const float* u = e.u + size_t(m) * e.n + i;
+        for (int t = 0; t < len; ++t) v[t] = g[t];
+        round_to(e.ydt, v, len);
+        float uu[256];
+        for (int t = 0; t < len; ++t) uu[t] = u[t];
+        round_to(e.ydt, uu, len);
+        for (int t = 0; t < len; ++t) v[t] = v[t] / (1.f + std::exp(-v[t])) * uu[t];
+        store_row(e.out, e.odt, int64_t(m) * e.n + i, len, v);
+      }
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Params P = p_;
+    View x = View::of(inputs[0]), norm_w;
+    size_t next = 1;
+    if (P.layout.has_norm) norm_w = View::of(inputs[next++]);
+    std::vector<ProjView> views = proj_views(inputs, P.layout, next);
+    uint8_t* out = allocate_output(outputs[0]);
+    const int odt = scalar_type(outputs[0].dtype());
+    dispatch(stream(), inputs, outputs, [=]() {
+      const int D = int(x.shape.back());
+      const int M = D == 0 ? 0 : int(x.size() / D);
+      if (M == 0) return;
+      const float* xin = normed_input(x, P.layout.has_norm ? &norm_w : nullptr, P.eps, P.hdt);
+      const int n = int(views[0].w.shape[0]);
+      float* y = scratch(tl_y, size_t(2) * M * n);
+      flash::Problem ps[2];
+      WeightCopies copies[2];
+      for (int j = 0; j < 2; ++j) set_problem(ps[j], views[j], P.fmt, P.group_size, copies[j], xin, M, y + size_t(j) * M * n, P.q8x);
+      Epilogue e{y, y + size_t(M) * n, M, n, P.ydt, odt, out};
+      flash::matvec_many(ps, 2, &FlashSwiGLU::epilogue, &e);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
+  }
+  const char* name() const override { return "FlashSwiGLU"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Params& o = static_cast<const FlashSwiGLU&>(other).p_;
+    return p_.layout.has_norm == o.layout.has_norm && p_.fmt == o.fmt && p_.group_size == o.group_size &&
+           p_.hdt == o.hdt && p_.ydt == o.ydt && p_.eps == o.eps && p_.q8x == o.q8x;
+  }
+
+ private:
+  Params p_;
+};
+
+// Checks shared by both ops; returns the format and sets the dtypes of the normed input and outputs.
+int check_fused(const char* op, const mx::array& x, const std::optional<mx::array>& norm_weight,
+                const std::vector<Linear>& projs, int group_size, std::optional<int> bits, mx::Dtype& hdt,
+                mx::Dtype& ydt) {
+  if (!mx::issubdtype(x.dtype(), mx::floating)) fail(std::string(op) + ": x must be a floating point array");
+  scalar_type(x.dtype());
+  const int D = x.shape(-1);
+  hdt = x.dtype();
+  if (norm_weight) {
+    if (norm_weight->ndim() != 1 || norm_weight->shape(0) != D)
+      fail(std::string(op) + ": norm weight must have shape (" + std::to_string(D) + ",), got " + shape_str(*norm_weight));
+    scalar_type(norm_weight->dtype());
+    hdt = mx::promote_types(hdt, norm_weight->dtype());
+  }
+  const int fmt = weight_format(projs[0].w, bits);
+  for (const auto& p : projs) {
+    if (weight_format(p.w, bits) != fmt) fail(std::string(op) + ": projections must share one weight format");
+    if (p.w.ndim() != 2) fail(std::string(op) + ": weights must be 2-D, got " + shape_str(p.w));
+    const int K = bits ? p.w.shape(1) * (32 / *bits) : p.w.shape(1);
+    if (K != D) fail(std::string(op) + ": weight input size " + std::to_string(K) + " != x last dimension " + std::to_string(D));
+    if (bits) {
+      if (!p.scales || !p.biases) fail(std::string(op) + ": quantized weights need scales and biases");
+      if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+      const mx::Shape sb{p.w.shape(0), K / group_size};
+      if (p.scales->shape() != sb || p.biases->shape() != sb || p.biases->dtype() != p.scales->dtype())
+        fail(std::string(op) + ": scales/biases must have shape (" + std::to_string(sb[0]) + ", " +
+             std::to_string(sb[1]) + ") and one dtype");
+      scalar_type(p.scales->dtype());
+    }
+    if (p.bias && (p.bias->ndim() != 1 || p.bias->shape(0) != p.w.shape(0)))
+      fail(std::string(op) + ": bias must have shape (" + std::to_string(p.w.shape(0)) + ",)");
+  }
+  const mx::Dtype wdt = bits ? projs[0].scales->dtype() : projs[0].w.dtype();
+  ydt = mx::promote_types(hdt, wdt);
+  return fmt;
+}
+
+}  // namespace
+
+std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx::array>& norm_weight, float eps,
+                                     const std::vector<Linear>& qkv, int group_size, std::optional<int> bits,
+                                     int n_heads, int n_kv_heads, int rope_dims, bool traditional, float base,
+                                     float scale, int offset, const std::optional<mx::array>& freqs, bool q8x) {
+  mx::Stream s = cpu_stream();
+  if (qkv.size() != 3) fail("norm_qkv_rope: pass the q, k and v projections");
+  if (x.ndim() != 3) fail("norm_qkv_rope: x must be (B, L, D), got " + shape_str(x));
+  FlashQKV::Params P;
+  mx::Dtype hdt = x.dtype(), ydt = x.dtype();
+  P.fmt = check_fused("norm_qkv_rope", x, norm_weight, qkv, group_size, bits, hdt, ydt);
+  if (n_heads <= 0 || n_kv_heads <= 0 || qkv[0].w.shape(0) % n_heads)
+    fail("norm_qkv_rope: q rows must be a multiple of n_heads");
+  const int hd = qkv[0].w.shape(0) / n_heads;
+  if (qkv[1].w.shape(0) != n_kv_heads * hd || qkv[2].w.shape(0) != n_kv_heads * hd)
+    fail("norm_qkv_rope: k and v must have n_kv_heads * head_dim = " + std::to_string(n_kv_heads * hd) + " rows");
+  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > hd)
+    fail("norm_qkv_rope: rope dims must be even and in (0, " + std::to_string(hd) + "]");
+  if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != rope_dims / 2))
+    fail("norm_qkv_rope: freqs must have shape (" + std::to_string(rope_dims / 2) + ",)");
+  FusedLayout layout;
+  std::vector<mx::array> inputs = fused_inputs(x, norm_weight, qkv, layout);
+  layout.quant = bits.has_value();
+  if (freqs) inputs.push_back(*freqs);
+  P.layout = layout;
+  P.group_size = bits ? group_size : 0;
+  P.hdt = scalar_type(hdt);
+  P.ydt = scalar_type(ydt);
+  P.eps = eps;
+  P.n_heads = n_heads;
+  P.n_kv_heads = n_kv_heads;
+  P.head_dim = hd;
+  P.rope_dims = rope_dims;
+  P.offset = offset;
+  P.traditional = traditional;
+  P.has_freqs = freqs.has_value();
+  P.q8x = q8x && bits.has_value();
+  P.base = base;
+  P.scale = scale;
+  const int B = x.shape(0), L = x.shape(1);
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (int j = 0; j < 3; ++j) {
+    shapes.push_back({B, j == 0 ? n_heads : n_kv_heads, L, hd});
+    dtypes.push_back(qkv[j].bias ? mx::promote_types(ydt, qkv[j].bias->dtype()) : ydt);
+  }
+  return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<FlashQKV>(s, std::move(P)), inputs);
+}
+
+mx::array norm_swiglu(const mx::array& x, const std::optional<mx::array>& norm_weight, float eps, const Linear& gate,
+                      const Linear& up, int group_size, std::optional<int> bits, bool q8x) {
+  mx::Stream s = cpu_stream();
+  if (x.ndim() < 1) fail("norm_swiglu: x must have at least one dimension");
+  if (gate.bias || up.bias) fail("norm_swiglu: projections with a bias are not supported");
+  if (gate.w.shape(0) != up.w.shape(0)) fail("norm_swiglu: gate and up must have the same rows");
+  FlashSwiGLU::Params P;
+  mx::Dtype hdt = x.dtype(), ydt = x.dtype();
+  P.fmt = check_fused("norm_swiglu", x, norm_weight, {gate, up}, group_size, bits, hdt, ydt);
+  FusedLayout layout;
+  std::vector<mx::array> inputs = fused_inputs(x, norm_weight, {gate, up}, layout);
+  layout.quant = bits.has_value();
+  P.layout = layout;
+  P.group_size = bits ? group_size : 0;
+  P.hdt = scalar_type(hdt);
+  P.ydt = scalar_type(ydt);
+  P.eps = eps;
+  P.q8x = q8x && bits.has_value();
+  mx::Shape shape = x.shape();
+  shape.back() = gate.w.shape(0);
+  return mx::array(shape, ydt, std::make_shared<FlashSwiGLU>(s, std::move(P)), std::move(inputs));
+}
+
+}  // namespace flash_ext

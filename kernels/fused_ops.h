@@ -1,0 +1,35 @@
+// Fused decoder-layer primitives for the CPU: what mlx-lm's llama-family attention and MLP blocks
+// build as 12 and 4 MLX primitives per token, each as one (fewer dispatches, one thread-pool job).
+// Every intermediate is rounded where the unfused path rounds it, so results equal the single ops'.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace flash_ext {
+
+// One linear layer's weights: w (uint32 words with scales / biases when bits is set, else half).
+struct Linear {
+  mlx::core::array w;
+  std::optional<mlx::core::array> scales, biases, bias;  // bias: the layer's additive bias [N]
+};
+
+// q, k, v for attention from x [B, L, D]: h = rms_norm(x, norm_weight, eps) (skipped when
+// norm_weight is absent), then q = rope(heads(h @ Wq.T + bq)), k = rope(heads(h @ Wk.T + bk)),
+// v = heads(h @ Wv.T + bv), where heads() is reshape(B, L, H, hd).transpose(0, 2, 1, 3) and rope is
+// mx.fast.rope(dims, traditional, base, scale, offset, freqs). All three projections share one
+// format (bits 4 / 8 with group_size, or None for float16 / bfloat16).
+std::vector<mlx::core::array> norm_qkv_rope(const mlx::core::array& x, const std::optional<mlx::core::array>& norm_weight,
+                                            float eps, const std::vector<Linear>& qkv, int group_size,
+                                            std::optional<int> bits, int n_heads, int n_kv_heads, int rope_dims,
+                                            bool traditional, float base, float scale, int offset,
+                                            const std::optional<mlx::core::array>& freqs, bool q8_activations);
+
+// silu(h @ Wg.T) * (h @ Wu.T) with h = rms_norm(x, norm_weight, eps) (skipped without norm_weight).
+mlx::core::array norm_swiglu(const mlx::core::array& x, const std::optional<mlx::core::array>& norm_weight, float eps,
+                             const Linear& gate, const Linear& up, int group_size, std::optional<int> bits,
+                             bool q8_activations);
+
+}  // namespace flash_ext

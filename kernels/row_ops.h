@@ -1,0 +1,169 @@
+// Row helpers shared by the extension's layer primitives (layer_ops.cpp, fused_ops.cpp): loading and
+// storing rows of any float dtype as float32, MLX's rounding, and the norm / RoPE arithmetic, so the
+// fused ops compute exactly what the single ones do.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "matvec.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx_view.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FLASH_ROW_X86 1
+#define FLASH_ROW_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define FLASH_ROW_X86 0
+#endif
+
+namespace flash_ext {
+
+// ----------------------------------------------------------------------------------------------
+// Row loads / stores between an MLX buffer (any float dtype, element stride) and float32.
+
+#if FLASH_ROW_X86
+FLASH_ROW_AVX2 inline void load_f16_avx2(const uint16_t* src, int n, float* dst) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+FLASH_ROW_AVX2 inline void store_f16_avx2(const float* src, int n, uint16_t* dst) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = uint16_t(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+// n elements starting at element `base`, `stride` elements apart -> dst.
+inline void load_row(const uint8_t* ptr, int dt, int64_t base, int64_t stride, int n, float* dst) {
+#if FLASH_ROW_X86
+  if (dt == flash::DT_F16 && stride == 1 && flash::simd_active()) {
+    load_f16_avx2(reinterpret_cast<const uint16_t*>(ptr) + base, n, dst);
+    return;
+  }
+#endif
+  if (dt == flash::DT_F32 && stride == 1) {
+    std::copy_n(reinterpret_cast<const float*>(ptr) + base, n, dst);
+    return;
+  }
+  for (int i = 0; i < n; ++i) dst[i] = flash::load_scalar(ptr, dt, base + i * stride);
+}
+
+// n contiguous elements of a contiguous output starting at element `base`.
+inline void store_row(uint8_t* ptr, int dt, int64_t base, int n, const float* src) {
+#if FLASH_ROW_X86
+  if (dt == flash::DT_F16 && flash::simd_active()) {
+    store_f16_avx2(src, n, reinterpret_cast<uint16_t*>(ptr) + base);
+    return;
+  }
+#endif
+  if (dt == flash::DT_F32) {
+    std::copy_n(src, n, reinterpret_cast<float*>(ptr) + base);
+    return;
+  }
+  for (int i = 0; i < n; ++i) flash::store_scalar(ptr, dt, base + i, src[i]);
+}
+
+// Round float32 values to dtype dt in place (what storing and reloading would give).
+inline void round_to(int dt, float* v, int n) {
+  if (dt == flash::DT_F32) return;
+  uint16_t h;
+  for (int i = 0; i < n; ++i) {
+    flash::store_scalar(&h, dt, 0, v[i]);
+    v[i] = flash::load_scalar(&h, dt, 0);
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline thread_local std::vector<float> tl_row, tl_aux, tl_scores;
+
+inline float* scratch(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Offset of row r (all dims but the last) of a view, in elements.
+inline int64_t row_offset(const View& v, int64_t r) { return v.offset(r * v.shape.back()); }
+
+// Shared eval plumbing (after allocate_output): register buffers, run `work` on the stream.
+inline uint8_t* allocate_output(mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return out.data<uint8_t>();
+}
+
+template <typename Fn>
+void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array> outs, Fn&& work) {
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outs) enc.set_output_array(o);
+  enc.dispatch(std::forward<Fn>(work));
+}
+
+
+// One row of mx.fast.rms_norm (center = false) or layer_norm (center = true) in place, with MLX's
+// rounding: the normalised x is rounded to the output dtype odt, then each affine step.
+inline void normalize_row(float* row, int D, bool center, float eps, const float* w, const float* b, int odt) {
+  if (center) {
+    float mean = 0.f;
+    for (int d = 0; d < D; ++d) mean += row[d];
+    mean /= float(D);
+    for (int d = 0; d < D; ++d) row[d] -= mean;
+  }
+  const float inv = 1.f / std::sqrt(dot(row, row, D) / float(D) + eps);
+  for (int d = 0; d < D; ++d) row[d] *= inv;
+  if (w) {
+    round_to(odt, row, D);
+    for (int d = 0; d < D; ++d) row[d] *= w[d];
+  }
+  if (b) {
+    round_to(odt, row, D);
+    for (int d = 0; d < D; ++d) row[d] += b[d];
+  }
+}
+
+// mx.fast.rope's rotation tables for positions offset .. offset + L - 1: cos then sin, [L, dims/2]
+// each, in cs (2 * L * dims/2 floats). inv_freq[j] = 1 / freqs[j] (freqs given) or base^(-2j/dims).
+inline void rope_tables(int dims, float base, float scale, int offset, int L, const View* freqs, float* cs) {
+  const int half = dims / 2;
+  std::vector<float> inv(half);
+  for (int j = 0; j < half; ++j) {
+    if (freqs) inv[j] = 1.f / flash::load_scalar(freqs->ptr, scalar_type(freqs->dtype), freqs->offset(j));
+    else inv[j] = std::exp2(-(float(j) / float(half)) * std::log2(base));
+  }
+  for (int l = 0; l < L; ++l) {
+    const float pos = scale * float(offset + l);
+    for (int j = 0; j < half; ++j) {
+      const float theta = pos * inv[j];
+      cs[size_t(l) * half + j] = std::cos(theta);
+      cs[size_t(L + l) * half + j] = std::sin(theta);
+    }
+  }
+}
+
+// Rotates the first dims features of one row (position l of the tables) from in to out (D features).
+inline void rope_row(const float* in, float* out, int D, int dims, bool traditional, const float* cs, int L, int l) {
+  const int half = dims / 2;
+  const float* c = cs + size_t(l) * half;
+  const float* s = cs + size_t(L + l) * half;
+  for (int j = 0; j < half; ++j) {
+    const int a = traditional ? 2 * j : j, b = traditional ? 2 * j + 1 : j + half;
+    out[a] = in[a] * c[j] - in[b] * s[j];
+    out[b] = in[a] * s[j] + in[b] * c[j];
+  }
+  for (int d = 2 * half; d < D; ++d) out[d] = in[d];
+}
+
+}  // namespace flash_ext

@@ -1,0 +1,156 @@
+"""Kernel-backed mlx-lm layers: the seam where a loaded model's modules run on our CPU kernels.
+
+patch_layers re-classes modules in place, so parameters, names and isinstance checks are unchanged;
+only __call__ / as_linear route through mlx_flash.ops (which falls back to MLX's ops whenever the
+kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: about 9
+primitives per token and layer instead of 27 (norm + q/k/v + RoPE as one, norm + gate/up + SwiGLU
+as one, residual adds inside the o_proj / down matvecs, attention writing what o_proj reads).
+"""
+
+import sys
+
+import mlx.nn as nn
+
+from .. import ops
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        y = ops.quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class KernelLinear(nn.Linear):
+    def __call__(self, x):
+        y = ops.half_matvec(x, self["weight"])
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x):
+        return ops.rms_norm(x, self["weight"], self.eps)
+
+
+class KernelLayerNorm(nn.LayerNorm):
+    def __call__(self, x):
+        weight = self.weight if "weight" in self else None
+        bias = self.bias if "bias" in self else None
+        return ops.layer_norm(x, weight, bias, self.eps)
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x, offset: int = 0):
+        return ops.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x):
+        return ops.quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+
+
+class KernelEmbedding(nn.Embedding):
+    def as_linear(self, x):
+        return ops.half_matvec(x, self.weight)
+
+
+def _affine_ok(m):
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.bits in ops.KERNEL_BITS
+        and m.group_size in ops.KERNEL_GROUP_SIZES
+        and "biases" in m
+    )
+
+
+def patch_layers(model) -> int:
+    """Route a loaded mlx-lm model's layers through the CPU kernels where they apply.
+
+    Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
+    weights, nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head),
+    nn.RMSNorm, nn.LayerNorm and nn.RoPE, re-classes llama-family decoder blocks (mlx-lm's llama
+    TransformerBlock) to FusedBlock versions, and points the model's module-level
+    `scaled_dot_product_attention` (mlx-lm's) at ours. Each swapped call still checks kernels_active(), so turning the kernels off
+    later restores MLX's ops. Weights are untouched. Returns the number of modules swapped; 0
+    unless kernels_active().
+    """
+    if not ops.kernels_active():
+        ops.say_fallback_once()
+        return 0
+    swapped = 0
+    for _, m in model.named_modules():
+        cls = type(m)
+        if cls is nn.QuantizedLinear and _affine_ok(m):
+            m.__class__ = KernelQuantizedLinear
+        elif cls is nn.Linear and m["weight"].dtype in ops.HALF_DTYPES:
+            m.__class__ = KernelLinear
+        elif cls is nn.QuantizedEmbedding and _affine_ok(m):
+            m.__class__ = KernelQuantizedEmbedding
+        elif cls is nn.Embedding and m["weight"].dtype in ops.HALF_DTYPES:
+            m.__class__ = KernelEmbedding
+        elif cls is nn.RMSNorm:
+            m.__class__ = KernelRMSNorm
+        elif cls is nn.LayerNorm:
+            m.__class__ = KernelLayerNorm
+        elif cls is nn.RoPE:
+            m.__class__ = KernelRoPE
+        elif cls in _FUSED_BLOCKS and _fusable_block(m):
+            m.__class__ = _FUSED_BLOCKS[cls]
+        else:
+            _patch_attention(type(m).__module__)
+            continue
+        swapped += 1
+    return swapped
+
+
+def _patch_attention(module_name):
+    # mlx-lm's model files import base.scaled_dot_product_attention by name; rebind that name.
+    module = sys.modules.get(module_name)
+    if ops.MLX_LM_ATTENTION is not None and getattr(module, "scaled_dot_product_attention", None) is ops.MLX_LM_ATTENTION:
+        module.scaled_dot_product_attention = ops.mlx_lm_attention
+
+
+class FusedBlock:
+    """__call__ of a llama-family decoder block (mlx-lm's TransformerBlock: input_layernorm,
+    self_attn with q/k/v/o_proj + rope + KV cache, post_attention_layernorm, mlp) through the fused
+    ops; mixed in front of the block's own class, whose __call__ runs when the kernels are off.
+    An MLP that is not the block's dense gated MLP (e.g. a flash FFN) is called as a module."""
+
+    def __call__(self, x, mask=None, cache=None):
+        if not ops.kernels_active():
+            return super().__call__(x, mask, cache)
+        a, mlp = self.self_attn, self.mlp
+        offset = cache.offset if cache is not None else 0
+        q, k, v = ops.norm_qkv_rope(x, self.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads,
+                                    a.n_kv_heads, a.rope, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        h = ops.linear(ops.attention_heads_last(q, k, v, cache, scale=a.scale, mask=mask), a.o_proj, add=x)
+        if type(mlp) is not self._dense_mlp:
+            return h + mlp(self.post_attention_layernorm(h))
+        g = ops.norm_swiglu(h, self.post_attention_layernorm, mlp.gate_proj, mlp.up_proj)
+        return ops.linear(g, mlp.down_proj, add=h)
+
+
+def _llama_family():
+    """{mlx-lm block class: its dense MLP class} for the architectures FusedBlock serves."""
+    try:
+        from mlx_lm.models import llama
+    except ImportError:
+        return {}
+    return {llama.TransformerBlock: llama.MLP}
+
+
+_FUSED_BLOCKS = {cls: type(f"Fused{cls.__name__}", (FusedBlock, cls), {"_dense_mlp": mlp})
+                 for cls, mlp in _llama_family().items()}
+
+
+def _fusable_block(block):
+    a = getattr(block, "self_attn", None)
+    return (a is not None and all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "rope",
+                                                           "n_heads", "n_kv_heads", "scale"))
+            and isinstance(getattr(block, "input_layernorm", None), nn.RMSNorm)
+            and isinstance(getattr(block, "post_attention_layernorm", None), nn.RMSNorm))
