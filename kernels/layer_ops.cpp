@@ -148,19 +148,20 @@ void attention_chunk(const void* vctx, int chunk) {
     }
   // Query i sees keys [0, limit(i)).
   auto limit = [&](int i) { return c.causal ? std::min(c.Lk, c.Lk - c.Lq + i + 1) : c.Lk; };
+  const bool simd = flash::simd_active();
   const auto& ks = c.k.strides;
   for (int j = 0; j < c.Lk; ++j) {
-    load_row(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);
+    const float* key = row_f32(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);
     for (int t = 0; t < Q; ++t)
-      p[size_t(t) * c.Lk + j] = j < limit(t % c.Lq) ? dot(qf + size_t(t) * c.D, kv, c.D)
+      p[size_t(t) * c.Lk + j] = j < limit(t % c.Lq) ? dot_f32(simd, qf + size_t(t) * c.D, key, c.D)
                                                      : -std::numeric_limits<float>::infinity();
   }
   for (int t = 0; t < Q; ++t) {  // softmax over each row of scores
     float* pr = p + size_t(t) * c.Lk;
     const int n = limit(t % c.Lq);
-    float mx_ = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    float mx_ = -std::numeric_limits<float>::infinity();
     for (int j = 0; j < n; ++j) mx_ = std::max(mx_, pr[j]);
-    for (int j = 0; j < n; ++j) sum += (pr[j] = std::exp(pr[j] - mx_));
+    const float sum = exp_shift_sum(simd, pr, n, mx_);
     const float r = n > 0 ? 1.f / sum : std::numeric_limits<float>::quiet_NaN();
     for (int j = 0; j < n; ++j) pr[j] *= r;
     for (int j = n; j < c.Lk; ++j) pr[j] = 0.f;
@@ -168,12 +169,10 @@ void attention_chunk(const void* vctx, int chunk) {
   std::fill(acc, acc + size_t(Q) * c.Dv, 0.f);
   const auto& vs = c.v.strides;
   for (int j = 0; j < c.Lk; ++j) {
-    load_row(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, kv);
+    const float* val = row_f32(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, kv);
     for (int t = 0; t < Q; ++t) {
       const float w = p[size_t(t) * c.Lk + j];
-      if (w == 0.f) continue;
-      float* a = acc + size_t(t) * c.Dv;
-      for (int d = 0; d < c.Dv; ++d) a[d] += w * kv[d];
+      if (w != 0.f) axpy_f32(simd, w, val, acc + size_t(t) * c.Dv, c.Dv);
     }
   }
   for (int g = 0; g < G; ++g)

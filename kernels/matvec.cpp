@@ -1078,7 +1078,15 @@ void matvec_many(const Problem* ps, int count, RowEpilogue epilogue, const void*
       if (epilogue) return;  // nothing to pair
       continue;
     }
-    m.fwd[m.count++] = prepare(ps[j], tl_xs[j], simd);
+    // Problems reading the same x the same way (q/k/v, gate/up) share one prepared x.
+    const Problem* prev = m.count ? m.fwd[m.count - 1].p : nullptr;
+    if (prev && prev->in == ps[j].in && prev->M == ps[j].M && prev->K == ps[j].K && prev->fmt == ps[j].fmt &&
+        prev->group_size == ps[j].group_size && prev->q8_activations == ps[j].q8_activations) {
+      m.fwd[m.count] = m.fwd[m.count - 1];
+      m.fwd[m.count++].p = &ps[j];
+    } else {
+      m.fwd[m.count++] = prepare(ps[j], tl_xs[j], simd);
+    }
     bytes += bytes_per_row(ps[j]) * ps[j].n;
   }
   if (m.count == 0) return;

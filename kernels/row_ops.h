@@ -113,6 +113,95 @@ void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx
 }
 
 
+// ----------------------------------------------------------------------------------------------
+// Vector loops for attention (simd: the caller checked flash::simd_active() once).
+#if FLASH_ROW_X86
+FLASH_ROW_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+FLASH_ROW_AVX2 inline float dot_avx2(const float* a, const float* b, int n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float s = hsum8(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+FLASH_ROW_AVX2 inline void axpy_avx2(float w, const float* x, float* y, int n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, degree-5 polynomial; ~1 ulp).
+FLASH_ROW_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+// p[j] = exp(p[j] - m) for j < n; returns their sum.
+FLASH_ROW_AVX2 inline float exp_shift_sum_avx2(float* p, int n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    s = _mm256_add_ps(s, e);
+  }
+  float sum = hsum8(s);
+  for (; j < n; ++j) sum += (p[j] = std::exp(p[j] - m));
+  return sum;
+}
+#endif
+
+inline float dot_f32(bool simd, const float* a, const float* b, int n) {
+#if FLASH_ROW_X86
+  if (simd) return dot_avx2(a, b, n);
+#endif
+  return dot(a, b, n);
+}
+inline void axpy_f32(bool simd, float w, const float* x, float* y, int n) {
+#if FLASH_ROW_X86
+  if (simd) return axpy_avx2(w, x, y, n);
+#endif
+  for (int i = 0; i < n; ++i) y[i] += w * x[i];
+}
+inline float exp_shift_sum(bool simd, float* p, int n, float m) {
+#if FLASH_ROW_X86
+  if (simd) return exp_shift_sum_avx2(p, n, m);
+#endif
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - m));
+  return sum;
+}
+
+// A row of n elements as float32: the buffer itself when it is float32 and contiguous, else
+// converted into buf.
+inline const float* row_f32(const uint8_t* ptr, int dt, int64_t base, int64_t stride, int n, float* buf) {
+  if (dt == flash::DT_F32 && stride == 1) return reinterpret_cast<const float*>(ptr) + base;
+  load_row(ptr, dt, base, stride, n, buf);
+  return buf;
+}
+
 // One row of mx.fast.rms_norm (center = false) or layer_norm (center = true) in place, with MLX's
 // rounding: the normalised x is rounded to the output dtype odt, then each affine step.
 inline void normalize_row(float* row, int D, bool center, float eps, const float* w, const float* b, int odt) {

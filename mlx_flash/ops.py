@@ -261,7 +261,19 @@ def attention_heads_last(q, k, v, cache, *, scale, mask=None):
 
 def projection(layer):
     """((w, scales, biases, bias), group_size, bits) of a linear layer the kernels read, else None.
-    bits is None for float16/bfloat16 weights; scales, biases and bias are None where absent."""
+    bits is None for float16/bfloat16 weights; scales, biases and bias are None where absent.
+    Remembered on the layer until one of its arrays is replaced (decode asks every token)."""
+    get = layer.get
+    w, s, b, bias = get("weight"), get("scales"), get("biases"), get("bias")
+    memo = layer.__dict__.get("_flash_projection")
+    if memo is not None and memo[0] is w and memo[1] is s and memo[2] is b and memo[3] is bias:
+        return memo[4]
+    result = _read_projection(layer)
+    object.__setattr__(layer, "_flash_projection", (w, s, b, bias, result))  # not a parameter: bypass Module
+    return result
+
+
+def _read_projection(layer):
     bias = layer["bias"] if "bias" in layer else None
     if isinstance(layer, nn.QuantizedLinear):
         if (getattr(layer, "mode", "affine") == "affine" and _quant_ok(layer["weight"], layer["scales"],

@@ -501,6 +501,18 @@ def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
 
 
+def test_projection_memo_follows_replaced_weights():
+    # ops.projection remembers what it read from a layer; new arrays (load_weights, update) must be seen.
+    layer = nn.QuantizedLinear(64, 16, group_size=32, bits=4)
+    first = ops.projection(layer)
+    assert ops.projection(layer) is first
+    new = nn.QuantizedLinear(64, 16, group_size=32, bits=4)
+    layer.update(new.parameters())
+    second = ops.projection(layer)
+    assert second is not first and second[0][0] is new.weight and second[0][1] is new.scales
+    assert "_flash_projection" not in layer.parameters()  # the memo is not a parameter
+
+
 @pytest.mark.parametrize("value,active", [("0", False), ("1", True)])
 def test_environment_switch(value, active):
     # MLX_FLASH_KERNELS=0 python -m mlx_flash.generate ... runs MLX's own ops (nothing patched)
