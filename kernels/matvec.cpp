@@ -915,21 +915,62 @@ int64_t bytes_per_row(const Problem& p) {
 
 // Prepared x of one problem (grows, never shrinks); one set per problem slot of matvec_many.
 struct XScratch {
-  std::vector<float> x, xsum, xd;
+  std::vector<float> x, xsum, xd, qsum;  // qsum: int32 block sums (float-sized slots)
   std::vector<int8_t> xq, xperm;
 };
 thread_local XScratch tl_xs[kMaxProblems];
 
-// x [M, K] -> int8 per 32-block (round half to even of x / d, d = max|x| / 127) and the block scales.
-void quantize_x(const Problem& p, int8_t* xq, float* xd) {
-  for (int64_t b = 0; b < int64_t(p.M) * p.K / 32; ++b) {
-    const float* xb = p.in + b * 32;
+// x [M, K] -> int8 per 32-block (round half to even of x / d, d = max|x| / 127), the block scales
+// xd and the blocks' integer sums qsum.
+void quantize_x_scalar(const float* in, int64_t blocks, int8_t* xq, float* xd, int32_t* qsum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = in + b * 32;
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     xd[b] = d;
-    for (int j = 0; j < 32; ++j) xq[b * 32 + j] = int8_t(std::nearbyint(xb[j] * inv));
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) s += (xq[b * 32 + j] = int8_t(std::nearbyint(xb[j] * inv)));
+    qsum[b] = s;
   }
+}
+
+#if FLASH_X86
+// The same with AVX2: cvtps_epi32 rounds half to even (the default MXCSR mode), as nearbyint does.
+FLASH_AVX2 void quantize_x_avx2(const float* in, int64_t blocks, int8_t* xq, float* xd, int32_t* qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = in + b * 32;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h), d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    xd[b] = d;
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    qsum[b] = _mm_cvtsi128_si32(s);
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), _mm256_permutevar8x32_epi32(p16, order));
+  }
+}
+#endif
+
+void quantize_x(const Problem& p, bool simd, int8_t* xq, float* xd, int32_t* qsum) {
+  const int64_t blocks = int64_t(p.M) * p.K / 32;
+#if FLASH_X86
+  if (simd) return quantize_x_avx2(p.in, blocks, xq, xd, qsum);
+#endif
+  quantize_x_scalar(p.in, blocks, xq, xd, qsum);
 }
 
 }  // namespace
@@ -959,18 +1000,16 @@ FwdCtx prepare(const Problem& p, XScratch& xs, bool simd) {
     if (p.q8_activations) {
       int8_t* xq = reinterpret_cast<int8_t*>(scratch_bytes(xs.xq, size_t(p.M) * p.K));
       float* xd = scratch(xs.xd, size_t(p.M) * p.K / 32);
-      quantize_x(p, xq, xd);
+      int32_t* qsum = reinterpret_cast<int32_t*>(scratch(xs.qsum, size_t(p.M) * p.K / 32));
+      quantize_x(p, simd, xq, xd, qsum);
       // The bias term takes the rounded x too: w.x = s*sum(q x) + b*sum(x) has large cancelling parts
       // (q >= 0), which must see the same x to cancel (exact sums here gave 10%+ errors on real layers).
       const int G = p.K / p.group_size, bpg = p.group_size / 32;
       for (int m = 0; m < p.M; ++m)
         for (int g = 0; g < G; ++g) {
           float t = 0.f;
-          for (int b = g * bpg; b < (g + 1) * bpg; ++b) {
-            int32_t qs = 0;
-            for (int j = 0; j < 32; ++j) qs += xq[(int64_t(m) * p.K) + b * 32 + j];
-            t += xd[int64_t(m) * (p.K / 32) + b] * float(qs);
-          }
+          for (int b = g * bpg; b < (g + 1) * bpg; ++b)
+            t += xd[int64_t(m) * (p.K / 32) + b] * float(qsum[int64_t(m) * (p.K / 32) + b]);
           xsum[int64_t(m) * G + g] = t;
         }
       c.q8 = Q8X{xq, xd};
