@@ -751,9 +751,15 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
         const int64_t k1 = std::min<int64_t>(K, k0 + 4096);
         const int b0 = int(k0 / 32), nb = int((k1 - k0) / 32);
         int b = 0;
-        if (bpg == 1)
+        if (bpg == 1) {
           for (; b + 8 <= nb; b += 8)
             _mm256_storeu_ps(sd + b, _mm256_mul_ps(load8s<ST>(p.scales, sb + b0 + b), _mm256_loadu_ps(xd + b0 + b)));
+        } else if (bpg == 2 || bpg == 4) {  // 8 blocks take 8 / bpg scales, each repeated bpg times
+          const __m256i rep = bpg == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+          for (; b + 8 <= nb && (b0 + b) / bpg + 8 <= p.K / gs; b += 8)
+            _mm256_storeu_ps(sd + b, _mm256_mul_ps(_mm256_permutevar8x32_ps(load8s<ST>(p.scales, sb + (b0 + b) / bpg), rep),
+                                                   _mm256_loadu_ps(xd + b0 + b)));
+        }
         for (; b < nb; ++b) sd[b] = ldv<ST>(p.scales, sb + (b0 + b) / bpg) * xd[b0 + b];
         if constexpr (Q4) {
           const int8_t* xp = xperm + int64_t(m) * K;
