@@ -79,18 +79,31 @@ void set_problem(flash::Problem& p, const ProjView& v, int fmt, int gs, WeightCo
   p.q8_activations = q8x && quant;
 }
 
-std::vector<ProjView> proj_views(const std::vector<mx::array>& inputs, const FusedLayout& layout, size_t& next) {
-  std::vector<ProjView> views(layout.n_proj);
+// Views of x, the norm weight and the projections (inputs in fused_inputs' order); next: the index of
+// the first input after them.
+struct FusedViews {
+  View x, norm_w;
+  std::vector<ProjView> projs;
+  size_t next = 0;
+};
+
+FusedViews fused_views(const std::vector<mx::array>& inputs, const FusedLayout& layout) {
+  FusedViews v;
+  v.x = View::of(inputs[0]);
+  v.next = 1;
+  if (layout.has_norm) v.norm_w = View::of(inputs[v.next++]);
+  v.projs.resize(layout.n_proj);
   for (int j = 0; j < layout.n_proj; ++j) {
-    views[j].w = View::of(inputs[next++]);
+    ProjView& p = v.projs[j];
+    p.w = View::of(inputs[v.next++]);
     if (layout.quant) {
-      views[j].scales = View::of(inputs[next++]);
-      views[j].biases = View::of(inputs[next++]);
+      p.scales = View::of(inputs[v.next++]);
+      p.biases = View::of(inputs[v.next++]);
     }
-    views[j].has_bias = layout.has_bias[j];
-    if (layout.has_bias[j]) views[j].bias = View::of(inputs[next++]);
+    p.has_bias = layout.has_bias[j];
+    if (p.has_bias) p.bias = View::of(inputs[v.next++]);
   }
-  return views;
+  return v;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -108,12 +121,11 @@ class FlashQKV : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
-    View x = View::of(inputs[0]), norm_w;
-    size_t next = 1;
-    if (P.layout.has_norm) norm_w = View::of(inputs[next++]);
-    std::vector<ProjView> views = proj_views(inputs, P.layout, next);
+    const FusedViews in = fused_views(inputs, P.layout);
+    const View &x = in.x, &norm_w = in.norm_w;
+    const std::vector<ProjView>& views = in.projs;
     View freqs;
-    if (P.has_freqs) freqs = View::of(inputs[next++]);
+    if (P.has_freqs) freqs = View::of(inputs[in.next]);
     uint8_t* out[3];
     int odt[3];
     for (int j = 0; j < 3; ++j) {
@@ -222,10 +234,9 @@ class FlashSwiGLU : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
-    View x = View::of(inputs[0]), norm_w;
-    size_t next = 1;
-    if (P.layout.has_norm) norm_w = View::of(inputs[next++]);
-    std::vector<ProjView> views = proj_views(inputs, P.layout, next);
+    const FusedViews in = fused_views(inputs, P.layout);
+    const View &x = in.x, &norm_w = in.norm_w;
+    const std::vector<ProjView>& views = in.projs;
     uint8_t* out = allocate_output(outputs[0]);
     const int odt = scalar_type(outputs[0].dtype());
     dispatch(stream(), inputs, outputs, [=]() {

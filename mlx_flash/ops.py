@@ -27,7 +27,7 @@ import mlx.nn as nn
 MAX_KERNEL_ROWS = 2048
 KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
-HALF_DTYPES = _HALF = (mx.float16, mx.bfloat16)
+HALF_DTYPES = (mx.float16, mx.bfloat16)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -118,7 +118,7 @@ def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
 
 def half_matvec(x, w):
     """y = x @ w.T for float16/bfloat16 w [N, K]; x [..., K] -> y [..., N]."""
-    if _use_kernel(x) and w.dtype in _HALF and w.ndim == 2:
+    if _use_kernel(x) and w.dtype in HALF_DTYPES and w.ndim == 2:
         return _ext.half_matvec(x, w)
     return x @ w.T
 
@@ -146,7 +146,7 @@ def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=
     _check_rows(rows, n)
     quant = bits is not None
     count = n if rows is None else rows.shape[0]
-    if _use_kernel(x) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in _HALF):
+    if _use_kernel(x) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
         return _ext.gather_matvec(x, w, scales, biases, rows, n, group_size, bits, q8_activations=_q8x and quant)
     if count == 0:
         dtype = result_dtype(x.dtype, scales.dtype if quant else w.dtype)
@@ -165,7 +165,7 @@ def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_siz
     """
     _check_rows(rows, n)
     quant = bits is not None
-    if _use_kernel(h) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in _HALF):
+    if _use_kernel(h) and (_quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
         return _ext.gather_matvec_t(h, w, scales, biases, rows, n, group_size, bits)
     count = n if rows is None else rows.shape[0]
     K = w.shape[1] * 32 // bits if quant else w.shape[1]
@@ -280,7 +280,7 @@ def _read_projection(layer):
                                                                       layer.get("biases"), layer.group_size, layer.bits)):
             return (layer["weight"], layer["scales"], layer["biases"], bias), layer.group_size, layer.bits
         return None
-    if isinstance(layer, nn.Linear) and layer["weight"].dtype in _HALF and layer["weight"].ndim == 2:
+    if isinstance(layer, nn.Linear) and layer["weight"].dtype in HALF_DTYPES and layer["weight"].ndim == 2:
         return (layer["weight"], None, None, bias), None, None
     return None
 

@@ -358,8 +358,9 @@ def test_rope_matches_mlx(path, dtype, traditional):
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False), (37, True)])
-def test_attention_matches_mlx(path, dtype, lq, causal):
-    B, Hq, Hkv, D, Dv, cap, Lk = 2, 6, 2, 32, 48, 64, max(37, lq)
+@pytest.mark.parametrize("D,Dv", [(32, 48), (20, 13)])  # odd sizes: the SIMD loops' scalar tails
+def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
+    B, Hq, Hkv, cap, Lk = 2, 6, 2, 64, max(37, lq)
     q = _x((B, lq, Hq, D), dtype).transpose(0, 2, 1, 3)
     k = _x((B, Hkv, cap, D), dtype, seed=3)[:, :, :Lk]  # a KV-cache slice of a larger buffer
     v = _x((B, Hkv, cap, Dv), dtype, seed=4)[:, :, :Lk]
@@ -370,6 +371,10 @@ def test_attention_matches_mlx(path, dtype, lq, causal):
     assert y.dtype == dtype and y.shape == (B, Hq, lq, Dv)
     vmax = np.abs(_f32(v)).max()
     _assert_close(y, ref, _layer_bound(ref, 16 * U * Lk * vmax, dtype))
+    # heads_last: what mlx-lm's transpose(0, 2, 1, 3).reshape(B, L, -1) of the output gives, exactly
+    last = ops.attention_heads_last(q, k, v, None, scale=D**-0.5, mask=mask)
+    assert last.shape == (B, lq, Hq * Dv)
+    assert np.array_equal(_f32(last), _f32(y.transpose(0, 2, 1, 3).reshape(B, lq, -1)))
 
 
 @needs_ext
@@ -437,13 +442,17 @@ def test_fallback_when_disabled_patches_nothing():
 # patch_layers on tiny mlx-lm llamas
 
 
-@needs_ext
-@pytest.mark.parametrize(
+# Tiny llamas of each weight kind the kernels serve (the bf16 one with an untied lm_head).
+TINY_LLAMA_VARIANTS = pytest.mark.parametrize(
     "variant",
     [dict(quantize=(4, 32)), dict(quantize=(8, 64), intermediate=128), dict(dtype="float16"),
      dict(dtype="bfloat16", tie=False)],
     ids=["q4g32", "q8g64", "f16", "bf16-untied"],
 )
+
+
+@needs_ext
+@TINY_LLAMA_VARIANTS
 def test_patch_layers_logits_match(tiny_llama, variant):
     from mlx_lm.utils import load_model
 
@@ -466,12 +475,7 @@ def test_patch_layers_logits_match(tiny_llama, variant):
 
 
 @needs_ext
-@pytest.mark.parametrize(
-    "variant",
-    [dict(quantize=(4, 32)), dict(quantize=(8, 64), intermediate=192), dict(dtype="float16"),
-     dict(dtype="bfloat16", tie=False)],
-    ids=["q4g32", "q8g64", "f16", "bf16-untied"],
-)
+@TINY_LLAMA_VARIANTS
 def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
     # A prompt then decode steps through mlx-lm's KV cache: the fused blocks (norm+qkv+rope,
     # attention, o_proj+residual, norm+swiglu, down+residual) against MLX's own ops on the same model.
