@@ -505,6 +505,42 @@ def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
 
 
+@needs_ext
+@pytest.mark.parametrize("quantize", [None, (4, 32)], ids=["f16", "q4g32"])
+def test_fused_qwen2_blocks_with_qkv_biases_match_mlx(quantize):
+    # qwen2: llama's block with q/k/v biases (FlashQKV adds them after rounding the projections).
+    from mlx_lm.models import qwen2
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_flash.models.kernel_layers import FusedBlock
+
+    mx.random.seed(3)
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                           num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=2)
+    model = qwen2.Model(args)
+    model.set_dtype(mx.float16)
+    if quantize:
+        nn.quantize(model, group_size=quantize[1], bits=quantize[0])
+    attn = model.model.layers[0].self_attn
+    assert "bias" in attn.q_proj and np.abs(_f32(attn.k_proj.bias)).max() > 0
+    patch_layers(model)
+    assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
+
+    def run():
+        cache = make_prompt_cache(model)
+        outs = [model(mx.array([[1, 5, 9, 2, 7]]), cache=cache)]
+        outs += [model(mx.array([[t]]), cache=cache) for t in (4, 8, 6)]
+        mx.eval(outs)
+        return [_f32(o) for o in outs]
+
+    fused = run()
+    ops.set_kernels_enabled(False)
+    reference = run()
+    ops.set_kernels_enabled(True)
+    for a, r in zip(fused, reference):  # float16 activations round to 2^-11
+        assert np.max(np.abs(a - r)) <= 2e-2 * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+
+
 def test_projection_memo_follows_replaced_weights():
     # ops.projection remembers what it read from a layer; new arrays (load_weights, update) must be seen.
     layer = nn.QuantizedLinear(64, 16, group_size=32, bits=4)

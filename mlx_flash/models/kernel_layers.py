@@ -71,7 +71,7 @@ def patch_layers(model) -> int:
 
     Swaps nn.QuantizedLinear (affine, 4/8 bits, groups 32/64/128), nn.Linear with float16/bfloat16
     weights, nn.QuantizedEmbedding / nn.Embedding (their as_linear, used for tied lm_head),
-    nn.RMSNorm, nn.LayerNorm and nn.RoPE, re-classes llama-family decoder blocks (mlx-lm's llama
+    nn.RMSNorm, nn.LayerNorm and nn.RoPE, re-classes llama-family decoder blocks (mlx-lm's llama and qwen2
     TransformerBlock) to FusedBlock versions, and points the model's module-level
     `scaled_dot_product_attention` (mlx-lm's) at ours. Each swapped call still checks kernels_active(), so turning the kernels off
     later restores MLX's ops. Weights are untouched. Returns the number of modules swapped; 0
@@ -138,10 +138,11 @@ class FusedBlock:
 def _llama_family():
     """{mlx-lm block class: its dense MLP class} for the architectures FusedBlock serves."""
     try:
-        from mlx_lm.models import llama
+        from mlx_lm.models import llama, qwen2
     except ImportError:
         return {}
-    return {llama.TransformerBlock: llama.MLP}
+    # mistral loads as llama in mlx-lm; qwen2's block is llama's with q/k/v biases.
+    return {llama.TransformerBlock: llama.MLP, qwen2.TransformerBlock: qwen2.MLP}
 
 
 _FUSED_BLOCKS = {cls: type(f"Fused{cls.__name__}", (FusedBlock, cls), {"_dense_mlp": mlp})
