@@ -141,8 +141,11 @@ FLASH_ROW_AVX2 inline void axpy_avx2(float w, const float* x, float* y, int n) {
   for (; i < n; ++i) y[i] += w * x[i];
 }
 // exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, degree-5 polynomial; ~1 ulp).
+// Below ln(FLT_MIN) the result is 0 (2^n would need an exponent field < 1: n = -128 gave -inf).
 FLASH_ROW_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 lo = _mm256_set1_ps(-87.3365447505531f);  // ln(FLT_MIN)
+  const __m256 normal = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -155,7 +158,7 @@ FLASH_ROW_AVX2 inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), normal);
 }
 // p[j] = exp(p[j] - m) for j < n; returns their sum.
 FLASH_ROW_AVX2 inline float exp_shift_sum_avx2(float* p, int n, float m) {

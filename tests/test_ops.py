@@ -378,6 +378,21 @@ def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
 
 
 @needs_ext
+@pytest.mark.parametrize("lq,causal", [(1, False), (64, True)])
+def test_attention_with_widely_spread_scores(path, lq, causal):
+    # Score differences far beyond ln(FLT_MIN) ~ -87.3 (large logits, e.g. long prompt chunks of a
+    # random model): exp must underflow to 0, not to -inf / NaN.
+    q = _x((1, 4, lq, 16), mx.float32) * 40
+    k = _x((1, 2, 64, 16), mx.float32, seed=3) * 40
+    v = _x((1, 2, 64, 16), mx.float32, seed=4)
+    mask = "causal" if causal else None
+    y = _f32(ops.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask))
+    ref = _f32(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask))
+    assert np.isfinite(y).all()
+    assert np.max(np.abs(y - ref)) <= 1e-4 * max(1.0, np.max(np.abs(ref)))
+
+
+@needs_ext
 def test_layer_ops_fall_back_where_the_kernel_does_not_apply():
     q, k = _x((1, 4, 2, 16), mx.float32), _x((1, 4, 5, 16), mx.float32, seed=2)
     mask = mx.array(np.tril(np.ones((2, 5), bool), 3))
