@@ -1115,10 +1115,7 @@ void matvec_many(const Problem* ps, int count, RowEpilogue epilogue, const void*
   pool().run(split_chunk, &m, m.first_chunk[m.count]);
 }
 
-void matvec(const Problem& p) {
-  if (p.n == 0 || p.M == 0) return;
-  matvec_many(&p, 1);
-}
+void matvec(const Problem& p) { matvec_many(&p, 1); }
 
 void matvec_t(const Problem& p) {
   if (p.K == 0 || p.M == 0) return;

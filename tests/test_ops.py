@@ -489,24 +489,14 @@ def test_patch_layers_logits_match(tiny_llama, variant):
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
 
 
-@needs_ext
-@TINY_LLAMA_VARIANTS
-def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
-    # A prompt then decode steps through mlx-lm's KV cache: the fused blocks (norm+qkv+rope,
-    # attention, o_proj+residual, norm+swiglu, down+residual) against MLX's own ops on the same model.
+def _assert_decode_matches_mlx(model, prompt, steps, tol):
+    """The patched model's logits for a prompt then one token per step through mlx-lm's KV cache
+    equal MLX's own ops on the same model (kernels switched off) within tol (relative to max |logit|)."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    from mlx_flash.models.kernel_layers import FusedBlock
-
-    model, _ = load_model(tiny_llama("m", **variant))
-    patch_layers(model)
-    assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
-    prompt, steps = mx.array([[1, 5, 9, 2, 7, 3, 11]]), [4, 8, 6, 10]
 
     def run():
         cache = make_prompt_cache(model)
-        outs = [model(prompt, cache=cache)]
+        outs = [model(mx.array([prompt]), cache=cache)]
         outs += [model(mx.array([[t]]), cache=cache) for t in steps]
         mx.eval(outs)
         return [_f32(o) for o in outs]
@@ -515,9 +505,24 @@ def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
     ops.set_kernels_enabled(False)
     reference = run()
     ops.set_kernels_enabled(True)
-    tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
     for a, r in zip(fused, reference):
         assert np.max(np.abs(a - r)) <= tol * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+
+
+@needs_ext
+@TINY_LLAMA_VARIANTS
+def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
+    # A prompt then decode steps through mlx-lm's KV cache: the fused blocks (norm+qkv+rope,
+    # attention, o_proj+residual, norm+swiglu, down+residual) against MLX's own ops on the same model.
+    from mlx_lm.utils import load_model
+
+    from mlx_flash.models.kernel_layers import FusedBlock
+
+    model, _ = load_model(tiny_llama("m", **variant))
+    patch_layers(model)
+    assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
+    tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
+    _assert_decode_matches_mlx(model, [1, 5, 9, 2, 7, 3, 11], [4, 8, 6, 10], tol)
 
 
 @needs_ext
@@ -525,7 +530,6 @@ def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
 def test_fused_qwen2_blocks_with_qkv_biases_match_mlx(quantize):
     # qwen2: llama's block with q/k/v biases (FlashQKV adds them after rounding the projections).
     from mlx_lm.models import qwen2
-    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_flash.models.kernel_layers import FusedBlock
 
@@ -541,19 +545,7 @@ def test_fused_qwen2_blocks_with_qkv_biases_match_mlx(quantize):
     patch_layers(model)
     assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
 
-    def run():
-        cache = make_prompt_cache(model)
-        outs = [model(mx.array([[1, 5, 9, 2, 7]]), cache=cache)]
-        outs += [model(mx.array([[t]]), cache=cache) for t in (4, 8, 6)]
-        mx.eval(outs)
-        return [_f32(o) for o in outs]
-
-    fused = run()
-    ops.set_kernels_enabled(False)
-    reference = run()
-    ops.set_kernels_enabled(True)
-    for a, r in zip(fused, reference):  # float16 activations round to 2^-11
-        assert np.max(np.abs(a - r)) <= 2e-2 * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+    _assert_decode_matches_mlx(model, [1, 5, 9, 2, 7], [4, 8, 6], 2e-2)  # float16 activations: 2^-11
 
 
 def test_projection_memo_follows_replaced_weights():
