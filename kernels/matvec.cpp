@@ -456,8 +456,34 @@ FLASH_AVX2 static inline void load32(const uint8_t* wr, int64_t k, __m256& w0, _
   }
 }
 
-FLASH_AVX2 static inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-  for (int64_t o = 0; o < bytes && o < 512; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
+FLASH_AVX2 static inline void prefetch_span(const void* start, int64_t bytes) {
+  const char* s = static_cast<const char*>(start);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
+}
+
+// Gathered rows are not where the hardware prefetcher looks. The loops below prefetch the next
+// row's weights line by line as they stream the current row at the same offset (one row of compute
+// ahead; a whole row at once overflows the core's outstanding-miss slots), and its scales / biases
+// of groups [g0, g0 + ng) when they start a row. Returns the next row's weights (nullptr: none).
+FLASH_AVX2 static inline const uint8_t* prefetch_next_row(const Problem& p, int next, int end, int g0 = 0, int ng = 0) {
+  if (!p.rows || next >= end) return nullptr;
+  const int64_t r = row_of(p, next);
+  if (bad_row(p, r)) return nullptr;
+  if (ng > 0) {
+    const int es = p.sb_dtype == DT_F32 ? 4 : 2;
+    prefetch_span(static_cast<const char*>(p.scales) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
+    prefetch_span(static_cast<const char*>(p.biases) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
+  }
+  return p.w + r * p.w_row_bytes;
+}
+
+// Prefetch the line at byte offset `off` of a row (nullptr: nothing) once per 64 bytes streamed.
+// PF (gathered rows) is a template flag so the dense loops carry no trace of it (measured: a
+// run-time check in them cost 15% on dense 4-bit matvecs).
+template <bool PF>
+FLASH_AVX2 static inline void prefetch_line(const uint8_t* row, int64_t off) {
+  if constexpr (PF)
+    if (row && (off & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
 }
 
 // n scale-like values of a row starting at element i, as float (8 at a time for half types).
@@ -489,7 +515,7 @@ FLASH_AVX2 static inline float row_bias_dot(const Problem& p, int64_t sb, const 
   return t;
 }
 
-template <int MB, int ST, bool Q4>
+template <int MB, int ST, bool Q4, bool PF>
 FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float* xsum, int m0, int i0, int i1) {
   const int K = p.K, gs = p.group_size, G = K / gs, cpg = gs / 32;
   for (int i = i0; i < i1; ++i) {
@@ -498,8 +524,7 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
       for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
       continue;
     }
-    if (p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
-      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+    const uint8_t* next = PF ? prefetch_next_row(p, i + 1, i1, 0, G) : nullptr;
     const uint8_t* wr = p.w + r * p.w_row_bytes;
     const int64_t sb = r * p.sb_row;
     __m256 acc[MB];
@@ -512,6 +537,7 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
       for (int m = 0; m < MB; ++m) { qa[m] = _mm256_setzero_ps(); qb[m] = _mm256_setzero_ps(); }
       for (int c = 0; c < cpg; ++c) {
         const int64_t k = int64_t(g) * gs + c * 32;
+        prefetch_line<PF>(next, Q4 ? k / 2 : k);
         __m256 w0, w1, w2, w3;
         load32<Q4>(wr, k, w0, w1, w2, w3);
         for (int m = 0; m < MB; ++m) {
@@ -530,24 +556,13 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
   }
 }
 
-// 8 dequantised integers (as float) at elements k..k+7 of a quantized row.
-template <bool Q4>
-FLASH_AVX2 static inline __m256 load8q(const uint8_t* wr, int64_t k) {
-  if constexpr (Q4) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const int32_t word = *reinterpret_cast<const int32_t*>(wr + k / 2);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
-                                               _mm256_set1_epi32(0xf)));
-  } else {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k))));
-  }
-}
-
-template <int ST, bool Q4>
+template <int ST, bool Q4, bool PF>
 FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
   // acc[m][k] collects sum_i (h*s)*q, four rows per pass so each accumulator load/store serves four
-  // FMAs (in row order, so the float32 summation order is unchanged); the bias part sum_i h*b is
-  // constant within a group, so it is collected per group (bacc) and added once at the end.
+  // FMAs per lane (in row order, so the float32 summation order is unchanged); the bias part sum_i h*b
+  // is constant within a group, so it is collected per group (bacc) and added once at the end. Rows
+  // are decoded 32 elements at a time (load32); for 4 bits that is the nibble order of the forward
+  // loop, so acc holds each 32-block in that order and is put back in natural order when stored.
   constexpr int R = 4;
   const int gs = p.group_size, len = k1 - k0, g0 = k0 / gs, ng = len / gs;
   float* bacc = acc + int64_t(p.M) * len;
@@ -566,38 +581,47 @@ FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       sb[nr] = r * p.sb_row;
       idx[nr++] = i;
     }
-    if (p.rows && i < p.n && !bad_row(p, row_of(p, i)))
-      prefetch_row(p.w + row_of(p, i) * p.w_row_bytes + (Q4 ? k0 / 2 : k0), Q4 ? len / 2 : len);
+    const uint8_t* next[R];  // the next pass's rows (at most R; bad or missing ones: nullptr)
+    for (int t = 0; t < R; ++t) next[t] = PF ? prefetch_next_row(p, i + t, p.n, g0, ng) : nullptr;
     for (int t = nr; t < R; ++t) { wr[t] = wr[0]; sb[t] = sb[0]; }  // padded rows get h = 0
     for (int g = g0; g < g0 + ng; ++g) {
       float s[R], b[R];
       for (int t = 0; t < R; ++t) { s[t] = ldv<ST>(p.scales, sb[t] + g); b[t] = ldv<ST>(p.biases, sb[t] + g); }
       for (int m = 0; m < p.M; ++m) {
         const float* hm = p.in + int64_t(m) * p.n;
-        float hs[R];
+        __m256 hs[R];
         for (int t = 0; t < R; ++t) {
           const float h = t < nr ? hm[idx[t]] : 0.f;
-          hs[t] = h * s[t];
+          hs[t] = _mm256_set1_ps(h * s[t]);
           if (t < nr) bacc[int64_t(m) * ng + (g - g0)] += h * b[t];
         }
-        const __m256 h0 = _mm256_set1_ps(hs[0]), h1 = _mm256_set1_ps(hs[1]), h2 = _mm256_set1_ps(hs[2]),
-                     h3 = _mm256_set1_ps(hs[3]);
         float* a = acc + int64_t(m) * len - k0;
-        for (int64_t k = int64_t(g) * gs; k < int64_t(g + 1) * gs; k += 8) {
-          __m256 v = _mm256_loadu_ps(a + k);
-          v = _mm256_fmadd_ps(h0, load8q<Q4>(wr[0], k), v);
-          v = _mm256_fmadd_ps(h1, load8q<Q4>(wr[1], k), v);
-          v = _mm256_fmadd_ps(h2, load8q<Q4>(wr[2], k), v);
-          v = _mm256_fmadd_ps(h3, load8q<Q4>(wr[3], k), v);
-          _mm256_storeu_ps(a + k, v);
+        for (int64_t k = int64_t(g) * gs; k < int64_t(g + 1) * gs; k += 32) {
+          if (PF && m == 0)
+            for (int t = 0; t < R; ++t) prefetch_line<PF>(next[t], Q4 ? k / 2 : k);
+          __m256 v0 = _mm256_loadu_ps(a + k), v1 = _mm256_loadu_ps(a + k + 8), v2 = _mm256_loadu_ps(a + k + 16),
+                 v3 = _mm256_loadu_ps(a + k + 24);
+          for (int t = 0; t < R; ++t) {
+            __m256 w0, w1, w2, w3;
+            load32<Q4>(wr[t], k, w0, w1, w2, w3);
+            v0 = _mm256_fmadd_ps(hs[t], w0, v0);
+            v1 = _mm256_fmadd_ps(hs[t], w1, v1);
+            v2 = _mm256_fmadd_ps(hs[t], w2, v2);
+            v3 = _mm256_fmadd_ps(hs[t], w3, v3);
+          }
+          _mm256_storeu_ps(a + k, v0);
+          _mm256_storeu_ps(a + k + 8, v1);
+          _mm256_storeu_ps(a + k + 16, v2);
+          _mm256_storeu_ps(a + k + 24, v3);
         }
       }
     }
   }
   for (int m = 0; m < p.M; ++m)
     for (int j = 0; j < len; ++j) {
+      const int nat = Q4 ? (j & ~31) + q4_natural(j & 31) : j;
       const float v = acc[int64_t(m) * len + j] + bacc[int64_t(m) * ng + j / gs];
-      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : v);
+      store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + nat, bad ? kNaN : v);
     }
 }
 
@@ -614,7 +638,7 @@ FLASH_AVX2 static inline float ldh(const uint16_t* w, int k) {
   else return _cvtsh_ss(w[k]);
 }
 
-template <int MB, bool BF>
+template <int MB, bool BF, bool PF>
 FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int i0, int i1) {
   const int K = p.K;
   for (int i = i0; i < i1; ++i) {
@@ -623,14 +647,14 @@ FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int 
       for (int m = 0; m < MB; ++m) store_scalar(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
       continue;
     }
-    if (p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
-      prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+    const uint8_t* next = PF ? prefetch_next_row(p, i + 1, i1) : nullptr;
     const uint16_t* wr = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes);
     __m256 a0[MB], a1[MB];
     float tail[MB];
     for (int m = 0; m < MB; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); tail[m] = 0.f; }
     int k = 0;
     for (; k + 16 <= K; k += 16) {
+      prefetch_line<PF>(next, 2 * int64_t(k));
       __m256 w0 = load8h<BF>(wr + k), w1 = load8h<BF>(wr + k + 8);
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + int64_t(m0 + m) * K + k;
@@ -669,8 +693,8 @@ FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       wr[nr] = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes) + k0;
       idx[nr++] = i;
     }
-    if (p.rows && i < p.n && !bad_row(p, row_of(p, i)))
-      prefetch_row(p.w + row_of(p, i) * p.w_row_bytes + 2 * k0, 2 * len);
+    if (const uint8_t* next = prefetch_next_row(p, i, p.n))  // half rows: its first 512 bytes measured best
+      prefetch_span(next + 2 * int64_t(k0), std::min<int64_t>(512, 2 * int64_t(len)));
     for (int t = nr; t < R; ++t) wr[t] = wr[0];
     for (int m = 0; m < p.M; ++m) {
       const float* hm = p.in + int64_t(m) * p.n;
@@ -697,28 +721,28 @@ FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       store_scalar(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : acc[int64_t(m) * len + j]);
 }
 
-template <int ST, bool Q4>
+template <int ST, bool Q4, bool PF>
 FLASH_AVX2 static void q_fwd_avx2_rows(const Problem& p, const float* x, const float* xsum, int i0, int i1) {
   // One weight row per pass, also for a single x row: streaming from memory, interleaving two rows
   // measured 1.45x slower (8-bit, 49152x576: 7.3-8.3 vs 11.6 GB/s on one thread).
   int m0 = 0;
-  for (; m0 + 4 <= p.M; m0 += 4) q_fwd_avx2<4, ST, Q4>(p, x, xsum, m0, i0, i1);
+  for (; m0 + 4 <= p.M; m0 += 4) q_fwd_avx2<4, ST, Q4, PF>(p, x, xsum, m0, i0, i1);
   switch (p.M - m0) {
-    case 1: q_fwd_avx2<1, ST, Q4>(p, x, xsum, m0, i0, i1); break;
-    case 2: q_fwd_avx2<2, ST, Q4>(p, x, xsum, m0, i0, i1); break;
-    case 3: q_fwd_avx2<3, ST, Q4>(p, x, xsum, m0, i0, i1); break;
+    case 1: q_fwd_avx2<1, ST, Q4, PF>(p, x, xsum, m0, i0, i1); break;
+    case 2: q_fwd_avx2<2, ST, Q4, PF>(p, x, xsum, m0, i0, i1); break;
+    case 3: q_fwd_avx2<3, ST, Q4, PF>(p, x, xsum, m0, i0, i1); break;
     default: break;
   }
 }
 
-template <bool BF>
+template <bool BF, bool PF>
 FLASH_AVX2 static void h_fwd_avx2_rows(const Problem& p, const float* x, int i0, int i1) {
   int m0 = 0;
-  for (; m0 + 4 <= p.M; m0 += 4) h_fwd_avx2<4, BF>(p, x, m0, i0, i1);
+  for (; m0 + 4 <= p.M; m0 += 4) h_fwd_avx2<4, BF, PF>(p, x, m0, i0, i1);
   switch (p.M - m0) {
-    case 1: h_fwd_avx2<1, BF>(p, x, m0, i0, i1); break;
-    case 2: h_fwd_avx2<2, BF>(p, x, m0, i0, i1); break;
-    case 3: h_fwd_avx2<3, BF>(p, x, m0, i0, i1); break;
+    case 1: h_fwd_avx2<1, BF, PF>(p, x, m0, i0, i1); break;
+    case 2: h_fwd_avx2<2, BF, PF>(p, x, m0, i0, i1); break;
+    case 3: h_fwd_avx2<3, BF, PF>(p, x, m0, i0, i1); break;
     default: break;
   }
 }
@@ -728,7 +752,7 @@ FLASH_AVX2 static void h_fwd_avx2_rows(const Problem& p, const float* x, int i0,
 // maddubs (u8 x s8 -> pairwise s16, at most 15*127*2) then madd (-> s32) gives per-lane partial
 // sums; lanes 0-3 belong to A, 4-7 to B, each scaled by its block's s*d. 8-bit: q - 128 as s8 with
 // the abs/sign trick (at most 128*127*2 per pair); the +128 part is folded into the bias term.
-template <int ST, bool Q4>
+template <int ST, bool Q4, bool PF>
 FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8_t* xperm, const float* xsum, int i0,
                                      int i1) {
   const int K = p.K, gs = p.group_size, G = K / gs, B = K / 32, bpg = gs / 32;
@@ -738,8 +762,7 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
     const int64_t r = row_of(p, i);
     for (int m = 0; m < p.M; ++m) {
       if (bad_row(p, r)) { store_scalar(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
-      if (m == 0 && p.rows && i + 1 < i1 && !bad_row(p, row_of(p, i + 1)))
-        prefetch_row(p.w + row_of(p, i + 1) * p.w_row_bytes, p.w_row_bytes);
+      const uint8_t* next = PF && m == 0 ? prefetch_next_row(p, i + 1, i1, 0, G) : nullptr;
       const uint8_t* wr = p.w + r * p.w_row_bytes;
       const int64_t sb = r * p.sb_row;
       const float* xd = xa.xd + int64_t(m) * B;
@@ -765,6 +788,7 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
           const int8_t* xp = xperm + int64_t(m) * K;
           int64_t k = k0;
           for (; k + 64 <= k1; k += 64) {
+            prefetch_line<PF>(next, k / 2);
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + k));
@@ -780,6 +804,7 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
             tail += sd[(k - k0) / 32] * float(q_block_dot(wr, k, xq, true));
         } else {
           for (int64_t k = k0; k < k1; k += 32) {
+            prefetch_line<PF>(next, k);
             const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k)), bias8);
             const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k));
             const __m256i s32 =
@@ -815,8 +840,14 @@ void q_fwd_range(const FwdCtx& c, int i0, int i1) {
   if (c.q8.xq) {
 #if FLASH_X86
     if (c.simd) {
-      if (c.p->fmt == FMT_Q4) q_fwd_i8_avx2<ST, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
-      else q_fwd_i8_avx2<ST, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      const bool gather = c.p->rows != nullptr;
+      if (c.p->fmt == FMT_Q4) {
+        if (gather) q_fwd_i8_avx2<ST, true, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+        else q_fwd_i8_avx2<ST, true, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      } else {
+        if (gather) q_fwd_i8_avx2<ST, false, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+        else q_fwd_i8_avx2<ST, false, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      }
       return;
     }
 #endif
@@ -825,8 +856,14 @@ void q_fwd_range(const FwdCtx& c, int i0, int i1) {
   }
 #if FLASH_X86
   if (c.simd) {
-    if (c.p->fmt == FMT_Q4) q_fwd_avx2_rows<ST, true>(*c.p, c.x, c.xsum, i0, i1);
-    else q_fwd_avx2_rows<ST, false>(*c.p, c.x, c.xsum, i0, i1);
+    const bool gather = c.p->rows != nullptr;
+    if (c.p->fmt == FMT_Q4) {
+      if (gather) q_fwd_avx2_rows<ST, true, true>(*c.p, c.x, c.xsum, i0, i1);
+      else q_fwd_avx2_rows<ST, true, false>(*c.p, c.x, c.xsum, i0, i1);
+    } else {
+      if (gather) q_fwd_avx2_rows<ST, false, true>(*c.p, c.x, c.xsum, i0, i1);
+      else q_fwd_avx2_rows<ST, false, false>(*c.p, c.x, c.xsum, i0, i1);
+    }
     return;
   }
 #endif
@@ -847,8 +884,9 @@ void fwd_rows(const FwdCtx& c, int i0, int i1) {
   const bool bf = p.fmt == FMT_BF16;
 #if FLASH_X86
   if (c.simd) {
-    if (bf) h_fwd_avx2_rows<true>(p, c.x, i0, i1);
-    else h_fwd_avx2_rows<false>(p, c.x, i0, i1);
+    const bool gather = p.rows != nullptr;
+    if (bf) gather ? h_fwd_avx2_rows<true, true>(p, c.x, i0, i1) : h_fwd_avx2_rows<true, false>(p, c.x, i0, i1);
+    else gather ? h_fwd_avx2_rows<false, true>(p, c.x, i0, i1) : h_fwd_avx2_rows<false, false>(p, c.x, i0, i1);
     return;
   }
 #endif
@@ -868,8 +906,9 @@ template <int ST>
 void q_t_range(const TCtx& c, int k0, int k1, float* acc) {
 #if FLASH_X86
   if (c.simd) {
-    if (c.p->fmt == FMT_Q4) q_t_avx2<ST, true>(*c.p, k0, k1, acc);
-    else q_t_avx2<ST, false>(*c.p, k0, k1, acc);
+    const bool gather = c.p->rows != nullptr;
+    if (c.p->fmt == FMT_Q4) gather ? q_t_avx2<ST, true, true>(*c.p, k0, k1, acc) : q_t_avx2<ST, true, false>(*c.p, k0, k1, acc);
+    else gather ? q_t_avx2<ST, false, true>(*c.p, k0, k1, acc) : q_t_avx2<ST, false, false>(*c.p, k0, k1, acc);
     return;
   }
 #endif

@@ -192,6 +192,21 @@ def test_gather_matvec_t_rows_and_prefix(path, kind):
 
 
 @needs_ext
+@pytest.mark.parametrize("kind", ["q4g32", "q4g128", "q8g64", "f16"])
+def test_gather_matvec_t_column_ranges_across_threads(path, kind):
+    # Over 64 KiB of gathered weights the columns are split between threads, so each range starts
+    # past column 0 (the 4-bit loop keeps its accumulators in nibble order per 32 columns and puts
+    # them back when storing: a range offset shows up here, not in the small cases above).
+    n_rows, k = 400, 1024
+    w, s, b, bits, group, deq, mag = _weights(kind, n_rows, k)
+    sel = np.sort(np.random.default_rng(2).choice(n_rows, 300, replace=False))
+    h = _x((1, len(sel)), mx.float32, seed=3)
+    y = ops._ext.gather_matvec_t(h, w, s, b, mx.array(sel.astype(np.int32)), None, group, bits)
+    ref = _f32(h) @ deq[sel]
+    _assert_close(y, ref, _bound_t(h, mag[sel], y.dtype, ref))
+
+
+@needs_ext
 def test_out_of_range_rows_give_nan():
     w, s, b, bits, group, _, _ = _weights("q4g32", 8, 64)
     y = ops._ext.gather_matvec(mx.ones((1, 64)), w, s, b, mx.array([1, 8, -1], mx.int32), None, group, bits)
