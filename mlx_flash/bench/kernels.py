@@ -487,7 +487,7 @@ def _kernel_table(args, bandwidth):
     head += "" if args.no_mlx else f" {'MLX us':>9} {'GB/s':>6} {'speedup':>7}"
     print(head)
     for name, kind, n, k, m, opts in CASES:
-        if args.only and args.only not in name and args.only != kind:
+        if args.only and args.only not in name and args.only not in kind:
             continue
         r = _bench_case(name, kind, n, k, m, opts, args, bandwidth)
         rows.append(r)
