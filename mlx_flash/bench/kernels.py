@@ -56,6 +56,9 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per case (best is kept)")
     parser.add_argument("--only", default=None, help="run only cases whose name or kind contains this")
     parser.add_argument("--no-mlx", action="store_true", help="skip timing MLX's own ops")
+    parser.add_argument("--warm", action="store_true",
+                        help="also time each kernel on one copy of its weights, called over and over "
+                        "(cache-resident where it fits: the kernel's compute ceiling, not memory's)")
     parser.add_argument("--generate", metavar="MODEL", nargs="?", const="", default=None,
                         help="also time generation as `python -m mlx_flash.generate` runs it (MODEL: "
                         "anything --model accepts; none = the embedded default) with our kernels, "
@@ -220,6 +223,10 @@ def _bench_case(name, kind, n, k, m, opts, args, bandwidth):
     row.update(calls_per_pass=calls, bytes_per_call=bytes_read, ours_us=best / calls * 1e6,
                ours_gbs=bytes_read * calls / best / 1e9)
     row["ours_fraction"] = row["ours_gbs"] / bandwidth
+    if args.warm:  # the same op on the first copy only: its bytes stay in cache between calls
+        warm = [fns[0]] * 32
+        wbest = min(_time_pass(warm) for _ in range(max(3, args.repeats)))
+        row.update(warm_us=wbest / len(warm) * 1e6, warm_gbs=bytes_read * len(warm) / wbest / 1e9)
 
     if not args.no_mlx:
         # MLX's op: the plain op for dense cases, the gather-then-matmul fallback for gathers.
@@ -484,6 +491,7 @@ def _kernel_table(args, bandwidth):
     """Time every case of CASES (filtered by --only), print the table, return the rows."""
     rows = []
     head = f"{'case':22} {'kind':6} {'N x K':>12} {'M':>2} {'KiB/call':>9} {'ours us':>8} {'GB/s':>6} {'of BW':>6}"
+    head += f" {'warm GB/s':>9}" if args.warm else ""
     head += "" if args.no_mlx else f" {'MLX us':>9} {'GB/s':>6} {'speedup':>7}"
     print(head)
     for name, kind, n, k, m, opts in CASES:
@@ -493,6 +501,8 @@ def _kernel_table(args, bandwidth):
         rows.append(r)
         line = (f"{name:22} {kind:6} {f'{n}x{k}':>12} {m:>2} {r['bytes_per_call'] / 1024:>9.1f} "
                 f"{r['ours_us']:>8.1f} {r['ours_gbs']:>6.2f} {r['ours_fraction']:>6.0%}")
+        if args.warm:
+            line += f" {r['warm_gbs']:>9.2f}"
         if not args.no_mlx:
             line += (f" {r['mlx_us']:>9.1f} {r['mlx_gbs']:>6.2f} {r['mlx_us'] / r['ours_us']:>6.1f}x"
                      + ("" if r["mlx_cold"] else " (MLX warm cache)"))
