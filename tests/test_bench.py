@@ -29,7 +29,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     # a model folder (not a GGUF): the llama.cpp column is skipped with its reason
     assert main(["kernels", "--only", "smollm2 k/v", "--working-set", "1", "--repeats", "1",
                  "--bandwidth-mib", "8", "--generate", str(model), "--max-tokens", "4",
-                 "--gen-repeats", "1", "--breakdown", "--json", str(out)]) == 0
+                 "--gen-repeats", "1", "--breakdown", "--warm", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     b = result["decode_breakdown"]
     assert b["matvecs"] == 15 and 0 < b["matvecs_ms"] and b["step_ms"] > 0 and b["weight_bytes"] > 0
@@ -37,7 +37,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     (case,) = result["cases"]
     assert case["kind"] == "q4g32" and case["N"] == 192 and case["K"] == 576
     assert case["bytes_per_call"] == 192 * (576 // 2 + 4 * 576 // 32)  # packed 4-bit + f16 scales/biases
-    assert case["ours_gbs"] > 0 and case["mlx_gbs"] > 0 and case["ours_fraction"] > 0
+    assert case["ours_gbs"] > 0 and case["mlx_gbs"] > 0 and case["ours_fraction"] > 0 and case["warm_gbs"] > 0
     g = result["generate"]
     assert g["mlx"]["layers_patched"] == 0 and g["mlx_flash"]["layers_patched"] == 22
     assert g["mlx"]["generation_tps"] > 0 and g["mlx_flash"]["generation_tps"] > 0
@@ -45,6 +45,21 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     assert "llama.cpp" not in g and g["llama_cpp_missing"]
     text = capsys.readouterr().out
     assert "llama.cpp: skipped" in text and "command: python" in text
+
+
+def test_kernels_bench_compares_greedy_tokens_by_shared_prefix(capsys):
+    from mlx_flash.bench import kernels
+
+    assert kernels._shared_prefix([5, 6, 7, 8], [5, 6, 9, 8]) == 2
+    assert kernels._shared_prefix([5, 6], [5, 6, 7]) == 2 and kernels._shared_prefix([], [1]) == 0
+    engine = {"generation_tps": 50.0, "generated_tokens": 8, "layers_patched": 3}
+    kernels._print_generate({
+        "model": "m", "prompt_tokens": 4, "max_tokens": 8, "threads": 2, "mlx": dict(engine),
+        "mlx_flash": dict(engine), "mlx_flash_q8x": dict(engine), "llama.cpp": dict(engine),
+        "speedup_over_mlx": 1.0, "same_greedy_tokens_as_mlx": True, "q8x_same_greedy_tokens_as_mlx": False,
+        "fraction_of_llama_cpp": 1.0, "q8x_fraction_of_llama_cpp": 1.0,
+        "same_first_tokens_as_llama_cpp": 5, "q8x_same_first_tokens_as_llama_cpp": 7})
+    assert "same first 5 tokens (--q8-activations: 7)" in capsys.readouterr().out
 
 
 def test_kernels_bench_refuses_no_kernels_without_generate(capsys):
