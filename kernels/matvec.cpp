@@ -610,11 +610,13 @@ FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       for (int m = 0; m < p.M; ++m) {
         const float* hm = p.in + int64_t(m) * p.n;
         __m256 hs[R];
+        float hb = 0.f;  // the pass's bias part, summed in a register (one read-modify-write of bacc)
         for (int t = 0; t < R; ++t) {
           const float h = t < nr ? hm[idx[t]] : 0.f;
           hs[t] = _mm256_set1_ps(h * s[t]);
-          if (t < nr) bacc[int64_t(m) * ng + (g - g0)] += h * b[t];
+          hb += h * b[t];
         }
+        bacc[int64_t(m) * ng + (g - g0)] += hb;
         float* a = acc + int64_t(m) * len - k0;
         for (int64_t k = int64_t(g) * gs; k < int64_t(g + 1) * gs; k += 32) {
           if (PF && m == 0)
