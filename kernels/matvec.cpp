@@ -481,8 +481,7 @@ FLASH_AVX2 static inline const uint8_t* prefetch_next_row(const Problem& p, int 
 }
 
 // Prefetch the line at byte offset `off` of a row (nullptr: nothing) once per 64 bytes streamed.
-// PF (gathered rows) is a template flag so the dense loops carry no trace of it (measured: a
-// run-time check in them cost 15% on dense 4-bit matvecs).
+// PF (gathered rows) is a template flag so the dense loops carry no trace of it.
 template <bool PF>
 FLASH_AVX2 static inline void prefetch_line(const uint8_t* row, int64_t off) {
   if constexpr (PF)

@@ -7,12 +7,14 @@ Each kernel is then timed on cold weights: enough copies of the matrix to exceed
 cache (--working-set MiB), one op per copy, evaluated in batches of 32 built beforehand (only the
 evaluation is timed: kernel + MLX's dispatch, not Python's op building); effective bandwidth =
 bytes of packed weights + scales + biases actually read (selected rows only for gathers) / seconds.
+--warm adds each kernel on one copy called over and over (cache-resident where it fits): its
+compute ceiling, which says whether a case that misses the bandwidth target is compute-bound.
 
 Generation (--generate): decode tokens/s of the dense `python -m mlx_flash.generate` path with our
 kernels vs MLX's own CPU ops (kernels off), and llama.cpp (llama-cpp-python) on the same GGUF and
 thread count, greedy, the same chat-templated prompt ids.
 
-  python -m mlx_flash.bench kernels [--json out.json] [--generate [MODEL]] [--no-kernels]
+  python -m mlx_flash.bench kernels [--json out.json] [--warm] [--generate [MODEL]] [--no-kernels]
 """
 
 import json
