@@ -16,6 +16,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -865,19 +866,22 @@ struct FwdCtx {
   const int8_t* xperm = nullptr;    // q8_activations, 4-bit SIMD: xq arranged per 64-chunk
 };
 
+// f(A, B) with two run-time flags as std::bool_constant arguments, so each kernel variant is one
+// template instance (e.g. 4-bit or not x gathered rows or not) picked at a single call site.
+template <class F>
+void with_flags(bool a, bool b, F&& f) {
+  if (a) b ? f(std::true_type{}, std::true_type{}) : f(std::true_type{}, std::false_type{});
+  else b ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
+}
+
 template <int ST>
 void q_fwd_range(const FwdCtx& c, int i0, int i1) {
   if (c.q8.xq) {
 #if FLASH_X86
     if (c.simd) {
-      const bool gather = c.p->rows != nullptr;
-      if (c.p->fmt == FMT_Q4) {
-        if (gather) q_fwd_i8_avx2<ST, true, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
-        else q_fwd_i8_avx2<ST, true, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
-      } else {
-        if (gather) q_fwd_i8_avx2<ST, false, true>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
-        else q_fwd_i8_avx2<ST, false, false>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
-      }
+      with_flags(c.p->fmt == FMT_Q4, c.p->rows != nullptr, [&](auto q4, auto pf) {
+        q_fwd_i8_avx2<ST, decltype(q4)::value, decltype(pf)::value>(*c.p, c.q8, c.xperm, c.xsum, i0, i1);
+      });
       return;
     }
 #endif
@@ -886,14 +890,9 @@ void q_fwd_range(const FwdCtx& c, int i0, int i1) {
   }
 #if FLASH_X86
   if (c.simd) {
-    const bool gather = c.p->rows != nullptr;
-    if (c.p->fmt == FMT_Q4) {
-      if (gather) q_fwd_avx2_groups<ST, true, true>(*c.p, c.x, c.xsum, i0, i1);
-      else q_fwd_avx2_groups<ST, true, false>(*c.p, c.x, c.xsum, i0, i1);
-    } else {
-      if (gather) q_fwd_avx2_groups<ST, false, true>(*c.p, c.x, c.xsum, i0, i1);
-      else q_fwd_avx2_groups<ST, false, false>(*c.p, c.x, c.xsum, i0, i1);
-    }
+    with_flags(c.p->fmt == FMT_Q4, c.p->rows != nullptr, [&](auto q4, auto pf) {
+      q_fwd_avx2_groups<ST, decltype(q4)::value, decltype(pf)::value>(*c.p, c.x, c.xsum, i0, i1);
+    });
     return;
   }
 #endif
@@ -914,9 +913,9 @@ void fwd_rows(const FwdCtx& c, int i0, int i1) {
   const bool bf = p.fmt == FMT_BF16;
 #if FLASH_X86
   if (c.simd) {
-    const bool gather = p.rows != nullptr;
-    if (bf) gather ? h_fwd_avx2_rows<true, true>(p, c.x, i0, i1) : h_fwd_avx2_rows<true, false>(p, c.x, i0, i1);
-    else gather ? h_fwd_avx2_rows<false, true>(p, c.x, i0, i1) : h_fwd_avx2_rows<false, false>(p, c.x, i0, i1);
+    with_flags(bf, p.rows != nullptr, [&](auto is_bf, auto pf) {
+      h_fwd_avx2_rows<decltype(is_bf)::value, decltype(pf)::value>(p, c.x, i0, i1);
+    });
     return;
   }
 #endif
@@ -936,9 +935,9 @@ template <int ST>
 void q_t_range(const TCtx& c, int k0, int k1, float* acc) {
 #if FLASH_X86
   if (c.simd) {
-    const bool gather = c.p->rows != nullptr;
-    if (c.p->fmt == FMT_Q4) gather ? q_t_avx2<ST, true, true>(*c.p, k0, k1, acc) : q_t_avx2<ST, true, false>(*c.p, k0, k1, acc);
-    else gather ? q_t_avx2<ST, false, true>(*c.p, k0, k1, acc) : q_t_avx2<ST, false, false>(*c.p, k0, k1, acc);
+    with_flags(c.p->fmt == FMT_Q4, c.p->rows != nullptr, [&](auto q4, auto pf) {
+      q_t_avx2<ST, decltype(q4)::value, decltype(pf)::value>(*c.p, k0, k1, acc);
+    });
     return;
   }
 #endif
