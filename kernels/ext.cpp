@@ -280,30 +280,34 @@ NB_MODULE(_ext, m) {
       "mx.fast.rope (integer offset) as one CPU primitive; base is ignored when freqs is given.");
   m.def(
       "attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal, bool heads_last) {
-        return flash_ext::attention(q, k, v, scale, causal, heads_last);
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal, bool heads_last,
+         std::optional<int> n_keys) {
+        return flash_ext::attention(q, k, v, scale, causal, heads_last, n_keys);
       },
       nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("causal") = false,
-      nb::arg("heads_last") = false,
+      nb::arg("heads_last") = false, nb::arg("n_keys").none() = nb::none(),
       "mx.fast.scaled_dot_product_attention without a mask or with a causal one, as one CPU primitive; "
-      "heads_last: output [B, L, H * Dv] instead of [B, H, L, Dv].");
+      "heads_last: output [B, L, H * Dv] instead of [B, H, L, Dv]; n_keys: attend to the first n_keys "
+      "keys and values only (a KV cache buffer filled that far).");
   m.def(
       "norm_qkv_rope",
       [](const mx::array& x, std::optional<mx::array> norm_weight, float eps, const Proj& q, const Proj& k,
          const Proj& v, int group_size, std::optional<int> bits, int n_heads, int n_kv_heads, int rope_dims,
          bool traditional, float base, float scale, int offset, std::optional<mx::array> freqs,
-         bool q8_activations) {
+         bool q8_activations, std::optional<mx::array> k_cache, std::optional<mx::array> v_cache) {
         auto out = flash_ext::norm_qkv_rope(x, norm_weight, eps, {linear(q), linear(k), linear(v)}, group_size, bits,
                                             n_heads, n_kv_heads, rope_dims, traditional, base, scale, offset, freqs,
-                                            q8_activations);
+                                            q8_activations, k_cache, v_cache);
         return std::make_tuple(out[0], out[1], out[2]);
       },
       nb::arg("x"), nb::arg("norm_weight").none(), nb::arg("eps"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
       nb::arg("group_size"), nb::arg("bits").none(), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("rope_dims"),
       nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"), nb::arg("freqs").none(),
-      nb::arg("q8_activations") = false,
+      nb::arg("q8_activations") = false, nb::arg("k_cache").none() = nb::none(), nb::arg("v_cache").none() = nb::none(),
       "(q, k, v) of a llama-family attention block from x [B, L, D] as one CPU primitive: rms_norm, the three "
-      "projections (each (w, scales, biases, bias)), heads [B, H, L, head_dim] and RoPE on q and k.");
+      "projections (each (w, scales, biases, bias)), heads [B, H, L, head_dim] and RoPE on q and k. With "
+      "k_cache / v_cache [B, Hkv, S, head_dim]: k and v are written into them at positions offset.. and the "
+      "updated caches are returned in their place (in place when MLX can donate the buffers).");
   m.def(
       "norm_swiglu",
       [](const mx::array& x, std::optional<mx::array> norm_weight, float eps, const Proj& gate, const Proj& up,

@@ -3,6 +3,7 @@
 #include "fused_ops.h"
 
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "matvec.h"
@@ -106,6 +107,30 @@ FusedViews fused_views(const std::vector<mx::array>& inputs, const FusedLayout& 
   return v;
 }
 
+// Whether the two cache buffers inputs[first], inputs[first + 1] can be written in place (donated
+// to the outputs, as MLX's slice_update does when nothing else refers to its input). Two things
+// besides a real reader keep MLX's is_donatable() false during decoding, and both are let go here:
+// - every output of a multi-output primitive holds its own copy of the inputs until MLX detaches
+//   them right after eval_cpu; the copies of the outputs not being evaluated are dropped now;
+// - the previous token's tasks, still queued on the stream when mlx-lm's pipelined generation
+//   evaluates the next token's graph, keep the buffer's data alive; if that is all that holds it,
+//   waiting for the stream makes it donatable. The wait ends when the previous token is computed,
+//   which generation waits for anyway before it reads that token; it happens in the first layer,
+//   later layers find their caches free.
+bool donatable_caches(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, size_t first,
+                      mx::Stream s) {
+  if (outputs[0].is_tracer()) return false;  // under a transformation MLX keeps the inputs alive
+  for (auto& o : outputs)
+    if (&o.inputs() != &inputs) o.inputs().clear();
+  auto free = [&]() {
+    return inputs[first].is_donatable() && inputs[first + 1].is_donatable() &&
+           inputs[first].flags().row_contiguous && inputs[first + 1].flags().row_contiguous;
+  };
+  if (free()) return true;
+  mx::synchronize(s);
+  return free();
+}
+
 // ----------------------------------------------------------------------------------------------
 class FlashQKV : public mx::Primitive {
  public:
@@ -115,6 +140,7 @@ class FlashQKV : public mx::Primitive {
     float eps;
     int n_heads, n_kv_heads, head_dim, rope_dims, offset;
     bool traditional, has_freqs, q8x;
+    bool has_cache;  // k and v go into cache buffers [B, Hkv, S, hd] at positions offset.. (see header)
     float base, scale;
   };
   FlashQKV(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
@@ -128,12 +154,33 @@ class FlashQKV : public mx::Primitive {
     if (P.has_freqs) freqs = View::of(inputs[in.next]);
     uint8_t* out[3];
     int odt[3];
+    int64_t rows_out[3];  // rows (of head_dim) per (batch, head) in each output: L, or the cache's S
+    View old[3];          // a cache buffer that could not be donated: copied into its output first
+    const bool donate = P.has_cache && donatable_caches(inputs, outputs, in.next + P.has_freqs, stream());
     for (int j = 0; j < 3; ++j) {
-      out[j] = allocate_output(outputs[j]);
+      const size_t c = in.next + P.has_freqs + j - 1;  // k -> k cache, v -> v cache
+      rows_out[j] = outputs[j].shape(2);
+      if (j > 0 && donate) {
+        outputs[j].copy_shared_buffer(inputs[c]);  // written in place, as MLX's slice_update does
+        out[j] = outputs[j].data<uint8_t>();
+      } else {
+        out[j] = allocate_output(outputs[j]);
+        if (j > 0 && P.has_cache) old[j] = View::of(inputs[c]);
+      }
       odt[j] = scalar_type(outputs[j].dtype());
     }
     dispatch(stream(), inputs, outputs, [=]() {
       const int B = int(x.shape[0]), L = int(x.shape[1]), M = B * L, hd = P.head_dim;
+      for (int j = 1; j < 3; ++j) {
+        if (!old[j].ptr) continue;
+        const size_t item = mx::size_of(old[j].dtype);
+        if (old[j].contiguous) {
+          std::memcpy(out[j], old[j].ptr, size_t(old[j].size()) * item);
+        } else {
+          for (int64_t i = 0; i < old[j].size(); ++i)
+            std::memcpy(out[j] + i * item, old[j].ptr + old[j].offset(i) * item, item);
+        }
+      }
       if (M == 0) return;
       const float* xin = normed_input(x, P.layout.has_norm ? &norm_w : nullptr, P.eps, P.hdt);
       const int heads[3] = {P.n_heads, P.n_kv_heads, P.n_kv_heads};
@@ -165,9 +212,10 @@ class FlashQKV : public mx::Primitive {
             round_to(odt[j], row, N);
           }
           const int b = m / L, l = m % L;
+          const int64_t pos = j > 0 && P.has_cache ? P.offset + l : l;
           for (int h = 0; h < heads[j]; ++h) {
             const float* src = row + size_t(h) * hd;
-            const int64_t dst = ((int64_t(b) * heads[j] + h) * L + l) * hd;
+            const int64_t dst = ((int64_t(b) * heads[j] + h) * rows_out[j] + pos) * hd;
             if (j < 2) {
               rope_row(src, rot, hd, P.rope_dims, P.traditional, cs, L, l);
               store_row(out[j], odt[j], dst, hd, rot);
@@ -190,7 +238,7 @@ class FlashQKV : public mx::Primitive {
            p_.eps == o.eps && p_.n_heads == o.n_heads && p_.n_kv_heads == o.n_kv_heads &&
            p_.head_dim == o.head_dim && p_.rope_dims == o.rope_dims && p_.offset == o.offset &&
            p_.traditional == o.traditional && p_.has_freqs == o.has_freqs && p_.q8x == o.q8x &&
-           p_.base == o.base && p_.scale == o.scale;
+           p_.has_cache == o.has_cache && p_.base == o.base && p_.scale == o.scale;
   }
 
  private:
@@ -309,7 +357,8 @@ int check_fused(const char* op, const mx::array& x, const std::optional<mx::arra
 std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx::array>& norm_weight, float eps,
                                      const std::vector<Linear>& qkv, int group_size, std::optional<int> bits,
                                      int n_heads, int n_kv_heads, int rope_dims, bool traditional, float base,
-                                     float scale, int offset, const std::optional<mx::array>& freqs, bool q8x) {
+                                     float scale, int offset, const std::optional<mx::array>& freqs, bool q8x,
+                                     const std::optional<mx::array>& k_cache, const std::optional<mx::array>& v_cache) {
   mx::Stream s = cpu_stream();
   if (qkv.size() != 3) fail("norm_qkv_rope: pass the q, k and v projections");
   if (x.ndim() != 3) fail("norm_qkv_rope: x must be (B, L, D), got " + shape_str(x));
@@ -329,6 +378,8 @@ std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx:
   std::vector<mx::array> inputs = fused_inputs(x, norm_weight, qkv, layout);
   layout.quant = bits.has_value();
   if (freqs) inputs.push_back(*freqs);
+  if (k_cache.has_value() != v_cache.has_value()) fail("norm_qkv_rope: pass both caches or neither");
+  P.has_cache = k_cache.has_value();
   P.layout = layout;
   P.group_size = bits ? group_size : 0;
   P.hdt = scalar_type(hdt);
@@ -350,6 +401,19 @@ std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx:
   for (int j = 0; j < 3; ++j) {
     shapes.push_back({B, j == 0 ? n_heads : n_kv_heads, L, hd});
     dtypes.push_back(qkv[j].bias ? mx::promote_types(ydt, qkv[j].bias->dtype()) : ydt);
+  }
+  if (P.has_cache) {
+    for (int j = 1; j < 3; ++j) {
+      const mx::array& c = j == 1 ? *k_cache : *v_cache;
+      if (c.ndim() != 4 || c.shape(0) != B || c.shape(1) != n_kv_heads || c.shape(3) != hd ||
+          offset < 0 || int64_t(offset) + L > c.shape(2))
+        fail("norm_qkv_rope: a cache must be (" + std::to_string(B) + ", " + std::to_string(n_kv_heads) +
+             ", S, " + std::to_string(hd) + ") with S >= offset + L = " + std::to_string(int64_t(offset) + L) +
+             ", got " + shape_str(c));
+      if (c.dtype() != dtypes[j]) fail("norm_qkv_rope: cache dtype must be the projections' output dtype");
+      shapes[j] = c.shape();
+      inputs.push_back(c);
+    }
   }
   return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<FlashQKV>(s, std::move(P)), inputs);
 }

@@ -21,11 +21,16 @@ struct Linear {
 // v = heads(h @ Wv.T + bv), where heads() is reshape(B, L, H, hd).transpose(0, 2, 1, 3) and rope is
 // mx.fast.rope(dims, traditional, base, scale, offset, freqs). All three projections share one
 // format (bits 4 / 8 with group_size, or None for float16 / bfloat16).
+// With k_cache / v_cache [B, Hkv, S, hd] (S >= offset + L, the outputs' dtype), k and v are written
+// into them at positions offset..offset+L-1 and the outputs are the whole updated caches: in place
+// when a cache buffer is donatable (as MLX's slice_update), else into a copy.
 std::vector<mlx::core::array> norm_qkv_rope(const mlx::core::array& x, const std::optional<mlx::core::array>& norm_weight,
                                             float eps, const std::vector<Linear>& qkv, int group_size,
                                             std::optional<int> bits, int n_heads, int n_kv_heads, int rope_dims,
                                             bool traditional, float base, float scale, int offset,
-                                            const std::optional<mlx::core::array>& freqs, bool q8_activations);
+                                            const std::optional<mlx::core::array>& freqs, bool q8_activations,
+                                            const std::optional<mlx::core::array>& k_cache = std::nullopt,
+                                            const std::optional<mlx::core::array>& v_cache = std::nullopt);
 
 // silu(h @ Wg.T) * (h @ Wu.T) with h = rms_norm(x, norm_weight, eps) (skipped without norm_weight).
 mlx::core::array norm_swiglu(const mlx::core::array& x, const std::optional<mlx::core::array>& norm_weight, float eps,

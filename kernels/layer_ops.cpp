@@ -191,8 +191,9 @@ void attention_chunk(const void* vctx, int chunk) {
 
 class FlashAttention : public mx::Primitive {
  public:
-  FlashAttention(mx::Stream s, float scale, bool causal, bool heads_last)
-      : mx::Primitive(s), scale_(scale), causal_(causal), heads_last_(heads_last) {}
+  // n_keys < 0: all of k's rows are keys.
+  FlashAttention(mx::Stream s, float scale, bool causal, bool heads_last, int n_keys)
+      : mx::Primitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), n_keys_(n_keys) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -205,7 +206,7 @@ class FlashAttention : public mx::Primitive {
     c.Lq = inputs[0].shape(2);
     c.D = inputs[0].shape(3);
     c.Hkv = inputs[1].shape(1);
-    c.Lk = inputs[1].shape(2);
+    c.Lk = n_keys_ >= 0 ? n_keys_ : inputs[1].shape(2);
     c.Dv = inputs[2].shape(3);
     c.odt = scalar_type(out.dtype());
     c.scale = scale_;
@@ -230,12 +231,13 @@ class FlashAttention : public mx::Primitive {
   const char* name() const override { return "FlashAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FlashAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && heads_last_ == o.heads_last_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && heads_last_ == o.heads_last_ && n_keys_ == o.n_keys_;
   }
 
  private:
   float scale_;
   bool causal_, heads_last_;
+  int n_keys_;
 };
 
 void check_float(const mx::array& a, const char* what) {
@@ -297,7 +299,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                    bool heads_last) {
+                    bool heads_last, std::optional<int> n_keys) {
   mx::Stream s = cpu_stream();
   check_float(q, "queries");
   check_float(k, "keys");
@@ -311,11 +313,14 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (k.shape(1) == 0 || q.shape(1) % k.shape(1))
     fail("attention: query heads (" + std::to_string(q.shape(1)) + ") must be a multiple of key/value heads (" +
          std::to_string(k.shape(1)) + ")");
+  if (n_keys && (*n_keys < 0 || *n_keys > k.shape(2)))
+    fail("attention: n_keys must be in [0, " + std::to_string(k.shape(2)) + "], got " + std::to_string(*n_keys));
   mx::Shape out_shape = q.shape();
   out_shape[3] = v.shape(3);
   if (heads_last) out_shape = {q.shape(0), q.shape(2), q.shape(1) * v.shape(3)};
   mx::Dtype out_dtype = mx::promote_types(q.dtype(), mx::promote_types(k.dtype(), v.dtype()));
-  return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal, heads_last), {q, k, v});
+  return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal, heads_last, n_keys.value_or(-1)),
+                   {q, k, v});
 }
 
 }  // namespace flash_ext

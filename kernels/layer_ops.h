@@ -24,8 +24,9 @@ mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional, flo
 // mx.fast.scaled_dot_product_attention for q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]
 // (Hq a multiple of Hkv), no mask or a causal one (query i sees keys j <= Lk - Lq + i). heads_last:
 // the output is [B, Lq, Hq * Dv] (the transpose + reshape mlx-lm applies before o_proj) instead of
-// [B, Hq, Lq, Dv].
+// [B, Hq, Lq, Dv]. n_keys: only the first n_keys rows of k and v are keys (a KV cache buffer).
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
-                           float scale, bool causal, bool heads_last = false);
+                           float scale, bool causal, bool heads_last = false,
+                           std::optional<int> n_keys = std::nullopt);
 
 }  // namespace flash_ext

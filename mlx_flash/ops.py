@@ -244,11 +244,16 @@ def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
     return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def attention_heads_last(q, k, v, cache, *, scale, mask=None):
+def attention_heads_last(q, k, v, cache, *, scale, mask=None, n_keys=None):
     """mlx-lm's attention followed by its transpose(0, 2, 1, 3).reshape(B, L, -1): [B, L, H * Dv],
-    what o_proj reads; one primitive on the kernel."""
-    if not hasattr(cache, "bits") and _attention_kernel_ok(q, k, v, mask, None):
-        return _ext.attention(q, k, v, scale, isinstance(mask, str), heads_last=True)
+    what o_proj reads; one primitive on the kernel. n_keys: only the first n_keys rows of k and v
+    are keys (a KV cache buffer, as qkv_into_cache returns it)."""
+    if n_keys is not None and n_keys == k.shape[2]:
+        n_keys = None
+    if not hasattr(cache, "bits") and _attention_kernel_ok(q, k, v, mask, None) and (n_keys is None or n_keys >= q.shape[2]):
+        return _ext.attention(q, k, v, scale, isinstance(mask, str), heads_last=True, n_keys=n_keys)
+    if n_keys is not None:
+        k, v = k[..., :n_keys, :], v[..., :n_keys, :]
     B, _, L, _ = q.shape
     return mlx_lm_attention(q, k, v, cache, scale, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
 
@@ -315,24 +320,69 @@ def linear(x, layer, add=None):
     return y if add is None else add + y
 
 
+def _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset):
+    """(args of _ext.norm_qkv_rope after n_kv_heads' place is filled, k's output dtype) when the fused
+    kernel serves these modules (plain nn.RoPE, one weight format, an RMSNorm or none), else None."""
+    projs = _shared_projections(q_proj, k_proj, v_proj) if _use_kernel(x) and x.ndim == 3 else None
+    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
+    if (projs is None or nw is None or not isinstance(rope, nn.RoPE) or not isinstance(offset, int)
+            or rope.base is None or rope.dims % 2 or rope.dims <= 0):
+        return None
+    (q, group_size, bits), (k, _, _), (v, _, _) = projs
+    if q[0].shape[0] % n_heads or rope.dims > q[0].shape[0] // n_heads:
+        return None
+    # The kernel's output dtypes are MLX's promotion of the unfused ops' (normed x, weights, bias).
+    y = _promote(x.dtype, nw[0].dtype if nw[0] is not None else x.dtype, (k[1] if bits else k[0]).dtype)
+    k_dtype = y if k[3] is None else _promote(y, k[3].dtype)
+    return (nw[0], nw[1], q, k, v, group_size or 64, bits), k_dtype
+
+
+def _promote(*dtypes):
+    """MLX's promotion of float32 / float16 / bfloat16 (float16 with bfloat16 gives float32)."""
+    kinds = set(dtypes)
+    return kinds.pop() if len(kinds) == 1 else mx.float32
+
+
 def norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, offset=0):
     """(q, k, v) [B, H, L, head_dim] as mlx-lm's llama Attention computes them before its KV cache:
     h = norm(x) (None: h = x); q_proj(h), k_proj(h), v_proj(h) split into heads; RoPE at positions
     offset.. on q and k. One primitive on the kernels (plain nn.RoPE, one weight format)."""
-    projs = _shared_projections(q_proj, k_proj, v_proj) if _use_kernel(x) and x.ndim == 3 else None
-    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
-    if (projs is not None and nw is not None and isinstance(rope, nn.RoPE) and isinstance(offset, int)
-            and (rope.base is not None) and rope.dims % 2 == 0 and 0 < rope.dims):
-        (q, group_size, bits), (k, _, _), (v, _, _) = projs
-        if q[0].shape[0] % n_heads == 0 and rope.dims <= q[0].shape[0] // n_heads:
-            return _ext.norm_qkv_rope(x, nw[0], nw[1], q, k, v, group_size or 64, bits, n_heads, n_kv_heads,
-                                      rope.dims, rope.traditional, rope.base, rope.scale, offset, None,
-                                      q8_activations=_q8x)
+    fused = _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset)
+    if fused is not None:
+        nw, eps, q, k, v, group_size, bits = fused[0]
+        return _ext.norm_qkv_rope(x, nw, eps, q, k, v, group_size, bits, n_heads, n_kv_heads, rope.dims,
+                                  rope.traditional, rope.base, rope.scale, offset, None, q8_activations=_q8x)
     h = norm(x) if norm is not None else x
     B, L, _ = x.shape
     q, k, v = (m(h).reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
                for m, heads in ((q_proj, n_heads), (k_proj, n_kv_heads), (v_proj, n_kv_heads)))
     return rope(q, offset=offset), rope(k, offset=offset), v
+
+
+def qkv_into_cache(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, cache):
+    """(q, keys, values, n_keys): norm_qkv_rope at the cache's offset with k and v appended to mlx-lm's
+    KV `cache` (None: no cache), as mlx-lm's attention does with cache.update_and_fetch; keys / values
+    hold all positions so far in their first n_keys rows (pass n_keys to attention_heads_last).
+    On the kernels, a plain KVCache whose buffers have room gets k and v written into them by the
+    same primitive (in place, as MLX's slice_update), instead of two slice_update and two slice ops."""
+    if cache is None:
+        q, k, v = norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, 0)
+        return q, k, v, k.shape[2]
+    offset = cache.offset
+    if (type(cache) is _KVCache and cache.keys is not None and x.ndim == 3
+            and offset + x.shape[1] <= cache.keys.shape[2]):
+        fused = _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset)
+        if fused is not None and cache.keys.dtype == fused[1] == cache.values.dtype:
+            nw, eps, q, k, v, group_size, bits = fused[0]
+            q, cache.keys, cache.values = _ext.norm_qkv_rope(
+                x, nw, eps, q, k, v, group_size, bits, n_heads, n_kv_heads, rope.dims, rope.traditional,
+                rope.base, rope.scale, offset, None, q8_activations=_q8x, k_cache=cache.keys,
+                v_cache=cache.values)
+            cache.offset += x.shape[1]
+            return q, cache.keys, cache.values, cache.offset
+    q, k, v = norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, offset)
+    k, v = cache.update_and_fetch(k, v)
+    return q, k, v, k.shape[2]
 
 
 def norm_swiglu(x, norm, gate_proj, up_proj):
@@ -350,8 +400,9 @@ def norm_swiglu(x, norm, gate_proj, up_proj):
 try:
     from mlx_lm.models.activations import swiglu as _swiglu
     from mlx_lm.models.base import scaled_dot_product_attention as MLX_LM_ATTENTION  # what we replace
+    from mlx_lm.models.cache import KVCache as _KVCache
 except ImportError:  # mlx-lm missing: nothing to patch
-    MLX_LM_ATTENTION = None
+    MLX_LM_ATTENTION = _KVCache = None
 
     def _swiglu(gate, x):
         return nn.silu(gate) * x

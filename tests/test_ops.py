@@ -390,6 +390,10 @@ def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
     last = ops.attention_heads_last(q, k, v, None, scale=D**-0.5, mask=mask)
     assert last.shape == (B, lq, Hq * Dv)
     assert np.array_equal(_f32(last), _f32(y.transpose(0, 2, 1, 3).reshape(B, lq, -1)))
+    # n_keys: the first Lk rows of the whole buffer are the keys (no slice op), exactly the same
+    kb, vb = _x((B, Hkv, cap, D), dtype, seed=3), _x((B, Hkv, cap, Dv), dtype, seed=4)
+    whole = ops.attention_heads_last(q, kb, vb, None, scale=D**-0.5, mask=mask, n_keys=Lk)
+    assert np.array_equal(_f32(whole), _f32(last))
 
 
 @needs_ext
@@ -418,6 +422,8 @@ def test_layer_ops_fall_back_where_the_kernel_does_not_apply():
     assert np.array_equal(_f32(y), _f32(mx.fast.rope(q, 16, traditional=False, base=1e4, scale=1.0, offset=off)))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         ops._ext.attention(_x((1, 3, 1, 16), mx.float32), k, k, 0.25)
+    with pytest.raises(ValueError, match="n_keys must be in"):
+        ops._ext.attention(q, k, k, 0.25, n_keys=6)
     with pytest.raises(ValueError, match="dims must be even"):
         ops._ext.rope(q, 15, False, 1e4, 1.0, 0)
     with pytest.raises(ValueError, match="weight must have shape"):
@@ -538,6 +544,84 @@ def test_fused_blocks_with_kv_cache_match_mlx(tiny_llama, variant):
     assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
     tol = {None: 1e-4}.get(variant.get("dtype"), 2e-2)  # half models round activations to 2^-8..2^-11
     _assert_decode_matches_mlx(model, [1, 5, 9, 2, 7, 3, 11], [4, 8, 6, 10], tol)
+
+
+def _buffer_address(a):
+    view = np.array(a, copy=False)  # MLX arrays export their buffer: no copy
+    return view.__array_interface__["data"][0]
+
+
+@needs_ext
+def test_fused_blocks_write_kv_cache_in_place_and_grow(tiny_llama):
+    # Decode steps write k and v into mlx-lm's KVCache buffers inside the fused primitive (no
+    # slice_update / slice ops): in place while the buffer has room, through mlx-lm's own
+    # update_and_fetch when it must grow (step 4 here: the prompt fills 7 of 8 rows). Logits equal
+    # MLX's ops step by step, in the pipelined order of mlx-lm's generate (next step's graph
+    # evaluated asynchronously while the current one runs).
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(tiny_llama("m", quantize=(4, 32)))
+    prompt, steps = [1, 5, 9, 2, 7, 3, 11], [4, 8, 6, 10, 12, 2]
+
+    def run(record):
+        cache = make_prompt_cache(model)
+        for c in cache:
+            c.step = 4
+        grows = []
+        for c in cache:  # count mlx-lm's own update_and_fetch calls
+            c.update_and_fetch = (lambda f: lambda k, v: (grows.append(1), f(k, v))[1])(c.update_and_fetch)
+        outs = [model(mx.array([prompt]), cache=cache)]
+        mx.eval(outs)
+        addresses = [_buffer_address(cache[0].keys)] if record else []
+        for t in steps:
+            outs.append(model(mx.array([[t]]), cache=cache))
+            mx.async_eval(outs[-1])
+            if record:
+                mx.eval(outs[-1])
+                addresses.append(_buffer_address(cache[0].keys))
+        mx.eval(outs)
+        return [_f32(o) for o in outs], len(grows), addresses, cache[0].offset
+
+    patch_layers(model)
+    fused, grows, addresses, offset = run(record=True)
+    assert offset == len(prompt) + len(steps)
+    # 2 layers: the prompt (7 rows into 8), then growth at offsets 8 and 12; the rest in place
+    assert grows == 2 * 3
+    a = addresses  # after the prompt, then after each step (offsets 8, 9, .., 13)
+    assert a[0] == a[1] != a[2] == a[3] == a[4] == a[5] != a[6]
+    ops.set_kernels_enabled(False)
+    reference, _, _, _ = run(record=False)
+    ops.set_kernels_enabled(True)
+    for a, r in zip(fused, reference):
+        assert np.max(np.abs(a - r)) <= 2e-2 * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
+
+
+@needs_ext
+def test_fused_blocks_never_write_into_a_cache_buffer_someone_holds(tiny_llama):
+    # A cache buffer that another array refers to (a saved prompt cache, cache.state) is not
+    # donated: the step writes into a copy, the held array keeps its values.
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(tiny_llama("m", quantize=(4, 32)))
+    patch_layers(model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 5, 9]]), cache=cache))
+    held_keys, held_values, _ = cache[0].state
+    before = _f32(held_keys), _f32(held_values)
+    mx.eval(model(mx.array([[4]]), cache=cache))
+    assert cache[0].keys is not held_keys and _buffer_address(cache[0].keys) != _buffer_address(held_keys)
+    assert np.array_equal(_f32(held_keys), before[0]) and np.array_equal(_f32(held_values), before[1])
+    assert not np.array_equal(_f32(cache[0].keys), before[0])  # the copy got row 3
+    # a cache buffer without room for offset + L rows is refused (the caller grows it first)
+    block = model.model.layers[0]
+    a, x = block.self_attn, mx.zeros((1, 2, 64))
+    args, k_dtype = ops._qkv_kernel_args(x, block.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads, a.rope, 7)
+    full = mx.zeros((1, a.n_kv_heads, 8, 64 // a.n_heads), k_dtype)
+    with pytest.raises(ValueError, match="S >= offset \\+ L = 9"):
+        ops._ext.norm_qkv_rope(x, *args, a.n_heads, a.n_kv_heads, a.rope.dims, a.rope.traditional, a.rope.base,
+                               a.rope.scale, 7, None, k_cache=full, v_cache=full)
 
 
 @needs_ext

@@ -123,12 +123,10 @@ class FusedBlock:
         if not ops.kernels_active():
             return super().__call__(x, mask, cache)
         a, mlp = self.self_attn, self.mlp
-        offset = cache.offset if cache is not None else 0
-        q, k, v = ops.norm_qkv_rope(x, self.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads,
-                                    a.n_kv_heads, a.rope, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        h = ops.linear(ops.attention_heads_last(q, k, v, cache, scale=a.scale, mask=mask), a.o_proj, add=x)
+        q, k, v, n_keys = ops.qkv_into_cache(x, self.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads,
+                                             a.n_kv_heads, a.rope, cache)
+        attn = ops.attention_heads_last(q, k, v, cache, scale=a.scale, mask=mask, n_keys=n_keys)
+        h = ops.linear(attn, a.o_proj, add=x)
         if type(mlp) is not self._dense_mlp:
             return h + mlp(self.post_attention_layernorm(h))
         g = ops.norm_swiglu(h, self.post_attention_layernorm, mlp.gate_proj, mlp.up_proj)
