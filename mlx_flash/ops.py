@@ -14,6 +14,7 @@ few microseconds of dispatch), ours are one primitive each.
 """
 
 import importlib
+import operator
 import os
 import sys
 import warnings
@@ -244,24 +245,13 @@ def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
     return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def attention_heads_last(q, k, v, cache, *, scale, mask=None, n_keys=None):
-    """mlx-lm's attention followed by its transpose(0, 2, 1, 3).reshape(B, L, -1): [B, L, H * Dv],
-    what o_proj reads; one primitive on the kernel. n_keys: only the first n_keys rows of k and v
-    are keys (a KV cache buffer, as qkv_into_cache returns it)."""
-    if n_keys is not None and n_keys == k.shape[2]:
-        n_keys = None
-    if not hasattr(cache, "bits") and _attention_kernel_ok(q, k, v, mask, None) and (n_keys is None or n_keys >= q.shape[2]):
-        return _ext.attention(q, k, v, scale, isinstance(mask, str), heads_last=True, n_keys=n_keys)
-    if n_keys is not None:
-        k, v = k[..., :n_keys, :], v[..., :n_keys, :]
-    B, _, L, _ = q.shape
-    return mlx_lm_attention(q, k, v, cache, scale, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
-
-
 # ------------------------------------------------------------------------------------------------
-# Fused decoder-layer ops: each is several MLX ops of mlx-lm's llama-family blocks in one primitive
-# (one dispatch, one thread-pool job for several matvecs); the twins are those MLX ops. Layers are
-# mlx.nn modules (QuantizedLinear / Linear, RMSNorm, RoPE), read but never changed.
+# A whole llama-family decoder block per call (fused_block): norm + q/k/v + RoPE (+ the KV cache
+# write), attention, o_proj + residual, norm + gate/up + SwiGLU, down + residual as five primitives,
+# with their arguments read from the block's modules once. Decoding calls every block once per
+# token; reading and checking its seven layers every time cost as much Python as the rest of the
+# step. Modules are read, never changed; where the fused ops do not apply, mlx-lm's own block code
+# runs (on the per-layer kernels patch_layers installs).
 
 
 def projection(layer):
@@ -306,105 +296,138 @@ def _rms_weight(norm):
     return None
 
 
-def linear(x, layer, add=None):
-    """layer(x), plus `add` (a residual of the output's shape) when given: `add + layer(x)` in one
-    primitive on the kernels (the sum sees layer(x) rounded to its dtype, as the unfused ops)."""
-    proj = projection(layer) if add is not None and _use_kernel(x) else None
-    if proj is not None and proj[0][3] is None:
-        (w, scales, biases, _), group_size, bits = proj
-        if add.shape == (*x.shape[:-1], w.shape[0]) and add.dtype in _FLOATS:
-            if bits is None:
-                return _ext.half_matvec(x, w, add=add)
-            return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x, add=add)
-    y = layer(x)
-    return y if add is None else add + y
-
-
-def _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset):
-    """(args of _ext.norm_qkv_rope after n_kv_heads' place is filled, k's output dtype) when the fused
-    kernel serves these modules (plain nn.RoPE, one weight format, an RMSNorm or none), else None."""
-    projs = _shared_projections(q_proj, k_proj, v_proj) if _use_kernel(x) and x.ndim == 3 else None
-    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
-    if (projs is None or nw is None or not isinstance(rope, nn.RoPE) or not isinstance(offset, int)
-            or rope.base is None or rope.dims % 2 or rope.dims <= 0):
-        return None
-    (q, group_size, bits), (k, _, _), (v, _, _) = projs
-    if q[0].shape[0] % n_heads or rope.dims > q[0].shape[0] // n_heads:
-        return None
-    # The kernel's output dtypes are MLX's promotion of the unfused ops' (normed x, weights, bias).
-    y = _promote(x.dtype, nw[0].dtype if nw[0] is not None else x.dtype, (k[1] if bits else k[0]).dtype)
-    k_dtype = y if k[3] is None else _promote(y, k[3].dtype)
-    return (nw[0], nw[1], q, k, v, group_size or 64, bits), k_dtype
-
-
 def _promote(*dtypes):
     """MLX's promotion of float32 / float16 / bfloat16 (float16 with bfloat16 gives float32)."""
     kinds = set(dtypes)
     return kinds.pop() if len(kinds) == 1 else mx.float32
 
 
-def norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, offset=0):
-    """(q, k, v) [B, H, L, head_dim] as mlx-lm's llama Attention computes them before its KV cache:
-    h = norm(x) (None: h = x); q_proj(h), k_proj(h), v_proj(h) split into heads; RoPE at positions
-    offset.. on q and k. One primitive on the kernels (plain nn.RoPE, one weight format)."""
-    fused = _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset)
-    if fused is not None:
-        nw, eps, q, k, v, group_size, bits = fused[0]
-        return _ext.norm_qkv_rope(x, nw, eps, q, k, v, group_size, bits, n_heads, n_kv_heads, rope.dims,
-                                  rope.traditional, rope.base, rope.scale, offset, None, q8_activations=_q8x)
-    h = norm(x) if norm is not None else x
+_PARAMS = ("weight", "scales", "biases", "bias")
+_BLOCK_CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_ATTN_CHILDREN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_CHILDREN = ("gate_proj", "up_proj", "down_proj")
+
+
+class _BlockPlan:
+    """The fused ops' arguments for one block, and what they were read from: holders[i][keys[i]] was
+    held[i] (the block's child modules, their projections and norms, and those modules' arrays)."""
+
+    __slots__ = ("dense_mlp", "holders", "keys", "held", "qkv", "k_dtypes", "group", "scale", "o", "mlp", "down")
+
+
+def _matvec_args(proj):
+    """(w, scales, biases, group_size, bits) of a bias-free projection() result, else None."""
+    if proj is None or proj[0][3] is not None:
+        return None
+    (w, scales, biases, _), group_size, bits = proj
+    return w, scales, biases, group_size, bits
+
+
+def _read_block_plan(plan, attn, mlp, norm1, norm2):
+    """Fills plan's op arguments; leaves plan.qkv None when the fused ops do not serve the block."""
+    plan.qkv = plan.mlp = plan.down = None
+    nw = _rms_weight(norm1)
+    projs = _shared_projections(attn.q_proj, attn.k_proj, attn.v_proj)
+    rope = attn.rope
+    if (nw is None or projs is None or not isinstance(rope, nn.RoPE) or rope.base is None
+            or rope.dims % 2 or rope.dims <= 0):
+        return
+    (q, group_size, bits), (k, _, _), (v, _, _) = projs
+    n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
+    if q[0].shape[0] % n_heads or rope.dims > q[0].shape[0] // n_heads or n_heads % n_kv_heads:
+        return
+    o = _matvec_args(projection(attn.o_proj))
+    if o is None:
+        return
+    plan.qkv = (nw[0], nw[1], q, k, v, group_size or 64, bits, n_heads, n_kv_heads, rope.dims,
+                rope.traditional, rope.base, rope.scale)
+    # k's dtype is MLX's promotion of x's, the norm weight's, the weights' (or scales') and k's bias's
+    plan.k_dtypes = (nw[0].dtype, (k[1] if bits else k[0]).dtype) + ((k[3].dtype,) if k[3] is not None else ())
+    plan.group, plan.scale, plan.o = n_heads // n_kv_heads, attn.scale, o
+    if mlp is not None:
+        nw2 = _rms_weight(norm2)
+        gate_up = _shared_projections(mlp.gate_proj, mlp.up_proj)
+        down = _matvec_args(projection(mlp.down_proj))
+        if (nw2 is not None and gate_up is not None and down is not None and gate_up[0][0][3] is None
+                and gate_up[1][0][3] is None):
+            (g, group_size, bits), (u, _, _) = gate_up
+            plan.mlp, plan.down = (nw2[0], nw2[1], g, u, group_size or 64, bits), down
+
+
+def _block_plan(block, dense_mlp):
+    """The block's plan (plan.qkv None: the fused ops do not serve it), read again when a module or
+    array of the block was replaced. dense_mlp: whether block.mlp is the gated MLP the fused ops compute."""
+    plan = block.__dict__.get("_flash_plan")
+    # The check runs every call: C-level maps over (module, key, what it held) triples, ~2 us.
+    if (plan is not None and plan.dense_mlp is dense_mlp
+            and all(map(operator.is_, map(dict.get, plan.holders, plan.keys), plan.held))):
+        return plan
+    attn, mlp, norm1, norm2 = (block[name] for name in _BLOCK_CHILDREN)
+    holders = [(block, name) for name in _BLOCK_CHILDREN] + [(attn, name) for name in _ATTN_CHILDREN]
+    leaves = [norm1, norm2] + [attn[name] for name in _ATTN_CHILDREN]
+    if dense_mlp:
+        holders += [(mlp, name) for name in _MLP_CHILDREN]
+        leaves += [mlp[name] for name in _MLP_CHILDREN]
+    holders += [(m, name) for m in leaves for name in _PARAMS]
+    plan = _BlockPlan()
+    plan.dense_mlp = dense_mlp
+    plan.holders, plan.keys = tuple(h for h, _ in holders), tuple(k for _, k in holders)
+    plan.held = tuple(h.get(k) for h, k in holders)
+    _read_block_plan(plan, attn, mlp if dense_mlp else None, norm1, norm2)
+    object.__setattr__(block, "_flash_plan", plan)  # not a parameter: bypass Module
+    return plan
+
+
+def _residual_matvec(x, args, add):
+    """add + x @ W.T as one primitive (the sum sees the product rounded to its dtype, as unfused)."""
+    w, scales, biases, group_size, bits = args
+    if bits is None:
+        return _ext.half_matvec(x, w, add=add)
+    return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x, add=add)
+
+
+def fused_block(block, x, mask=None, cache=None, dense_mlp=True):
+    """mlx-lm's llama-family TransformerBlock.__call__(x, mask, cache) on the fused kernels (a block.mlp
+    that is not the block's dense gated MLP, dense_mlp False, is called as a module). Returns None
+    when the kernels do not serve this call; the caller then runs mlx-lm's own code.
+
+    A plain mlx-lm KVCache whose buffers have room gets k and v written into them by the q/k/v
+    primitive (in place when MLX can donate the buffer, as its slice_update would) and attention
+    reads their first offset + L rows: no slice_update and slice ops per layer. Otherwise (no room
+    yet, other cache types) the cache's own update_and_fetch runs."""
+    if x.ndim != 3 or not _use_kernel(x):
+        return None
+    plan = _block_plan(block, dense_mlp)
+    if plan.qkv is None:
+        return None
     B, L, _ = x.shape
-    q, k, v = (m(h).reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
-               for m, heads in ((q_proj, n_heads), (k_proj, n_kv_heads), (v_proj, n_kv_heads)))
-    return rope(q, offset=offset), rope(k, offset=offset), v
-
-
-def qkv_into_cache(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, cache):
-    """(q, keys, values, n_keys): norm_qkv_rope at the cache's offset with k and v appended to mlx-lm's
-    KV `cache` (None: no cache), as mlx-lm's attention does with cache.update_and_fetch; keys / values
-    hold all positions so far in their first n_keys rows (pass n_keys to attention_heads_last).
-    On the kernels, a plain KVCache whose buffers have room gets k and v written into them by the
-    same primitive (in place, as MLX's slice_update), instead of two slice_update and two slice ops."""
-    if cache is None:
-        q, k, v = norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, 0)
-        return q, k, v, k.shape[2]
-    offset = cache.offset
-    if (type(cache) is _KVCache and cache.keys is not None and x.ndim == 3
-            and offset + x.shape[1] <= cache.keys.shape[2]):
-        fused = _qkv_kernel_args(x, norm, q_proj, k_proj, v_proj, n_heads, rope, offset)
-        if fused is not None and cache.keys.dtype == fused[1] == cache.values.dtype:
-            nw, eps, q, k, v, group_size, bits = fused[0]
-            q, cache.keys, cache.values = _ext.norm_qkv_rope(
-                x, nw, eps, q, k, v, group_size, bits, n_heads, n_kv_heads, rope.dims, rope.traditional,
-                rope.base, rope.scale, offset, None, q8_activations=_q8x, k_cache=cache.keys,
-                v_cache=cache.values)
-            cache.offset += x.shape[1]
-            return q, cache.keys, cache.values, cache.offset
-    q, k, v = norm_qkv_rope(x, norm, q_proj, k_proj, v_proj, n_heads, n_kv_heads, rope, offset)
-    k, v = cache.update_and_fetch(k, v)
-    return q, k, v, k.shape[2]
-
-
-def norm_swiglu(x, norm, gate_proj, up_proj):
-    """swiglu(gate_proj(h), up_proj(h)) = silu(gate) * up with h = norm(x) (None: h = x): mlx-lm's
-    gated MLP before its down projection. One primitive on the kernels."""
-    projs = _shared_projections(gate_proj, up_proj) if _use_kernel(x) else None
-    nw = _rms_weight(norm) if norm is not None else (None, 0.0)
-    if projs is not None and nw is not None and projs[0][0][3] is None and projs[1][0][3] is None:
-        (g, group_size, bits), (u, _, _) = projs
-        return _ext.norm_swiglu(x, nw[0], nw[1], g, u, group_size or 64, bits, q8_activations=_q8x)
-    h = norm(x) if norm is not None else x
-    return _swiglu(gate_proj(h), up_proj(h))
+    offset = 0 if cache is None else cache.offset
+    causal = isinstance(mask, str) and mask == "causal"
+    if ((mask is not None and not causal) or not isinstance(offset, int) or hasattr(cache, "bits")
+            or plan.group * L * (offset + L) > MAX_ATTENTION_SCORES):
+        return None
+    k_cache = v_cache = None
+    if (type(cache) is _KVCache and cache.keys is not None and offset + L <= cache.keys.shape[2]
+            and cache.keys.dtype == _promote(x.dtype, *plan.k_dtypes) == cache.values.dtype):
+        k_cache, v_cache = cache.keys, cache.values
+    q, k, v = _ext.norm_qkv_rope(x, *plan.qkv, offset, None, q8_activations=_q8x, k_cache=k_cache,
+                                 v_cache=v_cache)
+    n_keys = None
+    if k_cache is not None:
+        cache.keys, cache.values = k, v
+        cache.offset = n_keys = offset + L
+    elif cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    h = _residual_matvec(_ext.attention(q, k, v, plan.scale, causal, heads_last=True, n_keys=n_keys), plan.o, x)
+    if plan.mlp is None:
+        return h + block.mlp(block.post_attention_layernorm(h))
+    return _residual_matvec(_ext.norm_swiglu(h, *plan.mlp, q8_activations=_q8x), plan.down, h)
 
 
 try:
-    from mlx_lm.models.activations import swiglu as _swiglu
     from mlx_lm.models.base import scaled_dot_product_attention as MLX_LM_ATTENTION  # what we replace
     from mlx_lm.models.cache import KVCache as _KVCache
 except ImportError:  # mlx-lm missing: nothing to patch
     MLX_LM_ATTENTION = _KVCache = None
-
-    def _swiglu(gate, x):
-        return nn.silu(gate) * x
 
 

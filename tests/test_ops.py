@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_flash import ops
 from mlx_flash.models.kernel_layers import patch_layers
@@ -387,12 +388,12 @@ def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
     vmax = np.abs(_f32(v)).max()
     _assert_close(y, ref, _layer_bound(ref, 16 * U * Lk * vmax, dtype))
     # heads_last: what mlx-lm's transpose(0, 2, 1, 3).reshape(B, L, -1) of the output gives, exactly
-    last = ops.attention_heads_last(q, k, v, None, scale=D**-0.5, mask=mask)
+    last = ops._ext.attention(q, k, v, D**-0.5, causal, heads_last=True)
     assert last.shape == (B, lq, Hq * Dv)
     assert np.array_equal(_f32(last), _f32(y.transpose(0, 2, 1, 3).reshape(B, lq, -1)))
     # n_keys: the first Lk rows of the whole buffer are the keys (no slice op), exactly the same
     kb, vb = _x((B, Hkv, cap, D), dtype, seed=3), _x((B, Hkv, cap, Dv), dtype, seed=4)
-    whole = ops.attention_heads_last(q, kb, vb, None, scale=D**-0.5, mask=mask, n_keys=Lk)
+    whole = ops._ext.attention(q, kb, vb, D**-0.5, causal, heads_last=True, n_keys=Lk)
     assert np.array_equal(_f32(whole), _f32(last))
 
 
@@ -617,11 +618,10 @@ def test_fused_blocks_never_write_into_a_cache_buffer_someone_holds(tiny_llama):
     # a cache buffer without room for offset + L rows is refused (the caller grows it first)
     block = model.model.layers[0]
     a, x = block.self_attn, mx.zeros((1, 2, 64))
-    args, k_dtype = ops._qkv_kernel_args(x, block.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads, a.rope, 7)
-    full = mx.zeros((1, a.n_kv_heads, 8, 64 // a.n_heads), k_dtype)
+    plan = ops._block_plan(block, dense_mlp=True)
+    full = mx.zeros((1, a.n_kv_heads, 8, 64 // a.n_heads), ops._promote(x.dtype, *plan.k_dtypes))
     with pytest.raises(ValueError, match="S >= offset \\+ L = 9"):
-        ops._ext.norm_qkv_rope(x, *args, a.n_heads, a.n_kv_heads, a.rope.dims, a.rope.traditional, a.rope.base,
-                               a.rope.scale, 7, None, k_cache=full, v_cache=full)
+        ops._ext.norm_qkv_rope(x, *plan.qkv, 7, None, k_cache=full, v_cache=full)
 
 
 @needs_ext
@@ -645,6 +645,32 @@ def test_fused_qwen2_blocks_with_qkv_biases_match_mlx(quantize):
     assert all(isinstance(layer, FusedBlock) for layer in model.model.layers)
 
     _assert_decode_matches_mlx(model, [1, 5, 9, 2, 7], [4, 8, 6], 2e-2)  # float16 activations: 2^-11
+
+
+@needs_ext
+def test_fused_block_plan_follows_replaced_weights(tiny_llama):
+    # ops.fused_block reads a block's arrays once; weights loaded later (load_weights, update) and
+    # a replaced module must be seen on the next call.
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(tiny_llama("a", quantize=(4, 32)))
+    other, _ = load_model(tiny_llama("b", quantize=(4, 32), seed=1))
+    patch_layers(model)
+    tokens = mx.array([[1, 5, 9, 2]])
+    before = _f32(model(tokens))
+    model.load_weights(list(tree_flatten(other.parameters())))
+    after = _f32(model(tokens))
+    block = model.model.layers[1]
+    block.mlp.down_proj = other.model.layers[0].mlp.down_proj  # an unpatched module: read as it is
+    replaced = _f32(model(tokens))
+    ops.set_kernels_enabled(False)
+    reference = _f32(model(tokens))
+    block.mlp.down_proj = other.model.layers[1].mlp.down_proj
+    reference_after = _f32(model(tokens))
+    ops.set_kernels_enabled(True)
+    assert np.max(np.abs(after - before)) > 0.1
+    for a, r in ((replaced, reference), (after, reference_after)):
+        assert np.max(np.abs(a - r)) <= 2e-2 * max(1.0, np.max(np.abs(r))), np.max(np.abs(a - r))
 
 
 def test_projection_memo_follows_replaced_weights():

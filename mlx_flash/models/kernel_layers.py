@@ -2,9 +2,10 @@
 
 patch_layers re-classes modules in place, so parameters, names and isinstance checks are unchanged;
 only __call__ / as_linear route through mlx_flash.ops (which falls back to MLX's ops whenever the
-kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: about 9
-primitives per token and layer instead of 27 (norm + q/k/v + RoPE as one, norm + gate/up + SwiGLU
-as one, residual adds inside the o_proj / down matvecs, attention writing what o_proj reads).
+kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: 5
+primitives per token and layer instead of 27 (norm + q/k/v + RoPE + the KV cache write as one,
+attention reading the cache buffer and writing what o_proj reads, norm + gate/up + SwiGLU as one,
+residual adds inside the o_proj / down matvecs; see ops.fused_block).
 """
 
 import sys
@@ -115,22 +116,17 @@ def _patch_attention(module_name):
 
 class FusedBlock:
     """__call__ of a llama-family decoder block (mlx-lm's TransformerBlock: input_layernorm,
-    self_attn with q/k/v/o_proj + rope + KV cache, post_attention_layernorm, mlp) through the fused
-    ops; mixed in front of the block's own class, whose __call__ runs when the kernels are off.
-    An MLP that is not the block's dense gated MLP (e.g. a flash FFN) is called as a module."""
+    self_attn with q/k/v/o_proj + rope + KV cache, post_attention_layernorm, mlp) through
+    ops.fused_block; mixed in front of the block's own class, whose __call__ runs when the kernels
+    are off or do not serve the call. An MLP that is not the block's dense gated MLP (e.g. a flash
+    FFN) is called as a module."""
 
     def __call__(self, x, mask=None, cache=None):
-        if not ops.kernels_active():
-            return super().__call__(x, mask, cache)
-        a, mlp = self.self_attn, self.mlp
-        q, k, v, n_keys = ops.qkv_into_cache(x, self.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.n_heads,
-                                             a.n_kv_heads, a.rope, cache)
-        attn = ops.attention_heads_last(q, k, v, cache, scale=a.scale, mask=mask, n_keys=n_keys)
-        h = ops.linear(attn, a.o_proj, add=x)
-        if type(mlp) is not self._dense_mlp:
-            return h + mlp(self.post_attention_layernorm(h))
-        g = ops.norm_swiglu(h, self.post_attention_layernorm, mlp.gate_proj, mlp.up_proj)
-        return ops.linear(g, mlp.down_proj, add=h)
+        if ops.kernels_active():
+            y = ops.fused_block(self, x, mask, cache, dense_mlp=type(self.mlp) is self._dense_mlp)
+            if y is not None:
+                return y
+        return super().__call__(x, mask, cache)
 
 
 def _llama_family():
