@@ -311,13 +311,32 @@ NB_MODULE(_ext, m) {
   m.def(
       "norm_swiglu",
       [](const mx::array& x, std::optional<mx::array> norm_weight, float eps, const Proj& gate, const Proj& up,
-         int group_size, std::optional<int> bits, bool q8_activations) {
-        return flash_ext::norm_swiglu(x, norm_weight, eps, linear(gate), linear(up), group_size, bits, q8_activations);
+         int group_size, std::optional<int> bits, bool q8_activations, std::optional<Proj> down,
+         int down_group_size, std::optional<int> down_bits) {
+        std::optional<flash_ext::Linear> d;
+        if (down) d = linear(*down);
+        return flash_ext::norm_swiglu(x, norm_weight, eps, linear(gate), linear(up), group_size, bits, q8_activations,
+                                      d, down_group_size, down_bits);
       },
       nb::arg("x"), nb::arg("norm_weight").none(), nb::arg("eps"), nb::arg("gate"), nb::arg("up"),
       nb::arg("group_size"), nb::arg("bits").none(), nb::arg("q8_activations") = false,
+      nb::arg("down").none() = nb::none(), nb::arg("down_group_size") = 64, nb::arg("down_bits").none() = nb::none(),
       "silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x) (skipped when norm_weight is None), as one CPU primitive; "
-      "gate / up are (w, scales, biases, bias) with bias None.");
+      "gate / up are (w, scales, biases, bias) with bias None. With down ((w, scales, biases, None) in its own "
+      "format down_group_size / down_bits): x + down(that), the MLP block with its residual.");
+  m.def(
+      "attention_o_proj",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+         std::optional<int> n_keys, const Proj& o, int group_size, std::optional<int> bits, const mx::array& residual,
+         bool q8_activations) {
+        return flash_ext::attention_o_proj(q, k, v, scale, causal, n_keys, linear(o), group_size, bits, residual,
+                                           q8_activations);
+      },
+      nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("causal"),
+      nb::arg("n_keys").none(), nb::arg("o"), nb::arg("group_size"), nb::arg("bits").none(), nb::arg("residual"),
+      nb::arg("q8_activations") = false,
+      "residual + o(attention(q, k, v) in heads-last layout) as one CPU primitive: the attention block's output "
+      "with its residual; o is (w, scales, biases, None); n_keys as in attention.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the AVX2 path when the CPU has it (True) or force the portable scalar path (False).");
   m.def("simd_active", &flash::simd_active);

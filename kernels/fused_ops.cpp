@@ -1,6 +1,7 @@
 // Fused decoder-layer primitives (see fused_ops.h).
 
 #include "fused_ops.h"
+#include "layer_ops.h"
 
 #include <cmath>
 #include <cstring>
@@ -16,7 +17,8 @@ namespace flash_ext {
 
 namespace {
 
-thread_local std::vector<float> tl_x, tl_y, tl_tmp;
+thread_local std::vector<float> tl_x, tl_y, tl_tmp, tl_mid;
+thread_local std::vector<uint8_t> tl_bytes;
 
 // What eval needs of one projection: its weights and optional bias.
 struct ProjView {
@@ -78,6 +80,30 @@ void set_problem(flash::Problem& p, const ProjView& v, int fmt, int gs, WeightCo
   p.out = out;
   p.out_dtype = flash::DT_F32;
   p.q8_activations = q8x && quant;
+}
+
+// The second stage of a fused op: out = round(xin @ W.T, ydt) + add (the residual), with xin float32
+// rows [M, K] and add / out [M, N] contiguous in their dtypes, as FlashMatvec computes it with `add`.
+void residual_matvec(const ProjView& v, int fmt, int gs, const float* xin, int M, const View& add, int ydt,
+                     uint8_t* out, int odt, bool q8x) {
+  const int N = int(v.w.shape[0]);
+  float* y = scratch(tl_mid, size_t(2) * M * N);
+  flash::Problem p;
+  WeightCopies copies;
+  set_problem(p, v, fmt, gs, copies, xin, M, y, q8x);
+  flash::matvec(p);
+  float* r = y + size_t(M) * N;
+  to_float(add, r);
+  round_to(ydt, y, M * N);
+  for (int64_t i = 0; i < int64_t(M) * N; ++i) y[i] += r[i];
+  store_row(out, odt, 0, M * N, y);
+}
+
+// A stage's input: values of dtype dt rounded as an MLX array of that dtype would hold them, as float32.
+float* rounded_rows(const uint8_t* bytes, int dt, int64_t n) {
+  float* x = scratch(tl_x, size_t(n));
+  for (int64_t i = 0; i < n; ++i) x[i] = flash::load_scalar(bytes, dt, i);
+  return x;
 }
 
 // Views of x, the norm weight and the projections (inputs in fused_inputs' order); next: the index of
@@ -253,6 +279,10 @@ class FlashSwiGLU : public mx::Primitive {
     int fmt, group_size, hdt, ydt;
     float eps;
     bool q8x;
+    // With a down projection (inputs after gate / up): out = x + round(down(g)), g the SwiGLU output
+    // rounded to ydt; down has its own format and output dtype down_ydt.
+    bool has_down = false;
+    int down_fmt = 0, down_group_size = 0, down_ydt = 0;
   };
   FlashSwiGLU(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
 
@@ -285,6 +315,15 @@ class FlashSwiGLU : public mx::Primitive {
     const FusedViews in = fused_views(inputs, P.layout);
     const View &x = in.x, &norm_w = in.norm_w;
     const std::vector<ProjView>& views = in.projs;
+    ProjView down;
+    if (P.has_down) {
+      size_t next = in.next;
+      down.w = View::of(inputs[next++]);
+      if (P.down_fmt == flash::FMT_Q4 || P.down_fmt == flash::FMT_Q8) {
+        down.scales = View::of(inputs[next++]);
+        down.biases = View::of(inputs[next++]);
+      }
+    }
     uint8_t* out = allocate_output(outputs[0]);
     const int odt = scalar_type(outputs[0].dtype());
     dispatch(stream(), inputs, outputs, [=]() {
@@ -297,8 +336,16 @@ class FlashSwiGLU : public mx::Primitive {
       flash::Problem ps[2];
       WeightCopies copies[2];
       for (int j = 0; j < 2; ++j) set_problem(ps[j], views[j], P.fmt, P.group_size, copies[j], xin, M, y + size_t(j) * M * n, P.q8x);
-      Epilogue e{y, y + size_t(M) * n, M, n, P.ydt, odt, out};
+      uint8_t* g = out;  // the SwiGLU output: the result, or the down projection's input
+      if (P.has_down) {
+        if (tl_bytes.size() < size_t(M) * n * 4) tl_bytes.resize(size_t(M) * n * 4);
+        g = tl_bytes.data();
+      }
+      Epilogue e{y, y + size_t(M) * n, M, n, P.ydt, P.has_down ? P.ydt : odt, g};
       flash::matvec_many(ps, 2, &FlashSwiGLU::epilogue, &e);
+      if (P.has_down)
+        residual_matvec(down, P.down_fmt, P.down_group_size, rounded_rows(g, P.ydt, int64_t(M) * n), M, x,
+                        P.down_ydt, out, odt, P.q8x);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -308,12 +355,87 @@ class FlashSwiGLU : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const Params& o = static_cast<const FlashSwiGLU&>(other).p_;
     return p_.layout.has_norm == o.layout.has_norm && p_.fmt == o.fmt && p_.group_size == o.group_size &&
-           p_.hdt == o.hdt && p_.ydt == o.ydt && p_.eps == o.eps && p_.q8x == o.q8x;
+           p_.hdt == o.hdt && p_.ydt == o.ydt && p_.eps == o.eps && p_.q8x == o.q8x && p_.has_down == o.has_down &&
+           p_.down_fmt == o.down_fmt && p_.down_group_size == o.down_group_size && p_.down_ydt == o.down_ydt;
   }
 
  private:
   Params p_;
 };
+
+// ----------------------------------------------------------------------------------------------
+// Attention over a KV cache (FlashAttention's arithmetic, output [B, Lq, Hq * Dv] rounded to its
+// dtype attn_dt) followed by o_proj and the residual: out = add + round(attn @ Wo.T, ydt).
+class FlashAttnOut : public mx::Primitive {
+ public:
+  struct Params {
+    float scale;
+    bool causal, q8x;
+    int n_keys;  // < 0: all rows of k / v
+    int fmt, group_size, attn_dt, ydt;
+  };
+  FlashAttnOut(mx::Stream s, Params p) : mx::Primitive(s), p_(p) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Params P = p_;
+    const View q = View::of(inputs[0]), k = View::of(inputs[1]), v = View::of(inputs[2]);
+    ProjView o;
+    size_t next = 3;
+    o.w = View::of(inputs[next++]);
+    if (P.fmt == flash::FMT_Q4 || P.fmt == flash::FMT_Q8) {
+      o.scales = View::of(inputs[next++]);
+      o.biases = View::of(inputs[next++]);
+    }
+    const View add = View::of(inputs[next]);
+    uint8_t* out = allocate_output(outputs[0]);
+    const int odt = scalar_type(outputs[0].dtype());
+    dispatch(stream(), inputs, outputs, [=]() {
+      const int M = int(q.shape[0] * q.shape[2]), width = int(q.shape[1] * v.shape[3]);
+      if (M == 0) return;
+      if (tl_bytes.size() < size_t(M) * width * 4) tl_bytes.resize(size_t(M) * width * 4);
+      attention_into(q, k, v, P.n_keys >= 0 ? P.n_keys : int(k.shape[2]), P.scale, P.causal, true, tl_bytes.data(),
+                     P.attn_dt);
+      residual_matvec(o, P.fmt, P.group_size, rounded_rows(tl_bytes.data(), P.attn_dt, int64_t(M) * width), M, add,
+                      P.ydt, out, odt, P.q8x);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
+  }
+  const char* name() const override { return "FlashAttnOut"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Params& o = static_cast<const FlashAttnOut&>(other).p_;
+    return p_.scale == o.scale && p_.causal == o.causal && p_.q8x == o.q8x && p_.n_keys == o.n_keys &&
+           p_.fmt == o.fmt && p_.group_size == o.group_size && p_.attn_dt == o.attn_dt && p_.ydt == o.ydt;
+  }
+
+ private:
+  Params p_;
+};
+
+// Checks of a projection that follows a fused stage: format, input size K, no bias; returns its
+// format and appends its arrays to inputs.
+int check_stage_projection(const char* op, const Linear& p, int K, int group_size, std::optional<int> bits,
+                           std::vector<mx::array>& inputs) {
+  const int fmt = weight_format(p.w, bits);
+  if (p.w.ndim() != 2) fail(std::string(op) + ": weights must be 2-D, got " + shape_str(p.w));
+  const int k = bits ? p.w.shape(1) * (32 / *bits) : p.w.shape(1);
+  if (k != K) fail(std::string(op) + ": output projection input size " + std::to_string(k) + " != " + std::to_string(K));
+  if (p.bias) fail(std::string(op) + ": an output projection with a bias is not supported");
+  inputs.push_back(p.w);
+  if (bits) {
+    if (!p.scales || !p.biases) fail(std::string(op) + ": quantized weights need scales and biases");
+    if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+    const mx::Shape sb{p.w.shape(0), K / group_size};
+    if (p.scales->shape() != sb || p.biases->shape() != sb || p.biases->dtype() != p.scales->dtype())
+      fail(std::string(op) + ": scales/biases must have shape (" + std::to_string(sb[0]) + ", " +
+           std::to_string(sb[1]) + ") and one dtype");
+    scalar_type(p.scales->dtype());
+    inputs.push_back(*p.scales);
+    inputs.push_back(*p.biases);
+  }
+  return fmt;
+}
 
 // Checks shared by both ops; returns the format and sets the dtypes of the normed input and outputs.
 int check_fused(const char* op, const mx::array& x, const std::optional<mx::array>& norm_weight,
@@ -419,7 +541,8 @@ std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx:
 }
 
 mx::array norm_swiglu(const mx::array& x, const std::optional<mx::array>& norm_weight, float eps, const Linear& gate,
-                      const Linear& up, int group_size, std::optional<int> bits, bool q8x) {
+                      const Linear& up, int group_size, std::optional<int> bits, bool q8x,
+                      const std::optional<Linear>& down, int down_group_size, std::optional<int> down_bits) {
   mx::Stream s = cpu_stream();
   if (x.ndim() < 1) fail("norm_swiglu: x must have at least one dimension");
   if (gate.bias || up.bias) fail("norm_swiglu: projections with a bias are not supported");
@@ -438,7 +561,45 @@ mx::array norm_swiglu(const mx::array& x, const std::optional<mx::array>& norm_w
   P.q8x = q8x && bits.has_value();
   mx::Shape shape = x.shape();
   shape.back() = gate.w.shape(0);
-  return mx::array(shape, ydt, std::make_shared<FlashSwiGLU>(s, std::move(P)), std::move(inputs));
+  mx::Dtype out_dtype = ydt;
+  if (down) {
+    P.has_down = true;
+    P.down_fmt = check_stage_projection("norm_swiglu", *down, gate.w.shape(0), down_group_size, down_bits, inputs);
+    P.down_group_size = down_bits ? down_group_size : 0;
+    if (down->w.shape(0) != x.shape(-1))
+      fail("norm_swiglu: down must have " + std::to_string(x.shape(-1)) + " rows (x's last dimension)");
+    const mx::Dtype down_ydt = mx::promote_types(ydt, down_bits ? down->scales->dtype() : down->w.dtype());
+    P.down_ydt = scalar_type(down_ydt);
+    shape = x.shape();
+    out_dtype = mx::promote_types(down_ydt, x.dtype());
+  }
+  return mx::array(shape, out_dtype, std::make_shared<FlashSwiGLU>(s, std::move(P)), std::move(inputs));
+}
+
+mx::array attention_o_proj(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                           std::optional<int> n_keys, const Linear& o, int group_size, std::optional<int> bits,
+                           const mx::array& residual, bool q8x) {
+  mx::Stream s = cpu_stream();
+  // The attention's own checks (shapes, dtypes, n_keys) and output dtype, from the single op.
+  const mx::array attn = attention(q, k, v, scale, causal, true, n_keys);
+  FlashAttnOut::Params P;
+  P.scale = scale;
+  P.causal = causal;
+  P.n_keys = n_keys.value_or(-1);
+  P.attn_dt = scalar_type(attn.dtype());
+  std::vector<mx::array> inputs = {q, k, v};
+  P.fmt = check_stage_projection("attention_o_proj", o, attn.shape(2), group_size, bits, inputs);
+  P.group_size = bits ? group_size : 0;
+  P.q8x = q8x && bits.has_value();
+  const mx::Dtype ydt = mx::promote_types(attn.dtype(), bits ? o.scales->dtype() : o.w.dtype());
+  P.ydt = scalar_type(ydt);
+  const mx::Shape shape{attn.shape(0), attn.shape(1), o.w.shape(0)};
+  if (residual.shape() != shape)
+    fail("attention_o_proj: residual must have shape " + shape_str(shape) + ", got " + shape_str(residual));
+  scalar_type(residual.dtype());
+  inputs.push_back(residual);
+  return mx::array(shape, mx::promote_types(ydt, residual.dtype()), std::make_shared<FlashAttnOut>(s, P),
+                   std::move(inputs));
 }
 
 }  // namespace flash_ext

@@ -33,8 +33,19 @@ std::vector<mlx::core::array> norm_qkv_rope(const mlx::core::array& x, const std
                                             const std::optional<mlx::core::array>& v_cache = std::nullopt);
 
 // silu(h @ Wg.T) * (h @ Wu.T) with h = rms_norm(x, norm_weight, eps) (skipped without norm_weight).
+// With down (no bias; its own format): x + down(that), the product rounded to its dtype first, as
+// mlx-lm's unfused `h + mlp(norm(h))` rounds it.
 mlx::core::array norm_swiglu(const mlx::core::array& x, const std::optional<mlx::core::array>& norm_weight, float eps,
                              const Linear& gate, const Linear& up, int group_size, std::optional<int> bits,
-                             bool q8_activations);
+                             bool q8_activations, const std::optional<Linear>& down = std::nullopt,
+                             int down_group_size = 64, std::optional<int> down_bits = std::nullopt);
+
+// residual + o(attention(q, k, v)): attention as layer_ops' attention with heads_last (n_keys: the
+// first n_keys rows of k / v), then the o projection (no bias), its product rounded to its dtype
+// before the residual is added, as mlx-lm's `x + self_attn(...)` rounds it. One primitive.
+mlx::core::array attention_o_proj(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                                  float scale, bool causal, std::optional<int> n_keys, const Linear& o,
+                                  int group_size, std::optional<int> bits, const mlx::core::array& residual,
+                                  bool q8_activations);
 
 }  // namespace flash_ext

@@ -189,6 +189,39 @@ void attention_chunk(const void* vctx, int chunk) {
     }
 }
 
+}  // namespace
+
+void attention_into(const View& q, const View& k, const View& v, int n_keys, float scale, bool causal,
+                    bool heads_last, uint8_t* out, int odt) {
+  AttnCtx c;
+  c.q = q;
+  c.k = k;
+  c.v = v;
+  c.B = int(q.shape[0]);
+  c.Hq = int(q.shape[1]);
+  c.Lq = int(q.shape[2]);
+  c.D = int(q.shape[3]);
+  c.Hkv = int(k.shape[1]);
+  c.Lk = n_keys;
+  c.Dv = int(v.shape[3]);
+  c.odt = odt;
+  c.scale = scale;
+  c.causal = causal;
+  c.heads_last = heads_last;
+  c.out = out;
+  const int chunks = c.B * c.Hkv;
+  if (chunks == 0 || c.Lq == 0 || c.Dv == 0) return;
+  // Below ~64k multiply-adds a second thread costs more than it saves.
+  const int64_t work = int64_t(c.Hq) * c.Lq * c.Lk * (c.D + c.Dv);
+  if (work < (64 << 10) || chunks == 1) {
+    for (int i = 0; i < chunks; ++i) attention_chunk(&c, i);
+  } else {
+    flash::parallel_for(chunks, attention_chunk, &c);
+  }
+}
+
+namespace {
+
 class FlashAttention : public mx::Primitive {
  public:
   // n_keys < 0: all of k's rows are keys.
@@ -197,33 +230,12 @@ class FlashAttention : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    AttnCtx c;
-    c.q = View::of(inputs[0]);
-    c.k = View::of(inputs[1]);
-    c.v = View::of(inputs[2]);
-    c.B = inputs[0].shape(0);
-    c.Hq = inputs[0].shape(1);
-    c.Lq = inputs[0].shape(2);
-    c.D = inputs[0].shape(3);
-    c.Hkv = inputs[1].shape(1);
-    c.Lk = n_keys_ >= 0 ? n_keys_ : inputs[1].shape(2);
-    c.Dv = inputs[2].shape(3);
-    c.odt = scalar_type(out.dtype());
-    c.scale = scale_;
-    c.causal = causal_;
-    c.heads_last = heads_last_;
-    c.out = allocate_output(out);
-    dispatch(stream(), inputs, {out}, [c]() {
-      const int chunks = c.B * c.Hkv;
-      if (chunks == 0 || c.Lq == 0 || c.Dv == 0) return;
-      // Below ~64k multiply-adds a second thread costs more than it saves.
-      const int64_t work = int64_t(c.Hq) * c.Lq * c.Lk * (c.D + c.Dv);
-      if (work < (64 << 10) || chunks == 1) {
-        for (int i = 0; i < chunks; ++i) attention_chunk(&c, i);
-      } else {
-        flash::parallel_for(chunks, attention_chunk, &c);
-      }
-    });
+    const View q = View::of(inputs[0]), k = View::of(inputs[1]), v = View::of(inputs[2]);
+    const int n_keys = n_keys_ >= 0 ? n_keys_ : int(k.shape[2]), odt = scalar_type(out.dtype());
+    const float scale = scale_;
+    const bool causal = causal_, heads_last = heads_last_;
+    uint8_t* ptr = allocate_output(out);
+    dispatch(stream(), inputs, {out}, [=]() { attention_into(q, k, v, n_keys, scale, causal, heads_last, ptr, odt); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "mlx/array.h"
+#include "mlx_view.h"
 
 namespace flash_ext {
 
@@ -25,6 +26,12 @@ mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional, flo
 // (Hq a multiple of Hkv), no mask or a causal one (query i sees keys j <= Lk - Lq + i). heads_last:
 // the output is [B, Lq, Hq * Dv] (the transpose + reshape mlx-lm applies before o_proj) instead of
 // [B, Hq, Lq, Dv]. n_keys: only the first n_keys rows of k and v are keys (a KV cache buffer).
+// What FlashAttention's task runs, on the calling thread and the kernels' pool: q [B, Hq, Lq, D]
+// over the first n_keys rows of k / v into contiguous out (dtype odt), [B, Lq, Hq * Dv] when
+// heads_last, else [B, Hq, Lq, Dv].
+void attention_into(const View& q, const View& k, const View& v, int n_keys, float scale, bool causal,
+                    bool heads_last, uint8_t* out, int odt);
+
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                            float scale, bool causal, bool heads_last = false,
                            std::optional<int> n_keys = std::nullopt);

@@ -247,7 +247,7 @@ def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
 
 # ------------------------------------------------------------------------------------------------
 # A whole llama-family decoder block per call (fused_block): norm + q/k/v + RoPE (+ the KV cache
-# write), attention, o_proj + residual, norm + gate/up + SwiGLU, down + residual as five primitives,
+# write), attention + o_proj + residual, norm + gate/up + SwiGLU + down + residual: three primitives,
 # with their arguments read from the block's modules once. Decoding calls every block once per
 # token; reading and checking its seven layers every time cost as much Python as the rest of the
 # step. Modules are read, never changed; where the fused ops do not apply, mlx-lm's own block code
@@ -315,12 +315,12 @@ class _BlockPlan:
     __slots__ = ("dense_mlp", "holders", "keys", "held", "qkv", "k_dtypes", "group", "scale", "o", "mlp", "down")
 
 
-def _matvec_args(proj):
-    """(w, scales, biases, group_size, bits) of a bias-free projection() result, else None."""
+def _output_projection(proj):
+    """((w, scales, biases, None), group_size, bits) of a bias-free projection() result, else None."""
     if proj is None or proj[0][3] is not None:
         return None
-    (w, scales, biases, _), group_size, bits = proj
-    return w, scales, biases, group_size, bits
+    arrays, group_size, bits = proj
+    return arrays, group_size or 64, bits
 
 
 def _read_block_plan(plan, attn, mlp, norm1, norm2):
@@ -336,7 +336,7 @@ def _read_block_plan(plan, attn, mlp, norm1, norm2):
     n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
     if q[0].shape[0] % n_heads or rope.dims > q[0].shape[0] // n_heads or n_heads % n_kv_heads:
         return
-    o = _matvec_args(projection(attn.o_proj))
+    o = _output_projection(projection(attn.o_proj))
     if o is None:
         return
     plan.qkv = (nw[0], nw[1], q, k, v, group_size or 64, bits, n_heads, n_kv_heads, rope.dims,
@@ -347,7 +347,7 @@ def _read_block_plan(plan, attn, mlp, norm1, norm2):
     if mlp is not None:
         nw2 = _rms_weight(norm2)
         gate_up = _shared_projections(mlp.gate_proj, mlp.up_proj)
-        down = _matvec_args(projection(mlp.down_proj))
+        down = _output_projection(projection(mlp.down_proj))
         if (nw2 is not None and gate_up is not None and down is not None and gate_up[0][0][3] is None
                 and gate_up[1][0][3] is None):
             (g, group_size, bits), (u, _, _) = gate_up
@@ -376,14 +376,6 @@ def _block_plan(block, dense_mlp):
     _read_block_plan(plan, attn, mlp if dense_mlp else None, norm1, norm2)
     object.__setattr__(block, "_flash_plan", plan)  # not a parameter: bypass Module
     return plan
-
-
-def _residual_matvec(x, args, add):
-    """add + x @ W.T as one primitive (the sum sees the product rounded to its dtype, as unfused)."""
-    w, scales, biases, group_size, bits = args
-    if bits is None:
-        return _ext.half_matvec(x, w, add=add)
-    return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x, add=add)
 
 
 def fused_block(block, x, mask=None, cache=None, dense_mlp=True):
@@ -418,10 +410,11 @@ def fused_block(block, x, mask=None, cache=None, dense_mlp=True):
         cache.offset = n_keys = offset + L
     elif cache is not None:
         k, v = cache.update_and_fetch(k, v)
-    h = _residual_matvec(_ext.attention(q, k, v, plan.scale, causal, heads_last=True, n_keys=n_keys), plan.o, x)
+    h = _ext.attention_o_proj(q, k, v, plan.scale, causal, n_keys, *plan.o, x, q8_activations=_q8x)
     if plan.mlp is None:
         return h + block.mlp(block.post_attention_layernorm(h))
-    return _residual_matvec(_ext.norm_swiglu(h, *plan.mlp, q8_activations=_q8x), plan.down, h)
+    return _ext.norm_swiglu(h, *plan.mlp, q8_activations=_q8x, down=plan.down[0], down_group_size=plan.down[1],
+                            down_bits=plan.down[2])
 
 
 try:

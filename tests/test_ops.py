@@ -398,6 +398,53 @@ def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
 
 
 @needs_ext
+@pytest.mark.parametrize("o_format", [(4, 32), (8, 64), None], ids=["q4g32", "q8g64", "f16"])
+@pytest.mark.parametrize("lq", [1, 5])
+def test_fused_output_stages_equal_the_single_ops(o_format, lq):
+    # attention_o_proj = attention (heads last) then the o projection with the residual, and
+    # norm_swiglu with down = norm_swiglu then down with the residual: the same arithmetic in one
+    # primitive, so the results are identical, not merely close.
+    B, Hq, Hkv, D, cap, n_keys, dim, hidden = 2, 4, 2, 16, 24, 9, 128, 192
+    q = _x((B, Hq, lq, D), mx.float16)
+    k, v = _x((B, Hkv, cap, D), mx.float16, seed=2), _x((B, Hkv, cap, D), mx.float16, seed=3)
+    x = _x((B, lq, dim), mx.float16, seed=4)
+
+    def weights(n, kk, seed):
+        if o_format is None:
+            return (_x((n, kk), mx.float16, seed=seed), None, None, None), 64, None
+        bits, group = o_format
+        wq, s, b, _, _ = _quantized(n, kk, bits, group, mx.float16, seed=seed)
+        return (wq, s, b, None), group, bits
+
+    def single(y, proj, add):
+        (w, s, b, _), group, bits = proj
+        if bits is None:
+            return ops._ext.half_matvec(y, w, add=add)
+        return ops._ext.quantized_matvec(y, w, s, b, group, bits, add=add)
+
+    o = weights(dim, Hq * D, 5)
+    fused = ops._ext.attention_o_proj(q, k, v, 0.25, lq > 1, n_keys, *o, x)
+    ref = single(ops._ext.attention(q, k, v, 0.25, lq > 1, heads_last=True, n_keys=n_keys), o, x)
+    assert fused.dtype == ref.dtype and np.array_equal(_f32(fused), _f32(ref))
+
+    norm = _x((dim,), mx.float16, seed=6)
+    gate, up, down = weights(hidden, dim, 7), weights(hidden, dim, 8), weights(dim, hidden, 9)
+    if o_format is not None:  # gate / up in one format; down may differ (here: float16)
+        down = (_x((dim, hidden), mx.float16, seed=9), None, None, None), 64, None
+    g = ops._ext.norm_swiglu(x, norm, 1e-5, gate[0], up[0], gate[1], gate[2])
+    fused = ops._ext.norm_swiglu(x, norm, 1e-5, gate[0], up[0], gate[1], gate[2], down=down[0],
+                                 down_group_size=down[1], down_bits=down[2])
+    ref = single(g, down, x)
+    assert fused.dtype == ref.dtype and np.array_equal(_f32(fused), _f32(ref))
+    with pytest.raises(ValueError, match="residual must have shape"):
+        ops._ext.attention_o_proj(q, k, v, 0.25, False, n_keys, *o, x[:, :, :8])
+    with pytest.raises(ValueError, match="down must have 128 rows"):
+        short = weights(8, hidden, 9)
+        ops._ext.norm_swiglu(x, norm, 1e-5, gate[0], up[0], gate[1], gate[2], down=short[0],
+                             down_group_size=short[1], down_bits=short[2])
+
+
+@needs_ext
 @pytest.mark.parametrize("lq,causal", [(1, False), (64, True)])
 def test_attention_with_widely_spread_scores(path, lq, causal):
     # Score differences far beyond ln(FLT_MIN) ~ -87.3 (large logits, e.g. long prompt chunks of a

@@ -2,10 +2,10 @@
 
 patch_layers re-classes modules in place, so parameters, names and isinstance checks are unchanged;
 only __call__ / as_linear route through mlx_flash.ops (which falls back to MLX's ops whenever the
-kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: 5
-primitives per token and layer instead of 27 (norm + q/k/v + RoPE + the KV cache write as one,
-attention reading the cache buffer and writing what o_proj reads, norm + gate/up + SwiGLU as one,
-residual adds inside the o_proj / down matvecs; see ops.fused_block).
+kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: 3
+primitives per token and layer instead of 27 (norm + q/k/v + RoPE + the KV cache write; attention
+over the cache buffer + o_proj + residual; norm + gate/up + SwiGLU + down + residual; see
+ops.fused_block).
 """
 
 import sys
