@@ -443,13 +443,28 @@ def _decode_breakdown(args):
 
     weight_bytes = sum(sum(v.nbytes for k, v in m.parameters().items() if k != "bias") for m in layers)
     step_ms, matvecs_ms = best_ms([step, matvecs])
-    out = {"step_ms": step_ms, "matvecs_ms": matvecs_ms, "matvecs": len(layers), "weight_bytes": weight_bytes}
+    out = {"step_ms": step_ms, "matvecs_ms": matvecs_ms, "matvecs": len(layers), "weight_bytes": weight_bytes,
+           "step_primitives": _graph_primitives(model(token, cache=cache))}
     out["other_ms"] = out["step_ms"] - out["matvecs_ms"]
     print(f"\ndecode step breakdown ({ops._ext.num_threads()} kernel threads): step {out['step_ms']:.1f} ms; its "
           f"{out['matvecs']} kernel matvecs alone, one primitive each: {out['matvecs_ms']:.1f} ms "
           f"({weight_bytes / 1e6:.0f} MB, {weight_bytes / out['matvecs_ms'] / 1e6:.1f} GB/s); the rest, net of "
-          f"the fused blocks' fewer dispatches: {out['other_ms']:.1f} ms")
+          f"the fused blocks' fewer dispatches: {out['other_ms']:.1f} ms; {out['step_primitives']} MLX primitives "
+          f"in a step's graph (logits of one token)")
     return out
+
+
+def _graph_primitives(out):
+    """How many primitives the graph of `out` holds (its nodes in mx.export_to_dot), None if unknown."""
+    import io
+
+    import mlx.core as mx
+
+    if not hasattr(mx, "export_to_dot"):
+        return None
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return dot.getvalue().count("shape=rectangle")
 
 
 def run(args):
