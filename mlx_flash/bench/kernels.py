@@ -445,12 +445,17 @@ def _decode_breakdown(args):
     step_ms, matvecs_ms = best_ms([step, matvecs])
     out = {"step_ms": step_ms, "matvecs_ms": matvecs_ms, "matvecs": len(layers), "weight_bytes": weight_bytes,
            "step_primitives": _graph_primitives(model(token, cache=cache))}
+    ops.set_kernels_enabled(False)
+    try:
+        out["step_primitives_mlx"] = _graph_primitives(model(token, cache=cache))
+    finally:
+        ops.set_kernels_enabled(True)
     out["other_ms"] = out["step_ms"] - out["matvecs_ms"]
     print(f"\ndecode step breakdown ({ops._ext.num_threads()} kernel threads): step {out['step_ms']:.1f} ms; its "
           f"{out['matvecs']} kernel matvecs alone, one primitive each: {out['matvecs_ms']:.1f} ms "
           f"({weight_bytes / 1e6:.0f} MB, {weight_bytes / out['matvecs_ms'] / 1e6:.1f} GB/s); the rest, net of "
           f"the fused blocks' fewer dispatches: {out['other_ms']:.1f} ms; {out['step_primitives']} MLX primitives "
-          f"in a step's graph (logits of one token)")
+          f"in a step's graph (logits of one token), {out['step_primitives_mlx']} with MLX's own ops")
     return out
 
 
