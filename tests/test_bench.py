@@ -36,6 +36,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     # 2 fused blocks x 3 primitives, the final norm, the lm_head and the quantized embedding lookup's
     # ops (MLX ops: several hundred)
     assert 8 <= b["step_primitives"] < 100 and b["step_primitives_mlx"] > 3 * b["step_primitives"]
+    assert 0 < b["build_ms"] < b["step_ms"]
     assert result["reference_bandwidth_gbs"] > 0 and "kernels" in result["command"]
     (case,) = result["cases"]
     assert case["kind"] == "q4g32" and case["N"] == 192 and case["K"] == 576

@@ -444,7 +444,7 @@ def _decode_breakdown(args):
     weight_bytes = sum(sum(v.nbytes for k, v in m.parameters().items() if k != "bias") for m in layers)
     step_ms, matvecs_ms = best_ms([step, matvecs])
     out = {"step_ms": step_ms, "matvecs_ms": matvecs_ms, "matvecs": len(layers), "weight_bytes": weight_bytes,
-           "step_primitives": _graph_primitives(model(token, cache=cache))}
+           "build_ms": _build_ms(model, token, cache), "step_primitives": _graph_primitives(model(token, cache=cache))}
     ops.set_kernels_enabled(False)
     try:
         out["step_primitives_mlx"] = _graph_primitives(model(token, cache=cache))
@@ -455,8 +455,26 @@ def _decode_breakdown(args):
           f"{out['matvecs']} kernel matvecs alone, one primitive each: {out['matvecs_ms']:.1f} ms "
           f"({weight_bytes / 1e6:.0f} MB, {weight_bytes / out['matvecs_ms'] / 1e6:.1f} GB/s); the rest, net of "
           f"the fused blocks' fewer dispatches: {out['other_ms']:.1f} ms; {out['step_primitives']} MLX primitives "
-          f"in a step's graph (logits of one token), {out['step_primitives_mlx']} with MLX's own ops")
+          f"in a step's graph (logits of one token), {out['step_primitives_mlx']} with MLX's own ops; building "
+          f"that graph in Python: {out['build_ms']:.2f} ms")
     return out
+
+
+def _build_ms(model, token, cache, n=30, rounds=5):
+    """Best mean ms over rounds of n calls to build one decode step's graph (the Python side of a
+    step: mlx-lm's model code and ours), each graph evaluated after its build is timed."""
+    import mlx.core as mx
+
+    best = float("inf")
+    for _ in range(rounds):
+        spent = 0.0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out = model(token, cache=cache)
+            spent += time.perf_counter() - t0
+            mx.eval(out)
+        best = min(best, spent / n * 1e3)
+    return best
 
 
 def _graph_primitives(out):
