@@ -34,13 +34,13 @@ using namespace flash_ext;
 
 thread_local std::vector<float> tl_in, tl_y;
 
-class FlashMatvec : public mx::Primitive {
+class FlashMatvec : public CpuPrimitive {
  public:
   // add_dtype >= 0: a last input of the output's shape is added (residual): out = round(y) + add,
   // y rounded to its own dtype y_dtype first, as the unfused `x + layer(h)` computes it.
   FlashMatvec(mx::Stream s, int fmt, int group_size, bool transposed, bool has_rows, int n, bool q8x, int y_dtype,
               bool has_add)
-      : mx::Primitive(s), fmt_(fmt), group_size_(group_size), transposed_(transposed),
+      : CpuPrimitive(s), fmt_(fmt), group_size_(group_size), transposed_(transposed),
         has_rows_(has_rows), n_(n), q8x_(q8x), y_dtype_(y_dtype), has_add_(has_add) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -122,9 +122,6 @@ class FlashMatvec : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
-  }
 
   const char* name() const override { return "FlashMatvec"; }
 

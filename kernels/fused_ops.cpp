@@ -99,6 +99,24 @@ void residual_matvec(const ProjView& v, int fmt, int gs, const float* xin, int M
   store_row(out, odt, 0, M * N, y);
 }
 
+// Views of a stage projection's inputs from inputs[next] on (w, then scales / biases when quantized),
+// as check_stage_projection appended them; advances next past them.
+ProjView stage_projection_view(const std::vector<mx::array>& inputs, size_t& next, int fmt) {
+  ProjView v;
+  v.w = View::of(inputs[next++]);
+  if (fmt == flash::FMT_Q4 || fmt == flash::FMT_Q8) {
+    v.scales = View::of(inputs[next++]);
+    v.biases = View::of(inputs[next++]);
+  }
+  return v;
+}
+
+// Room for n values of any float dtype between two stages of a fused op (this thread's).
+uint8_t* stage_buffer(size_t n) {
+  if (tl_bytes.size() < n * 4) tl_bytes.resize(n * 4);
+  return tl_bytes.data();
+}
+
 // A stage's input: values of dtype dt rounded as an MLX array of that dtype would hold them, as float32.
 float* rounded_rows(const uint8_t* bytes, int dt, int64_t n) {
   float* x = scratch(tl_x, size_t(n));
@@ -158,7 +176,7 @@ bool donatable_caches(const std::vector<mx::array>& inputs, std::vector<mx::arra
 }
 
 // ----------------------------------------------------------------------------------------------
-class FlashQKV : public mx::Primitive {
+class FlashQKV : public CpuPrimitive {
  public:
   struct Params {
     FusedLayout layout;
@@ -169,7 +187,7 @@ class FlashQKV : public mx::Primitive {
     bool has_cache;  // k and v go into cache buffers [B, Hkv, S, hd] at positions offset.. (see header)
     float base, scale;
   };
-  FlashQKV(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
+  FlashQKV(mx::Stream s, Params p) : CpuPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
@@ -253,9 +271,6 @@ class FlashQKV : public mx::Primitive {
       }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
-  }
   const char* name() const override { return "FlashQKV"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const Params& o = static_cast<const FlashQKV&>(other).p_;
@@ -272,7 +287,7 @@ class FlashQKV : public mx::Primitive {
 };
 
 // ----------------------------------------------------------------------------------------------
-class FlashSwiGLU : public mx::Primitive {
+class FlashSwiGLU : public CpuPrimitive {
  public:
   struct Params {
     FusedLayout layout;
@@ -284,7 +299,7 @@ class FlashSwiGLU : public mx::Primitive {
     bool has_down = false;
     int down_fmt = 0, down_group_size = 0, down_ydt = 0;
   };
-  FlashSwiGLU(mx::Stream s, Params p) : mx::Primitive(s), p_(std::move(p)) {}
+  FlashSwiGLU(mx::Stream s, Params p) : CpuPrimitive(s), p_(std::move(p)) {}
 
   struct Epilogue {
     const float *g, *u;
@@ -315,15 +330,8 @@ class FlashSwiGLU : public mx::Primitive {
     const FusedViews in = fused_views(inputs, P.layout);
     const View &x = in.x, &norm_w = in.norm_w;
     const std::vector<ProjView>& views = in.projs;
-    ProjView down;
-    if (P.has_down) {
-      size_t next = in.next;
-      down.w = View::of(inputs[next++]);
-      if (P.down_fmt == flash::FMT_Q4 || P.down_fmt == flash::FMT_Q8) {
-        down.scales = View::of(inputs[next++]);
-        down.biases = View::of(inputs[next++]);
-      }
-    }
+    size_t next = in.next;
+    const ProjView down = P.has_down ? stage_projection_view(inputs, next, P.down_fmt) : ProjView{};
     uint8_t* out = allocate_output(outputs[0]);
     const int odt = scalar_type(outputs[0].dtype());
     dispatch(stream(), inputs, outputs, [=]() {
@@ -337,19 +345,13 @@ class FlashSwiGLU : public mx::Primitive {
       WeightCopies copies[2];
       for (int j = 0; j < 2; ++j) set_problem(ps[j], views[j], P.fmt, P.group_size, copies[j], xin, M, y + size_t(j) * M * n, P.q8x);
       uint8_t* g = out;  // the SwiGLU output: the result, or the down projection's input
-      if (P.has_down) {
-        if (tl_bytes.size() < size_t(M) * n * 4) tl_bytes.resize(size_t(M) * n * 4);
-        g = tl_bytes.data();
-      }
+      if (P.has_down) g = stage_buffer(size_t(M) * n);
       Epilogue e{y, y + size_t(M) * n, M, n, P.ydt, P.has_down ? P.ydt : odt, g};
       flash::matvec_many(ps, 2, &FlashSwiGLU::epilogue, &e);
       if (P.has_down)
         residual_matvec(down, P.down_fmt, P.down_group_size, rounded_rows(g, P.ydt, int64_t(M) * n), M, x,
                         P.down_ydt, out, odt, P.q8x);
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
   }
   const char* name() const override { return "FlashSwiGLU"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -366,7 +368,7 @@ class FlashSwiGLU : public mx::Primitive {
 // ----------------------------------------------------------------------------------------------
 // Attention over a KV cache (FlashAttention's arithmetic, output [B, Lq, Hq * Dv] rounded to its
 // dtype attn_dt) followed by o_proj and the residual: out = add + round(attn @ Wo.T, ydt).
-class FlashAttnOut : public mx::Primitive {
+class FlashAttnOut : public CpuPrimitive {
  public:
   struct Params {
     float scale;
@@ -374,33 +376,24 @@ class FlashAttnOut : public mx::Primitive {
     int n_keys;  // < 0: all rows of k / v
     int fmt, group_size, attn_dt, ydt;
   };
-  FlashAttnOut(mx::Stream s, Params p) : mx::Primitive(s), p_(p) {}
+  FlashAttnOut(mx::Stream s, Params p) : CpuPrimitive(s), p_(p) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
     const View q = View::of(inputs[0]), k = View::of(inputs[1]), v = View::of(inputs[2]);
-    ProjView o;
     size_t next = 3;
-    o.w = View::of(inputs[next++]);
-    if (P.fmt == flash::FMT_Q4 || P.fmt == flash::FMT_Q8) {
-      o.scales = View::of(inputs[next++]);
-      o.biases = View::of(inputs[next++]);
-    }
+    const ProjView o = stage_projection_view(inputs, next, P.fmt);
     const View add = View::of(inputs[next]);
     uint8_t* out = allocate_output(outputs[0]);
     const int odt = scalar_type(outputs[0].dtype());
     dispatch(stream(), inputs, outputs, [=]() {
       const int M = int(q.shape[0] * q.shape[2]), width = int(q.shape[1] * v.shape[3]);
       if (M == 0) return;
-      if (tl_bytes.size() < size_t(M) * width * 4) tl_bytes.resize(size_t(M) * width * 4);
-      attention_into(q, k, v, P.n_keys >= 0 ? P.n_keys : int(k.shape[2]), P.scale, P.causal, true, tl_bytes.data(),
-                     P.attn_dt);
-      residual_matvec(o, P.fmt, P.group_size, rounded_rows(tl_bytes.data(), P.attn_dt, int64_t(M) * width), M, add,
-                      P.ydt, out, odt, P.q8x);
+      uint8_t* attn = stage_buffer(size_t(M) * width);
+      attention_into(q, k, v, P.n_keys >= 0 ? P.n_keys : int(k.shape[2]), P.scale, P.causal, true, attn, P.attn_dt);
+      residual_matvec(o, P.fmt, P.group_size, rounded_rows(attn, P.attn_dt, int64_t(M) * width), M, add, P.ydt, out,
+                      odt, P.q8x);
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
   }
   const char* name() const override { return "FlashAttnOut"; }
   bool is_equivalent(const mx::Primitive& other) const override {

@@ -22,10 +22,10 @@ namespace {
 // ----------------------------------------------------------------------------------------------
 // RMSNorm (center = false) and LayerNorm (center = true: subtract the mean, then the variance).
 // Rounding follows MLX: the normalised x is rounded to the output dtype, then each affine step.
-class FlashNorm : public mx::Primitive {
+class FlashNorm : public CpuPrimitive {
  public:
   FlashNorm(mx::Stream s, bool center, float eps, bool has_weight, bool has_bias)
-      : mx::Primitive(s), center_(center), eps_(eps), has_weight_(has_weight), has_bias_(has_bias) {}
+      : CpuPrimitive(s), center_(center), eps_(eps), has_weight_(has_weight), has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -53,9 +53,6 @@ class FlashNorm : public mx::Primitive {
       }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
-  }
   const char* name() const override { return center_ ? "FlashLayerNorm" : "FlashRMSNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FlashNorm&>(other);
@@ -69,10 +66,10 @@ class FlashNorm : public mx::Primitive {
 };
 
 // ----------------------------------------------------------------------------------------------
-class FlashRoPE : public mx::Primitive {
+class FlashRoPE : public CpuPrimitive {
  public:
   FlashRoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int offset, bool has_freqs)
-      : mx::Primitive(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset),
+      : CpuPrimitive(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset),
         has_freqs_(has_freqs) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -99,9 +96,6 @@ class FlashRoPE : public mx::Primitive {
         store_row(optr, odt, r * D, D, row + D);
       }
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
   }
   const char* name() const override { return "FlashRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -222,11 +216,11 @@ void attention_into(const View& q, const View& k, const View& v, int n_keys, flo
 
 namespace {
 
-class FlashAttention : public mx::Primitive {
+class FlashAttention : public CpuPrimitive {
  public:
   // n_keys < 0: all of k's rows are keys.
   FlashAttention(mx::Stream s, float scale, bool causal, bool heads_last, int n_keys)
-      : mx::Primitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), n_keys_(n_keys) {}
+      : CpuPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), n_keys_(n_keys) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -236,9 +230,6 @@ class FlashAttention : public mx::Primitive {
     const bool causal = causal_, heads_last = heads_last_;
     uint8_t* ptr = allocate_output(out);
     dispatch(stream(), inputs, {out}, [=]() { attention_into(q, k, v, n_keys, scale, causal, heads_last, ptr, odt); });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
   }
   const char* name() const override { return "FlashAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "matvec.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
 #include "mlx_view.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -103,6 +105,15 @@ inline uint8_t* allocate_output(mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   return out.data<uint8_t>();
 }
+
+// Base of the extension's primitives: they run on the CPU stream only.
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_flash._ext kernels run on the CPU stream only");
+  }
+};
 
 template <typename Fn>
 void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array> outs, Fn&& work) {
