@@ -256,6 +256,9 @@ NB_MODULE(_ext, m) {
       nb::arg("h"), nb::arg("w"), nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
       nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64, nb::arg("bits").none() = nb::none(),
       "y[..., :] = sum_i h[..., i] * W[rows[i], :] (or W[:n]); bits=None for float16/bfloat16 W.");
+  m.def("quantized_embedding", &flash_ext::quantized_embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
+        "mx.dequantize(w[ids], scales[ids], biases[ids]) (mlx-lm's QuantizedEmbedding lookup) as one CPU primitive.");
   m.def(
       "rms_norm",
       [](const mx::array& x, std::optional<mx::array> weight, float eps) { return flash_ext::rms_norm(x, weight, eps); },

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -243,6 +244,66 @@ class FlashAttention : public CpuPrimitive {
   int n_keys_;
 };
 
+// ----------------------------------------------------------------------------------------------
+// Quantized embedding lookup: rows ids of an MLX affine-quantized table, dequantized as MLX's
+// dequantize computes them on the CPU: w = round(round(q * scale) + bias) in the scales' dtype.
+class FlashEmbedding : public CpuPrimitive {
+ public:
+  FlashEmbedding(mx::Stream s, int group_size, int bits) : CpuPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    const View ids = View::of(inputs[0]), w = View::of(inputs[1]), scales = View::of(inputs[2]),
+               biases = View::of(inputs[3]);
+    const bool ids_unsigned = inputs[0].dtype() == mx::uint32;
+    const int gs = group_size_, bits = bits_, dt = scalar_type(out.dtype());
+    uint8_t* ptr = allocate_output(out);
+    dispatch(stream(), inputs, {out}, [=]() {
+      const int64_t V = w.shape[0], K = int64_t(w.shape[1]) * 32 / bits, per = 32 / bits;
+      const uint32_t mask = (1u << bits) - 1;
+      std::vector<float> vals(static_cast<size_t>(K));
+      for (int64_t i = 0; i < ids.size(); ++i) {
+        int64_t r;
+        if (ids_unsigned) {
+          uint32_t u;
+          std::memcpy(&u, ids.ptr + ids.offset(i) * 4, 4);
+          r = u;
+        } else {
+          int32_t v;
+          std::memcpy(&v, ids.ptr + ids.offset(i) * 4, 4);
+          r = v;
+        }
+        if (r < 0 || r >= V) {
+          std::fill(vals.begin(), vals.end(), std::numeric_limits<float>::quiet_NaN());
+        } else {
+          for (int64_t k = 0; k < K; ++k) {
+            uint32_t word;
+            std::memcpy(&word, w.ptr + (r * w.strides[0] + (k / per) * w.strides[1]) * 4, 4);
+            const float q = float((word >> ((k % per) * bits)) & mask);
+            const int64_t g = k / gs;
+            const float sc = flash::load_scalar(scales.ptr, dt, r * scales.strides[0] + g * scales.strides[1]);
+            const float bi = flash::load_scalar(biases.ptr, dt, r * biases.strides[0] + g * biases.strides[1]);
+            volatile float product = q * sc;  // rounded on its own (never contracted into an FMA)
+            float v = product;
+            round_to(dt, &v, 1);
+            v += bi;
+            vals[size_t(k)] = v;
+          }
+        }
+        store_row(ptr, dt, i * K, int(K), vals.data());
+      }
+    });
+  }
+  const char* name() const override { return "FlashEmbedding"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const FlashEmbedding&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
 void check_float(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16)
     fail(std::string(what) + " must be float32, float16 or bfloat16");
@@ -324,6 +385,25 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   mx::Dtype out_dtype = mx::promote_types(q.dtype(), mx::promote_types(k.dtype(), v.dtype()));
   return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal, heads_last, n_keys.value_or(-1)),
                    {q, k, v});
+}
+
+mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits) {
+  mx::Stream s = cpu_stream();
+  if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32) fail("quantized_embedding: ids must be int32 or uint32");
+  weight_format(w, bits);  // uint32 words, bits 4 or 8
+  if (w.ndim() != 2) fail("quantized_embedding: the table must be 2-D, got " + shape_str(w));
+  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  const int K = w.shape(1) * (32 / bits);
+  const mx::Shape sb{w.shape(0), K / group_size};
+  if (scales.shape() != sb || biases.shape() != sb || biases.dtype() != scales.dtype())
+    fail("quantized_embedding: scales/biases must have shape (" + std::to_string(sb[0]) + ", " +
+         std::to_string(sb[1]) + ") and one dtype");
+  scalar_type(scales.dtype());
+  mx::Shape shape = ids.shape();
+  shape.push_back(K);
+  return mx::array(shape, scales.dtype(), std::make_shared<FlashEmbedding>(s, group_size, bits),
+                   {ids, w, scales, biases});
 }
 
 }  // namespace flash_ext

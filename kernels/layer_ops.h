@@ -36,4 +36,11 @@ mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k,
                            float scale, bool causal, bool heads_last = false,
                            std::optional<int> n_keys = std::nullopt);
 
+// The rows ids (int32 / uint32, any shape) of an MLX affine-quantized table w [V, K * bits / 32]
+// with scales / biases [V, K / group_size], dequantized exactly as mx.dequantize(w[ids], scales[ids],
+// biases[ids]) computes them: out [..., K] in the scales' dtype. Ids outside [0, V) give NaN rows.
+mlx::core::array quantized_embedding(const mlx::core::array& ids, const mlx::core::array& w,
+                                     const mlx::core::array& scales, const mlx::core::array& biases, int group_size,
+                                     int bits);
+
 }  // namespace flash_ext

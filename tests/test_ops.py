@@ -242,6 +242,25 @@ def test_kernels_are_lazy_and_compose():
 
 
 @needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantized_embedding_equals_mlx_dequantize(bits, group, sdtype):
+    # The same arithmetic as MLX's dequantize (each multiply and add rounded to the scales' dtype),
+    # so the rows are identical; any ids shape, int32 or uint32; ids outside the table give NaN rows.
+    wq, s, b, _, _ = _quantized(40, 256, bits, group, sdtype)
+    for ids in (mx.array([[3, 0, 39, 3]], mx.int32), mx.array([7, 1], mx.uint32)):
+        y = ops.quantized_embedding(ids, wq, s, b, group, bits)
+        ref = mx.dequantize(wq[ids], scales=s[ids], biases=b[ids], group_size=group, bits=bits)
+        assert y.dtype == ref.dtype == sdtype and y.shape == ref.shape == (*ids.shape, 256)
+        assert np.array_equal(_f32(y), _f32(ref))
+    y = ops._ext.quantized_embedding(mx.array([40, -1, 2], mx.int32), wq, s, b, group, bits)
+    assert np.isnan(_f32(y[:2])).all() and not np.isnan(_f32(y[2])).any()
+    with pytest.raises(ValueError, match="ids must be int32 or uint32"):
+        ops._ext.quantized_embedding(mx.array([1.0]), wq, s, b, group, bits)
+
+
+@needs_ext
 def test_bad_arguments_raise():
     wq, s, b, _, _ = _quantized(8, 64, 4, 32, mx.float16)
     with pytest.raises(ValueError, match="last dimension"):

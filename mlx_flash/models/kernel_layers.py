@@ -49,6 +49,10 @@ class KernelRoPE(nn.RoPE):
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x):
+        return ops.quantized_embedding(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
+                                       self.bits)
+
     def as_linear(self, x):
         return ops.quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
 
