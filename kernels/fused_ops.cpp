@@ -161,16 +161,20 @@ FusedViews fused_views(const std::vector<mx::array>& inputs, const FusedLayout& 
 //   waiting for the stream makes it donatable. The wait ends when the previous token is computed,
 //   which generation waits for anyway before it reads that token; it happens in the first layer,
 //   later layers find their caches free.
+// Only queued tasks (or other views of the buffer) hold the data beyond its own array; someone else
+// holding the array itself (a saved prompt cache) shares its descriptor instead, which no wait
+// changes, so then there is no wait: the buffer is copied.
 bool donatable_caches(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, size_t first,
                       mx::Stream s) {
   if (outputs[0].is_tracer()) return false;  // under a transformation MLX keeps the inputs alive
   for (auto& o : outputs)
     if (&o.inputs() != &inputs) o.inputs().clear();
+  const mx::array &k = inputs[first], &v = inputs[first + 1];
   auto free = [&]() {
-    return inputs[first].is_donatable() && inputs[first + 1].is_donatable() &&
-           inputs[first].flags().row_contiguous && inputs[first + 1].flags().row_contiguous;
+    return k.is_donatable() && v.is_donatable() && k.flags().row_contiguous && v.flags().row_contiguous;
   };
   if (free()) return true;
+  if (k.data_shared_ptr().use_count() == 1 && v.data_shared_ptr().use_count() == 1) return false;
   mx::synchronize(s);
   return free();
 }
