@@ -357,31 +357,37 @@ static void q_fwd_i8_scalar(const Problem& p, const Q8X& xa, const float* xsum, 
   }
 }
 
-template <int ST>
-static void q_t_scalar(const Problem& p, int k0, int k1, float* acc) {
-  const int gs = p.group_size, len = k1 - k0;
-  const bool q4 = p.fmt == FMT_Q4;
+// The scalar transposed loop shared by both formats: acc[m][k - k0] = sum_i h[m][i] * W[row(i)][k],
+// add_row(r, h, a) adding h * W[r][k0..k1) into a[k0..k1); a bad row makes every output NaN.
+template <typename AddRow>
+static void t_scalar(const Problem& p, int k0, int k1, float* acc, AddRow add_row) {
+  const int len = k1 - k0;
   std::fill(acc, acc + int64_t(p.M) * len, 0.f);
   bool bad = false;
   for (int i = 0; i < p.n; ++i) {
     int64_t r = row_of(p, i);
     if (bad_row(p, r)) { bad = true; continue; }
-    const uint8_t* wr = p.w + r * p.w_row_bytes;
-    for (int m = 0; m < p.M; ++m) {
-      float h = p.in[int64_t(m) * p.n + i];
-      float* a = acc + int64_t(m) * len - k0;
-      for (int g = k0 / gs; g < k1 / gs; ++g) {
-        float hs = h * ld<ST>(p.scales, r * p.sb_row + g), hb = h * ld<ST>(p.biases, r * p.sb_row + g);
-        for (int k = g * gs; k < (g + 1) * gs; ++k) {
-          int q = q4 ? ((wr[k >> 1] >> ((k & 1) * 4)) & 0xf) : wr[k];
-          a[k] += hs * float(q) + hb;
-        }
-      }
-    }
+    for (int m = 0; m < p.M; ++m) add_row(r, p.in[int64_t(m) * p.n + i], acc + int64_t(m) * len - k0);
   }
   for (int m = 0; m < p.M; ++m)
     for (int k = k0; k < k1; ++k)
       store_out(p.out, p.out_dtype, int64_t(m) * p.K + k, bad ? kNaN : acc[int64_t(m) * len + k - k0]);
+}
+
+template <int ST>
+static void q_t_scalar(const Problem& p, int k0, int k1, float* acc) {
+  const int gs = p.group_size;
+  const bool q4 = p.fmt == FMT_Q4;
+  t_scalar(p, k0, k1, acc, [&](int64_t r, float h, float* a) {
+    const uint8_t* wr = p.w + r * p.w_row_bytes;
+    for (int g = k0 / gs; g < k1 / gs; ++g) {
+      float hs = h * ld<ST>(p.scales, r * p.sb_row + g), hb = h * ld<ST>(p.biases, r * p.sb_row + g);
+      for (int k = g * gs; k < (g + 1) * gs; ++k) {
+        int q = q4 ? ((wr[k >> 1] >> ((k & 1) * 4)) & 0xf) : wr[k];
+        a[k] += hs * float(q) + hb;
+      }
+    }
+  });
 }
 
 template <int WT>
@@ -401,22 +407,10 @@ static void h_fwd_scalar(const Problem& p, const float* x, int i0, int i1) {
 
 template <int WT>
 static void h_t_scalar(const Problem& p, int k0, int k1, float* acc) {
-  const int len = k1 - k0;
-  std::fill(acc, acc + int64_t(p.M) * len, 0.f);
-  bool bad = false;
-  for (int i = 0; i < p.n; ++i) {
-    int64_t r = row_of(p, i);
-    if (bad_row(p, r)) { bad = true; continue; }
+  t_scalar(p, k0, k1, acc, [&](int64_t r, float h, float* a) {
     const void* wr = p.w + r * p.w_row_bytes;
-    for (int m = 0; m < p.M; ++m) {
-      float h = p.in[int64_t(m) * p.n + i];
-      float* a = acc + int64_t(m) * len - k0;
-      for (int k = k0; k < k1; ++k) a[k] += h * ld<WT>(wr, k);
-    }
-  }
-  for (int m = 0; m < p.M; ++m)
-    for (int k = k0; k < k1; ++k)
-      store_out(p.out, p.out_dtype, int64_t(m) * p.K + k, bad ? kNaN : acc[int64_t(m) * len + k - k0]);
+    for (int k = k0; k < k1; ++k) a[k] += h * ld<WT>(wr, k);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
