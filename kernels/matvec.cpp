@@ -540,32 +540,15 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
       for (; g + 8 <= ge; g += 8) _mm256_storeu_ps(sc + (g - gb), load8s<ST>(p.scales, sb + g));
       for (; g < ge; ++g) sc[g - gb] = ldv<ST>(p.scales, sb + g);
       for (g = gb; g < ge; ++g) {
-        // Two partial sums per x row keep the FMA dependency chains within a group short too.
+        // One x row: two partial sums keep the FMA dependency chains within a group short too. Four
+        // rows (prompts): the rows are the independent chains, so one partial each (q1 is qa) and one
+        // accumulator: 13 vector registers instead of 21, which spilled (in a throwaway stand-alone
+        // loop, 1536x576 group 32, cache-resident: 4 rows 204 -> 154 us on one thread, 106-159 ->
+        // 81-136 us on two; 37 rows 2104 -> 1547 us). The float32 summation order then differs from
+        // the one-row loop's (both within the tests' accumulation bounds).
+        constexpr bool kSplit = MB < 4;
         __m256 qa[MB], qb[MB];
-        if constexpr (MB >= 4) {
-          // Four x rows (prompts): one partial per row, the rows being the independent FMA chains,
-          // and one accumulator: 13 vector registers instead of 21 (which spilled). In a throwaway
-          // stand-alone loop (1536x576 group 32, cache-resident): 4 rows 204 -> 154 us on one thread,
-          // 106-159 -> 81-136 us on two; 37 rows 2104 -> 1547 us on one. The float32 summation order
-          // differs from the one-row loop's (both within the tests' accumulation bounds).
-          for (int m = 0; m < MB; ++m) qa[m] = _mm256_setzero_ps();
-          for (int c = 0; c < CPG; ++c) {
-            const int64_t k = int64_t(g) * gs + c * 32;
-            prefetch_line<PF>(next, Q4 ? k / 2 : k);
-            __m256 w0, w1, w2, w3;
-            load32<Q4>(wr, k, w0, w1, w2, w3);
-            for (int m = 0; m < MB; ++m) {
-              const float* xm = x + int64_t(m0 + m) * K + k;
-              qa[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), qa[m]);
-              qa[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), qa[m]);
-              qa[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), qa[m]);
-              qa[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), qa[m]);
-            }
-          }
-          const __m256 s = _mm256_broadcast_ss(sc + (g - gb));
-          for (int m = 0; m < MB; ++m) acc0[m] = _mm256_fmadd_ps(s, qa[m], acc0[m]);
-          continue;
-        }
+        __m256* q1 = kSplit ? qb : qa;  // takes the 2nd and 4th 8-lane blocks
         for (int m = 0; m < MB; ++m) { qa[m] = _mm256_setzero_ps(); qb[m] = _mm256_setzero_ps(); }
         for (int c = 0; c < CPG; ++c) {
           const int64_t k = int64_t(g) * gs + c * 32;
@@ -575,15 +558,19 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
           for (int m = 0; m < MB; ++m) {
             const float* xm = x + int64_t(m0 + m) * K + k;
             qa[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), qa[m]);
-            qb[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), qb[m]);
+            q1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), q1[m]);
             qa[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), qa[m]);
-            qb[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), qb[m]);
+            q1[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), q1[m]);
           }
         }
         const __m256 s = _mm256_broadcast_ss(sc + (g - gb));
         for (int m = 0; m < MB; ++m) {
-          acc0[m] = _mm256_fmadd_ps(s, _mm256_add_ps(qa[m], qb[m]), acc0[m]);
-          std::swap(acc0[m], acc1[m]);
+          if constexpr (kSplit) {
+            acc0[m] = _mm256_fmadd_ps(s, _mm256_add_ps(qa[m], qb[m]), acc0[m]);
+            std::swap(acc0[m], acc1[m]);
+          } else {
+            acc0[m] = _mm256_fmadd_ps(s, qa[m], acc0[m]);
+          }
         }
       }
     }
