@@ -576,20 +576,21 @@ mx::array attention_o_proj(const mx::array& q, const mx::array& k, const mx::arr
                            std::optional<int> n_keys, const Linear& o, int group_size, std::optional<int> bits,
                            const mx::array& residual, bool q8x) {
   mx::Stream s = cpu_stream();
-  // The attention's own checks (shapes, dtypes, n_keys) and output dtype, from the single op.
-  const mx::array attn = attention(q, k, v, scale, causal, true, n_keys);
+  mx::Shape attn_shape;  // [B, Lq, Hq * Dv]
+  mx::Dtype attn_dtype = mx::float32;
+  check_attention(q, k, v, true, n_keys, attn_shape, attn_dtype);
   FlashAttnOut::Params P;
   P.scale = scale;
   P.causal = causal;
   P.n_keys = n_keys.value_or(-1);
-  P.attn_dt = scalar_type(attn.dtype());
+  P.attn_dt = scalar_type(attn_dtype);
   std::vector<mx::array> inputs = {q, k, v};
-  P.fmt = check_stage_projection("attention_o_proj", o, attn.shape(2), group_size, bits, inputs);
+  P.fmt = check_stage_projection("attention_o_proj", o, attn_shape[2], group_size, bits, inputs);
   P.group_size = bits ? group_size : 0;
   P.q8x = q8x && bits.has_value();
-  const mx::Dtype ydt = mx::promote_types(attn.dtype(), bits ? o.scales->dtype() : o.w.dtype());
+  const mx::Dtype ydt = mx::promote_types(attn_dtype, bits ? o.scales->dtype() : o.w.dtype());
   P.ydt = scalar_type(ydt);
-  const mx::Shape shape{attn.shape(0), attn.shape(1), o.w.shape(0)};
+  const mx::Shape shape{attn_shape[0], attn_shape[1], o.w.shape(0)};
   if (residual.shape() != shape)
     fail("attention_o_proj: residual must have shape " + shape_str(shape) + ", got " + shape_str(residual));
   scalar_type(residual.dtype());

@@ -362,9 +362,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                    std::move(inputs));
 }
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                    bool heads_last, std::optional<int> n_keys) {
-  mx::Stream s = cpu_stream();
+void check_attention(const mx::array& q, const mx::array& k, const mx::array& v, bool heads_last,
+                     std::optional<int> n_keys, mx::Shape& out_shape, mx::Dtype& out_dtype) {
   check_float(q, "queries");
   check_float(k, "keys");
   check_float(v, "values");
@@ -379,10 +378,18 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
          std::to_string(k.shape(1)) + ")");
   if (n_keys && (*n_keys < 0 || *n_keys > k.shape(2)))
     fail("attention: n_keys must be in [0, " + std::to_string(k.shape(2)) + "], got " + std::to_string(*n_keys));
-  mx::Shape out_shape = q.shape();
+  out_shape = q.shape();
   out_shape[3] = v.shape(3);
   if (heads_last) out_shape = {q.shape(0), q.shape(2), q.shape(1) * v.shape(3)};
-  mx::Dtype out_dtype = mx::promote_types(q.dtype(), mx::promote_types(k.dtype(), v.dtype()));
+  out_dtype = mx::promote_types(q.dtype(), mx::promote_types(k.dtype(), v.dtype()));
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                    bool heads_last, std::optional<int> n_keys) {
+  mx::Stream s = cpu_stream();
+  mx::Shape out_shape;
+  mx::Dtype out_dtype = mx::float32;
+  check_attention(q, k, v, heads_last, n_keys, out_shape, out_dtype);
   return mx::array(out_shape, out_dtype, std::make_shared<FlashAttention>(s, scale, causal, heads_last, n_keys.value_or(-1)),
                    {q, k, v});
 }

@@ -32,6 +32,11 @@ mlx::core::array rope(const mlx::core::array& x, int dims, bool traditional, flo
 void attention_into(const View& q, const View& k, const View& v, int n_keys, float scale, bool causal,
                     bool heads_last, uint8_t* out, int odt);
 
+// attention's argument checks; out_shape / out_dtype: its output's.
+void check_attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                     bool heads_last, std::optional<int> n_keys, mlx::core::Shape& out_shape,
+                     mlx::core::Dtype& out_dtype);
+
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                            float scale, bool causal, bool heads_last = false,
                            std::optional<int> n_keys = std::nullopt);
