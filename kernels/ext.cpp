@@ -111,14 +111,7 @@ class FlashMatvec : public CpuPrimitive {
       } else {
         flash::matvec(p);
       }
-      if (has_add) {
-        float* y = tl_y.data();
-        float* r = y + out_size;
-        to_float(add, r);
-        round_to(y_dtype, y, int(out_size));
-        for (int64_t i = 0; i < out_size; ++i) y[i] += r[i];
-        store_row(out_ptr, out_dtype, 0, int(out_size), y);
-      }
+      if (has_add) store_residual(tl_y.data(), add, out_size, y_dtype, out_ptr, out_dtype, tl_y.data() + out_size);
     });
   }
 

@@ -92,11 +92,7 @@ void residual_matvec(const ProjView& v, int fmt, int gs, const float* xin, int M
   WeightCopies copies;
   set_problem(p, v, fmt, gs, copies, xin, M, y, q8x);
   flash::matvec(p);
-  float* r = y + size_t(M) * N;
-  to_float(add, r);
-  round_to(ydt, y, M * N);
-  for (int64_t i = 0; i < int64_t(M) * N; ++i) y[i] += r[i];
-  store_row(out, odt, 0, M * N, y);
+  store_residual(y, add, int64_t(M) * N, ydt, out, odt, y + size_t(M) * N);
 }
 
 // Views of a stage projection's inputs from inputs[next] on (w, then scales / biases when quantized),

@@ -97,6 +97,15 @@ inline float* scratch(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+// out = round(y, ydt) + add for n contiguous values: a residual add as the unfused `x + layer(h)`
+// computes it (the product stored in its dtype first). y is overwritten; r: room for n floats.
+inline void store_residual(float* y, const View& add, int64_t n, int ydt, uint8_t* out, int odt, float* r) {
+  to_float(add, r);
+  round_to(ydt, y, int(n));
+  for (int64_t i = 0; i < n; ++i) y[i] += r[i];
+  store_row(out, odt, 0, int(n), y);
+}
+
 // Offset of row r (all dims but the last) of a view, in elements.
 inline int64_t row_offset(const View& v, int64_t r) { return v.offset(r * v.shape.back()); }
 
