@@ -140,25 +140,16 @@ mx::array build(mx::array x, const mx::array& w, std::optional<mx::array> scales
                 int group_size, std::optional<int> bits, bool transposed, bool q8x = false,
                 std::optional<mx::array> add = std::nullopt) {
   mx::Stream s = cpu_stream();
-  const int fmt = weight_format(w, bits);
   const bool quant = bits.has_value();
   if (q8x && (!quant || transposed)) fail("q8_activations: only for the forward quantized matvec");
-  if (w.ndim() != 2) fail("weight must be 2-D, got " + shape_str(w));
   if (x.ndim() < 1) fail("x must have at least one dimension");
   if (!mx::issubdtype(x.dtype(), mx::floating)) fail("x must be a floating point array");
+  const int K = w.ndim() == 2 ? (quant ? w.shape(1) * (32 / *bits) : w.shape(1)) : 0;
+  const int fmt = check_weights("matvec", w, scales, biases, K, group_size, bits, "the weight's row size");
   const int N = w.shape(0);
-  const int K = quant ? w.shape(1) * (32 / *bits) : w.shape(1);
   mx::Dtype out_dtype = x.dtype();
   std::vector<mx::array> inputs = {x, w};
   if (quant) {
-    if (!scales || !biases) fail("quantized weights need scales and biases (affine mode)");
-    if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
-    if (K % group_size) fail("K must be a multiple of group_size");
-    if (scales->shape() != mx::Shape{N, K / group_size} || biases->shape() != scales->shape())
-      fail("scales/biases must have shape (" + std::to_string(N) + ", " + std::to_string(K / group_size) +
-           "), got " + shape_str(*scales) + " / " + shape_str(*biases));
-    scalar_type(scales->dtype());
-    if (biases->dtype() != scales->dtype()) fail("scales and biases must share a dtype");
     out_dtype = mx::promote_types(x.dtype(), scales->dtype());
     inputs.push_back(*scales);
     inputs.push_back(*biases);

@@ -406,31 +406,11 @@ class FlashAttnOut : public CpuPrimitive {
   Params p_;
 };
 
-// Checks of one projection's arrays for input size K (2-D, its format, scales / biases of shape
-// (N, K / group_size) in one dtype); `what` names K in the message. Returns the format.
-int check_projection(const char* op, const Linear& p, int K, int group_size, std::optional<int> bits,
-                     const std::string& what) {
-  const int fmt = weight_format(p.w, bits);
-  if (p.w.ndim() != 2) fail(std::string(op) + ": weights must be 2-D, got " + shape_str(p.w));
-  const int k = bits ? p.w.shape(1) * (32 / *bits) : p.w.shape(1);
-  if (k != K) fail(std::string(op) + ": weight input size " + std::to_string(k) + " != " + what + " " + std::to_string(K));
-  if (bits) {
-    if (!p.scales || !p.biases) fail(std::string(op) + ": quantized weights need scales and biases");
-    if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
-    const mx::Shape sb{p.w.shape(0), K / group_size};
-    if (p.scales->shape() != sb || p.biases->shape() != sb || p.biases->dtype() != p.scales->dtype())
-      fail(std::string(op) + ": scales/biases must have shape (" + std::to_string(sb[0]) + ", " +
-           std::to_string(sb[1]) + ") and one dtype");
-    scalar_type(p.scales->dtype());
-  }
-  return fmt;
-}
-
 // A projection that follows a fused stage (input size K, no bias): checked, its arrays appended to
 // inputs; returns its format.
 int check_stage_projection(const char* op, const Linear& p, int K, int group_size, std::optional<int> bits,
                            std::vector<mx::array>& inputs) {
-  const int fmt = check_projection(op, p, K, group_size, bits, "the stage's output size");
+  const int fmt = check_weights(op, p.w, p.scales, p.biases, K, group_size, bits, "the stage's output size");
   if (p.bias) fail(std::string(op) + ": an output projection with a bias is not supported");
   inputs.push_back(p.w);
   if (bits) {
@@ -456,7 +436,7 @@ int check_fused(const char* op, const mx::array& x, const std::optional<mx::arra
   }
   const int fmt = weight_format(projs[0].w, bits);
   for (const auto& p : projs) {
-    if (check_projection(op, p, D, group_size, bits, "x last dimension") != fmt)
+    if (check_weights(op, p.w, p.scales, p.biases, D, group_size, bits, "x last dimension") != fmt)
       fail(std::string(op) + ": projections must share one weight format");
     if (p.bias && (p.bias->ndim() != 1 || p.bias->shape(0) != p.w.shape(0)))
       fail(std::string(op) + ": bias must have shape (" + std::to_string(p.w.shape(0)) + ",)");

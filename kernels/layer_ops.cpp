@@ -398,15 +398,8 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
                               const mx::array& biases, int group_size, int bits) {
   mx::Stream s = cpu_stream();
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32) fail("quantized_embedding: ids must be int32 or uint32");
-  weight_format(w, bits);  // uint32 words, bits 4 or 8
-  if (w.ndim() != 2) fail("quantized_embedding: the table must be 2-D, got " + shape_str(w));
-  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
-  const int K = w.shape(1) * (32 / bits);
-  const mx::Shape sb{w.shape(0), K / group_size};
-  if (scales.shape() != sb || biases.shape() != sb || biases.dtype() != scales.dtype())
-    fail("quantized_embedding: scales/biases must have shape (" + std::to_string(sb[0]) + ", " +
-         std::to_string(sb[1]) + ") and one dtype");
-  scalar_type(scales.dtype());
+  const int K = w.ndim() == 2 ? w.shape(1) * (32 / bits) : 0;
+  check_weights("quantized_embedding", w, scales, biases, K, group_size, bits, "the table's row size");
   mx::Shape shape = ids.shape();
   shape.push_back(K);
   return mx::array(shape, scales.dtype(), std::make_shared<FlashEmbedding>(s, group_size, bits),
