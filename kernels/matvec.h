@@ -27,7 +27,8 @@ struct Problem {
   void* out = nullptr;        // [M, n] (forward) or [M, K] (transposed), out_dtype, contiguous
   int out_dtype = DT_F32;
   // Quantized forward only: round x to int8 per 32-element block (scale max|x|/127, as llama.cpp's
-  // q8 activations) and use integer dot products. Faster, but x carries that rounding error.
+  // q8 activations) and use integer dot products. Faster, but x carries that rounding error. Applies
+  // to fewer than 6 x rows (decode); prompts run the exact float tiles, faster there.
   bool q8_activations = false;
 };
 

@@ -107,7 +107,7 @@ def test_quantized_matvec_exact(path, bits, group, xdtype):
     sdtype = {mx.float32: mx.float16, mx.float16: mx.bfloat16, mx.bfloat16: mx.float32}[xdtype]
     for n in (1, 37):
         wq, s, b, deq, mag = _quantized(n, k, bits, group, sdtype, seed=n)
-        for m in (1, 2, 3, 5, 8):
+        for m in (1, 2, 3, 5, 8, 13):  # from 6 rows: the tile kernel (13: a partial tile of x rows)
             x = _x((m, k), xdtype, seed=m)
             y = ops._ext.quantized_matvec(x, wq, s, b, group, bits)
             out_dtype = ops.result_dtype(xdtype, sdtype)
@@ -120,14 +120,27 @@ def test_quantized_matvec_exact(path, bits, group, xdtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("kind", ["q4g128", "q8g32", "bf16"])
+def test_tiles_span_blocks_of_x_rows(kind):
+    # K = 4096: the tile kernel takes 12 x rows per block (about 192 KiB of x), so 40 rows span four
+    # blocks, the last partial; 45 weight rows end in a partial panel; both threads take row chunks.
+    k, n, m = 4096, 45, 40
+    w, s, b, bits, group, deq, mag = _weights(kind, n, k)
+    x = _x((m, k), mx.float16, seed=9)
+    y = ops._ext.half_matvec(x, w) if bits is None else ops._ext.quantized_matvec(x, w, s, b, group, bits)
+    ref = _f32(x) @ deq.T
+    _assert_close(y, ref, _bound(mag, x, k, y.dtype, ref))
+
+
+@needs_ext
 @pytest.mark.parametrize("wdtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("xdtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_half_matvec_exact(path, wdtype, xdtype):
-    for k in (1, 7, 16, 37, 300):
+    for k in (1, 7, 16, 37, 296, 300):  # K a multiple of 8 from 6 x rows: the tile kernel
         for n in (1, 33):
             w = _x((n, k), wdtype, seed=k + n)
             wf = _f32(w)
-            for m in (1, 4, 6, 8):
+            for m in (1, 4, 6, 8, 11):
                 x = _x((m, k), xdtype, seed=m)
                 y = ops._ext.half_matvec(x, w)
                 out_dtype = ops.result_dtype(xdtype, wdtype)
@@ -156,7 +169,7 @@ def test_gather_matvec_rows_and_prefix(path, kind):
     n_rows, k = 50, 256
     w, s, b, bits, group, deq, mag = _weights(kind, n_rows, k)
     rng = np.random.default_rng(0)
-    for m in (1, 3, 8):
+    for m in (1, 3, 8):  # 8: the tile kernel
         x = _x((m, k), mx.float32, seed=m)
         xf = _f32(x)
         for sel in (rng.integers(0, n_rows, 17), np.array([49, 0, 0, 7]), np.array([], dtype=np.int64)):
@@ -208,11 +221,12 @@ def test_gather_matvec_t_column_ranges_across_threads(path, kind):
 
 
 @needs_ext
-def test_out_of_range_rows_give_nan():
+@pytest.mark.parametrize("m", [1, 7])  # 7 x rows: the tile kernel
+def test_out_of_range_rows_give_nan(m):
     w, s, b, bits, group, _, _ = _weights("q4g32", 8, 64)
-    y = ops._ext.gather_matvec(mx.ones((1, 64)), w, s, b, mx.array([1, 8, -1], mx.int32), None, group, bits)
+    y = ops._ext.gather_matvec(mx.ones((m, 64)), w, s, b, mx.array([1, 8, -1, 2, 3], mx.int32), None, group, bits)
     got = np.array(y)
-    assert np.isfinite(got[0, 0]) and np.isnan(got[0, 1]) and np.isnan(got[0, 2])
+    assert np.all(np.isfinite(got[:, [0, 3, 4]])) and np.all(np.isnan(got[:, 1:3]))
 
 
 @needs_ext
@@ -308,6 +322,10 @@ def test_q8_activations_match_reference(path, bits, group):
     # the rounding is real: a different answer from the exact kernel, but within a few int8 steps
     exact = _f32(ops._ext.quantized_matvec(x, wq, s, b, group, bits))
     assert 0 < np.max(np.abs(_f32(y) - exact)) < 0.05 * np.max(np.abs(exact))
+    # prompts (6+ x rows) run the exact float tiles whatever the flag: the same values as without it
+    xp = _x((7, k), mx.float32) * 4
+    assert np.array_equal(_f32(ops._ext.quantized_matvec(xp, wq, s, b, group, bits, q8_activations=True)),
+                          _f32(ops._ext.quantized_matvec(xp, wq, s, b, group, bits)))
 
 
 @needs_ext
