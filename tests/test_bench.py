@@ -28,7 +28,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     out = tmp_path / "kernels.json"
     # a model folder (not a GGUF): the llama.cpp column is skipped with its reason
     assert main(["kernels", "--only", "smollm2 k/v", "--working-set", "1", "--repeats", "1",
-                 "--bandwidth-mib", "8", "--generate", str(model), "--max-tokens", "4",
+                 "--bandwidth-mib", "8", "--generate", str(model), "--max-tokens", "4", "--prompt-tokens", "16",
                  "--gen-repeats", "1", "--breakdown", "--warm", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     b = result["decode_breakdown"]
@@ -47,8 +47,10 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     assert g["mlx"]["generation_tps"] > 0 and g["mlx_flash"]["generation_tps"] > 0
     assert g["mlx_flash"]["generated_tokens"] == 4 and g["prompt_tokens"] > 5
     assert "llama.cpp" not in g and g["llama_cpp_missing"]
+    assert g["prompt"]["tokens"] == 16 and set(g["prompt"]["tps"]) == {"mlx", "mlx_flash"}
+    assert all(v > 0 for v in g["prompt"]["tps"].values())
     text = capsys.readouterr().out
-    assert "llama.cpp: skipped" in text and "command: python" in text
+    assert "llama.cpp: skipped" in text and "command: python" in text and "16-token prompt" in text
 
 
 def test_kernels_bench_compares_greedy_tokens_by_shared_prefix(capsys):
@@ -62,8 +64,11 @@ def test_kernels_bench_compares_greedy_tokens_by_shared_prefix(capsys):
         "mlx_flash": dict(engine), "mlx_flash_q8x": dict(engine), "llama.cpp": dict(engine),
         "speedup_over_mlx": 1.0, "same_greedy_tokens_as_mlx": True, "q8x_same_greedy_tokens_as_mlx": False,
         "fraction_of_llama_cpp": 1.0, "q8x_fraction_of_llama_cpp": 1.0,
-        "same_first_tokens_as_llama_cpp": 5, "q8x_same_first_tokens_as_llama_cpp": 7})
-    assert "same first 5 tokens (--q8-activations: 7)" in capsys.readouterr().out
+        "same_first_tokens_as_llama_cpp": 5, "q8x_same_first_tokens_as_llama_cpp": 7,
+        "prompt": {"tokens": 256, "tps": {"mlx": 10.0, "mlx_flash": 300.0, "llama.cpp": 200.0}}})
+    out = capsys.readouterr().out
+    assert "same first 5 tokens (--q8-activations: 7)" in out
+    assert "300.0 tok/s, 30.0x MLX, 1.50x llama.cpp" in out and "256-token prompt" in out
 
 
 def test_kernels_bench_refuses_no_kernels_without_generate(capsys):

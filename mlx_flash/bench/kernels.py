@@ -12,7 +12,8 @@ compute ceiling, which says whether a case that misses the bandwidth target is c
 
 Generation (--generate): decode tokens/s of the dense `python -m mlx_flash.generate` path with our
 kernels vs MLX's own CPU ops (kernels off), and llama.cpp (llama-cpp-python) on the same GGUF and
-thread count, greedy, the same chat-templated prompt ids.
+thread count, greedy, the same chat-templated prompt ids; and prompt processing: --prompt-tokens
+ids (the prompt's text repeated) / time to the first token, for the same engines.
 
   python -m mlx_flash.bench kernels [--json out.json] [--warm] [--generate [MODEL]] [--no-kernels]
 """
@@ -77,6 +78,9 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="llama.cpp threads (default: the kernels' thread count)")
     parser.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
+    parser.add_argument("--prompt-tokens", type=int, default=256,
+                        help="with --generate: also time processing a prompt of this many tokens (the "
+                        "prompt's text repeated) as tokens / time to the first token; 0: skip")
 
 
 def measure_bandwidth(mib=512, repeats=5):
@@ -275,6 +279,48 @@ def _mlx_flash_run(model, tokenizer, ids, max_tokens):
     return _decode_rate(stamps), tokens, last.generation_tps
 
 
+def _mlx_flash_ttft(model, tokenizer, ids):
+    """Seconds from handing `ids` to mlx_flash.stream_generate to its first token (prompt
+    processing, then one decode step)."""
+    from mlx_flash import stream_generate
+
+    t0 = time.perf_counter()
+    for _ in stream_generate(model, tokenizer, ids, max_tokens=1, temp=0.0):
+        break
+    return time.perf_counter() - t0
+
+
+def _llama_cpp_ttft(llm, ids):
+    """Seconds from handing `ids` to llama.cpp (reset cache) to its first token."""
+    llm.reset()
+    t0 = time.perf_counter()
+    for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        break
+    return time.perf_counter() - t0
+
+
+def _long_prompt_ids(tokenizer, prompt, n):
+    """n token ids: the prompt's text repeated (content does not change the work per token)."""
+    one = list(tokenizer.encode(prompt + "\n"))
+    return (one * (n // max(1, len(one)) + 1))[:n]
+
+
+def _prompt_speeds(engines, use, tokenizer, args):
+    """Prompt tokens/s (prompt tokens / time to first token) of each engine, best of --gen-repeats;
+    MLX's own ops once (about 35x slower: one run of a 256-token prompt takes half a minute). The
+    int8-activation engine is left out: prompts (6+ rows) run the same exact kernels."""
+    ids = _long_prompt_ids(tokenizer, args.prompt, args.prompt_tokens)
+    best = {}
+    for rep in range(args.gen_repeats):
+        for label, e in engines.items():
+            if label == "mlx_flash_q8x" or (label == "mlx" and rep > 0):
+                continue
+            use(label)
+            t = _llama_cpp_ttft(e["llm"], ids) if label == "llama.cpp" else _mlx_flash_ttft(e["model"], tokenizer, ids)
+            best[label] = max(len(ids) / t, best.get(label, 0.0))
+    return {"tokens": len(ids), "tps": best}
+
+
 def _llama_cpp_model(gguf, threads):
     """A llama.cpp model (llama-cpp-python) on `gguf` with `threads` threads, or (None, reason)."""
     try:
@@ -348,6 +394,8 @@ def _generate(args):
                 mlx_lm_tps[label] = max(own, mlx_lm_tps.get(label, 0.0))
             best[label] = max(tps, best.get(label, 0.0))
             tokens[label] = toks
+    if args.prompt_tokens > 0:
+        results["prompt"] = _prompt_speeds(engines, use, tokenizer, args)
     ops.set_kernels_enabled(True)
     ops.set_q8_activations(False)
     for label, e in engines.items():
@@ -398,6 +446,15 @@ def _print_generate(g):
               f"{g['q8x_same_first_tokens_as_llama_cpp']})")
     else:
         print(f"  llama.cpp: skipped ({g['llama_cpp_missing']})")
+    if "prompt" in g:
+        tps = g["prompt"]["tps"]
+        print(f"prompt processing ({g['prompt']['tokens']}-token prompt; tokens/s = prompt tokens / time to "
+              f"the first token; best of runs, MLX's own ops one run; --q8-activations: the same kernels)")
+        print(f"  MLX's own CPU ops:  {tps['mlx']:7.1f} tok/s")
+        print(f"  mlx-flash kernels:  {tps['mlx_flash']:7.1f} tok/s, {tps['mlx_flash'] / tps['mlx']:.1f}x MLX"
+              + (f", {tps['mlx_flash'] / tps['llama.cpp']:.2f}x llama.cpp" if "llama.cpp" in tps else ""))
+        if "llama.cpp" in tps:
+            print(f"  llama.cpp:          {tps['llama.cpp']:7.1f} tok/s")
 
 
 def _decode_breakdown(args):
