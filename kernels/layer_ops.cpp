@@ -114,11 +114,14 @@ class FlashRoPE : public CpuPrimitive {
 };
 
 // ----------------------------------------------------------------------------------------------
-// Attention: one chunk per (batch, kv head) handles that head's group of query heads, so each key
-// and value row is converted to float32 once.
+// Attention: one chunk per (batch, kv head, block of queries) handles that head's group of query
+// heads for those queries, so each key and value row is converted to float32 once per block. Blocks
+// of queries (prompts) give the threads many chunks to share: with one chunk per kv head, SmolLM2's
+// 3 kv heads left one of 2 threads idle a third of the time.
 struct AttnCtx {
   View q, k, v;
   int B, Hq, Hkv, Lq, Lk, D, Dv, odt;
+  int q_block, q_blocks;  // queries per chunk, chunks per (batch, kv head)
   float scale;
   bool causal;
   bool heads_last;  // output [B, Lq, Hq * Dv] (what the o_proj reads) instead of [B, Hq, Lq, Dv]
@@ -127,54 +130,57 @@ struct AttnCtx {
 
 void attention_chunk(const void* vctx, int chunk) {
   const AttnCtx& c = *static_cast<const AttnCtx*>(vctx);
-  const int b = chunk / c.Hkv, hk = chunk % c.Hkv, G = c.Hq / c.Hkv, Q = G * c.Lq;
+  const int bh = chunk / c.q_blocks, b = bh / c.Hkv, hk = bh % c.Hkv, G = c.Hq / c.Hkv;
+  const int i0 = (chunk % c.q_blocks) * c.q_block, nq = std::min(c.Lq, i0 + c.q_block) - i0, Q = G * nq;
   const int qdt = scalar_type(c.q.dtype), kdt = scalar_type(c.k.dtype), vdt = scalar_type(c.v.dtype);
   float* qf = scratch(tl_row, size_t(Q) * c.D + c.D + c.Dv + size_t(Q) * c.Dv);
   float* kv = qf + size_t(Q) * c.D;        // one key or value row
   float* acc = kv + std::max(c.D, c.Dv);   // [Q, Dv]
-  float* p = scratch(tl_scores, size_t(Q) * c.Lk);
   const auto& qs = c.q.strides;
+  // Row t of the chunk: query head hk * G + t / nq, query i0 + t % nq.
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < c.Lq; ++i) {
-      const int64_t off = b * qs[0] + int64_t(hk * G + g) * qs[1] + int64_t(i) * qs[2];
-      float* dst = qf + size_t(g * c.Lq + i) * c.D;
+    for (int i = 0; i < nq; ++i) {
+      const int64_t off = b * qs[0] + int64_t(hk * G + g) * qs[1] + int64_t(i0 + i) * qs[2];
+      float* dst = qf + size_t(g * nq + i) * c.D;
       load_row(c.q.ptr, qdt, off, qs[3], c.D, dst);
       for (int d = 0; d < c.D; ++d) dst[d] *= c.scale;
     }
-  // Query i sees keys [0, limit(i)).
+  // Query i sees keys [0, limit(i)); the chunk's last query sees the most.
   auto limit = [&](int i) { return c.causal ? std::min(c.Lk, c.Lk - c.Lq + i + 1) : c.Lk; };
+  const int Lk = std::max(0, limit(i0 + nq - 1));
+  float* p = scratch(tl_scores, size_t(Q) * Lk);
   const bool simd = flash::simd_active();
   const auto& ks = c.k.strides;
-  for (int j = 0; j < c.Lk; ++j) {
+  for (int j = 0; j < Lk; ++j) {
     const float* key = row_f32(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);
     for (int t = 0; t < Q; ++t)
-      p[size_t(t) * c.Lk + j] = j < limit(t % c.Lq) ? dot_f32(simd, qf + size_t(t) * c.D, key, c.D)
-                                                     : -std::numeric_limits<float>::infinity();
+      p[size_t(t) * Lk + j] = j < limit(i0 + t % nq) ? dot_f32(simd, qf + size_t(t) * c.D, key, c.D)
+                                                      : -std::numeric_limits<float>::infinity();
   }
   for (int t = 0; t < Q; ++t) {  // softmax over each row of scores
-    float* pr = p + size_t(t) * c.Lk;
-    const int n = limit(t % c.Lq);
+    float* pr = p + size_t(t) * Lk;
+    const int n = limit(i0 + t % nq);
     float mx_ = -std::numeric_limits<float>::infinity();
     for (int j = 0; j < n; ++j) mx_ = std::max(mx_, pr[j]);
     const float sum = exp_shift_sum(simd, pr, n, mx_);
     const float r = n > 0 ? 1.f / sum : std::numeric_limits<float>::quiet_NaN();
     for (int j = 0; j < n; ++j) pr[j] *= r;
-    for (int j = n; j < c.Lk; ++j) pr[j] = 0.f;
+    for (int j = std::max(n, 0); j < Lk; ++j) pr[j] = 0.f;
   }
   std::fill(acc, acc + size_t(Q) * c.Dv, 0.f);
   const auto& vs = c.v.strides;
-  for (int j = 0; j < c.Lk; ++j) {
+  for (int j = 0; j < Lk; ++j) {
     const float* val = row_f32(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, kv);
     for (int t = 0; t < Q; ++t) {
-      const float w = p[size_t(t) * c.Lk + j];
+      const float w = p[size_t(t) * Lk + j];
       if (w != 0.f) axpy_f32(simd, w, val, acc + size_t(t) * c.Dv, c.Dv);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < c.Lq; ++i) {
-      const int h = hk * G + g;
+    for (int ii = 0; ii < nq; ++ii) {
+      const int h = hk * G + g, i = i0 + ii;
       const int64_t row = c.heads_last ? (int64_t(b) * c.Lq + i) * c.Hq + h : (int64_t(b) * c.Hq + h) * c.Lq + i;
-      const float* a = acc + size_t(g * c.Lq + i) * c.Dv;
+      const float* a = acc + size_t(g * nq + ii) * c.Dv;
       if (limit(i) <= 0) {
         std::vector<float> nan(c.Dv, std::numeric_limits<float>::quiet_NaN());
         store_row(c.out, c.odt, row * c.Dv, c.Dv, nan.data());
@@ -204,7 +210,11 @@ void attention_into(const View& q, const View& k, const View& v, int n_keys, flo
   c.causal = causal;
   c.heads_last = heads_last;
   c.out = out;
-  const int chunks = c.B * c.Hkv;
+  // Queries per chunk: all of them for decode; prompts in blocks of 16 (at least 4 chunks per thread
+  // for SmolLM2's 3 kv heads from 32 queries on; causal blocks differ in cost, claimed as they come).
+  c.q_block = std::min(c.Lq, 16);
+  c.q_blocks = c.q_block > 0 ? (c.Lq + c.q_block - 1) / c.q_block : 0;
+  const int chunks = c.B * c.Hkv * c.q_blocks;
   if (chunks == 0 || c.Lq == 0 || c.Dv == 0) return;
   // Below ~64k multiply-adds a second thread costs more than it saves.
   const int64_t work = int64_t(c.Hq) * c.Lq * c.Lk * (c.D + c.Dv);

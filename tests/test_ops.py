@@ -410,7 +410,7 @@ def test_rope_matches_mlx(path, dtype, traditional):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False), (37, True)])
+@pytest.mark.parametrize("lq,causal", [(1, False), (1, True), (3, True), (4, False), (33, False), (37, True)])  # 33, 37: blocks of 16 queries
 @pytest.mark.parametrize("D,Dv", [(32, 48), (20, 13)])  # odd sizes: the SIMD loops' scalar tails
 def test_attention_matches_mlx(path, dtype, lq, causal, D, Dv):
     B, Hq, Hkv, cap, Lk = 2, 6, 2, 64, max(37, lq)
