@@ -808,9 +808,9 @@ FLASH_AVX2 static void panel_row_h(const Problem& p, int64_t r, float* dst) {
   for (int k = 0; k < p.K; k += 8) _mm256_storeu_ps(dst + k, load8h<BF>(wr + k));
 }
 
-// out[m0 .. m0+3, i .. i+4) from x rows m0.. and the panel (rows past the ends are computed on
-// repeated / zero inputs and not stored).
-FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* panel, int m0, int i) {
+// out[m0 .. m0+3, i .. i+4) from x rows m0.. and the panel; rows past the ends (p.M, i1: another
+// thread's rows) are computed on repeated / zero inputs and not stored.
+FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* panel, int m0, int i, int i1) {
   const int K = p.K;
   const float* xr[TILE_MR];
   for (int a = 0; a < TILE_MR; ++a) xr[a] = x + int64_t(std::min(m0 + a, p.M - 1)) * K;
@@ -826,7 +826,7 @@ FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* 
     }
   }
   for (int a = 0; a < TILE_MR && m0 + a < p.M; ++a)
-    for (int j = 0; j < TILE_NR && i + j < p.n; ++j)
+    for (int j = 0; j < TILE_NR && i + j < i1; ++j)
       store_out(p.out, p.out_dtype, int64_t(m0 + a) * p.n + i + j, hsum(acc[a][j]));
 }
 
@@ -847,7 +847,7 @@ FLASH_AVX2 static void fwd_tiles(const Problem& p, const float* x, int i0, int i
         else if (bad_row(p, r)) std::fill(dst, dst + K, kNaN);
         else fill(r, dst);
       }
-      for (int m = m0; m < m1; m += TILE_MR) tile_dots(p, x, panel, m, i);
+      for (int m = m0; m < m1; m += TILE_MR) tile_dots(p, x, panel, m, i, i1);
     }
   }
 }
