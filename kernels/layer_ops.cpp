@@ -128,6 +128,8 @@ struct AttnCtx {
   uint8_t* out;
 };
 
+thread_local std::vector<float> tl_kv;  // a chunk's keys and values as float rows (tiles)
+
 void attention_chunk(const void* vctx, int chunk) {
   const AttnCtx& c = *static_cast<const AttnCtx*>(vctx);
   const int bh = chunk / c.q_blocks, b = bh / c.Hkv, hk = bh % c.Hkv, G = c.Hq / c.Hkv;
@@ -151,11 +153,27 @@ void attention_chunk(const void* vctx, int chunk) {
   float* p = scratch(tl_scores, size_t(Q) * Lk);
   const bool simd = flash::simd_active();
   const auto& ks = c.k.strides;
-  for (int j = 0; j < Lk; ++j) {
-    const float* key = row_f32(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);
-    for (int t = 0; t < Q; ++t)
-      p[size_t(t) * Lk + j] = j < limit(i0 + t % nq) ? dot_f32(simd, qf + size_t(t) * c.D, key, c.D)
-                                                      : -std::numeric_limits<float>::infinity();
+  const auto& vs = c.v.strides;
+  // Several query rows (a prompt block) and vector-sized heads: keys and values as float rows once,
+  // then register tiles (scores past a query's limit are computed and then dropped by the softmax).
+  const bool tiles = FLASH_ROW_X86 && simd && Q >= 6 && c.D % 8 == 0 && c.Dv % 16 == 0;
+  float* kf = nullptr;
+  if (tiles) {
+    const int Lk4 = (Lk + 3) / 4 * 4;
+    kf = scratch(tl_kv, size_t(Lk4) * c.D + size_t(Lk) * c.Dv);
+    for (int j = 0; j < Lk; ++j)
+      load_row(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kf + size_t(j) * c.D);
+    std::fill(kf + size_t(Lk) * c.D, kf + size_t(Lk4) * c.D, 0.f);
+#if FLASH_ROW_X86
+    scores_tiles_avx2(qf, Q, kf, Lk, c.D, p, Lk);
+#endif
+  } else {
+    for (int j = 0; j < Lk; ++j) {
+      const float* key = row_f32(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);
+      for (int t = 0; t < Q; ++t)
+        p[size_t(t) * Lk + j] = j < limit(i0 + t % nq) ? dot_f32(simd, qf + size_t(t) * c.D, key, c.D)
+                                                        : -std::numeric_limits<float>::infinity();
+    }
   }
   for (int t = 0; t < Q; ++t) {  // softmax over each row of scores
     float* pr = p + size_t(t) * Lk;
@@ -167,13 +185,21 @@ void attention_chunk(const void* vctx, int chunk) {
     for (int j = 0; j < n; ++j) pr[j] *= r;
     for (int j = std::max(n, 0); j < Lk; ++j) pr[j] = 0.f;
   }
-  std::fill(acc, acc + size_t(Q) * c.Dv, 0.f);
-  const auto& vs = c.v.strides;
-  for (int j = 0; j < Lk; ++j) {
-    const float* val = row_f32(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, kv);
-    for (int t = 0; t < Q; ++t) {
-      const float w = p[size_t(t) * Lk + j];
-      if (w != 0.f) axpy_f32(simd, w, val, acc + size_t(t) * c.Dv, c.Dv);
+  if (tiles) {
+    float* vf = kf + size_t((Lk + 3) / 4 * 4) * c.D;
+    for (int j = 0; j < Lk; ++j)
+      load_row(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, vf + size_t(j) * c.Dv);
+#if FLASH_ROW_X86
+    values_tiles_avx2(p, Lk, Q, vf, Lk, c.Dv, acc);
+#endif
+  } else {
+    std::fill(acc, acc + size_t(Q) * c.Dv, 0.f);
+    for (int j = 0; j < Lk; ++j) {
+      const float* val = row_f32(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, kv);
+      for (int t = 0; t < Q; ++t) {
+        const float w = p[size_t(t) * Lk + j];
+        if (w != 0.f) axpy_f32(simd, w, val, acc + size_t(t) * c.Dv, c.Dv);
+      }
     }
   }
   for (int g = 0; g < G; ++g)
