@@ -306,9 +306,11 @@ class FlashSwiGLU : public CpuPrimitive {
     int M, n, ydt, odt;
     uint8_t* out;
   };
-  // silu(g) * u for rows [i0, i1) of every x row, each factor first rounded to the projections' dtype.
+  // silu(g) * u for rows [i0, i1) of every x row, each factor first rounded to the projections' dtype
+  // (silu's exp 8 lanes at a time on the SIMD path: a scalar exp per element was 4% of a prompt).
   static void epilogue(const void* vctx, int i0, int i1) {
     const Epilogue& e = *static_cast<const Epilogue*>(vctx);
+    const bool simd = flash::simd_active();
     float v[256];
     for (int m = 0; m < e.M; ++m)
       for (int i = i0; i < i1; i += 256) {
@@ -320,7 +322,7 @@ class FlashSwiGLU : public CpuPrimitive {
         float uu[256];
         for (int t = 0; t < len; ++t) uu[t] = u[t];
         round_to(e.ydt, uu, len);
-        for (int t = 0; t < len; ++t) v[t] = v[t] / (1.f + std::exp(-v[t])) * uu[t];
+        silu_mul(simd, v, uu, len);
         store_row(e.out, e.odt, int64_t(m) * e.n + i, len, v);
       }
   }

@@ -230,6 +230,17 @@ FLASH_ROW_AVX2 inline __m256 exp8(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), normal);
 }
+// g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u for i < n (the scalar form for the tail).
+FLASH_ROW_AVX2 inline void silu_mul_avx2(float* g, const float* u, int n) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    const __m256 d = _mm256_add_ps(one, exp8(_mm256_xor_ps(v, sign)));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(v, d), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
 // p[j] = exp(p[j] - m) for j < n; returns their sum.
 FLASH_ROW_AVX2 inline float exp_shift_sum_avx2(float* p, int n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
@@ -257,6 +268,12 @@ inline void axpy_f32(bool simd, float w, const float* x, float* y, int n) {
   if (simd) return axpy_avx2(w, x, y, n);
 #endif
   for (int i = 0; i < n; ++i) y[i] += w * x[i];
+}
+inline void silu_mul(bool simd, float* g, const float* u, int n) {
+#if FLASH_ROW_X86
+  if (simd) return silu_mul_avx2(g, u, n);
+#endif
+  for (int i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 inline float exp_shift_sum(bool simd, float* p, int n, float m) {
 #if FLASH_ROW_X86
