@@ -116,7 +116,7 @@ uint8_t* stage_buffer(size_t n) {
 // A stage's input: values of dtype dt rounded as an MLX array of that dtype would hold them, as float32.
 float* rounded_rows(const uint8_t* bytes, int dt, int64_t n) {
   float* x = scratch(tl_x, size_t(n));
-  for (int64_t i = 0; i < n; ++i) x[i] = flash::load_scalar(bytes, dt, i);
+  flash::load_floats(bytes, dt, n, x);
   return x;
 }
 

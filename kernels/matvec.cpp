@@ -96,8 +96,32 @@ float load_scalar(const void* base, int dtype, int64_t i) {
   }
 }
 
+#if FLASH_X86
+FLASH_AVX2 static void load_floats_avx2(const void* base, int dtype, int64_t n, float* dst) {
+  const uint16_t* src = static_cast<const uint16_t*>(base);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, dtype == DT_F16 ? _mm256_cvtph_ps(h)
+                                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) dst[i] = dtype == DT_F16 ? _cvtsh_ss(src[i]) : bf16_to_f32(src[i]);
+}
+#endif
+
+void load_floats(const void* base, int dtype, int64_t n, float* dst) {
+  if (dtype == DT_F32) {
+    std::memcpy(dst, base, size_t(n) * 4);
+    return;
+  }
+#if FLASH_X86
+  if (simd_active()) return load_floats_avx2(base, dtype, n, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_scalar(base, dtype, i);
+}
+
 // Inlined into the kernels, which store one output per row (an out-of-line call showed in profiles).
-static inline void store_out(void* base, int dtype, int64_t i, float v) {
+__attribute__((always_inline)) static inline void store_out(void* base, int dtype, int64_t i, float v) {
   switch (dtype) {
     case DT_F16: static_cast<uint16_t*>(base)[i] = f32_to_f16(v); break;
     case DT_BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(v); break;
@@ -426,6 +450,13 @@ FLASH_AVX2 static inline float ldv(const void* base, int64_t i) {
   else return ld<ST>(base, i);
 }
 
+// store_out with F16C's conversion for float16 outputs (one instruction, round to nearest even as
+// f32_to_f16; the software routine per output element was a tenth of a small matvec's samples).
+FLASH_AVX2 static inline void store_out_simd(void* base, int dtype, int64_t i, float v) {
+  if (dtype == DT_F16) static_cast<uint16_t*>(base)[i] = uint16_t(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+  else store_out(base, dtype, i, v);
+}
+
 FLASH_AVX2 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -529,7 +560,7 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
   for (int i = i0; i < i1; ++i) {
     int64_t r = row_of(p, i);
     if (bad_row(p, r)) {
-      for (int m = 0; m < MB; ++m) store_out(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
+      for (int m = 0; m < MB; ++m) store_out_simd(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
       continue;
     }
     const uint8_t* next = PF ? prefetch_next_row(p, i + 1, i1, 0, G) : nullptr;
@@ -579,7 +610,7 @@ FLASH_AVX2 static void q_fwd_avx2(const Problem& p, const float* x, const float*
     }
     for (int m = 0; m < MB; ++m) {
       const float bacc = row_bias_dot<ST, true>(p, sb, xsum + int64_t(m0 + m) * G, G);
-      store_out(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(_mm256_add_ps(acc0[m], acc1[m])) + bacc);
+      store_out_simd(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(_mm256_add_ps(acc0[m], acc1[m])) + bacc);
     }
   }
 }
@@ -651,7 +682,7 @@ FLASH_AVX2 static void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
     for (int j = 0; j < len; ++j) {
       const int nat = Q4 ? (j & ~31) + q4_natural(j & 31) : j;
       const float v = acc[int64_t(m) * len + j] + bacc[int64_t(m) * ng + j / gs];
-      store_out(p.out, p.out_dtype, int64_t(m) * p.K + k0 + nat, bad ? kNaN : v);
+      store_out_simd(p.out, p.out_dtype, int64_t(m) * p.K + k0 + nat, bad ? kNaN : v);
     }
 }
 
@@ -674,7 +705,7 @@ FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int 
   for (int i = i0; i < i1; ++i) {
     int64_t r = row_of(p, i);
     if (bad_row(p, r)) {
-      for (int m = 0; m < MB; ++m) store_out(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
+      for (int m = 0; m < MB; ++m) store_out_simd(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
       continue;
     }
     const uint8_t* next = PF ? prefetch_next_row(p, i + 1, i1) : nullptr;
@@ -701,7 +732,7 @@ FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int 
       for (int m = 0; m < MB; ++m) tail[m] += w * x[int64_t(m0 + m) * K + k];
     }
     for (int m = 0; m < MB; ++m)
-      store_out(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(_mm256_add_ps(a0[m], a1[m])) + tail[m]);
+      store_out_simd(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, hsum(_mm256_add_ps(a0[m], a1[m])) + tail[m]);
   }
 }
 
@@ -748,7 +779,7 @@ FLASH_AVX2 static void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
   }
   for (int m = 0; m < p.M; ++m)
     for (int j = 0; j < len; ++j)
-      store_out(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : acc[int64_t(m) * len + j]);
+      store_out_simd(p.out, p.out_dtype, int64_t(m) * p.K + k0 + j, bad ? kNaN : acc[int64_t(m) * len + j]);
 }
 
 template <int ST, bool Q4, bool PF, int CPG>
@@ -827,7 +858,7 @@ FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* 
   }
   for (int a = 0; a < TILE_MR && m0 + a < p.M; ++a)
     for (int j = 0; j < TILE_NR && i + j < i1; ++j)
-      store_out(p.out, p.out_dtype, int64_t(m0 + a) * p.n + i + j, hsum(acc[a][j]));
+      store_out_simd(p.out, p.out_dtype, int64_t(m0 + a) * p.n + i + j, hsum(acc[a][j]));
 }
 
 // Rows [i0, i1) of every x row by tiles; fill(r, dst) writes weight row r's K floats.
@@ -878,7 +909,7 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
   for (int i = i0; i < i1; ++i) {
     const int64_t r = row_of(p, i);
     for (int m = 0; m < p.M; ++m) {
-      if (bad_row(p, r)) { store_out(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
+      if (bad_row(p, r)) { store_out_simd(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN); continue; }
       const uint8_t* next = PF && m == 0 ? prefetch_next_row(p, i + 1, i1, 0, G) : nullptr;
       const uint8_t* wr = p.w + r * p.w_row_bytes;
       const int64_t sb = r * p.sb_row;
@@ -932,7 +963,7 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
         }
       }
       const float bacc = row_bias_dot<ST, Q4>(p, sb, xsum + int64_t(m) * G, G);
-      store_out(p.out, p.out_dtype, int64_t(m) * p.n + i, hsum(_mm256_add_ps(acc0, acc1)) + tail + bacc);
+      store_out_simd(p.out, p.out_dtype, int64_t(m) * p.n + i, hsum(_mm256_add_ps(acc0, acc1)) + tail + bacc);
     }
   }
 }

@@ -55,6 +55,8 @@ using ChunkFn = void (*)(const void* ctx, int chunk);
 void parallel_for(int chunks, ChunkFn fn, const void* ctx);
 
 float load_scalar(const void* base, int dtype, int64_t i);
+// n contiguous values of dtype at base -> float32 (F16C / AVX2 when the SIMD path is on).
+void load_floats(const void* base, int dtype, int64_t n, float* dst);
 void store_scalar(void* base, int dtype, int64_t i, float v);
 
 }  // namespace flash

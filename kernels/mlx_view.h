@@ -64,7 +64,7 @@ inline void to_float(const View& v, float* dst) {
   const int dt = scalar_type(v.dtype);
   const int64_t n = v.size();
   if (v.contiguous) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = flash::load_scalar(v.ptr, dt, i);
+    flash::load_floats(v.ptr, dt, n, dst);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = flash::load_scalar(v.ptr, dt, v.offset(i));
   }

@@ -29,12 +29,6 @@ namespace flash_ext {
 // Row loads / stores between an MLX buffer (any float dtype, element stride) and float32.
 
 #if FLASH_ROW_X86
-FLASH_ROW_AVX2 inline void load_f16_avx2(const uint16_t* src, int n, float* dst) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
-}
 FLASH_ROW_AVX2 inline void store_f16_avx2(const float* src, int n, uint16_t* dst) {
   int i = 0;
   for (; i + 8 <= n; i += 8)
@@ -46,14 +40,8 @@ FLASH_ROW_AVX2 inline void store_f16_avx2(const float* src, int n, uint16_t* dst
 
 // n elements starting at element `base`, `stride` elements apart -> dst.
 inline void load_row(const uint8_t* ptr, int dt, int64_t base, int64_t stride, int n, float* dst) {
-#if FLASH_ROW_X86
-  if (dt == flash::DT_F16 && stride == 1 && flash::simd_active()) {
-    load_f16_avx2(reinterpret_cast<const uint16_t*>(ptr) + base, n, dst);
-    return;
-  }
-#endif
-  if (dt == flash::DT_F32 && stride == 1) {
-    std::copy_n(reinterpret_cast<const float*>(ptr) + base, n, dst);
+  if (stride == 1) {
+    flash::load_floats(ptr + base * (dt == flash::DT_F32 ? 4 : 2), dt, n, dst);
     return;
   }
   for (int i = 0; i < n; ++i) dst[i] = flash::load_scalar(ptr, dt, base + i * stride);
