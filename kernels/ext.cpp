@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <optional>
@@ -323,6 +324,15 @@ NB_MODULE(_ext, m) {
       "with its residual; o is (w, scales, biases, None); n_keys as in attention.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the AVX2 path when the CPU has it (True) or force the portable scalar path (False).");
+  m.def(
+      "round_floats",
+      [](std::vector<float> v, mx::Dtype dtype) {
+        flash::round_floats(scalar_type(dtype), v.data(), int64_t(v.size()));
+        return v;
+      },
+      nb::arg("values"), nb::arg("dtype"),
+      "Test hook: float32 values rounded to dtype (float16 / bfloat16) and back, as the fused ops round "
+      "their intermediates.");
   m.def("simd_active", &flash::simd_active);
   m.def("num_threads", &flash::num_threads);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;

@@ -120,6 +120,39 @@ void load_floats(const void* base, int dtype, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = load_scalar(base, dtype, i);
 }
 
+#if FLASH_X86
+// float16: F16C both ways; bfloat16: round to nearest even on the bits, NaN kept quiet (f32_to_bf16).
+FLASH_AVX2 static void round_floats_avx2(int dtype, float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    __m256 y;
+    if (dtype == DT_F16) {
+      y = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+      const __m256i b = _mm256_castps_si256(x), hi = _mm256_set1_epi32(int(0xffff0000u));
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+      const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), hi);
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+      const __m256i q = _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), hi);
+      y = _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan));
+    }
+    _mm256_storeu_ps(v + i, y);
+  }
+  for (; i < n; ++i)
+    v[i] = dtype == DT_F16 ? _cvtsh_ss(uint16_t(_cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT))) : bf16_to_f32(f32_to_bf16(v[i]));
+}
+#endif
+
+void round_floats(int dtype, float* v, int64_t n) {
+  if (dtype == DT_F32) return;
+#if FLASH_X86
+  if (simd_active()) return round_floats_avx2(dtype, v, n);
+#endif
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = dtype == DT_F16 ? f16_to_f32(f32_to_f16(v[i])) : bf16_to_f32(f32_to_bf16(v[i]));
+}
+
 // Inlined into the kernels, which store one output per row (an out-of-line call showed in profiles).
 __attribute__((always_inline)) static inline void store_out(void* base, int dtype, int64_t i, float v) {
   switch (dtype) {

@@ -57,6 +57,8 @@ void parallel_for(int chunks, ChunkFn fn, const void* ctx);
 float load_scalar(const void* base, int dtype, int64_t i);
 // n contiguous values of dtype at base -> float32 (F16C / AVX2 when the SIMD path is on).
 void load_floats(const void* base, int dtype, int64_t n, float* dst);
+// v[i] rounded to dtype and back (what storing and reloading gives), in place.
+void round_floats(int dtype, float* v, int64_t n);
 void store_scalar(void* base, int dtype, int64_t i, float v);
 
 }  // namespace flash

@@ -63,14 +63,7 @@ inline void store_row(uint8_t* ptr, int dt, int64_t base, int n, const float* sr
 }
 
 // Round float32 values to dtype dt in place (what storing and reloading would give).
-inline void round_to(int dt, float* v, int n) {
-  if (dt == flash::DT_F32) return;
-  uint16_t h;
-  for (int i = 0; i < n; ++i) {
-    flash::store_scalar(&h, dt, 0, v[i]);
-    v[i] = flash::load_scalar(&h, dt, 0);
-  }
-}
+inline void round_to(int dt, float* v, int n) { flash::round_floats(dt, v, n); }
 
 inline float dot(const float* a, const float* b, int n) {
   float s = 0.f;

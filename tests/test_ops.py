@@ -233,6 +233,24 @@ def test_out_of_range_rows_give_nan(m):
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_round_floats_as_mlx_astype(path, dtype):
+    # the fused ops' intermediates: rounded to nearest even exactly as MLX stores them (halfway
+    # cases, subnormals, overflow, infinities, NaN), on both paths
+    rng = np.random.default_rng(0)
+    halfway = np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32)
+    special = np.array([0.0, -0.0, 65504.0, 65520.0, 1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1e-40,
+                        np.inf, -np.inf], np.float32)
+    x = np.concatenate([halfway, -halfway, special, (rng.standard_normal(200) * 10.0**rng.uniform(-8, 5, 200))])
+    x = x.astype(np.float32)
+    got = np.array(ops._ext.round_floats(x.tolist(), dtype), np.float32)
+    ref = _f32(mx.array(x).astype(dtype))
+    assert np.array_equal(got, ref)
+    nan = np.array(ops._ext.round_floats([float("nan")] * 9, dtype))
+    assert np.all(np.isnan(nan))
+
+
+@needs_ext
 def test_strided_inputs_and_leading_dims(path):
     k, n = 128, 40
     big = _x((2 * n, k), mx.float16, seed=3)
