@@ -77,6 +77,14 @@ def test_kernels_bench_refuses_no_kernels_without_generate(capsys):
     assert e.value.code == 2 and "--no-kernels" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value", [("--prompt-tokens", "-1"), ("--gen-repeats", "0"), ("--max-tokens", "0")])
+def test_kernels_bench_refuses_counts_out_of_range(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["kernels", "--no-kernels", "--generate", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag}: must be at least" in err and len(err.strip().splitlines()) == 1
+
+
 def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
     from mlx_flash.io import ReadCost
     from mlx_flash.io.planner import save_cost

@@ -559,6 +559,10 @@ def run(args):
         return 1
     if args.no_kernels and args.generate is None and not args.breakdown:
         raise FlashError("--no-kernels: only with --generate or --breakdown (otherwise there is nothing to measure)")
+    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--gen-repeats", args.gen_repeats, 1),
+                               ("--prompt-tokens", args.prompt_tokens, 0)):
+        if value < least:
+            raise FlashError(f"{flag}: must be at least {least}, got {value}")
     load_before = os.getloadavg()
     bw = measure_bandwidth(args.bandwidth_mib)
     bandwidth = max(bw.values())
