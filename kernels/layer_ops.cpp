@@ -164,9 +164,7 @@ void attention_chunk(const void* vctx, int chunk) {
     for (int j = 0; j < Lk; ++j)
       load_row(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kf + size_t(j) * c.D);
     std::fill(kf + size_t(Lk) * c.D, kf + size_t(Lk4) * c.D, 0.f);
-#if FLASH_ROW_X86
-    scores_tiles_avx2(qf, Q, kf, Lk, c.D, p, Lk);
-#endif
+    flash::dot_tiles(qf, Q, kf, Lk, c.D, p, Lk);
   } else {
     for (int j = 0; j < Lk; ++j) {
       const float* key = row_f32(c.k.ptr, kdt, b * ks[0] + int64_t(hk) * ks[1] + int64_t(j) * ks[2], ks[3], c.D, kv);

@@ -872,12 +872,13 @@ FLASH_AVX2 static void panel_row_h(const Problem& p, int64_t r, float* dst) {
   for (int k = 0; k < p.K; k += 8) _mm256_storeu_ps(dst + k, load8h<BF>(wr + k));
 }
 
-// out[m0 .. m0+3, i .. i+4) from x rows m0.. and the panel; rows past the ends (p.M, i1: another
-// thread's rows) are computed on repeated / zero inputs and not stored.
-FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* panel, int m0, int i, int i1) {
-  const int K = p.K;
+// Dot products of x rows m0 .. m0+2 (of M, each K floats, K a multiple of 8) with the 4 panel rows,
+// into out[(m0 + a) * ld + col + j] (dtype out_dtype) for the ones that exist: x rows past M are read
+// again as the last row, and panel rows past n_left (zero padding, another thread's rows) not stored.
+FLASH_AVX2 static void tile_dots(const float* x, int M, int K, const float* panel, int m0, int n_left, void* out,
+                                 int out_dtype, int64_t ld, int64_t col) {
   const float* xr[TILE_MR];
-  for (int a = 0; a < TILE_MR; ++a) xr[a] = x + int64_t(std::min(m0 + a, p.M - 1)) * K;
+  for (int a = 0; a < TILE_MR; ++a) xr[a] = x + int64_t(std::min(m0 + a, M - 1)) * K;
   __m256 acc[TILE_MR][TILE_NR];
   for (int a = 0; a < TILE_MR; ++a)
     for (int j = 0; j < TILE_NR; ++j) acc[a][j] = _mm256_setzero_ps();
@@ -889,9 +890,9 @@ FLASH_AVX2 static void tile_dots(const Problem& p, const float* x, const float* 
       for (int j = 0; j < TILE_NR; ++j) acc[a][j] = _mm256_fmadd_ps(xv, w[j], acc[a][j]);
     }
   }
-  for (int a = 0; a < TILE_MR && m0 + a < p.M; ++a)
-    for (int j = 0; j < TILE_NR && i + j < i1; ++j)
-      store_out_simd(p.out, p.out_dtype, int64_t(m0 + a) * p.n + i + j, hsum(acc[a][j]));
+  for (int a = 0; a < TILE_MR && m0 + a < M; ++a)
+    for (int j = 0; j < TILE_NR && j < n_left; ++j)
+      store_out_simd(out, out_dtype, int64_t(m0 + a) * ld + col + j, hsum(acc[a][j]));
 }
 
 // Rows [i0, i1) of every x row by tiles; fill(r, dst) writes weight row r's K floats.
@@ -911,9 +912,15 @@ FLASH_AVX2 static void fwd_tiles(const Problem& p, const float* x, int i0, int i
         else if (bad_row(p, r)) std::fill(dst, dst + K, kNaN);
         else fill(r, dst);
       }
-      for (int m = m0; m < m1; m += TILE_MR) tile_dots(p, x, panel, m, i, i1);
+      for (int m = m0; m < m1; m += TILE_MR) tile_dots(x, p.M, K, panel, m, i1 - i, p.out, p.out_dtype, p.n, i);
     }
   }
+}
+
+FLASH_AVX2 static void dot_tiles_avx2(const float* x, int M, const float* w, int n, int K, float* out, int ld) {
+  for (int i = 0; i < n; i += TILE_NR)
+    for (int m = 0; m < M; m += TILE_MR)
+      tile_dots(x, M, K, w + int64_t(i) * K, m, n - i, out, DT_F32, ld, i);
 }
 
 template <bool BF, bool PF>
@@ -1001,6 +1008,18 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
   }
 }
 #endif  // FLASH_X86
+
+void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld) {
+#if FLASH_X86
+  if (simd_active() && K % 8 == 0) return dot_tiles_avx2(x, M, w, n, K, out, ld);
+#endif
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < n; ++i) {
+      float t = 0.f;
+      for (int k = 0; k < K; ++k) t += x[int64_t(m) * K + k] * w[int64_t(i) * K + k];
+      out[int64_t(m) * ld + i] = t;
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch

@@ -50,6 +50,11 @@ bool simd_active();
 void set_num_threads(int n);
 int num_threads();
 
+// out[m * ld + i] = x[m] . w[i] for m < M, i < n (float32 rows of K; the SIMD path reads w's rows
+// in blocks of 4, so w must hold a multiple of 4 rows, zero past n). Register tiles of 3 x 4 dots,
+// the prompt matvecs' kernel (attention scores use it for blocks of queries).
+void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld);
+
 // Runs fn(ctx, c) for c in [0, chunks) on the calling thread and the persistent pool.
 using ChunkFn = void (*)(const void* ctx, int chunk);
 void parallel_for(int chunks, ChunkFn fn, const void* ctx);

@@ -141,31 +141,7 @@ FLASH_ROW_AVX2 inline void axpy_avx2(float w, const float* x, float* y, int n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += w * x[i];
 }
-// Attention tiles for blocks of queries (prompts). Scores: s[t * ld + j] = q_t . k_j for 3 queries
-// x 4 keys per register tile over D (a multiple of 8); k holds whole blocks of 4 rows (zero rows
-// past nk). Each dot sums 8 lanes over D, then the lanes.
-FLASH_ROW_AVX2 inline void scores_tiles_avx2(const float* q, int nq, const float* k, int nk, int D, float* s, int ld) {
-  for (int j0 = 0; j0 < nk; j0 += 4) {
-    const float* kb = k + int64_t(j0) * D;
-    for (int t0 = 0; t0 < nq; t0 += 3) {
-      const float* qr[3];
-      for (int a = 0; a < 3; ++a) qr[a] = q + int64_t(std::min(t0 + a, nq - 1)) * D;
-      __m256 acc[3][4];
-      for (int a = 0; a < 3; ++a)
-        for (int j = 0; j < 4; ++j) acc[a][j] = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) {
-        __m256 kv[4];
-        for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(kb + j * D + d);
-        for (int a = 0; a < 3; ++a) {
-          const __m256 qv = _mm256_loadu_ps(qr[a] + d);
-          for (int j = 0; j < 4; ++j) acc[a][j] = _mm256_fmadd_ps(qv, kv[j], acc[a][j]);
-        }
-      }
-      for (int a = 0; a < 3 && t0 + a < nq; ++a)
-        for (int j = 0; j < 4 && j0 + j < nk; ++j) s[int64_t(t0 + a) * ld + j0 + j] = hsum8(acc[a][j]);
-    }
-  }
-}
+// Attention tiles for blocks of queries (prompts); the scores are flash::dot_tiles.
 // Weighted values: acc[t * Dv + d] = sum_j p[t * ld + j] * v[j * Dv + d] over j < nk, for 4 queries
 // x 16 columns per register tile (Dv a multiple of 16). j ascending, one FMA each: the same sums
 // as axpy_avx2 over j.
