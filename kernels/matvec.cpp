@@ -97,30 +97,6 @@ float load_scalar(const void* base, int dtype, int64_t i) {
 }
 
 #if FLASH_X86
-FLASH_AVX2 static void load_floats_avx2(const void* base, int dtype, int64_t n, float* dst) {
-  const uint16_t* src = static_cast<const uint16_t*>(base);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, dtype == DT_F16 ? _mm256_cvtph_ps(h)
-                                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-  for (; i < n; ++i) dst[i] = dtype == DT_F16 ? _cvtsh_ss(src[i]) : bf16_to_f32(src[i]);
-}
-#endif
-
-void load_floats(const void* base, int dtype, int64_t n, float* dst) {
-  if (dtype == DT_F32) {
-    std::memcpy(dst, base, size_t(n) * 4);
-    return;
-  }
-#if FLASH_X86
-  if (simd_active()) return load_floats_avx2(base, dtype, n, dst);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = load_scalar(base, dtype, i);
-}
-
-#if FLASH_X86
 // float16: F16C both ways; bfloat16: round to nearest even on the bits, NaN kept quiet (f32_to_bf16).
 FLASH_AVX2 static void round_floats_avx2(int dtype, float* v, int64_t n) {
   int64_t i = 0;
@@ -732,6 +708,13 @@ FLASH_AVX2 static inline float ldh(const uint16_t* w, int k) {
   else return _cvtsh_ss(w[k]);
 }
 
+template <bool BF>
+FLASH_AVX2 static void load_floats_avx2(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8h<BF>(src + i));
+  for (; i < n; ++i) dst[i] = ldh<BF>(src, int(i));
+}
+
 template <int MB, bool BF, bool PF>
 FLASH_AVX2 static void h_fwd_avx2(const Problem& p, const float* x, int m0, int i0, int i1) {
   const int K = p.K;
@@ -1008,6 +991,20 @@ FLASH_AVX2 static void q_fwd_i8_avx2(const Problem& p, const Q8X& xa, const int8
   }
 }
 #endif  // FLASH_X86
+
+void load_floats(const void* base, int dtype, int64_t n, float* dst) {
+  if (dtype == DT_F32) {
+    std::memcpy(dst, base, size_t(n) * 4);
+    return;
+  }
+#if FLASH_X86
+  if (simd_active()) {
+    const uint16_t* src = static_cast<const uint16_t*>(base);
+    return dtype == DT_F16 ? load_floats_avx2<false>(src, n, dst) : load_floats_avx2<true>(src, n, dst);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_scalar(base, dtype, i);
+}
 
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld) {
 #if FLASH_X86
