@@ -98,7 +98,8 @@ float load_scalar(const void* base, int dtype, int64_t i) {
 
 #if FLASH_X86
 // float16: F16C both ways; bfloat16: round to nearest even on the bits, NaN kept quiet (f32_to_bf16).
-FLASH_AVX2 static void round_floats_avx2(int dtype, float* v, int64_t n) {
+// Whole blocks of 8 only; returns how many values it rounded (round_floats does the rest).
+FLASH_AVX2 static int64_t round_floats_avx2(int dtype, float* v, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(v + i);
@@ -115,18 +116,17 @@ FLASH_AVX2 static void round_floats_avx2(int dtype, float* v, int64_t n) {
     }
     _mm256_storeu_ps(v + i, y);
   }
-  for (; i < n; ++i)
-    v[i] = dtype == DT_F16 ? _cvtsh_ss(uint16_t(_cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT))) : bf16_to_f32(f32_to_bf16(v[i]));
+  return i;
 }
 #endif
 
 void round_floats(int dtype, float* v, int64_t n) {
   if (dtype == DT_F32) return;
+  int64_t i = 0;
 #if FLASH_X86
-  if (simd_active()) return round_floats_avx2(dtype, v, n);
+  if (simd_active()) i = round_floats_avx2(dtype, v, n);
 #endif
-  for (int64_t i = 0; i < n; ++i)
-    v[i] = dtype == DT_F16 ? f16_to_f32(f32_to_f16(v[i])) : bf16_to_f32(f32_to_bf16(v[i]));
+  for (; i < n; ++i) v[i] = dtype == DT_F16 ? f16_to_f32(f32_to_f16(v[i])) : bf16_to_f32(f32_to_bf16(v[i]));
 }
 
 // Inlined into the kernels, which store one output per row (an out-of-line call showed in profiles).
