@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import mlx_flash
-from mlx_flash.models.source import resolve_model
+from mlx_flash.sources import resolve_model
 from mlx_flash.pack import write_pack
 
 

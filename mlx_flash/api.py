@@ -3,8 +3,8 @@
 import gc
 from dataclasses import fields
 
+from .config import FlashConfig
 from .errors import FlashError
-from .flash_config import FlashConfig
 
 
 def load(model=None, config: FlashConfig = None, *, progress: bool = True, **options):
@@ -13,6 +13,7 @@ def load(model=None, config: FlashConfig = None, *, progress: bool = True, **opt
     `model`: None (the embedded SmolLM2-135M-Instruct), a `.gguf` file, an mlx-lm / Hugging Face
     folder, or a hub repo id. `options` are FlashConfig fields (e.g. mode="dense").
     """
+    # mlx-lm (with transformers) takes seconds to import: `import mlx_flash` stays instant
     from .models import load as load_model_and_tokenizer
 
     known = {f.name for f in fields(FlashConfig)}
@@ -23,14 +24,10 @@ def load(model=None, config: FlashConfig = None, *, progress: bool = True, **opt
     return load_model_and_tokenizer(model, config, progress=progress)
 
 
-def context_length(model):
-    """The model's context window in tokens (None when its config does not say)."""
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None) or getattr(args, "context_length", None)
-
-
 def check_prompt_fits(model, n_prompt_tokens: int, max_tokens: int = 0) -> None:
     """Refuse a prompt longer than the model's context instead of silently degrading."""
+    from .models import context_length  # heavy (mlx-lm), see load
+
     limit = context_length(model)
     if limit is not None and n_prompt_tokens > limit:
         raise FlashError(f"--prompt: {n_prompt_tokens} tokens, longer than the model's context of {limit} tokens")
@@ -42,6 +39,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: fl
 
     `prompt` is a string (used as is: apply the chat template yourself, as with mlx-lm) or token ids.
     """
+    # heavy (mlx-lm), see load
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 

@@ -6,58 +6,14 @@ interrupted or failed conversion leaves nothing half-written.
 """
 
 import argparse
-import contextlib
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: Path):
-    """Yield a temporary folder beside `out`; rename it to `out` on success, delete it on failure."""
-    out = Path(out)
-    if out.exists():
-        raise FlashError(f"--out {out}: already exists; remove it or choose another path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def convert_gguf(gguf_path, out_dir, progress=True) -> Path:
-    """Write `gguf_path` as an mlx-lm folder at `out_dir`: model.safetensors, config.json, tokenizer."""
-    import mlx.core as mx
-    from tqdm import tqdm
-
-    from .models.gguf import gguf_to_mlx, read_gguf_header
-    from .models.gguf_tokenizer import write_tokenizer
-
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    header = read_gguf_header(gguf_path)
-    config, weights = gguf_to_mlx(gguf_path)
-    with atomic_output_dir(out_dir) as tmp:
-        for name in tqdm(sorted(weights), desc=f"Converting {gguf_path.name}", unit="tensor",
-                         disable=not progress, file=sys.stderr):
-            mx.eval(weights[name])
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        write_tokenizer(header, tmp)
-        meta = header.metadata
-        for key in ("bos", "eos"):
-            if f"tokenizer.ggml.{key}_token_id" in meta:
-                config[f"{key}_token_id"] = meta[f"tokenizer.ggml.{key}_token_id"]
-        config["source"] = {"format": "gguf", "file": gguf_path.name}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return out_dir
+from .pack import write_pack
+from .sources import convert_gguf, is_gguf, resolve_model
 
 
 def _main(argv):
@@ -97,16 +53,12 @@ def _main(argv):
     if args.synthetic:
         if args.format != "pack":
             raise FlashError("--synthetic: only with --format pack")
-        from .synthetic import write_synthetic_pack
-
         out = write_synthetic_pack(args.synthetic, Path(args.out), sparsity=args.sparsity,
                                    dtype=args.dtype or "float16", quantize=args.quantize,
                                    group_size=args.group_size, rank=args.rank, seed=args.seed)
         print(f"Wrote {out} (synthetic {args.synthetic}: random weights, for speed only)",
               file=sys.stderr)
         return 0
-    from .models.source import is_gguf, resolve_model
-
     out = Path(args.out).expanduser()
     if out.exists():
         raise FlashError(f"--out {out}: already exists; remove it or choose another path")
@@ -120,8 +72,6 @@ def _main(argv):
             raise FlashError(f"--model {src}: --format mlx converts GGUF files; this is not one")
         convert_gguf(src, out)
     else:
-        from .pack import write_pack
-
         write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size, down_bits=args.down_bits)
     print(f"Wrote {out}", file=sys.stderr)

@@ -5,7 +5,8 @@ import os
 import sys
 
 from .cli import run_cli
-from .flash_config import MODE_HELP, MODES
+from .config import MODE_HELP, MODES, memory_budget_arg
+from .errors import FlashError
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -31,7 +32,7 @@ def build_parser():
     flash = parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)")
     flash.add_argument("--mode", choices=MODES, default="dense",
                        help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items()))
-    flash.add_argument("--memory-budget", default=None,
+    flash.add_argument("--memory-budget", default=None, type=memory_budget_arg,
                        help="memory for weights: a fraction of the pack (0.65) or a size (6GB, 700MiB); "
                             "default: no limit")
     flash.add_argument("--window", type=int, default=5,
@@ -47,8 +48,6 @@ def build_parser():
 
 
 def _check_args(args):
-    from .errors import FlashError
-
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise FlashError(f"--max-tokens {args.max_tokens}: must be positive (or -1 for no limit)")
     if args.temp < 0:
@@ -71,6 +70,7 @@ def _main(argv):
     _check_args(args)
     # Our own checks report over-long prompts; transformers' tokenizer warning would only repeat it.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # MLX and mlx-lm take seconds to import: `--help` and flag errors come first
     import mlx.core as mx
 
     from .api import check_prompt_fits, load, stream_generate
@@ -78,7 +78,7 @@ def _main(argv):
     if args.seed is not None:
         mx.random.seed(args.seed)
     if args.q8_activations:
-        from .ops import set_q8_activations
+        from .cpu.ops import set_q8_activations  # heavy, as above
 
         set_q8_activations(True)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

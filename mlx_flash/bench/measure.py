@@ -66,6 +66,7 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
     bytes_read), `accounting` (loader log vs statistics vs neuron-cache counters), load seconds,
     mlx-lm's tokens/s, the memory plan, and the generated text.
     """
+    # a fresh child per run: importing here keeps the parent's imports out of the child's figures
     import mlx.core as mx
 
     import mlx_flash
@@ -150,12 +151,13 @@ def process_baseline(pack) -> dict:
     Returns {"rss_bytes"}; the caller reads the cgroup peak (page cache included)."""
     import resource
     import sys
+    from pathlib import Path
 
+    # what a run imports, imported here so the measured RSS includes exactly these modules
     import mlx.core as mx  # noqa: F401
     import mlx_lm.generate  # noqa: F401
 
     from mlx_flash.models import load_tokenizer
-    from pathlib import Path
 
     load_tokenizer(Path(pack))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -14,12 +14,22 @@ Other pack architectures get no llama.cpp GGUF here (--gguf FILE gives one).
 """
 
 import importlib.util
+import json
 import os
+import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
+from ..calibration.synthetic import is_synthetic
 from ..errors import FlashError
+from ..pack import load_pack_weights
+from ..paths import atomic_output_dir
+from ..sources import default_gguf_path
 
 PEERS = ("mlx-lm", "llama.cpp")
 INSTALL_HINT = "pip install '.[peers]' (or scripts/setup.sh --peers) for llama-cpp-python"
@@ -50,27 +60,21 @@ def choose(spec: str) -> dict:
 
 def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
     """mlx-lm dense: load every weight, generate greedily; ms per token from mlx-lm's own counts."""
-    import json
-
-    import mlx.core as mx
+    # a child process; mlx-lm is the peer measured, imported only where it runs
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model as mlx_lm_load_model
     from mlx_lm.utils import load_tokenizer
+
+    from ..models.loader import load_model, mlx_lm_model_classes
 
     folder = Path(folder)
     t0 = time.perf_counter()
     config = json.loads((folder / "config.json").read_text())
-    try:
-        from mlx_lm.utils import _get_classes
-
-        _get_classes(config)
-        from mlx_lm.utils import load_model
-
-        model, _ = load_model(folder, lazy=False)
+    if mlx_lm_model_classes(config) is not None:
+        model, _ = mlx_lm_load_model(folder, lazy=False)
         loader = "mlx_lm.utils.load_model"
-    except ValueError:  # architecture mlx-lm lacks: its loader with our model class
-        from mlx_flash.models import load_model
-
+    else:  # architecture mlx-lm lacks: its loader with our model class
         model, _ = load_model(folder, lazy=False)
         loader = "mlx_lm.utils.load_model + mlx-flash model class"
     tokenizer = load_tokenizer(folder)
@@ -91,7 +95,7 @@ def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
 def generate_llama_cpp(gguf, prompt, gen_tokens, threads=None) -> dict:
     """llama.cpp through llama-cpp-python, default loading (mmap), greedy; ms per decode token
     from the time between successive tokens."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # optional peer (pip install '.[peers]'); available() checks it
 
     t0 = time.perf_counter()
     llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_tokens + 16,
@@ -112,14 +116,6 @@ def generate_llama_cpp(gguf, prompt, gen_tokens, threads=None) -> dict:
 
 def export_mlx_folder(pack: Path, out: Path) -> Path:
     """An mlx-lm folder with the pack's whole model (config, one safetensors, tokenizer files)."""
-    import json
-    import shutil
-
-    import mlx.core as mx
-
-    from ..convert import atomic_output_dir
-    from ..pack import load_pack_weights
-
     config, weights = load_pack_weights(pack)
     with atomic_output_dir(out) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -134,11 +130,7 @@ def write_gpt2_gguf(pack: Path, out: Path, tokenizer_gguf: Path) -> Path:
     """A llama.cpp GGUF (architecture "gpt2") with the tensors of an OPT-shaped pack; the
     tokenizer metadata comes from `tokenizer_gguf` (the embedded model's, the synthetic packs'
     tokenizer), padded with control tokens to the pack's vocabulary size."""
-    import gguf
-    import mlx.core as mx
-    import numpy as np
-
-    from ..pack import load_pack_weights
+    import gguf  # optional (the test extra); only llama.cpp peers need it
 
     config, w = load_pack_weights(pack)
     if config.get("model_type") != "opt":
@@ -223,8 +215,6 @@ def write_gpt2_gguf(pack: Path, out: Path, tokenizer_gguf: Path) -> Path:
 
 def run_peers(suite, names: dict, prompts, out: Path) -> dict:
     """Run every chosen peer --repeats times, cold, under the suite's cap; {peer: result}."""
-    import statistics
-
     results = {}
     info = suite.model_info
     for name, reason in names.items():
@@ -279,8 +269,6 @@ def _model_file(name, suite, out: Path):
         return Path(info["gguf"]), "the source GGUF, default mmap loading"
     gguf_path = out / "peer-model.gguf"
     if not gguf_path.exists():
-        from ..models.source import default_gguf_path
-
         print(f"writing a GGUF of the pack for llama.cpp: {gguf_path}", file=sys.stderr)
         write_gpt2_gguf(suite.pack, gguf_path, default_gguf_path())
     return gguf_path, ("GGUF written from the pack as llama.cpp's gpt2 architecture (llama.cpp "
@@ -288,6 +276,4 @@ def _model_file(name, suite, out: Path):
 
 
 def _synthetic(pack):
-    from ..synthetic import is_synthetic
-
     return is_synthetic(pack) is not None

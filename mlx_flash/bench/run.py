@@ -16,16 +16,36 @@ over --repeats. Output: DIR/results.json (every figure, machine, package version
 DIR/report.md with tables and PNG plots, and a printed summary.
 """
 
+import glob
 import json
 import os
 import platform
+import shlex
+import shutil
 import statistics
 import sys
 import time
 import zlib
+from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
+from ..calibration.synthetic import is_synthetic
+from ..config import parse_memory_budget
 from ..errors import FlashError
+from ..io import evict
+from ..io.cache import pack_files
+from ..models import is_flash_pack, load_tokenizer
+from ..pack import read_manifest, write_pack
+from ..paths import flash_home
+from ..sources import default_gguf_path, is_gguf, resolve_model
+from ..sparse.budget import pack_bytes, resolve_budget
+from ..sparse.predictor import read_predictors_json
+from . import peers as peer_mod
+from . import report
+from .cap import cgroup_status, run_capped
+from .io import write_unbundled
+from .report import write_json
 
 DEFAULT_TEXT_GLOB = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
 MODES = ("dense", "naive", "hybrid", "flash")
@@ -78,10 +98,6 @@ def add_arguments(parser):
 
 def resolve_pack(model) -> dict:
     """{"pack", "mlx_folder" (or None), "gguf" (or None), "converted"} for a --model value."""
-    from ..io.planner import flash_home
-    from ..models import is_flash_pack
-    from ..models.source import default_gguf_path, is_gguf, resolve_model
-
     if model is not None and is_flash_pack(Path(model).expanduser()):
         return {"pack": Path(model).expanduser(), "mlx_folder": None, "gguf": None,
                 "converted": False}
@@ -94,7 +110,6 @@ def resolve_pack(model) -> dict:
     key = zlib.crc32(str(folder.resolve()).encode())
     pack = flash_home() / "bench-packs" / f"{folder.name}-{key:08x}"
     if not pack.exists():
-        from ..pack import write_pack
 
         print(f"converting {folder} into a flash pack at {pack} (once)", file=sys.stderr)
         write_pack(folder, pack, progress=False)
@@ -103,8 +118,6 @@ def resolve_pack(model) -> dict:
 
 def text_sources(paths) -> list[Path]:
     """The prompt text files: --text, else python3-doc's .rst sources; FlashError if none."""
-    import glob
-
     if paths:
         files = [Path(p).expanduser() for p in paths]
         for f in files:
@@ -162,7 +175,6 @@ def machine_info() -> dict:
 
 
 def package_versions() -> dict:
-    from importlib import metadata
 
     out = {}
     for name in ("mlx", "mlx-lm", "mlx-flash-runtime", "numpy", "llama_cpp_python", "gguf",
@@ -178,18 +190,15 @@ def package_versions() -> dict:
 
 class Suite:
     """Runs cold children for one pack and keeps every result."""
-
     def __init__(self, args, model_info):
-        from ..bench.cap import cgroup_status
-        from ..pack import read_manifest
-        from ..sparse.budget import pack_bytes, resolve_budget
 
         self.args = args
         self.pack = Path(model_info["pack"])
         self.model_info = model_info
         self.manifest = read_manifest(self.pack)
         self.pack_bytes = pack_bytes(self.manifest)
-        self.budget_bytes = resolve_budget(args.memory_budget, self.manifest)
+        self.budget_bytes = resolve_budget(parse_memory_budget(args.memory_budget, "--memory-budget"),
+                                           self.manifest)
         self.runs = []
         self.out = None
         self.evictions = {}
@@ -206,7 +215,6 @@ class Suite:
         """Memory a run needs besides its weights budget: a short uncapped naive run's peak RSS
         minus the weights its plan holds (interpreter, MLX, loader threads, activations), plus an
         upper bound of the KV cache for the longest run (float32)."""
-        from ..bench.cap import run_capped
 
         kwargs = {"pack": str(self.pack), "mode": "naive", "prompt": prompt["ids"][:8],
                   "gen_tokens": 4, "threads": self.args.threads, "keep_steps": False}
@@ -233,10 +241,7 @@ class Suite:
         if not self.cap["used"]:
             return None
         if self.args.cap_bytes:
-            from ..flash_config import parse_memory_budget
-
-            kind, amount = parse_memory_budget(self.args.cap_bytes)
-            return int(amount * self.pack_bytes) if kind == "fraction" else amount
+            return parse_memory_budget(self.args.cap_bytes, "--cap-bytes").bytes_for(self.pack_bytes)
         return int(budget_bytes + self.baseline_bytes + self.kv_bytes)
 
     def sweep_length(self):
@@ -254,8 +259,6 @@ class Suite:
         return names
 
     def evict(self, paths):
-        from ..io import evict
-        from ..io.cache import pack_files
 
         files = [f for p in map(Path, paths) for f in (pack_files(p) if p.is_dir() else [p])]
         r = evict(files, drop_caches=self.args.drop_caches)
@@ -265,7 +268,6 @@ class Suite:
     def child(self, group, label, function, kwargs, *, budget_bytes, paths=None, repeat=0,
               extra=None) -> dict:
         """One cold child run; appends and returns its record."""
-        from ..bench.cap import run_capped
 
         cap = self.cap_for(budget_bytes) if budget_bytes is not None else self.cap_for(self.pack_bytes)
         ev = self.evict(paths or [self.pack] + self.extra_paths)
@@ -287,7 +289,6 @@ class Suite:
               + (f", peak {r.peak_bytes / 1e9:.3f} GB" if r.peak_bytes else ""), file=sys.stderr)
         self.runs.append(rec)
         if self.out is not None:  # what is done so far survives an interrupted suite
-            from .report import write_json
 
             write_json(self.out / "runs.partial.json", self.runs)
         return rec
@@ -295,12 +296,11 @@ class Suite:
     def flash_run(self, group, label, mode, prompt, *, budget=None, window=None, gen_tokens=None,
                   repeat=0, **kw):
         budget = self.args.memory_budget if budget is None else budget
-        from ..sparse.budget import resolve_budget
 
         # dense holds every weight whatever the budget; its cap is the same as every mode's,
         # so under a cap below the model size it is reported as not fitting
         weights_budget = None if mode == "dense" else budget
-        budget_bytes = resolve_budget(budget, self.manifest)
+        budget_bytes = resolve_budget(parse_memory_budget(budget, "--memory-budget"), self.manifest)
         kwargs = {"pack": str(self.pack), "mode": mode, "prompt": prompt["ids"],
                   "gen_tokens": gen_tokens or self.args.gen_tokens, "budget": weights_budget,
                   "window": window or self.args.window, "threads": self.args.threads, **kw}
@@ -364,9 +364,6 @@ def rows_by_label(runs, group) -> dict:
 # ---- the suite ----------------------------------------------------------------------------------
 
 def run(args) -> int:
-    from ..models import load_tokenizer
-    from . import peers as peer_mod
-    from . import report
 
     for name, value in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
                         ("--repeats", args.repeats)):
@@ -385,7 +382,6 @@ def run(args) -> int:
     suite = Suite(args, model_info)
     suite.out = out
     suite.sweeps()
-    from ..synthetic import is_synthetic
 
     synthetic = is_synthetic(suite.pack)
     files = text_sources(args.text)
@@ -395,7 +391,6 @@ def run(args) -> int:
     if suite.cap["used"]:
         suite.measure_baseline(prompts[0])
     if "flash" in modes or args.ablation or suite.sweeps():
-        from ..sparse.predictor import read_predictors_json
 
         if read_predictors_json(suite.pack) is None:
             raise FlashError(f"{suite.pack}: --mode flash (and --ablation/--sweeps) need predictors; "
@@ -427,7 +422,6 @@ def run(args) -> int:
                 for rep in range(args.repeats):
                     suite.flash_run("modes", mode, mode, prompts[rep], repeat=rep)
         suite.extra_paths = []
-        import shutil
 
         shutil.rmtree(unbundled["path"], ignore_errors=True)
     # 3. sweeps (one cold run per point)
@@ -486,8 +480,6 @@ def run(args) -> int:
 def _command(args) -> str:
     """The command line that reproduces this run (set by bench/__main__, else rebuilt from the
     parsed options when run() is called from Python)."""
-    import shlex
-
     if getattr(args, "command_line", None):
         return args.command_line
     parts = ["python", "-m", "mlx_flash.bench", "run"]
@@ -503,11 +495,7 @@ def _command(args) -> str:
 def write_unbundled_copy(pack: Path, dest: Path) -> dict:
     """The matrix-major (unbundled) copy bench io compares against, written by bench.io's own
     writer; {"path", "layer_map": {pack layer: [copy layers]}}. Rewritten on every call."""
-    import shutil
-    from types import SimpleNamespace
 
-    from ..pack import read_manifest
-    from .io import write_unbundled
 
     manifest = read_manifest(pack)
     entries = {b["layer"]: b for b in manifest["bundles"]}

@@ -41,7 +41,7 @@ class FileLayer:
                           f"and dropping pages with posix_fadvise(DONTNEED) after each read")
         fd = os.open(path, os.O_RDONLY)
         if direct and sys.platform == "darwin":
-            import fcntl
+            import fcntl  # F_NOCACHE: macOS only
             fcntl.fcntl(fd, F_NOCACHE, 1)
             return fd, True
         return fd, False

@@ -15,9 +15,10 @@ import numpy as np
 from ..errors import FlashError
 from ..pack.layout import layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import read_checksum_table
+from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
-from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, flash_home, load_cost, plan_read_arrays
+from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_read_arrays
 
 
 @dataclass

@@ -11,11 +11,14 @@ import json
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..paths import flash_home
+from . import aio
 from .cache import evict
 from .files import FileLayer, aligned_buffer, read_full
 
@@ -35,10 +38,6 @@ class ReadCost:
     def merge_gap(self) -> int:
         """Largest gap (bytes) worth reading through instead of issuing another read."""
         return int(self.latency_s * self.bandwidth)
-
-
-def flash_home() -> Path:
-    return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
 
 
 def _profile_key(path, threads, engine) -> str:
@@ -80,8 +79,6 @@ def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=2
     after evicting the file (best of 3); two equations t = latency + n / bandwidth give both
     numbers. ~1-3 s.
     """
-    from . import aio
-    from concurrent.futures import ThreadPoolExecutor
 
     files = files or FileLayer()
     directory = Path(directory)

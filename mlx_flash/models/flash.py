@@ -12,25 +12,20 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx.utils import tree_flatten
+
+from ..config import FlashConfig
+from ..cpu.patch import patch_layers
 from ..errors import FlashError
-from ..flash_config import FlashConfig
 from ..io import FlashLoader
-from .kernel_layers import patch_layers
 from ..pack import load_resident, read_manifest
 from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
-                          UpDownMLP, check_mlp_shape, layout_key)
+                          UpDownMLP, check_mlp_shape)
 from ..sparse.neuron_cache import NeuronCache
 from ..sparse.predictor import calibrated_capacity, load_predictors, predicted_density
 from ..sparse.stats import FlashStats
-from . import get_model_classes, load_tokenizer
-
-
-def load_flash(pack_dir, flash_config=None):
-    """(model, tokenizer) of a flash pack run as `flash_config` says (default: dense)."""
-    pack = Path(pack_dir)
-    model = build_flash_model(pack, flash_config)
-    return model, load_tokenizer(pack)
+from .loader import build_model
 
 
 def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None, density=None,
@@ -54,7 +49,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     read_cost = None
     if cfg.mode == "flash":
         if predictors is None:
-            predictors = _pack_predictors(pack)
+            predictors = pack_predictors(pack)
             density = density if density is not None else predicted_density(pack)
         capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
         read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
@@ -66,7 +61,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
         predictors = {i: p for i, p in predictors.items() if i in plan.capacity}  # only sparse layers
     config, weights = load_resident(pack, manifest=manifest)
-    model = _build_model(config, weights)
+    model = build_model(config, weights)
     stats = FlashStats(plan)
     runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
     checked = set()
@@ -92,23 +87,6 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     model.flash_stats = stats
     model.flash_runtime = runtime
     stats.reset()
-    return model
-
-
-def _build_model(config, weights):
-    model_class, args_class = get_model_classes(config)
-    try:
-        model = model_class(args_class.from_dict(config))
-    except (ValueError, TypeError, KeyError) as e:
-        raise FlashError(f"config.json: {e}") from None
-    if q := config.get("quantization"):
-        def quantized(path, module):
-            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-                return False
-            own = q.get(path)
-            return own if isinstance(own, dict) else True
-
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=quantized)
     return model
 
 
@@ -163,7 +141,8 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
     setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
 
 
-def _pack_predictors(pack: Path):
+def pack_predictors(pack: Path):
+    """The pack's calibrated predictors {layer: predictor}; FlashError when it has none."""
     predictors = load_predictors(pack)
     if not predictors:
         raise FlashError(f"{pack}: --mode flash needs activation predictors and this pack has none; "
@@ -173,8 +152,6 @@ def _pack_predictors(pack: Path):
 
 def _nbytes(predictors) -> int:
     """Bytes of the predictors' arrays (0 for callables without parameters)."""
-    from mlx.utils import tree_flatten
-
     total = 0
     for p in (predictors or {}).values():
         if isinstance(p, nn.Module):

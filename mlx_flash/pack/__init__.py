@@ -5,11 +5,13 @@ Public API:
     load_pack_weights(pack_dir) -> (config, {mlx-lm name: mx.array})   # full model, dense
     load_resident(pack_dir) -> (config, {name: mx.array})               # everything but bundled FFN
     read_manifest(pack_dir) -> dict                                     # validated manifest
+    write_bundle_file(path, regions, alignment) -> [bundle record]      # one bundle file
+    write_manifest(pack_dir, manifest)                                  # manifest.json, atomically
 """
 
 from .layout import FORMAT, FORMAT_VERSION, FFN_TABLE, find_ffn, layer_bundles, read_manifest
 from .reader import load_pack_weights, load_resident, read_layer_components
-from .writer import write_pack
+from .writer import write_bundle_file, write_manifest, write_pack
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "FFN_TABLE", "find_ffn", "layer_bundles", "read_manifest",
-           "load_pack_weights", "load_resident", "read_layer_components", "write_pack"]
+           "load_pack_weights", "load_resident", "read_layer_components", "write_bundle_file", "write_manifest", "write_pack"]

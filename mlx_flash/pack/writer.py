@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from ..errors import FlashError
 from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, FORMAT, FORMAT_VERSION, MANIFEST,
@@ -103,8 +104,6 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits):
-    from tqdm import tqdm
-
     config, weights, files = _load_source(src)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -146,7 +145,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         comps, req = _components(weights, config, info, quantize, group_size, down_bits)
         requantized |= req
         rel = f"bundles/layer_{layer:03d}.bin"
-        entry = _write_bundle_file(tmp / rel, comps, alignment)
+        (entry,) = write_bundle_file(tmp / rel, [comps], alignment)
         bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
                         "encoding": "dense", **entry})
         del comps
@@ -176,8 +175,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
                                  for k, v in sorted(resident.items())}},
         "bundles": bundles,
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync(tmp / MANIFEST)
+    write_manifest(tmp, manifest)
 
 
 def _components(weights, config, info, quantize, group_size, down_bits=None):
@@ -238,37 +236,59 @@ def _row_bytes(arr) -> np.ndarray:
     return np.array(arr.view(mx.uint8), copy=False)
 
 
-def _write_bundle_file(path: Path, comps, alignment):
-    count = comps[0][2].shape[0]
-    layout, pos, rows = [], 0, []
-    for name, source, arr, q in comps:
-        mx.eval(arr)
-        r = _row_bytes(arr)
-        entry = {"name": name, "source": source, "dtype": dtype_name(arr.dtype),
-                 "shape": list(arr.shape[1:]), "offset": pos, "length": r.shape[1]}
-        if q:
-            entry["quantization"] = q
-        layout.append(entry)
-        rows.append(r)
-        pos = round_up(pos + r.shape[1], COMPONENT_ALIGN)
-    stride = pos
-    data = np.zeros((count, stride), np.uint8)
-    for c, r in zip(layout, rows):
-        data[:, c["offset"]: c["offset"] + c["length"]] = r
-    crcs = np.empty(count, "<u4")
-    for i in range(count):
-        crc = 0
-        for c in layout:
-            crc = zlib.crc32(data[i, c["offset"]: c["offset"] + c["length"]], crc)
-        crcs[i] = crc
-    length = count * stride
-    table_offset = round_up(length, alignment)
-    file_length = round_up(table_offset + crcs.nbytes, alignment)
-    _write_bytes(path, [(0, data), (table_offset, crcs)], file_length)
-    return {"offset": 0, "count": count, "stride": stride, "length": length,
-            "file_length": file_length, "components": layout,
-            "checksums": {"offset": table_offset, "length": int(crcs.nbytes),
-                          "crc32": zlib.crc32(crcs.tobytes())}}
+def write_bundle_file(path: Path, regions, alignment: int) -> list:
+    """Write bundle regions into a new file at `path` and fsync it; one bundle record per region.
+
+    regions: [[(component name, source tensor name, array [count, ...row], quantization|None)]]:
+    each region's bundles hold its components row by row (each component at a multiple of
+    COMPONENT_ALIGN bytes inside the bundle), then its crc32 table; regions and tables start at
+    multiples of `alignment` bytes. A record has offset, count, stride, length, file_length,
+    components and checksums (the manifest's bundle fields without layer / kind / file).
+    """
+    records, pieces, pos = [], [], 0
+    for comps in regions:
+        count = comps[0][2].shape[0]
+        layout, comp_pos, rows = [], 0, []
+        for name, source, arr, q in comps:
+            mx.eval(arr)
+            r = _row_bytes(arr)
+            entry = {"name": name, "source": source, "dtype": dtype_name(arr.dtype),
+                     "shape": list(arr.shape[1:]), "offset": comp_pos, "length": r.shape[1]}
+            if q:
+                entry["quantization"] = q
+            layout.append(entry)
+            rows.append(r)
+            comp_pos = round_up(comp_pos + r.shape[1], COMPONENT_ALIGN)
+        stride = comp_pos
+        data = np.zeros((count, stride), np.uint8)
+        for c, r in zip(layout, rows):
+            data[:, c["offset"]: c["offset"] + c["length"]] = r
+        crcs = np.empty(count, "<u4")
+        for i in range(count):
+            crc = 0
+            for c in layout:
+                crc = zlib.crc32(data[i, c["offset"]: c["offset"] + c["length"]], crc)
+            crcs[i] = crc
+        length = count * stride
+        table_offset = round_up(pos + length, alignment)
+        pieces += [(pos, data), (table_offset, crcs)]
+        records.append({"offset": pos, "count": count, "stride": stride, "length": length,
+                        "components": layout,
+                        "checksums": {"offset": table_offset, "length": int(crcs.nbytes),
+                                      "crc32": zlib.crc32(crcs.tobytes())}})
+        pos = round_up(table_offset + crcs.nbytes, alignment)
+    _write_bytes(path, pieces, pos)
+    return [{**r, "file_length": pos} for r in records]
+
+
+def write_manifest(pack_dir, manifest: dict, indent=1) -> Path:
+    """Write `manifest` as the pack's manifest.json (temporary file, fsync, rename)."""
+    path = Path(pack_dir) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=indent))
+    _fsync(tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def _write_bytes(path: Path, pieces, file_length):

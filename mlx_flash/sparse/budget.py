@@ -23,8 +23,11 @@ are streamed or kept resident and the plan is never worse than hybrid's whole-la
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..config import MemoryBudget, param_named
 from ..errors import FlashError
-from ..flash_config import parse_memory_budget
+from ..io.planner import ReadCost, plan_read_arrays
 
 
 def row_bytes(entry) -> int:
@@ -71,6 +74,11 @@ class MemoryPlan:
     prefetch: bool = False  # flash: streamed layers are read ahead into a ring of two buffers
     layer_bytes: dict = field(default_factory=dict)
     row_bytes: dict = field(default_factory=dict)
+    budget_param: str = "budget"  # what the caller called the budget (errors name it)
+
+    def budget_named(self) -> str:
+        """`--memory-budget 1.2 MB` / `memory_budget='1.2 MB'`: the budget as errors show it."""
+        return param_named(self.budget_param, fmt_bytes(self.budget))
 
     @property
     def weights(self) -> int:
@@ -100,23 +108,22 @@ class MemoryPlan:
         return f"mode {self.mode}, budget {budget} of pack {fmt_bytes(self.pack)}: " + ", ".join(parts)
 
 
-def resolve_budget(value, manifest) -> int | None:
-    """--memory-budget (fraction of the pack or size) -> bytes, None for no limit."""
-    parsed = parse_memory_budget(value)
-    if parsed is None:
-        return None
-    kind, amount = parsed
-    return int(amount * pack_bytes(manifest)) if kind == "fraction" else amount
+def resolve_budget(budget: MemoryBudget | int | None, manifest) -> int | None:
+    """A MemoryBudget (fraction of the pack or size) or bytes -> bytes, None for no limit."""
+    if isinstance(budget, MemoryBudget):
+        return budget.bytes_for(pack_bytes(manifest))
+    return budget
+
+
+def budget_param(budget) -> str:
+    """What the caller called the budget, for errors: --memory-budget, memory_budget= or budget."""
+    return budget.param if isinstance(budget, MemoryBudget) else "budget"
 
 
 def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
     """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
     planner's merged, aligned requests priced by its cost model: latency per read + bytes /
     bandwidth); mean of `draws` random neuron sets. Without a cost model: bytes / 1 GB/s."""
-    import numpy as np
-
-    from ..io.planner import ReadCost, plan_read_arrays
-
     entry = loader.entry(layer)
     n, stride = entry["count"], entry["stride"]
     if neurons <= 0:
@@ -141,7 +148,7 @@ def prefetch_bytes(manifest) -> int:
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
                 density=None, read_cost=None, prefetch=True) -> MemoryPlan:
-    """Split `budget` (--memory-budget value) for `mode`; FlashError if it is below the minimum.
+    """Split `budget` (MemoryBudget, bytes or None) for `mode`; FlashError if it is below the minimum.
 
     requested_capacity: {layer: rows} for flash (calibrated Req_i for the window); without it the
     budget left after the fixed parts is spread evenly over the layers.
@@ -160,7 +167,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
         predictor_bytes = sum(predictor_bytes.values())
     bundles = {b["layer"]: b for b in manifest["bundles"]}
     plan = MemoryPlan(mode, resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest["resident"]["length"],
+                      manifest["resident"]["length"], budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = plan.resident + sum(plan.layer_bytes.values())
@@ -202,12 +209,10 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
     The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
     neuron caches) when a layer is sparse. FlashError when even the smallest plan does not fit."""
-    import numpy as np
-
     bundles = {b["layer"]: b for b in manifest["bundles"]}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest["resident"]["length"],
+                      manifest["resident"]["length"], budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = base.resident + sum(base.layer_bytes.values())
@@ -257,7 +262,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     if best is None:
         base.stream = stream_bytes(manifest)
         _check_minimum(base, "streaming or predicting every layer")
-        raise FlashError(f"--memory-budget {fmt_bytes(base.budget)}: no flash plan fits")  # unreachable
+        raise FlashError(f"{base.budget_named()}: no flash plan fits")  # unreachable
     total, choice, fixed, room, ring = best
     # interchangeable layers (same sizes and costs) take resident, sparse, streamed in layer
     # order: resident layers first compute while the prefetcher reads the first streamed ones
@@ -321,7 +326,7 @@ def _knapsack(options: dict, capacity: int, np):
 
 def _check_minimum(plan: MemoryPlan, what: str):
     if plan.budget is not None and plan.budget < plan.weights:
-        raise FlashError(f"--memory-budget {fmt_bytes(plan.budget)}: below the minimum resident set "
+        raise FlashError(f"{plan.budget_named()}: below the minimum resident set "
                          f"of mode {plan.mode}, {fmt_bytes(plan.weights)} ({what}: {plan.describe()}); "
                          f"give at least {math.ceil(100 * plan.weights / plan.pack) / 100:.2f} of the pack or "
                          f"{fmt_bytes(plan.weights)}")

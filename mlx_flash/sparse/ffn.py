@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
+from ..cpu.ops import gather_matvec, gather_matvec_t
 from ..errors import FlashError
-from ..ops import gather_matvec, gather_matvec_t
 from .neuron_cache import NeuronCache
 
 
@@ -270,8 +271,6 @@ def check_mlp_shape(mlp, current: CurrentRows, roles, hidden: int, path: str):
     """FlashError unless `mlp` (projections already replaced) computes a per-neuron sum:
     no weights of its own, each projection called once, gate/up on the MLP input itself, and
     two halves of a random row set adding up to the whole (float32 probe, 4 neurons)."""
-    from mlx.utils import tree_flatten
-
     unsupported = (f"{path}: unsupported MLP shape ({type(mlp).__name__}): mlx-flash runs "
                    f"down(act(up x)) or down(act(gate x) * up x) with an elementwise act")
     own = [k for k, _ in tree_flatten(mlp.parameters())]

@@ -42,7 +42,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..ops import half_matvec, quantized_matvec
+from ..pack import layer_bundles, read_layer_components, read_manifest
+from ..cpu.ops import half_matvec, quantized_matvec
 
 FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
@@ -142,8 +143,6 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     kinds).
     The json carries the safetensors crc32, so a crash between the two renames is caught on load.
     """
-    from ..pack import read_manifest
-
     pack = Path(pack_dir)
     manifest = read_manifest(pack)
     arrays = {f"layers.{i}.{k}": v.astype(mx.float16) for i, f in factors.items() for k, v in f.items()}
@@ -168,8 +167,6 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
 
 def read_predictors_json(pack_dir):
     """The validated predictors.json of a pack, or None when the pack has none."""
-    from ..pack import read_manifest
-
     path = Path(pack_dir) / PREDICTORS_JSON
     if not path.exists():
         return None
@@ -200,8 +197,6 @@ def load_predictors(pack_dir):
 
     Raises FlashError naming the file when a file is corrupt, truncated or from another pack.
     """
-    from ..pack import layer_bundles, read_layer_components, read_manifest
-
     pack = Path(pack_dir)
     doc = read_predictors_json(pack)
     if doc is None:

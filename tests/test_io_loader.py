@@ -4,21 +4,18 @@ import errno
 import json
 import os
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_flash.errors import FlashError
-from mlx_flash.io import (FileLayer, FlashLoader, ReadCost, calibrate, evict, host_bytes,
-                          load_cost, plan_reads, residency)
+from mlx_flash.io import FileLayer, FlashLoader, ReadCost, host_bytes
 from mlx_flash.io import aio
 from mlx_flash.io import files as io_files
 from mlx_flash.pack import read_layer_components, read_manifest, write_pack
 
 COST = ReadCost(latency_s=1e-4, bandwidth=1e9)  # merge gaps up to 100 kB
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page cache")
 
 
 @pytest.fixture
@@ -275,40 +272,6 @@ def test_bad_requests(make_pack):
             loader.read(7, [0], d)
         with pytest.raises(FlashError, match="use FlashLoader.alloc"):
             loader.read(0, [0], {"up.weight": d["up.weight"]})
-
-
-def test_planner_merges_by_cost():
-    starts = [0, 1000, 9000, 200_000, 210_000]
-    assert [r[2] for r in plan_reads(starts, 1000)] == [[0], [1], [2], [3], [4]]
-    merged = plan_reads(starts, 1000, cost=ReadCost(1e-5, 1e9))  # merge gaps <= 10 kB
-    assert [(r[0], r[1], r[2]) for r in merged] == [(0, 10000, [0, 1, 2]), (200_000, 211_000, [3, 4])]
-    aligned = plan_reads(starts, 1000, align=4096, cost=ReadCost(1e-9, 1e9))  # 1-byte gaps only
-    assert aligned[0] == (0, 4096, [0, 1]) and aligned[1] == (8192, 12288, [2])
-    capped = plan_reads(list(range(0, 100_000, 1000)), 1000, cost=ReadCost(1, 1e9), max_read=16_000)
-    assert all(r[1] - r[0] <= 16_000 for r in capped) and sum(len(r[2]) for r in capped) == 100
-
-
-@pytest.mark.parametrize("engine", ["threads", "aio"])
-def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
-    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
-    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64, engine=engine)
-    assert cost.latency_s > 0 and cost.bandwidth > 0
-    stored = [k for k in ("aio", "threads") if load_cost(tmp_path, 4, k) == cost]
-    assert len(stored) == 1 and load_cost(tmp_path, 8, stored[0]) is None
-    if engine == "threads" or not aio.available():
-        assert stored == ["threads"]
-    assert not list(tmp_path.glob(".mlx_flash_calibrate_*"))
-
-
-@linux_only
-def test_evict_and_residency(tmp_path):
-    f = tmp_path / "data.bin"
-    f.write_bytes(os.urandom(4 << 20))
-    f.read_bytes()
-    assert residency(f) > 0.9
-    result = evict(tmp_path)
-    assert result["method"] == "posix_fadvise(DONTNEED)"
-    assert result["residency"] < 0.05 and residency([f]) < 0.05
 
 
 def test_expert_blocks_and_biased_neurons_through_the_loader(tmp_path):

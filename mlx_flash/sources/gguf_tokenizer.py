@@ -7,6 +7,8 @@ llama.cpp's `tokenizer.ggml.pre` so text is split the way the merges were learne
 import json
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from ..errors import FlashError
 from .gguf import GGUFHeader
 
@@ -38,8 +40,6 @@ _PRE_TOKENIZERS = {
 
 
 def _pre_tokenizer(pre: str, path):
-    from tokenizers import Regex, pre_tokenizers
-
     if pre not in _PRE_TOKENIZERS:
         raise FlashError(
             f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
@@ -56,8 +56,6 @@ def _pre_tokenizer(pre: str, path):
 
 def write_tokenizer(header: GGUFHeader, out_dir: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json for mlx-lm's tokenizer wrapper."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
     meta = header.metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:

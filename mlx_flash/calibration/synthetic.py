@@ -29,7 +29,15 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import FlashError
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import FlashError
+from ..pack import write_pack
+from ..paths import atomic_output_dir
+from ..sources import resolve_model
+from ..sparse.predictor import save_predictors
 
 # Shapes from the models' published config.json files.
 ARCHS = {
@@ -76,8 +84,6 @@ def ffn_roles(config: dict) -> dict:
 
 
 def _tokenizer_source() -> Path:
-    from .models.source import resolve_model
-
     return resolve_model(None, progress=False)
 
 
@@ -102,8 +108,6 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
 
 def _orthonormal_rows(rows: int, cols: int, key):
     """[rows, cols] float32 with orthonormal rows (rows <= cols), via QR of a Gaussian matrix."""
-    import numpy as np
-
     rng = np.random.default_rng(key)
     q, _ = np.linalg.qr(rng.standard_normal((cols, rows)).astype(np.float32))
     return q.T.copy()
@@ -116,9 +120,6 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
     Returns {"config", "predictor": {layer: (A [rank, hidden], B [ffn, rank], bias [ffn])},
     "synthetic": label}. float32 predictor factors are kept in memory (small: rank x (hidden+ffn)).
     """
-    import mlx.core as mx
-    import numpy as np
-
     if arch not in ARCHS:
         raise FlashError(f"--synthetic {arch}: unknown architecture (choose from {', '.join(ARCHS)})")
     if not 0.0 < sparsity < 1.0:
@@ -175,8 +176,6 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
     save("model-top.safetensors", top)
     del top
     predictor = {}
-    from tqdm import tqdm
-
     for i in tqdm(range(layers), desc=f"synthetic {arch}", unit="layer", disable=not progress,
                   file=sys.stderr):
         p = roles["prefix"].format(i=i)
@@ -222,9 +221,6 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
     Built in a temporary folder beside `out` (the random mlx-lm source is deleted) and renamed
     into place. The manifest gets a top-level "synthetic" label. Returns `out`.
     """
-    from .convert import atomic_output_dir
-    from .pack import write_pack
-
     out = Path(out).expanduser()
     t0 = time.perf_counter()
     with atomic_output_dir(out) as tmp:
@@ -264,10 +260,6 @@ def analytic_capacity(n_neurons: int, active: float, max_window: int, z: float =
 def write_predictor(pack: Path, predictor: dict, config: dict, max_window: int = 8) -> None:
     """Store the exact low-rank predictors in the pack, in mlx_flash.sparse.predictor's format
     (kind "low-rank", prob_threshold 0.5: predicted iff B (A x) + bias > 0, i.e. iff up x + b > 0)."""
-    import mlx.core as mx
-
-    from .sparse.predictor import save_predictors
-
     label = config["synthetic"]
     active = 1 - label["sparsity"]
     layers, factors = {}, {}

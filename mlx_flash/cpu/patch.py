@@ -1,18 +1,21 @@
 """Kernel-backed mlx-lm layers: the seam where a loaded model's modules run on our CPU kernels.
 
 patch_layers re-classes modules in place, so parameters, names and isinstance checks are unchanged;
-only __call__ / as_linear route through mlx_flash.ops (which falls back to MLX's ops whenever the
+only __call__ / as_linear route through cpu/ops.py (which falls back to MLX's ops whenever the
 kernels do not apply). Decoder blocks of the llama family become FusedBlock subclasses: 3
 primitives per token and layer instead of 27 (norm + q/k/v + RoPE + the KV cache write; attention
 over the cache buffer + o_proj + residual; norm + gate/up + SwiGLU + down + residual; see
-ops.fused_block).
+fused.fused_block).
 """
 
 import sys
 
 import mlx.nn as nn
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.base import scaled_dot_product_attention as MLX_LM_ATTENTION  # what we replace
 
-from .. import ops
+from . import ops
+from .fused import fused_block
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -111,40 +114,40 @@ def patch_layers(model) -> int:
     return swapped
 
 
+def mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """Drop-in for mlx_lm.models.base.scaled_dot_product_attention (quantized caches keep theirs)."""
+    if hasattr(cache, "bits"):
+        return MLX_LM_ATTENTION(queries, keys, values, cache, scale, mask, sinks)
+    return ops.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
 def _patch_attention(module_name):
     # mlx-lm's model files import base.scaled_dot_product_attention by name; rebind that name.
     module = sys.modules.get(module_name)
-    if ops.MLX_LM_ATTENTION is not None and getattr(module, "scaled_dot_product_attention", None) is ops.MLX_LM_ATTENTION:
-        module.scaled_dot_product_attention = ops.mlx_lm_attention
+    if getattr(module, "scaled_dot_product_attention", None) is MLX_LM_ATTENTION:
+        module.scaled_dot_product_attention = mlx_lm_attention
 
 
 class FusedBlock:
     """__call__ of a llama-family decoder block (mlx-lm's TransformerBlock: input_layernorm,
     self_attn with q/k/v/o_proj + rope + KV cache, post_attention_layernorm, mlp) through
-    ops.fused_block; mixed in front of the block's own class, whose __call__ runs when the kernels
+    fused.fused_block; mixed in front of the block's own class, whose __call__ runs when the kernels
     are off or do not serve the call. An MLP that is not the block's dense gated MLP (e.g. a flash
     FFN) is called as a module."""
 
     def __call__(self, x, mask=None, cache=None):
         if ops.kernels_active():
-            y = ops.fused_block(self, x, mask, cache, dense_mlp=type(self.mlp) is self._dense_mlp)
+            y = fused_block(self, x, mask, cache, dense_mlp=type(self.mlp) is self._dense_mlp)
             if y is not None:
                 return y
         return super().__call__(x, mask, cache)
 
 
-def _llama_family():
-    """{mlx-lm block class: its dense MLP class} for the architectures FusedBlock serves."""
-    try:
-        from mlx_lm.models import llama, qwen2
-    except ImportError:
-        return {}
-    # mistral loads as llama in mlx-lm; qwen2's block is llama's with q/k/v biases.
-    return {llama.TransformerBlock: llama.MLP, qwen2.TransformerBlock: qwen2.MLP}
-
-
+# {mlx-lm block class: its dense MLP class} for the architectures FusedBlock serves; mistral loads
+# as llama in mlx-lm; qwen2's block is llama's with q/k/v biases.
+_LLAMA_FAMILY = {llama.TransformerBlock: llama.MLP, qwen2.TransformerBlock: qwen2.MLP}
 _FUSED_BLOCKS = {cls: type(f"Fused{cls.__name__}", (FusedBlock, cls), {"_dense_mlp": mlp})
-                 for cls, mlp in _llama_family().items()}
+                 for cls, mlp in _LLAMA_FAMILY.items()}
 
 
 def _fusable_block(block):

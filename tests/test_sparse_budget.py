@@ -1,18 +1,11 @@
-"""The per-layer flash plan (sparse/budget.py plan_flash_layers) and the prefetch ring of the
-layers it streams whole (sparse/ffn.py StreamPrefetcher)."""
+"""sparse/budget.py: how a memory budget is spent per mode, and the per-layer flash plan."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_flash.errors import FlashError
-from mlx_flash.flash_config import FlashConfig
-from mlx_flash.models.flash import build_flash_model
-from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import (layer_bytes, plan_flash_layers, plan_memory, prefetch_bytes,
                                      stream_bytes)
-from mlx_flash.sparse.predictor import predicted_density, save_predictors
-from test_flash import TOKENS, assert_identical, run_steps
 
 
 def fake_manifest(layers=6, count=1000, row=1000):
@@ -90,49 +83,3 @@ def test_without_prefetch_the_plan_is_hybrids_plan():
     plan = plan_memory(m, "flash", tight, predictor_bytes={i: 50_000 for i in range(6)},
                        density={i: 0.98 for i in range(6)}, read_cost=bytes_cost(m, lambda f: 1.0))
     assert not plan.prefetch and plan.streamed_layers == list(range(6)) and plan.weights <= tight
-
-
-def all_predictors_pack(tiny_llama, tmp_path, layers=4, n=96, predicted=1.0):
-    src = tiny_llama("src", layers=layers, intermediate=n, hidden=128)
-    pack = write_pack(src, tmp_path / "pack", progress=False)
-    entry = {"kind": "all", "n_neurons": n, "rank": 0, "threshold": 0.0, "prob_threshold": 0.5,
-             "stats": {"predicted": predicted}, "capacity": [n] * 8}
-    save_predictors(pack, {"activation": "silu"}, {i: dict(entry) for i in range(layers)}, {})
-    return pack
-
-
-def test_streamed_flash_layers_are_prefetched_and_exact(tiny_llama, tmp_path):
-    pack = all_predictors_pack(tiny_llama, tmp_path, layers=6)
-    m = read_manifest(pack)
-    assert predicted_density(pack) == {i: 1.0 for i in range(6)}
-    budget = m["resident"]["length"] + prefetch_bytes(m) + layer_bytes(m["bundles"][0])
-    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
-    model = build_flash_model(pack, FlashConfig("flash", memory_budget=budget))
-    plan = model.flash_stats.plan
-    assert plan.resident_layers == [0] and plan.streamed_layers == [1, 2, 3, 4, 5] and plan.capacity == {}
-    assert model.flash_runtime.prefetcher is not None
-    assert_identical(run_steps(model), dense)
-    row = sum(c["length"] for c in m["bundles"][0]["components"])
-    for s in model.flash_stats.steps:  # three whole layers read per forward pass, counted once
-        assert s.neurons_loaded == 5 * 96 and s.neurons_needed == 6 * 96 and s.hits == 96
-        assert s.bytes_read >= 5 * 96 * row and s.io_read_s > 0
-    assert len(model.flash_stats.steps) == len(TOKENS)
-    pf = model.flash_runtime.prefetcher
-    assert sorted(pf.free) == [0, 1] and not pf.pending  # every slot back in the ring
-    pf.close()
-
-
-def test_prefetch_survives_an_aborted_forward_pass(tiny_llama, tmp_path):
-    pack = all_predictors_pack(tiny_llama, tmp_path, layers=6)
-    m = read_manifest(pack)
-    budget = m["resident"]["length"] + prefetch_bytes(m)
-    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
-    model = build_flash_model(pack, FlashConfig("flash", memory_budget=budget))
-    assert model.flash_stats.plan.streamed_layers == [0, 1, 2, 3, 4, 5]
-    ffn0 = model.model.layers[0].mlp
-    pf = model.flash_runtime.prefetcher
-    step = model.flash_stats.enter_layer(0, 1)
-    pf.pump(step)  # reads scheduled, then the pass is abandoned
-    model.flash_stats.reset()
-    assert_identical(run_steps(model), dense)
-    assert ffn0.kind == "streamed"

@@ -8,7 +8,7 @@ import pytest
 
 from mlx_flash.convert import main as convert_main
 from mlx_flash.pack import load_pack_weights, read_manifest
-from mlx_flash.synthetic import ARCHS, analytic_capacity, inverse_normal_cdf, is_synthetic
+from mlx_flash.calibration.synthetic import ARCHS, analytic_capacity, inverse_normal_cdf, is_synthetic
 
 
 def _normalised(n, hidden, seed=0):
@@ -65,7 +65,7 @@ def test_synthetic_pack_sparsity_predictor_and_labels(tmp_path, arch, sparse, qu
 
 
 def test_synthetic_model_generates(tmp_path):
-    from mlx_flash.calibrate import load_dense_model
+    from mlx_flash.calibration.dense_pass import load_dense_model
 
     out = tmp_path / "pack"
     assert convert_main(["--synthetic", "opt-tiny", "--out", str(out)]) == 0

@@ -1,0 +1,258 @@
+"""Matvec and layer ops: our CPU kernels (mlx_flash._ext) with MLX-op twins.
+
+Every op returns a lazy MLX array. On the CPU device with the extension built, inputs of up to
+MAX_KERNEL_ROWS rows (decode and prompt chunks) run our kernels; everything else (Metal, unsupported
+formats, extension missing) runs the equivalent MLX ops, so results agree to float32 rounding.
+
+Weight layouts are MLX's own: affine-quantized `w` uint32 [N, K*bits/32] with `scales`/`biases`
+[N, K/group_size] (w = scale*q + bias), or float16/bfloat16 `w` [N, K]. All ops compute y = x @ W.T
+unless named `_t` (y = h @ W[rows]).
+
+The layer ops (rms_norm, layer_norm, rope, scaled_dot_product_attention) mirror mx.fast's: on the CPU stream
+MLX runs those as op-by-op fallbacks (about a hundred primitives per decoder layer, each costing a
+few microseconds of dispatch), ours are one primitive each. A whole decoder block per call:
+fused.py; routing a loaded model's modules through these ops: patch.py.
+"""
+
+import importlib
+import os
+import warnings
+
+import mlx.core as mx
+
+# Rows of x per kernel call. MLX's CPU ops have no fast path for quantized or half weights (measured
+# 17-30x slower than ours from 8 to 512 rows), so prompts run on the kernels too, up to mlx-lm's
+# prefill chunk of 2048 tokens; beyond that MLX's ops (the kernel converts x to float32 scratch).
+MAX_KERNEL_ROWS = 2048
+KERNEL_BITS = (4, 8)
+KERNEL_GROUP_SIZES = (32, 64, 128)
+HALF_DTYPES = (mx.float16, mx.bfloat16)
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _load_extension():
+    try:
+        ext = importlib.import_module("mlx_flash._ext")
+    except ImportError as exc:
+        return None, f"not built ({exc})"
+    built = getattr(ext, "built_with_mlx", "?")
+    if built != mx.__version__:  # libmlx's C++ ABI changes between releases
+        return None, f"built for mlx {built}, running mlx {mx.__version__}; rebuild with `pip install .`"
+    return ext, None
+
+
+_ext, EXTENSION_ERROR = _load_extension()
+EXTENSION_AVAILABLE = _ext is not None
+# MLX_FLASH_KERNELS=0 in the environment starts with the kernels off (MLX's own ops everywhere),
+# e.g. `MLX_FLASH_KERNELS=0 python -m mlx_flash.generate` to compare with MLX's CPU path.
+_enabled = os.environ.get("MLX_FLASH_KERNELS", "1").strip() != "0"
+# MLX_FLASH_Q8_ACTIVATIONS=1 (or --q8-activations, set_q8_activations) starts with int8 activations.
+_q8x = os.environ.get("MLX_FLASH_Q8_ACTIVATIONS", "0").strip() == "1"
+_warned = False
+
+
+def set_kernels_enabled(enabled: bool) -> None:
+    """Turn the CPU kernels on/off process-wide (off: always the MLX-op path; for tests and bench).
+
+    The initial state comes from the environment: MLX_FLASH_KERNELS=0 starts with them off.
+    """
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def set_q8_activations(enabled: bool) -> None:
+    """Quantized matvecs round x to int8 per 32-element block (scale max|x|/127, like llama.cpp's q8
+    activations) and use integer dot products: faster on the CPU kernels, but no longer equal to
+    MLX's ops within float rounding: the result is W @ x_rounded, x_rounded carrying up to half an
+    int8 step of error per element.
+    Off by default; the MLX-op fallback ignores it."""
+    global _q8x
+    _q8x = bool(enabled)
+
+
+def q8_activations() -> bool:
+    """Whether quantized matvecs round activations to int8 now (set_q8_activations)."""
+    return _q8x
+
+
+def extension():
+    """The compiled kernel module (mlx_flash._ext), None when not built."""
+    return _ext
+
+
+def kernels_active() -> bool:
+    """True when ops would run our kernels now: extension built, enabled, default device is CPU."""
+    return EXTENSION_AVAILABLE and _enabled and mx.default_device() == mx.cpu
+
+
+def say_fallback_once():
+    global _warned
+    if not _warned and not EXTENSION_AVAILABLE and mx.default_device() == mx.cpu:
+        _warned = True
+        warnings.warn(
+            f"mlx_flash: CPU kernels not built; using the slower MLX-op path [{EXTENSION_ERROR}]",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def use_kernel(x) -> bool:
+    """True when an op on input x runs a kernel (kernels active, float x, at most MAX_KERNEL_ROWS rows)."""
+    if not kernels_active():
+        say_fallback_once()
+        return False
+    if x.dtype not in FLOAT_DTYPES or x.ndim == 0 or x.shape[-1] == 0:
+        return False
+    return x.size // x.shape[-1] <= MAX_KERNEL_ROWS
+
+
+def quant_ok(w, scales, biases, group_size, bits) -> bool:
+    """True when the kernels read this affine-quantized weight (bits, group size, dtypes)."""
+    return (
+        bits in KERNEL_BITS
+        and group_size in KERNEL_GROUP_SIZES
+        and biases is not None
+        and w.dtype == mx.uint32
+        and w.ndim == 2
+        and scales.dtype in FLOAT_DTYPES
+        and biases.dtype == scales.dtype
+    )
+
+
+def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
+    """y = x @ dequantize(w).T for MLX affine-quantized w [N, K]; x [..., K] -> y [..., N]."""
+    if use_kernel(x) and quant_ok(w, scales, biases, group_size, bits):
+        return _ext.quantized_matvec(x, w, scales, biases, group_size, bits, q8_activations=_q8x)
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                               group_size=group_size, bits=bits)
+
+
+def quantized_embedding(ids, w, scales, biases, group_size=64, bits=4):
+    """mlx-lm's QuantizedEmbedding lookup, mx.dequantize(w[ids], scales[ids], biases[ids]): one
+    primitive on the kernel (MLX's ops: about 35 for a 4- or 8-bit table), the same values."""
+    if (kernels_active() and ids.dtype in (mx.int32, mx.uint32)
+            and quant_ok(w, scales, biases, group_size, bits)):
+        return _ext.quantized_embedding(ids, w, scales, biases, group_size, bits)
+    return mx.dequantize(w[ids], scales=scales[ids], biases=None if biases is None else biases[ids],
+                         group_size=group_size, bits=bits)
+
+
+def half_matvec(x, w):
+    """y = x @ w.T for float16/bfloat16 w [N, K]; x [..., K] -> y [..., N]."""
+    if use_kernel(x) and w.dtype in HALF_DTYPES and w.ndim == 2:
+        return _ext.half_matvec(x, w)
+    return x @ w.T
+
+
+def result_dtype(a, b):
+    """MLX's type promotion of two dtypes (the output dtype of a kernel op)."""
+    return (mx.zeros((), a) + mx.zeros((), b)).dtype
+
+
+def _select(a, rows, n):
+    return a[:n] if rows is None else a[rows]
+
+
+def _check_rows(rows, n):
+    if (rows is None) == (n is None):
+        raise ValueError("pass exactly one of rows (int32 indices) or n (use the first n rows)")
+
+
+def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=64, bits=None):
+    """y[..., i] = dot(W[rows[i]], x) (or W[:n]); x [..., K] -> y [..., len(rows) or n].
+
+    W is half precision when bits is None, else MLX affine-quantized with scales/biases.
+    The selected rows are read in place; the gather is never materialised on the kernel path.
+    """
+    _check_rows(rows, n)
+    quant = bits is not None
+    count = n if rows is None else rows.shape[0]
+    if use_kernel(x) and (quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
+        return _ext.gather_matvec(x, w, scales, biases, rows, n, group_size, bits, q8_activations=_q8x and quant)
+    if count == 0:
+        dtype = result_dtype(x.dtype, scales.dtype if quant else w.dtype)
+        return mx.zeros((*x.shape[:-1], 0), dtype)
+    if quant:
+        return mx.quantized_matmul(x, _select(w, rows, n), scales=_select(scales, rows, n),
+                                   biases=_select(biases, rows, n), transpose=True,
+                                   group_size=group_size, bits=bits)
+    return x @ _select(w, rows, n).T
+
+
+def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_size=64, bits=None):
+    """y = h @ W[rows] (or W[:n]): the h-weighted sum of selected rows; h [..., n] -> y [..., K].
+
+    W is half precision when bits is None, else MLX affine-quantized with scales/biases.
+    """
+    _check_rows(rows, n)
+    quant = bits is not None
+    if use_kernel(h) and (quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
+        return _ext.gather_matvec_t(h, w, scales, biases, rows, n, group_size, bits)
+    count = n if rows is None else rows.shape[0]
+    K = w.shape[1] * 32 // bits if quant else w.shape[1]
+    if count == 0:
+        dtype = result_dtype(h.dtype, scales.dtype if quant else w.dtype)
+        return mx.zeros((*h.shape[:-1], K), dtype)
+    if quant:
+        return mx.quantized_matmul(h, _select(w, rows, n), scales=_select(scales, rows, n),
+                                   biases=_select(biases, rows, n), transpose=False,
+                                   group_size=group_size, bits=bits)
+    return h @ _select(w, rows, n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer ops
+
+# The attention kernel keeps a [query heads per kv head * Lq, Lk] float32 score block per thread;
+# above this many scores (16 MB) MLX's op runs instead.
+MAX_ATTENTION_SCORES = 1 << 22
+
+
+def _layer_kernel_ok(*arrays):
+    if not kernels_active():
+        say_fallback_once()
+        return False
+    return all(a.dtype in FLOAT_DTYPES for a in arrays)
+
+
+def _norm_kernel_ok(x, *params):
+    """Kernel norms take x [..., D] and optional float vectors (weight, bias)."""
+    return _layer_kernel_ok(x) and x.ndim >= 1 and all(
+        a is None or (a.dtype in FLOAT_DTYPES and a.ndim == 1) for a in params)
+
+
+def rms_norm(x, weight, eps):
+    """mx.fast.rms_norm(x, weight, eps): x * rsqrt(mean(x^2, -1) + eps) * weight."""
+    if _norm_kernel_ok(x, weight):
+        return _ext.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    """mx.fast.layer_norm(x, weight, bias, eps): (x - mean) * rsqrt(var + eps) * weight + bias."""
+    if _norm_kernel_ok(x, weight, bias):
+        return _ext.layer_norm(x, weight, bias, eps)
+    return mx.fast.layer_norm(x, weight, bias, eps)
+
+
+def rope(x, dims, *, traditional, base, scale, offset, freqs=None):
+    """mx.fast.rope with the same arguments (x [..., L, D]; positions offset .. offset + L - 1)."""
+    if (_layer_kernel_ok(x) and isinstance(offset, int) and x.ndim >= 2 and dims % 2 == 0
+            and 0 < dims <= x.shape[-1] and (freqs is None) != (base is None)):
+        return _ext.rope(x, dims, traditional, 1.0 if base is None else base, scale, offset, freqs)
+    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+
+
+def _attention_kernel_ok(q, k, v, mask, sinks):
+    causal = isinstance(mask, str) and mask == "causal"
+    return (_layer_kernel_ok(q, k, v) and sinks is None and (mask is None or causal)
+            and q.ndim == k.ndim == v.ndim == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+            and k.shape[2] >= q.shape[2]
+            and q.shape[1] // k.shape[1] * q.shape[2] * k.shape[2] <= MAX_ATTENTION_SCORES)
+
+
+def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
+    """mx.fast.scaled_dot_product_attention; the kernel serves masks None and "causal" (scores <= 16 MB)."""
+    if _attention_kernel_ok(q, k, v, mask, sinks):
+        return _ext.attention(q, k, v, scale, isinstance(mask, str))
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)

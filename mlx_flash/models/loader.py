@@ -1,0 +1,97 @@
+"""The seam with mlx-lm: model classes, building a model from a config, loading a folder.
+
+Model classes come from our own modules first (architectures mlx-lm lacks, e.g. `opt`), then
+from mlx-lm's registry. Every model mlx-flash runs is built here: `load_model` for an mlx-lm
+folder (mlx-lm's loader with our class lookup), `build_model` for a config and weights already in
+memory (flash packs, calibration's dense float32 model).
+"""
+
+import importlib
+import json
+from pathlib import Path
+
+import mlx.nn as nn
+# mlx-lm 0.32 has no public class lookup: `_get_classes` is load_model's own default for
+# `get_model_classes`; used here only, so an mlx-lm upgrade touches one line.
+from mlx_lm.utils import _get_classes
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+from ..errors import FlashError
+
+
+def mlx_lm_model_classes(config: dict):
+    """(Model, ModelArgs) from mlx-lm's own registry, or None when mlx-lm lacks the model_type."""
+    try:
+        return _get_classes(config)
+    except ValueError:
+        return None
+
+
+def get_model_classes(config: dict):
+    """(Model, ModelArgs) for a config's model_type: ours first, then mlx-lm's."""
+    model_type = config.get("model_type")
+    package = __name__.rsplit(".", 1)[0]
+    try:
+        ours = importlib.import_module(f"{package}.{model_type}")
+        if hasattr(ours, "Model") and hasattr(ours, "ModelArgs"):
+            return ours.Model, ours.ModelArgs
+    except ModuleNotFoundError as e:
+        if e.name != f"{package}.{model_type}":
+            raise
+    classes = mlx_lm_model_classes(config)
+    if classes is None:
+        raise FlashError(f"config.json: model_type {model_type!r} is not supported by mlx-lm or mlx-flash")
+    return classes
+
+
+def build_model(config: dict, weights: dict | None = None):
+    """The mlx-lm model for `config` (weights not loaded). With a "quantization" config, the
+    modules whose `scales` are in `weights` become quantized layers (per-module overrides kept)."""
+    model_class, args_class = get_model_classes(config)
+    try:
+        model = model_class(args_class.from_dict(config))
+    except (ValueError, TypeError, KeyError) as e:
+        raise FlashError(f"config.json: {e}") from None
+    if q := config.get("quantization"):
+        def quantized(path, module):
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            own = q.get(path)
+            return own if isinstance(own, dict) else True
+
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=quantized)
+    return model
+
+
+def load_model(path: Path, lazy: bool = True):
+    """mlx-lm's loader with our class lookup; errors become one-line FlashErrors."""
+    try:
+        model, config = mlx_lm_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
+    except FlashError as e:
+        raise FlashError(f"{path}/{e}") from None
+    except ValueError as e:
+        if "parameters" in str(e) or "shape" in str(e):  # mlx-lm's weight/shape mismatch messages
+            raise FlashError(f"{path}: weights do not match config.json ({e})") from None
+        raise FlashError(f"{path}/config.json: {e}") from None
+    return model, config
+
+
+def load_tokenizer(path: Path):
+    """mlx-lm's tokenizer wrapper for a folder or pack (eos ids from its config.json)."""
+    config = json.loads((path / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    try:
+        return mlx_lm_load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
+    except (OSError, ValueError) as e:
+        raise FlashError(f"{path}: could not load the tokenizer ({e})") from None
+
+
+def context_length(model):
+    """The model's context window in tokens (None when its config does not say)."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None) or getattr(args, "context_length", None)
+
+
+def is_flash_pack(path: Path) -> bool:
+    return (Path(path) / "manifest.json").is_file()

@@ -1,0 +1,28 @@
+"""Running a model step by step as generation does, for the flash-mode tests."""
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+TOKENS = [[5, 17, 3, 99, 42, 7], [11], [64], [2], [120]]  # a prompt, then four decode steps
+
+
+def run_steps(model):
+    """Logits of a prompt then single-token steps through a KV cache, as generation runs them."""
+    cache = make_prompt_cache(model)
+    out = []
+    for ids in TOKENS:
+        y = model(mx.array([ids]), cache=cache)
+        mx.eval(y)
+        out.append(y)
+    if hasattr(model, "flash_stats"):
+        model.flash_stats.finish()
+    return out
+
+
+def all_neurons(n):
+    return lambda x: mx.ones((*x.shape[:-1], n), dtype=mx.bool_)
+
+
+def assert_identical(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and mx.array_equal(x, y).item(), f"step {i}: max diff {mx.abs(x - y).max()}"

@@ -1,0 +1,31 @@
+"""bench io: runs end to end on a tiny pack (speed is never asserted here)."""
+
+import json
+
+from mlx_flash.bench.__main__ import main
+
+
+def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
+    from mlx_flash.io import ReadCost
+    from mlx_flash.io.planner import save_cost
+    from mlx_flash.pack import read_manifest, write_pack
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    first = pack / read_manifest(pack)["bundles"][0]["file"]
+    for engine in ("threads", "aio"):  # a stored cost model: no calibration in the test
+        save_cost(first, 2, ReadCost(1e-4, 1e9), engine)
+    out, png = tmp_path / "io.json", tmp_path / "io.png"
+    assert main(["io", "--pack", str(pack), "--threads", "1,2", "--chunks", "1,4", "--repeat", "1",
+                 "--no-fio", "--json", str(out), "--plot", str(png)]) == 0
+    r = json.loads(out.read_text())
+    assert r["evict_method"] and r["sequential"]["gbps"] > 0 and "io --pack" in r["command"]
+    assert {(p["chunk_bundles"], p["threads"]) for p in r["chunk_sweep"]} == {(1, 1), (1, 2), (4, 1), (4, 2)}
+    assert [c["fraction"] for c in r["bundled_vs_unbundled"]] == [0.05, 0.1, 0.25]
+    for c in r["bundled_vs_unbundled"]:
+        # the same neurons either way: bundled reads fetch every useful byte in fewer requests
+        assert c["bundled"]["bytes_useful"] == c["unbundled"]["bytes_useful"] > 0
+        assert c["bundled"]["reads"] <= c["unbundled"]["reads"]
+        assert c["bundled_planned"]["reads"] <= c["bundled"]["reads"]
+    assert r["fio"] == {} and png.stat().st_size > 0 and not list(tmp_path.glob("pack.unbundled*"))

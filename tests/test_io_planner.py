@@ -1,0 +1,28 @@
+"""io/planner.py: reads merged by the measured cost model; the cost model measured and stored."""
+
+import pytest
+
+from mlx_flash.io import ReadCost, aio, calibrate, load_cost, plan_reads
+
+
+def test_planner_merges_by_cost():
+    starts = [0, 1000, 9000, 200_000, 210_000]
+    assert [r[2] for r in plan_reads(starts, 1000)] == [[0], [1], [2], [3], [4]]
+    merged = plan_reads(starts, 1000, cost=ReadCost(1e-5, 1e9))  # merge gaps <= 10 kB
+    assert [(r[0], r[1], r[2]) for r in merged] == [(0, 10000, [0, 1, 2]), (200_000, 211_000, [3, 4])]
+    aligned = plan_reads(starts, 1000, align=4096, cost=ReadCost(1e-9, 1e9))  # 1-byte gaps only
+    assert aligned[0] == (0, 4096, [0, 1]) and aligned[1] == (8192, 12288, [2])
+    capped = plan_reads(list(range(0, 100_000, 1000)), 1000, cost=ReadCost(1, 1e9), max_read=16_000)
+    assert all(r[1] - r[0] <= 16_000 for r in capped) and sum(len(r[2]) for r in capped) == 100
+
+
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64, engine=engine)
+    assert cost.latency_s > 0 and cost.bandwidth > 0
+    stored = [k for k in ("aio", "threads") if load_cost(tmp_path, 4, k) == cost]
+    assert len(stored) == 1 and load_cost(tmp_path, 8, stored[0]) is None
+    if engine == "threads" or not aio.available():
+        assert stored == ["threads"]
+    assert not list(tmp_path.glob(".mlx_flash_calibrate_*"))
