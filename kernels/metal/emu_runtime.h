@@ -1,5 +1,6 @@
 // The emulator's scheduler: runs every GPU thread of a threadgroup as a fiber on one OS thread.
-// Included after the kernel text and its generated entry `emu_thread_entry` (emulator.py).
+// Included (after msl_shim.h, in msl_emu.h) before the kernel text and its generated entry
+// `emu_thread_entry` (emulator.py).
 //
 // A fiber runs until it calls a SIMD-group function or a barrier, or returns. A SIMD group is
 // released when all its live lanes wait at the same SIMD-group call; a threadgroup when all its live

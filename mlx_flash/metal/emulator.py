@@ -224,12 +224,36 @@ def _shim_digest() -> str:
     return h.hexdigest()
 
 
+def _precompiled_header(cxx: str, digest: str) -> Path:
+    """Directory holding msl_emu.h (shim + runtime) and, when g++ can build it, its precompiled
+    header: each variant then parses only its own text."""
+    pch_dir = cache_dir() / f"pch-{digest[:16]}"
+    header = pch_dir / "msl_emu.h"
+    if not header.exists():
+        pch_dir.mkdir(parents=True, exist_ok=True)
+        tmp = header.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(f'#pragma once\n#include "{SHIM_DIR / "msl_shim.h"}"\n#include "{SHIM_DIR / "emu_runtime.h"}"\n')
+        os.replace(tmp, header)
+    gch = pch_dir / "msl_emu.h.gch"
+    if not gch.exists():
+        tmp = pch_dir / f"msl_emu.{os.getpid()}.{threading.get_ident()}.gch.tmp"
+        flags = [f for f in CXXFLAGS if f != "-shared"]
+        proc = subprocess.run([cxx, *flags, "-x", "c++-header", str(header), "-o", str(tmp)], capture_output=True)
+        if proc.returncode == 0:
+            os.replace(tmp, gch)
+        else:  # no precompiled header: every variant parses the shim itself
+            tmp.unlink(missing_ok=True)
+    return pch_dir
+
+
 def compile_variant(unit: str) -> ctypes.CDLL:
-    """The loaded shared library of translation unit text `unit`, compiled once (cached on disk)."""
+    """The loaded shared library of kernel text `unit` (after msl_emu.h), compiled once and cached
+    on disk under cache_dir()."""
     cxx = compiler()
     if cxx is None:
         raise KernelFault("the Metal emulator needs a C++17 compiler (g++ or $CXX): none found")
-    key = hashlib.sha256((unit + _shim_digest() + " ".join(CXXFLAGS) + cxx).encode()).hexdigest()[:24]
+    digest = _shim_digest()
+    key = hashlib.sha256((unit + digest + " ".join(CXXFLAGS) + cxx).encode()).hexdigest()[:24]
     with _compile_lock:
         if key in _libraries:
             return _libraries[key]
@@ -237,12 +261,13 @@ def compile_variant(unit: str) -> ctypes.CDLL:
     out_dir.mkdir(parents=True, exist_ok=True)
     so = out_dir / f"k{key}.so"
     if not so.exists():
+        pch_dir = _precompiled_header(cxx, digest)
         src = out_dir / f"k{key}.cpp"
         tmp_src = src.with_suffix(f".{os.getpid()}.{threading.get_ident()}.cpp")
-        tmp_src.write_text(unit)
+        tmp_src.write_text('#include "msl_emu.h"\n' + unit)
         os.replace(tmp_src, src)
         tmp_so = so.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        proc = subprocess.run([cxx, *CXXFLAGS, "-I", str(SHIM_DIR), str(src), "-o", str(tmp_so)],
+        proc = subprocess.run([cxx, *CXXFLAGS, "-I", str(pch_dir), str(src), "-o", str(tmp_so)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelFault(f"the kernel does not compile (as C++17 against msl_shim.h; source {src}):\n"
@@ -350,9 +375,8 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
                                     output_dtypes, template)
         if verbose:
             print(f"Generated source code for `{name}`:\n```\n{text}\n```")
-        unit = ('#include "msl_shim.h"\n#line 1 "kernel"\n' + _emulator_text(text) + "\n#line 1 \"entry\"\n"
-                + _entry(kname, inputs, input_names, output_dtypes, infos, attrs_used, template, atomic_outputs)
-                + '#include "emu_runtime.h"\n')
+        unit = ('#line 1 "kernel"\n' + _emulator_text(text) + '\n#line 1 "entry"\n'
+                + _entry(kname, inputs, input_names, output_dtypes, infos, attrs_used, template, atomic_outputs))
         lib = compile_variant(unit)
         grid = tuple(int(g) for g in grid)
         tg = tuple(max(1, min(int(t), int(g))) for t, g in zip(threadgroup, grid))  # MLX clamps to the grid
