@@ -190,6 +190,26 @@ def test_simd_group_functions(schedule):
             assert out[i, 6] == group[(lane + 7) % 32]
 
 
+SCAN = em.metal_kernel("scan", ["a"], ["out"], """
+uint lane = thread_index_in_simdgroup;
+float v = a[thread_position_in_grid.x];
+for (ushort offset = 1; offset < 32; offset *= 2) {
+  float t = simd_shuffle_up(v, offset);
+  if (lane >= offset) v += t;
+}
+out[thread_position_in_grid.x] = v;
+""")
+
+
+@pytest.mark.parametrize("schedule", em.SCHEDULES)
+def test_simd_exchanges_in_a_loop(schedule):
+    """A scan by repeated shuffles: each exchange must see the values of that round, whichever lane
+    resumes first and posts its next value."""
+    a = np.random.default_rng(1).integers(0, 9, 64).astype(np.float32)
+    out = np.array(run(SCAN, [mx.array(a)], (64, 1, 1), (64, 1, 1), [(64,)], [mx.float32], schedule=schedule)[0])
+    np.testing.assert_array_equal(out, np.concatenate([np.cumsum(a[:32]), np.cumsum(a[32:])]))
+
+
 REDUCE = em.metal_kernel("reduce", ["x"], ["out"], """
 threadgroup float partial[32];
 uint t = thread_index_in_threadgroup;

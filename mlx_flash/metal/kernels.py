@@ -155,12 +155,21 @@ def sparse_down_twin(h, down_t: Weights, *, rows=None, n=None):
     return h @ _select(down_t.weight, rows, n)
 
 
+# Placeholders and small parameter arrays have 8 elements: MLX passes an input of fewer elements in
+# the `constant` address space, which makes a different kernel variant (a compile on first use).
+SMALL = 8
+
+
 def _dummy(dtype):
-    return mx.zeros((1,), dtype)
+    return mx.zeros((SMALL,), dtype)
 
 
 def _ids(rows):
-    return mx.zeros((1,), mx.int32) if rows is None else rows.astype(mx.int32)
+    return mx.zeros((SMALL,), mx.int32) if rows is None else rows.astype(mx.int32)
+
+
+def _params(*values):
+    return mx.array(list(values) + [0] * (SMALL - len(values)), mx.int32)
 
 
 def _quant_inputs(w: Weights, like: Weights):
@@ -187,8 +196,8 @@ def sparse_up_metal(x, up: Weights, gate: Weights | None, *, rows=None, n=None, 
         raise ValueError("sparse_up: act 'silu' needs a gate in up's format (bits, group size, dtype, bias)")
     g = gate if gated else up  # ReLU: the gate inputs repeat up's (never read)
     inputs = ([x2] + _quant_inputs(up, g) + _quant_inputs(g, up)
-              + [_ids(rows), mx.array([count, int(rows is not None), K, up.group_size if up.bits else 0], mx.int32),
-                 mx.array([threshold], mx.float32)])
+              + [_ids(rows), _params(count, int(rows is not None), K, up.group_size if up.bits else 0),
+                 mx.full((SMALL,), threshold, mx.float32)])
     out = kernel("sparse_up", metal_kernel)(
         inputs=inputs, template=[("T", out_dtype), ("BITS", up.bits or 0), ("ACT", ACTS.index(act)),
                                  ("HAS_BIAS", up.bias is not None)],
@@ -204,14 +213,14 @@ def sparse_down_metal(h, down_t: Weights, *, rows=None, n=None, metal_kernel=Non
     out_dtype = result_dtype(h.dtype, down_t)
     lead = h.shape[:-1]
     M = math.prod(lead)
-    h2 = h.reshape(M, count) if count else mx.zeros((M, 1), h.dtype)  # count 0 reads no h
+    h2 = h.reshape(M, count) if count else mx.zeros((M, SMALL), h.dtype)  # count 0 reads no h
     per_lane = 32 // down_t.bits if down_t.bits else 4
     packs = -(-D // per_lane)
     groups = -(-packs // 32)
     sdtype = down_t.scales.dtype if down_t.bits else mx.float32
     inputs = [h2, down_t.weight, down_t.scales if down_t.bits else _dummy(sdtype),
               down_t.biases if down_t.bits else _dummy(sdtype), _ids(rows),
-              mx.array([count, int(rows is not None), D, down_t.group_size if down_t.bits else 0], mx.int32)]
+              _params(count, int(rows is not None), D, down_t.group_size if down_t.bits else 0)]
     out = kernel("sparse_down", metal_kernel)(
         inputs=inputs, template=[("T", out_dtype), ("BITS", down_t.bits or 0), ("NSG", DOWN_SIMD_GROUPS)],
         grid=(32 * groups, DOWN_SIMD_GROUPS, M), threadgroup=(32, DOWN_SIMD_GROUPS, 1),
