@@ -16,6 +16,7 @@ thread count, greedy, the same chat-templated prompt ids; and prompt processing:
 ids (the prompt's text repeated) / time to the first token, for the same engines.
 
   python -m mlx_flash.bench kernels [--json out.json] [--warm] [--generate [MODEL]] [--no-kernels]
+  python -m mlx_flash.bench kernels --metal      (the Metal sparse FFN kernels: bench/metal.py)
 """
 
 import io
@@ -83,6 +84,9 @@ def add_arguments(parser):
                         help="skip the per-kernel table (only with --generate or --breakdown)")
     parser.add_argument("--q8-activations", action="store_true",
                         help="time the quantized cases with int8 activations (the opt-in integer-dot kernels)")
+    parser.add_argument("--metal", action="store_true",
+                        help="instead: the sparse FFN on the Metal kernels vs MLX's gather + matmul (needs a Mac)")
+    parser.add_argument("--metal-repeats", type=int, default=50, help="with --metal: runs per timing")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation run")
     parser.add_argument("--gen-repeats", type=int, default=3, help="generation runs per engine (best kept)")
     parser.add_argument("--threads", type=int, default=None,
@@ -534,6 +538,10 @@ def _graph_primitives(out):
 def run(args):
 
 
+    if args.metal:
+        from .metal import run_metal
+
+        return run_metal(args)
     mx.set_default_device(mx.cpu)
     if not ops.EXTENSION_AVAILABLE:
         print(f"mlx_flash._ext is not available ({ops.EXTENSION_ERROR}); build it with `pip install .`",
