@@ -38,11 +38,11 @@ EDGE_SELECTIONS = {"n=0": dict(n=0), "n=1": dict(n=1), "n=all": dict(n=CAPACITY)
                    "3 ids": dict(rows=IDS[:3])}
 
 
-def make_weights(fmt, seed, columns=HIDDEN, bias=False):
+def make_weights(fmt, seed, columns=HIDDEN, bias=False, rows=CAPACITY):
     """(Weights, float64 numpy matrix it stands for)."""
     bits, group_size, dtype = FORMATS[fmt]
-    w = (mx.random.normal((CAPACITY, columns), key=mx.random.key(seed)) * 0.2).astype(dtype)
-    b = (mx.random.normal((CAPACITY,), key=mx.random.key(seed + 100)) * 0.3).astype(dtype) if bias else None
+    w = (mx.random.normal((rows, columns), key=mx.random.key(seed)) * 0.2).astype(dtype)
+    b = (mx.random.normal((rows,), key=mx.random.key(seed + 100)) * 0.3).astype(dtype) if bias else None
     if bits is None:
         return K.Weights(w, bias=b), np.array(w.astype(mx.float32), np.float64)
     q, s, z = mx.quantize(w, group_size=group_size, bits=bits)
@@ -145,6 +145,23 @@ def test_sparse_down(fmt, sel, backend):
     y_ref = as_f64(h) @ down64[rows_of(SELECTIONS[sel])]
     check_close(y, y_ref, dtype)
     check_close(K.sparse_down_twin(h, down, **kw), as_f64(y), dtype, scale=8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("select", ["n", "ids"])
+@pytest.mark.parametrize("fmt", ["q8g64", "f16"])
+def test_sparse_down_row_splits(fmt, select, backend):
+    """Enough rows that sparse_down cuts them into several splits (threadgroups along z)."""
+    rows = 600
+    dtype = FORMATS[fmt][2]
+    down, down64 = make_weights(fmt, 3, columns=HIDDEN * 2, rows=rows)
+    ids = np.sort(np.random.default_rng(2).choice(rows, 450, replace=False)).astype(np.int32)
+    sel = dict(n=rows) if select == "n" else dict(rows=ids)
+    count = rows if select == "n" else len(ids)
+    assert K.down_splits(count, 2) > 4
+    h = mx.random.normal((2, count), key=mx.random.key(9)).astype(dtype)
+    y = run_kernel(K.sparse_down_metal, backend, h, down, **mx_sel(sel))
+    check_close(y, as_f64(h) @ down64[rows_of(sel)], dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

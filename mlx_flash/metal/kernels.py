@@ -34,6 +34,7 @@ HALF_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 ACTS = ("silu", "relu")  # gated SiLU (llama family), ReLU without gate (OPT)
 UP_ROWS_PER_THREADGROUP = 8  # SIMD groups (one output row each) per threadgroup of sparse_up
 DOWN_SIMD_GROUPS = 8  # SIMD groups sharing the rows of sparse_down's threadgroup
+DOWN_TARGET_THREADGROUPS = 128  # sparse_down splits its rows until the grid has about this many
 MAX_METAL_TOKENS = 16  # more tokens than this: the twin (the kernels read the rows once per token)
 
 _enabled = os.environ.get("MLX_FLASH_KERNELS", "1").strip() != "0"
@@ -206,6 +207,13 @@ def sparse_up_metal(x, up: Weights, gate: Weights | None, *, rows=None, n=None, 
     return out.reshape(*lead, count)
 
 
+def down_splits(count: int, column_groups: int) -> int:
+    """Row splits of sparse_down: enough threadgroups (DOWN_TARGET_THREADGROUPS) to fill the GPU,
+    with at least 4 rows per SIMD group in each split."""
+    want = -(-DOWN_TARGET_THREADGROUPS // max(1, column_groups))
+    return max(1, min(want, count // (4 * DOWN_SIMD_GROUPS), 64))
+
+
 def sparse_down_metal(h, down_t: Weights, *, rows=None, n=None, metal_kernel=None, **run):
     """sparse_down on the Metal kernel (or through `metal_kernel`, with `run` options)."""
     count = _count(rows, n)
@@ -214,18 +222,18 @@ def sparse_down_metal(h, down_t: Weights, *, rows=None, n=None, metal_kernel=Non
     lead = h.shape[:-1]
     M = math.prod(lead)
     h2 = h.reshape(M, count) if count else mx.zeros((M, SMALL), h.dtype)  # count 0 reads no h
-    per_lane = 32 // down_t.bits if down_t.bits else 4
-    packs = -(-D // per_lane)
-    groups = -(-packs // 32)
+    per_lane = 8 if down_t.bits == 4 else 4
+    column_groups = -(-D // (32 * per_lane))
+    splits = down_splits(count, column_groups)
     sdtype = down_t.scales.dtype if down_t.bits else mx.float32
     inputs = [h2, down_t.weight, down_t.scales if down_t.bits else _dummy(sdtype),
               down_t.biases if down_t.bits else _dummy(sdtype), _ids(rows),
-              _params(count, int(rows is not None), D, down_t.group_size if down_t.bits else 0)]
-    out = kernel("sparse_down", metal_kernel)(
-        inputs=inputs, template=[("T", out_dtype), ("BITS", down_t.bits or 0), ("NSG", DOWN_SIMD_GROUPS)],
-        grid=(32 * groups, DOWN_SIMD_GROUPS, M), threadgroup=(32, DOWN_SIMD_GROUPS, 1),
-        output_shapes=[(M, D)], output_dtypes=[out_dtype], **run)[0]
-    return out.reshape(*lead, D)
+              _params(count, int(rows is not None), D, down_t.group_size if down_t.bits else 0, splits)]
+    partial = kernel("sparse_down", metal_kernel)(
+        inputs=inputs, template=[("BITS", down_t.bits or 0), ("NSG", DOWN_SIMD_GROUPS)],
+        grid=(32 * column_groups, DOWN_SIMD_GROUPS, M * splits), threadgroup=(32, DOWN_SIMD_GROUPS, 1),
+        output_shapes=[(M, splits, D)], output_dtypes=[mx.float32], **run)[0]
+    return partial.sum(axis=1).astype(out_dtype).reshape(*lead, D)
 
 
 def _metal_serves(x, *weights) -> bool:
