@@ -219,7 +219,7 @@ def test_seeded_missing_barrier_in_sparse_down_is_caught():
         mx.float16)
     down, down64 = make_weights("q4g64", 3, columns=HIDDEN * 2)
     y_ref = as_f64(h) @ down64
-    factory = mutated("threadgroup_barrier(mem_flags::mem_threadgroup);", "")
+    factory = mutated("metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);", "")
     failures = 0
     for schedule in em.SCHEDULES:
         y = K.sparse_down_metal(h, down, n=CAPACITY, metal_kernel=factory, schedule=schedule)

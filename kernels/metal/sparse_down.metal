@@ -26,7 +26,7 @@ RowAxpy<BITS>::accumulate(acc, w, scales, biases, h + m * count, ids, use_ids, c
 for (uint v = 0; v < per_lane; v++) {
   partial[s * 32 * per_lane + lane * per_lane + v] = acc[v];
 }
-threadgroup_barrier(mem_flags::mem_threadgroup);
+metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 uint d_first = threadgroup_position_in_grid.x * 32 * per_lane;
 for (uint c = thread_index_in_threadgroup; c < 32 * per_lane; c += NSG * 32) {
   if (d_first + c < D) {

@@ -16,10 +16,10 @@ bool use_ids = params[1] != 0;
 uint K = uint(params[2]);
 uint group_size = uint(params[3]);
 uint r = use_ids ? uint(ids[j]) : j;
-float u = simd_sum(RowDot<BITS>::lane_dot(up_w, up_scales, up_biases, x + m * K, r, K, group_size, lane));
+float u = metal::simd_sum(RowDot<BITS>::lane_dot(up_w, up_scales, up_biases, x + m * K, r, K, group_size, lane));
 float g = 0.0f;
 if (ACT == 0) {
-  g = simd_sum(RowDot<BITS>::lane_dot(gate_w, gate_scales, gate_biases, x + m * K, r, K, group_size, lane));
+  g = metal::simd_sum(RowDot<BITS>::lane_dot(gate_w, gate_scales, gate_biases, x + m * K, r, K, group_size, lane));
 }
 if (lane == 0) {
   if (HAS_BIAS) {
