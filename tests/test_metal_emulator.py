@@ -210,7 +210,7 @@ def test_simd_exchanges_in_a_loop(schedule):
     np.testing.assert_array_equal(out, np.concatenate([np.cumsum(a[:32]), np.cumsum(a[32:])]))
 
 
-REDUCE = em.metal_kernel("reduce", ["x"], ["out"], """
+REDUCE_SOURCE = """
 threadgroup float partial[32];
 uint t = thread_index_in_threadgroup;
 float v = x[thread_position_in_grid.x];
@@ -222,7 +222,8 @@ if (t == 0) {
   for (uint k = 0; k < simdgroups_per_threadgroup; k++) s += partial[k];
   out[threadgroup_position_in_grid.x] = s;
 }
-""")
+"""
+REDUCE = em.metal_kernel("reduce", ["x"], ["out"], REDUCE_SOURCE)
 
 
 @pytest.mark.parametrize("schedule", em.SCHEDULES)
@@ -231,6 +232,17 @@ def test_threadgroup_memory_and_barrier(schedule):
     out = np.array(run(REDUCE, [mx.array(x)], (1000, 1, 1), (256, 1, 1), [(4,)], [mx.float32],
                        schedule=schedule, seed=3)[0])
     np.testing.assert_array_equal(out, [x[i:i + 256].sum() for i in range(0, 1000, 256)])
+
+
+def test_threadgroup_memory_read_before_written_is_poisoned():
+    """A reduction reading 8 partial sums when the threadgroup has 4 SIMD groups: the 4 never
+    written are NaN (threadgroup memory starts undefined), in every threadgroup."""
+    k = em.metal_kernel("unwritten", ["x"], ["out"], REDUCE_SOURCE.replace("k < simdgroups_per_threadgroup", "k < 8"))
+    x = np.ones(512, np.float32)
+    out = np.array(run(k, [mx.array(x)], (512, 1, 1), (128, 1, 1), [(4,)], [mx.float32])[0])
+    assert np.isnan(out).all()
+    good = np.array(run(REDUCE, [mx.array(x)], (512, 1, 1), (128, 1, 1), [(4,)], [mx.float32])[0])
+    np.testing.assert_array_equal(good, [128] * 4)
 
 
 def test_unwritten_outputs_are_poisoned_and_init_value_fills():

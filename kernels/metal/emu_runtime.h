@@ -59,6 +59,19 @@ struct Run {
 };
 static Run* g_run;
 
+constexpr int MAX_SHARED = 64;
+static void* g_shared[MAX_SHARED];
+static size_t g_shared_bytes[MAX_SHARED];
+static int g_nshared;
+
+void register_shared(void* data, size_t bytes) {
+  if (g_nshared < MAX_SHARED) {
+    g_shared[g_nshared] = data;
+    g_shared_bytes[g_nshared++] = bytes;
+  }
+  memset(data, 0xff, bytes);  // first reached: no thread of this threadgroup has written it yet
+}
+
 static unsigned long long next_random() {
   unsigned long long x = g_run->rng;  // xorshift64*
   x ^= x >> 12;
@@ -330,6 +343,7 @@ static void run_threadgroup(const uint3& grid, const uint3& tg, const uint3& tgp
                std::min(tg.z, grid.z - tgpos.z * tg.z)};
   int n = int(actual.x * actual.y * actual.z);
   g_run->nfibers = n;
+  for (int i = 0; i < g_nshared; i++) memset(g_shared[i], 0xff, g_shared_bytes[i]);
   g_run->report->group = tgpos;
   for (uint z = 0; z < actual.z; z++)
     for (uint y = 0; y < actual.y; y++)

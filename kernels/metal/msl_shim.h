@@ -299,6 +299,12 @@ struct Exchange {
   int lane;
 };
 Exchange simd_exchange(int op, const void* value, int size, int arg, Site site);
+// A threadgroup array (a static in the emulated kernel): filled with all-ones bytes when first
+// reached and before every later threadgroup (emu_runtime.h), as threadgroup memory starts undefined.
+void register_shared(void* data, size_t bytes);
+struct SharedMemory {
+  SharedMemory(void* data, size_t bytes) { register_shared(data, bytes); }
+};
 void threadgroup_wait(Site site);
 template <class T>
 inline T lane_value(const Exchange& e, int lane) {

@@ -182,13 +182,16 @@ def kernel_source(name, input_names, output_names, source, header, atomic_output
 # Compiling
 
 
-# `threadgroup T name[...]` / `threadgroup T name;` declarations become statics: one copy shared by
-# the fibers of the threadgroup being run (threadgroups run one after another).
-_THREADGROUP_DECL = re.compile(r"\bthreadgroup\s+((?:[\w:]+\s*(?:<[^;{}()]*?>)?\s+)+?)(\w+)\s*(?=[\[;=])")
+# `threadgroup T name[...];` declarations become statics: one copy shared by the fibers of the
+# threadgroup being run (threadgroups run one after another), registered so that the runtime fills
+# it with all-ones bytes (NaN, -1) before each threadgroup: a read before any write shows.
+_THREADGROUP_DECL = re.compile(r"\bthreadgroup\s+((?:[\w:]+\s*(?:<[^;{}()]*?>)?\s+)+?)(\w+)\s*((?:\[[^;\]]*\]\s*)*);")
 
 
 def _emulator_text(text: str) -> str:
-    return _THREADGROUP_DECL.sub(lambda m: f"static {m.group(1)}{m.group(2)}", text)
+    return _THREADGROUP_DECL.sub(
+        lambda m: (f"static {m.group(1)}{m.group(2)}{m.group(3)}; "
+                   f"static emu::SharedMemory emu_shared_{m.group(2)}(&{m.group(2)}, sizeof({m.group(2)}));"), text)
 
 
 def _entry(kname, inputs, input_names, output_dtypes, infos, attrs_used, template, atomic_outputs) -> str:
