@@ -99,7 +99,7 @@ static const char* describe_thread(const Fiber* f, char* out, size_t n) {
 }
 
 // ---- context switch ------------------------------------------------------------------------------
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
 extern "C" void emu_switch(void** save_sp, void* new_sp);
 extern "C" void emu_fiber_start();
 asm(R"(
@@ -144,7 +144,7 @@ extern "C" void emu_thread_entry(void* const* bufs, const ThreadAttrs* attrs);
 
 static void to_scheduler() {
   Fiber* f = g_run->current;
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
   emu_switch(&f->sp, g_run->sched_sp);
 #else
   swapcontext(&f->uc, &g_run->sched_uc);
@@ -160,7 +160,7 @@ extern "C" __attribute__((used, visibility("hidden"))) void emu_fiber_main() {
 }
 
 static void start_fiber(Fiber* f) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
   uintptr_t top = (uintptr_t(f->stack) + STACK_BYTES) & ~uintptr_t(15);
   uint64_t* sp = reinterpret_cast<uint64_t*>(top);
   *--sp = uint64_t(uintptr_t(&emu_fiber_start));  // popped by emu_switch's ret
@@ -178,7 +178,7 @@ static void start_fiber(Fiber* f) {
 
 static void resume(Fiber* f) {
   g_run->current = f;
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
   emu_switch(&g_run->sched_sp, f->sp);
 #else
   swapcontext(&g_run->sched_uc, &f->uc);
