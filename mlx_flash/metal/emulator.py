@@ -354,8 +354,9 @@ def _strides(shape) -> list:
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False):
-    """The emulated twin of `mx.fast.metal_kernel` (same arguments); see the module docstring."""
+                 atomic_outputs=False, compile_options=None):
+    """The emulated twin of `mx.fast.metal_kernel` (same arguments; compile_options' math_mode is
+    accepted and has no effect: g++ computes as IEEE); see the module docstring."""
     if not output_names:
         raise ValueError("[metal_kernel] Must specify at least one output.")
     input_names, output_names = list(input_names), list(output_names)
