@@ -34,6 +34,11 @@ def write_tiny_llama(path: Path, *, quantize=None, dtype="float32", seed=0, tie=
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
+    return _save_model(path, model, config, dtype, quantize)
+
+
+def _save_model(path: Path, model, config, dtype, quantize) -> Path:
+    """Cast, optionally quantize (bits, group_size), and save `model` as an mlx-lm folder."""
     model.set_dtype(getattr(mx, dtype))
     if quantize is not None:
         bits, group_size = quantize
@@ -44,6 +49,49 @@ def write_tiny_llama(path: Path, *, quantize=None, dtype="float32", seed=0, tie=
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+
+
+def write_tiny_moe(path: Path, arch: str, *, quantize=None, dtype="float32", seed=0, hidden=64,
+                   layers=3, expert_ffn=64, experts=6, top_k=2, vocab=128) -> Path:
+    """A random mlx-lm MoE model (SwitchGLU experts) of architecture `arch` saved as a folder.
+
+    quantize: None or (bits, group_size): every Linear and the experts (mlx-lm's nn.quantize).
+    qwen2_moe and deepseek_v2 get a shared expert; deepseek_v2's first layer stays dense.
+    """
+    import importlib
+
+    base = {"model_type": arch, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "vocab_size": vocab, "rope_theta": 10000.0, "num_experts_per_tok": top_k,
+            "tie_word_embeddings": False, "max_position_embeddings": 256}
+    extra = {
+        "mixtral": {"intermediate_size": expert_ffn, "num_local_experts": experts},
+        "qwen2_moe": {"intermediate_size": 96, "num_experts": experts,
+                      "moe_intermediate_size": expert_ffn, "shared_expert_intermediate_size": 64},
+        "qwen3_moe": {"intermediate_size": 96, "num_experts": experts, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "moe_intermediate_size": expert_ffn, "head_dim": 16,
+                      "norm_topk_prob": True},
+        "olmoe": {"intermediate_size": expert_ffn, "num_experts": experts},
+        "deepseek_v2": {"intermediate_size": 96, "moe_intermediate_size": expert_ffn,
+                        "n_routed_experts": experts, "n_shared_experts": 1,
+                        "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": None,
+                        "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+                        "num_key_value_heads": 4,
+                        "rope_scaling": {"type": "yarn", "factor": 1.0, "mscale": 1.0,
+                                         "mscale_all_dim": 0.0,
+                                         "original_max_position_embeddings": 256}},
+    }[arch]
+    config = {**base, **extra}
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Random routers and experts of unit scale, so routing and outputs are not degenerate.
+    params = tree_flatten(model.parameters())
+    model.load_weights([(k, mx.random.normal(v.shape) * 0.05) for k, v in params])
+    return _save_model(path, model, config, dtype, quantize)
 
 
 def write_tiny_opt(path: Path, *, seed=0, hidden=64, layers=2, ffn=128, vocab=128) -> Path:

@@ -7,6 +7,7 @@ Each subcommand lives in its own module here and exposes `add_arguments(parser)`
 SUBCOMMANDS = {
     "blas": "Float32 matmul/matvec speed of MLX's CPU backend and the BLAS it uses",
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
+    "moe": "MoE expert cache hit rate vs size (with Belady), next-layer predictors, streamed runtime",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
     "run": "The paper's protocol: cold runs of every mode and the peers, Tables 2-3, sweeps",
 }

@@ -1,17 +1,19 @@
-"""Models: the mlx-lm seam (loader.py), flash packs as mlx-lm models (flash.py), architectures
-mlx-lm lacks (opt.py). `load` is the one entry point: any `--model` value -> (model, tokenizer).
+"""Models: the mlx-lm seam (loader.py), flash packs as mlx-lm models (flash.py; MoE packs in
+moe.py, experts streamed through the moe/ library), architectures mlx-lm lacks (opt.py). `load` is the one entry point: any `--model` value -> (model, tokenizer).
 """
 
 from pathlib import Path
 
 from ..cpu.patch import patch_layers
 from ..errors import FlashError
+from ..pack import read_manifest
 from ..sources import resolve_model
 from .flash import build_flash_model
+from .moe import build_moe_model, is_moe_pack
 from .loader import (build_model, context_length, get_model_classes, is_flash_pack, load_model,
                      load_tokenizer)
 
-__all__ = ["build_flash_model", "build_model", "context_length", "get_model_classes",
+__all__ = ["build_flash_model", "build_moe_model", "build_model", "context_length", "get_model_classes",
            "is_flash_pack", "load", "load_model", "load_tokenizer"]
 
 
@@ -23,6 +25,8 @@ def load(model=None, flash_config=None, *, progress: bool = True):
     """
     path = resolve_model(model, progress=progress)
     if is_flash_pack(path):
+        if is_moe_pack(read_manifest(path)):
+            return build_moe_model(path, flash_config), load_tokenizer(Path(path))
         return build_flash_model(path, flash_config), load_tokenizer(Path(path))
     if flash_config is not None and (flash_config.mode != "dense" or flash_config.memory_budget is not None):
         budget = flash_config.memory_budget

@@ -115,6 +115,9 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     ffn = find_ffn(weights)
     if not ffn:
         raise FlashError(f"{src}: no FFN tensors recognised (architecture not in pack.layout.FFN_TABLE)")
+    if any(info["kind"] == "experts" for info in ffn.values()):
+        # MoE pack: only experts stream; dense FFN layers (deepseek's first layers) stay resident.
+        ffn = {layer: info for layer, info in ffn.items() if info["kind"] == "experts"}
     if quantize:
         config["quantization"] = {"group_size": group_size, "bits": quantize}
         config["quantization_config"] = dict(config["quantization"])
@@ -145,7 +148,9 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         comps, req = _components(weights, config, info, quantize, group_size, down_bits)
         requantized |= req
         rel = f"bundles/layer_{layer:03d}.bin"
-        (entry,) = write_bundle_file(tmp / rel, [comps], alignment)
+        # An expert is one direct-I/O-aligned block: its stride is a multiple of the alignment.
+        (entry,) = write_bundle_file(tmp / rel, [comps], alignment,
+                                     block_align=alignment if info["kind"] == "experts" else COMPONENT_ALIGN)
         bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
                         "encoding": "dense", **entry})
         del comps
@@ -236,13 +241,13 @@ def _row_bytes(arr) -> np.ndarray:
     return np.array(arr.view(mx.uint8), copy=False)
 
 
-def write_bundle_file(path: Path, regions, alignment: int) -> list:
+def write_bundle_file(path: Path, regions, alignment: int, block_align=COMPONENT_ALIGN) -> list:
     """Write bundle regions into a new file at `path` and fsync it; one bundle record per region.
 
     regions: [[(component name, source tensor name, array [count, ...row], quantization|None)]]:
     each region's bundles hold its components row by row (each component at a multiple of
-    COMPONENT_ALIGN bytes inside the bundle), then its crc32 table; regions and tables start at
-    multiples of `alignment` bytes. A record has offset, count, stride, length, file_length,
+    COMPONENT_ALIGN bytes inside the bundle; a bundle's stride is a multiple of `block_align`),
+    then its crc32 table; regions and tables start at multiples of `alignment` bytes. A record has offset, count, stride, length, file_length,
     components and checksums (the manifest's bundle fields without layer / kind / file).
     """
     records, pieces, pos = [], [], 0
@@ -259,7 +264,7 @@ def write_bundle_file(path: Path, regions, alignment: int) -> list:
             layout.append(entry)
             rows.append(r)
             comp_pos = round_up(comp_pos + r.shape[1], COMPONENT_ALIGN)
-        stride = comp_pos
+        stride = round_up(comp_pos, block_align)
         data = np.zeros((count, stride), np.uint8)
         for c, r in zip(layout, rows):
             data[:, c["offset"]: c["offset"] + c["length"]] = r

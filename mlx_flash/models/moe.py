@@ -1,0 +1,135 @@
+"""Load an MoE flash pack as an mlx-lm model whose SwitchGLU experts stream from the pack.
+
+Modes (FlashConfig.mode): dense = every expert resident (IO-FREE); naive = each layer call reads
+its chosen experts (IO-EXP); hybrid = per-layer expert cache, no prediction; flash = the cache plus
+predicted preloading of the next layer's experts (EdgeMoE 3.3).
+The router, attention, norms, embeddings and shared experts are the pack's resident tensors.
+"""
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import FlashError
+from ..config import FlashConfig, parse_memory_budget
+from ..io import FlashLoader
+from ..moe.store import ExpertStore, expert_layers
+from ..moe.switch import StreamedSwitchGLU, router_lookahead, swap_switch_glu
+from ..pack import load_pack_weights, load_resident, read_manifest
+from .loader import build_model
+
+PREDICTORS = ("lookahead", "profile", "none")
+
+
+def is_moe_pack(manifest) -> bool:
+    return any(b["kind"] == "experts" for b in manifest["bundles"])
+
+
+def top_k_of(config) -> int:
+    """Experts each token is routed to, from an mlx-lm MoE config."""
+    k = config.get("num_experts_per_tok") or config.get("moe_top_k") or config.get("top_k")
+    if not k:
+        raise FlashError(f"config.json: model_type {config.get('model_type')!r} has no "
+                         f"num_experts_per_tok (not an MoE model mlx-flash knows)")
+    return int(k)
+
+
+def expert_slots(manifest, memory_budget, top_k) -> int:
+    """Expert slots per MoE layer that `memory_budget` leaves after the resident tensors.
+
+    None: every expert. FlashError naming --memory-budget when fewer than top_k slots remain.
+    """
+    layers = expert_layers(manifest)
+    n_experts = max(e["count"] for e in layers.values())
+    budget = parse_memory_budget(memory_budget)
+    if budget is None:
+        return n_experts
+    resident = manifest["resident"]["length"]
+    expert_bytes = sum(e["count"] * e["stride"] for e in layers.values())
+    total = budget.bytes_for(resident + expert_bytes)
+    stride = next(iter(layers.values()))["stride"]
+    per_layer = max(0, total - resident) // stride // len(layers)
+    if per_layer < top_k:
+        raise FlashError(f"{budget.named()}: leaves {per_layer} expert slots per layer "
+                         f"after {resident / 1e6:.1f} MB resident; each token needs {top_k} "
+                         f"({top_k * stride * len(layers) / 1e6:.1f} MB more)")
+    return min(per_layer, n_experts)
+
+
+def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="lookahead",
+                    preload_width=None, capacity=None, future=None, profile=None, loader=None):
+    """The mlx-lm model of an MoE pack with experts per `flash_config.mode` (no tokenizer).
+
+    policy: eviction policy (moe.cache.POLICIES). predictor: "lookahead" (next router on this
+    layer's input), "profile" (`profile`, a moe.predict.RoutingProfile) or "none"; flash mode only.
+    preload_width: experts preloaded per layer (default top_k). capacity: slots per layer instead
+    of the budget's. future: access trace for policy "belady". The ExpertStore is `model.moe_store`
+    (None in dense mode).
+    """
+    pack = Path(pack_dir)
+    cfg = flash_config or FlashConfig()
+    manifest = read_manifest(pack)
+    layers = expert_layers(manifest)
+    if not layers:
+        raise FlashError(f"{pack}: no MoE expert blocks in the pack")
+    config = manifest["config"]
+    top_k = top_k_of(config)
+    if cfg.mode == "dense":
+        config, weights = load_pack_weights(pack)
+        model = build_model(config, weights)
+        _load(model, weights, pack)
+        model.moe_store = None
+        return model
+    slots = capacity if capacity is not None else expert_slots(manifest, cfg.memory_budget, top_k)
+    if slots < top_k:
+        raise FlashError(f"{pack}: {slots} expert slots per layer; each token needs {top_k}")
+    _, weights = load_resident(pack, manifest=manifest)
+    model = build_model(config, weights)
+    loader = loader or FlashLoader(pack, threads=cfg.threads)
+    for layer, entry in layers.items():
+        n = _n_experts(config)
+        if n is not None and entry["count"] != n:
+            raise FlashError(f"{pack / entry['file']}: {entry['count']} experts in layer {layer}, "
+                             f"config.json says {n}")
+    store = ExpertStore(loader, layers, {layer: slots for layer in layers},
+                        policy=policy if cfg.mode != "naive" else "lru",
+                        future=future, cache=cfg.mode != "naive")
+    blocks = {}
+
+    def make(layer, switch, block):
+        blocks[layer] = block
+        return StreamedSwitchGLU(store, layer, switch.activation)
+
+    swapped = swap_switch_glu(model, store, make)
+    _load(model, weights, pack)
+    if cfg.mode == "flash" and predictor != "none":
+        width = preload_width or top_k
+        order = list(layers)
+        for i, layer in enumerate(order[:-1]):
+            module = swapped[layer][1]
+            if predictor == "lookahead":
+                module._lookahead = router_lookahead(blocks[order[i + 1]], width)
+            elif predictor == "profile":
+                if profile is None:
+                    raise FlashError(f"{pack}: predictor 'profile' needs a routing profile")
+                module._predict_next = profile.predictor(width)
+            else:
+                raise FlashError(f"--predictor {predictor}: choose from {', '.join(PREDICTORS)}")
+    model.moe_store = store
+    return model
+
+
+def _n_experts(config):
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            return int(config[key])
+    return None
+
+
+def _load(model, weights, pack):
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
+    mx.eval(model.parameters())
+

@@ -1,0 +1,197 @@
+"""Expert cache bookkeeping: which (layer, expert) sits in which slot, and whom to evict.
+
+The slot bank itself (preallocated MLX arrays the reads land in) is `moe.store.ExpertStore`'s;
+this module only decides. The same `ExpertCache` runs the live model and the offline simulation
+(`simulate`) the benchmarks use, so a policy's measured hit rate is the runtime's own.
+
+Slots are partitioned per layer (`capacity={layer: slots}`, EdgeMoE's per-layer buffer as the issue
+sizes it) or pooled (`capacity=int`: one buffer for all layers, where the layer-aware policy's
+distance term matters). Policies:
+  lru    evict the least recently used expert
+  lfu    evict the least frequently used (all-time count), ties by recency
+  layer  EdgeMoE 3.3.3: evict the highest distance / frequency, distance = how many MoE layers
+         ahead of the current one the expert's layer runs next ((pos(l) - pos(now)) mod S)
+  belady evict the expert whose next use is farthest in a known future (the offline optimum)
+"""
+
+import bisect
+from dataclasses import dataclass
+
+POLICIES = ("lru", "lfu", "layer", "belady")
+
+
+@dataclass
+class CacheStats:
+    """Counts of expert accesses (one per distinct expert a layer call needs)."""
+    hits: int = 0
+    misses: int = 0
+    preloads: int = 0        # experts read ahead of their layer
+    preload_hits: int = 0    # accesses served by an expert that was read ahead and not yet used
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+class ExpertCache:
+    """Slot assignment for the experts of the MoE layers `layers` (in execution order).
+
+    capacity: {layer: slots} (each layer its own partition of the bank) or an int (one pool).
+    policy: one of POLICIES; "belady" needs `future`, the access trace [(layer, experts)] the
+      cache will see, in order.
+    Slot ids are global: layer partitions are consecutive ranges, in `layers` order.
+    """
+
+    def __init__(self, layers, capacity, policy="lru", future=None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if policy == "belady" and future is None:
+            raise ValueError("the belady policy needs the future access trace")
+        self.layers = list(layers)
+        self.position = {layer: i for i, layer in enumerate(self.layers)}
+        self.policy = policy
+        if isinstance(capacity, int):
+            self.pool_of = {layer: None for layer in self.layers}
+            self.free = {None: list(range(capacity))[::-1]}
+            self.n_slots = capacity
+        else:
+            self.pool_of = {layer: layer for layer in self.layers}
+            self.free, start = {}, 0
+            for layer in self.layers:
+                n = int(capacity[layer])
+                self.free[layer] = list(range(start, start + n))[::-1]
+                start += n
+            self.n_slots = start
+        self.slot = {}            # (layer, expert) -> slot
+        self.members = {p: set() for p in self.free}  # pool -> keys in it
+        self.last_use, self.count = {}, {}
+        self.pinned = set()       # keys the pending computation still reads
+        self.preloaded = set()    # keys read ahead and not yet accessed
+        self.clock = 0
+        self.stats = CacheStats()
+        self.current_layer = self.layers[0] if self.layers else None
+        self.future_positions = None
+        if future is not None:
+            self.future_positions = {}
+            for t, (layer, experts) in enumerate(future):
+                for e in set(int(x) for x in experts):
+                    self.future_positions.setdefault((layer, e), []).append(t)
+
+    def capacity_of(self, layer) -> int:
+        pool = self.pool_of[layer]
+        return len(self.free[pool]) + len(self.members[pool])
+
+    def access(self, layer, experts):
+        """Slots of `experts` (distinct ints) at `layer`, and the [(expert, slot)] to read.
+
+        The previous access's pins are released (its computation was evaluated by the host sync
+        that produced these expert ids); this access's experts are pinned until the next one.
+        """
+        experts = list(dict.fromkeys(int(e) for e in experts))
+        if len(experts) > self.capacity_of(layer):
+            raise ValueError(f"layer {layer} needs {len(experts)} experts at once but has "
+                             f"{self.capacity_of(layer)} slots")
+        self.pinned = {(layer, e) for e in experts}
+        self.current_layer = layer
+        slots, misses = [], []
+        for e in experts:
+            key = (layer, e)
+            self.count[key] = self.count.get(key, 0) + 1
+            if key in self.slot:
+                self.stats.hits += 1
+                if key in self.preloaded:
+                    self.stats.preload_hits += 1
+                    self.preloaded.discard(key)
+            else:
+                self.stats.misses += 1
+                self._place(key)
+                misses.append((e, self.slot[key]))
+            self.last_use[key] = self.clock
+            slots.append(self.slot[key])
+        self.clock += 1
+        return slots, misses
+
+    def preload(self, layer, experts):
+        """[(expert, slot)] to read ahead for `layer` (experts not cached, in priority order).
+
+        Preloads never evict a pinned expert nor one preloaded and not yet used; they stop when no
+        slot is left to take.
+        """
+        out = []
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.slot:
+                continue
+            if not self._place(key, keep=self.pinned | self.preloaded):
+                break
+            self.preloaded.add(key)
+            self.last_use.setdefault(key, self.clock - 1)
+            self.stats.preloads += 1
+            out.append((int(e), self.slot[key]))
+        return out
+
+    def cached(self, layer):
+        """{expert: slot} of `layer`'s experts in the bank."""
+        return {e: s for (l, e), s in self.slot.items() if l == layer}
+
+    def forget(self):
+        """Drop every cached expert (naive mode: each layer call reads its experts again)."""
+        for key, slot in self.slot.items():
+            self.free[self.pool_of[key[0]]].append(slot)
+        self.slot.clear()
+        self.preloaded.clear()
+        for keys in self.members.values():
+            keys.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _place(self, key, keep=None) -> bool:
+        pool = self.pool_of[key[0]]
+        if self.free[pool]:
+            slot = self.free[pool].pop()
+        else:
+            keep = self.pinned if keep is None else keep
+            candidates = [k for k in self.members[pool] if k not in keep]
+            if not candidates:
+                return False
+            victim = self._victim(candidates)
+            slot = self.slot.pop(victim)
+            self.members[pool].discard(victim)
+            self.preloaded.discard(victim)
+        self.slot[key] = slot
+        self.members[pool].add(key)
+        return True
+
+    def _victim(self, candidates):
+        if self.policy == "lru":
+            return min(candidates, key=lambda k: (self.last_use.get(k, -1), k))
+        if self.policy == "lfu":
+            return min(candidates, key=lambda k: (self.count.get(k, 0), self.last_use.get(k, -1), k))
+        if self.policy == "layer":
+            now, n = self.position[self.current_layer], len(self.layers)
+
+            def score(k):
+                distance = (self.position[k[0]] - now) % n
+                return (distance / max(self.count.get(k, 0), 1), -self.last_use.get(k, -1), k)
+            return max(candidates, key=score)
+        return max(candidates, key=lambda k: (self._next_use(k), k))
+
+    def _next_use(self, key):
+        times = self.future_positions.get(key, ())
+        i = bisect.bisect_left(times, self.clock)
+        return times[i] if i < len(times) else float("inf")
+
+
+def simulate(trace, layers, capacity, policy, preload=None):
+    """CacheStats of replaying `trace` [(layer, experts)] through an ExpertCache (no I/O).
+
+    preload: optional callable(step, layer, experts) -> [(layer, predicted experts)] called after
+      each access, whose predictions are preloaded before the next access (prediction + preload).
+    """
+    cache = ExpertCache(layers, capacity, policy, future=trace if policy == "belady" else None)
+    for step, (layer, experts) in enumerate(trace):
+        cache.access(layer, experts)
+        if preload is not None:
+            for next_layer, predicted in preload(step, layer, experts):
+                cache.preload(next_layer, predicted)
+    return cache.stats

@@ -1,0 +1,26 @@
+"""Held-out perplexity of whole models (prompt-mode forward over fixed-length sequences)."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+
+def sequence_nll(model, tokens: np.ndarray, seq_len=256) -> np.ndarray:
+    """Negative log-likelihood (nats) of each next token, sequences of seq_len run independently."""
+    out = []
+    n = (len(tokens) - 1) // seq_len * seq_len
+    for s in range(0, n, seq_len):
+        x = mx.array(tokens[s: s + seq_len + 1])[None]
+        logits = model(x[:, :-1]).astype(mx.float32)
+        nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="none")
+        out.append(np.array(nll[0]))
+    return np.concatenate(out)
+
+
+def held_out_perplexity(models, tokens: np.ndarray, seq_len=256) -> dict:
+    """{"ppl": [perplexity of each model], "tokens": scored tokens} on `tokens` (int32 ids)."""
+    ppl = [math.exp(float(np.mean(sequence_nll(m, tokens, seq_len)))) for m in models]
+    return {"ppl": ppl, "tokens": int((len(tokens) - 1) // seq_len * seq_len)}

@@ -1,0 +1,141 @@
+"""StreamedSwitchGLU: mlx-lm's SwitchGLU with its experts in an `ExpertStore` slot bank.
+
+Same call as mlx-lm's `SwitchGLU(x, indices)`, so each architecture's router code runs unchanged;
+the expert ids are mapped to bank slots and the products are the very gather_qmm / gather_mm calls
+SwitchGLU makes, on the slot bank instead of the [E, ...] stack: logits are bit-identical to the
+fully loaded model for every cache size and policy (tests/test_moe_switch.py).
+
+One host synchronisation per MoE layer call: the expert ids (and, with the lookahead predictor,
+the next layer's predicted ids, evaluated in the same `mx.eval`) must reach the host to read the
+missing experts. The previous layer's expert products are evaluated by that same sync.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import FlashError
+
+
+class StreamedSwitchGLU(nn.Module):
+    """SwitchGLU over `store`'s bank for MoE layer `layer`.
+
+    activation: the replaced SwitchGLU's activation (SwiGLU by default in mlx-lm).
+    lookahead: optional callable(x) -> mx.array [..., width] of the next MoE layer's likely experts
+      (the next router on this layer's input), preloaded while this layer computes.
+    predict_next: optional callable(layer, experts at this layer) -> [(layer, [experts])] to
+      preload (the statistical profile).
+    on_route: optional callable(layer, ids np.ndarray, lookahead np.ndarray|None) (recording).
+    """
+
+    def __init__(self, store, layer, activation, *, lookahead=None, predict_next=None, on_route=None):
+        super().__init__()
+        self._store, self._layer, self.activation = store, layer, activation
+        self._lookahead, self._predict_next, self._on_route = lookahead, predict_next, on_route
+        self._next_layer = None
+        layers = list(store.entries)
+        i = layers.index(layer)
+        self._next_layer = layers[i + 1] if i + 1 < len(layers) else None
+
+    def _project(self, bank, role, x, idx, sorted_indices):
+        q = self._store.quantization(role)
+        if q is not None:
+            y = mx.gather_qmm(x, bank[f"{role}.weight"], bank[f"{role}.scales"],
+                              bank.get(f"{role}.biases"), rhs_indices=idx, transpose=True,
+                              group_size=q["group_size"], bits=q["bits"], mode="affine",
+                              sorted_indices=sorted_indices)
+        else:
+            y = mx.gather_mm(x, bank[f"{role}.weight"].swapaxes(-1, -2), rhs_indices=idx,
+                             sorted_indices=sorted_indices)
+        if f"{role}.bias" in bank:
+            y = y + mx.expand_dims(bank[f"{role}.bias"][idx], -2)
+        return y
+
+    def __call__(self, x, indices):
+        store = self._store
+        ahead = None
+        if self._lookahead is not None and self._next_layer is not None:
+            ahead = self._lookahead(x)
+            mx.eval(indices, ahead)
+        else:
+            mx.eval(indices)
+        store.host_syncs += 1
+        ids = np.array(indices, copy=False)
+        ahead_ids = np.array(ahead, copy=False) if ahead is not None else None
+        if self._on_route is not None:
+            self._on_route(self._layer, ids, ahead_ids)
+        bank, slots = store.slots_for(self._layer, ids)
+        if self._next_layer is not None:
+            if ahead_ids is not None:
+                store.preload(self._next_layer, _by_votes(ahead_ids))
+            elif self._predict_next is not None:
+                for layer, experts in self._predict_next(self._layer, np.unique(ids)):
+                    store.preload(layer, experts)
+        idx = mx.array(slots, dtype=indices.dtype)
+
+        # The body of mlx-lm's SwitchGLU.__call__, on slots instead of expert ids.
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = idx.size >= 64
+        inv_order = None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, idx)
+        x_up = self._project(bank, "up", x, idx, do_sort)
+        x_gate = self._project(bank, "gate", x, idx, do_sort)
+        x = self._project(bank, "down", self.activation(x_up, x_gate), idx, do_sort)
+        if do_sort:
+            x = mx.unflatten(x[inv_order], 0, indices.shape)
+        return x.squeeze(-2)
+
+
+def _gather_sort(x, indices):
+    """mlx-lm switch_layers._gather_sort: tokens grouped by slot."""
+    *_, m = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // m], indices[order], inv_order
+
+
+def _by_votes(ahead_ids: np.ndarray) -> list:
+    """Predicted experts ordered by how many tokens' lookahead chose them (most first)."""
+    values, counts = np.unique(ahead_ids.reshape(-1), return_counts=True)
+    return [int(v) for v in values[np.argsort(-counts, kind="stable")]]
+
+
+def router_lookahead(block, width):
+    """callable(x) -> top-`width` expert ids of `block`'s router applied to x (lazy).
+
+    block: the next layer's MoE block (mlx-lm: `.gate` is an nn.Linear router, or deepseek's
+    MoEGate whose `.weight` is the router matrix).
+    """
+    gate = block.gate
+    is_linear = isinstance(gate, (nn.Linear, nn.QuantizedLinear))
+
+    def lookahead(x):
+        logits = gate(x) if is_linear else x @ gate.weight.T
+        return mx.argpartition(-logits, kth=width - 1, axis=-1)[..., :width]
+    return lookahead
+
+
+def swap_switch_glu(model, store, make_module=None):
+    """Replace each MoE layer's mlx-lm SwitchGLU with a StreamedSwitchGLU over `store`.
+
+    Finds the SwitchGLU under `model.layers[i]` for each of `store`'s layers (mlx-lm names it
+    `mlp.switch_mlp` or `block_sparse_moe.switch_mlp`). make_module: optional
+    callable(layer, switch_glu, moe_block) -> module (defaults to a plain StreamedSwitchGLU).
+    Returns {layer: (moe block, new module)}.
+    """
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    out = {}
+    for layer in store.entries:
+        found = [(parent, name, child) for parent_path, parent in model.layers[layer].named_modules()
+                 for name, child in parent.children().items() if isinstance(child, SwitchGLU)]
+        if len(found) != 1:
+            raise FlashError(f"layer {layer}: expected one SwitchGLU, found {len(found)}")
+        parent, name, switch = found[0]
+        module = (make_module(layer, switch, parent) if make_module
+                  else StreamedSwitchGLU(store, layer, switch.activation))
+        setattr(parent, name, module)
+        out[layer] = (parent, module)
+    return out

@@ -1,0 +1,90 @@
+"""models/moe.py: MoE packs load per mode; bad input fails with one line naming the cause."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import write_tiny_moe
+
+from mlx_flash.errors import FlashError
+from mlx_flash.config import FlashConfig
+from mlx_flash.models.moe import build_moe_model, expert_slots
+from mlx_flash.pack import read_manifest, write_pack
+
+
+@pytest.fixture(scope="module")
+def moe_pack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moepack")
+    src = write_tiny_moe(root / "src", "qwen2_moe", quantize=(4, 32), experts=8)
+    return write_pack(src, root / "pack", progress=False)
+
+
+def test_pack_layout_experts_are_aligned_blocks_and_shared_expert_resident(moe_pack):
+    m = read_manifest(moe_pack)
+    assert {b["kind"] for b in m["bundles"]} == {"experts"}
+    for b in m["bundles"]:
+        assert b["count"] == 8 and b["stride"] % m["alignment"] == 0
+        names = {c["name"] for c in b["components"]}
+        assert {"gate.weight", "gate.scales", "gate.biases", "down.weight"} <= names
+    resident = m["resident"]["tensors"]
+    assert any(".shared_expert." in k for k in resident) and any(".mlp.gate." in k for k in resident)
+    assert not any("switch_mlp" in k for k in resident)
+
+
+def test_memory_budget_sets_slots_and_too_small_budget_fails(moe_pack):
+    m = read_manifest(moe_pack)
+    stride, n_layers = m["bundles"][0]["stride"], len(m["bundles"])
+    resident = m["resident"]["length"]
+    assert expert_slots(m, None, 2) == 8
+    assert expert_slots(m, resident + 5 * stride * n_layers, 2) == 5
+    with pytest.raises(FlashError, match="--memory-budget"):
+        expert_slots(m, resident + 1 * stride * n_layers, 2)
+    with pytest.raises(FlashError, match="--memory-budget"):
+        build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=resident + stride))
+    model = build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=0.75))
+    assert 2 <= model.moe_store.cache.capacity_of(0) < 8
+
+
+def test_wrong_expert_count_fails(moe_pack, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(moe_pack, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["config"]["num_experts"] = 6
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FlashError, match="8 experts in layer 0, config.json says 6"):
+        build_moe_model(bad, FlashConfig(mode="hybrid"))
+
+
+def test_unknown_moe_architecture_fails(tmp_path):
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4)
+    w = mx.load(str(src / "model.safetensors"))
+    # llama.cpp / HF per-expert names that no FFN_TABLE entry knows
+    w = {k.replace("switch_mlp.gate_proj", "experts.w9"): v for k, v in w.items()}
+    mx.save_safetensors(str(src / "model.safetensors"), w)
+    r = subprocess.run([sys.executable, "-m", "mlx_flash.convert", "--model", str(src),
+                        "--out", str(tmp_path / "pack")], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_generate_cli_runs_an_moe_pack_from_flash(tmp_path, embedded_model_dir):
+    import shutil
+
+    src = write_tiny_moe(tmp_path / "src", "qwen3_moe", quantize=(4, 32), experts=8, vocab=49152)
+    for f in embedded_model_dir.glob("tokenizer*"):
+        shutil.copy2(f, src / f.name)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    m = read_manifest(pack)
+    budget = m["resident"]["length"] + 4 * m["bundles"][0]["stride"] * len(m["bundles"])
+    for value, code in ((budget, 0), (m["resident"]["length"] + 1, 2)):
+        r = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--model", str(pack),
+                            "--mode", "flash", "--memory-budget", str(value), "--prompt", "Hello",
+                            "--max-tokens", "4", "--ignore-chat-template"],
+                           capture_output=True, text=True)
+        assert r.returncode == code, r.stderr
+    assert "--memory-budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1
