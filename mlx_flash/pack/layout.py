@@ -21,9 +21,7 @@ Expert bundle e (kind "experts") = expert e's full gate, up and down matrices in
 SwitchGLU) orientation, with their scales and biases: no transposition, no re-quantization.
 
 Each component starts at a multiple of 4 bytes inside its bundle (so typed views are aligned);
-`stride` is the bundle size rounded up to 4 bytes (neurons) or to `alignment` (experts: each
-expert is one block a direct read fetches whole, 0.1-13 MB in real models). In an MoE pack only
-the experts are bundled; dense FFN layers (deepseek_v2's first layers) are resident. A bundle's crc32 covers its components' bytes
+`stride` is the bundle size rounded up to 4 bytes. A bundle's crc32 covers its components' bytes
 in order, padding excluded, so a reader can check exactly the bundles it read and nothing else.
 """
 
