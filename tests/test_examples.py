@@ -1,4 +1,4 @@
-"""Every script in examples/ runs (CI executes them here)."""
+"""Every script and notebook in examples/ runs (CI executes them here)."""
 
 import os
 import subprocess
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+EXAMPLES_DIR = Path(__file__).parent.parent / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
+NOTEBOOKS = sorted(EXAMPLES_DIR.glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -19,3 +21,30 @@ def test_example_runs(script, embedded_model_dir, tmp_path):
     if script.name == "chat.py":  # default question: the capital of France
         assert "Paris" in r.stdout and "tokens/s" in r.stdout
 
+
+def notebook_outputs(nb) -> tuple[str, set]:
+    """All text a run of `nb` printed, and the MIME types of its rich outputs."""
+    text, mime = [], set()
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text.append(out.get("text", ""))
+            mime.update(out.get("data", {}))
+            text.append(out.get("data", {}).get("text/plain", ""))
+    return "".join(text), mime
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(notebook, embedded_model_dir, tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(notebook, as_version=4)
+    # Raises CellExecutionError, with the failing cell and its traceback, if any cell fails.
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text, mime = notebook_outputs(nb)
+    if notebook.name == "quickstart.ipynb":
+        assert "Memory plan: mode flash" in text and "MB read/token" in text
+        assert "image/png" in mime  # the budget sweep's plot
