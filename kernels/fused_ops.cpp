@@ -7,10 +7,13 @@
 #include <cstring>
 #include <string>
 
+#include "arg_checks.h"
+#include "cpu_features.h"
 #include "matvec.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx_view.h"
+#include "primitive.h"
 #include "row_ops.h"
 
 namespace flash_ext {

@@ -10,11 +10,15 @@
 #include <limits>
 #include <vector>
 
+#include "arg_checks.h"
+#include "cpu_features.h"
 #include "matvec.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx_view.h"
+#include "primitive.h"
 #include "row_ops.h"
+#include "thread_pool.h"
 
 namespace flash_ext {
 
@@ -156,7 +160,7 @@ void attention_chunk(const void* vctx, int chunk) {
   const auto& vs = c.v.strides;
   // Several query rows (a prompt block) and vector-sized heads: keys and values as float rows once,
   // then register tiles (scores past a query's limit are computed and then dropped by the softmax).
-  const bool tiles = FLASH_ROW_X86 && simd && Q >= 6 && c.D % 8 == 0 && c.Dv % 16 == 0;
+  const bool tiles = FLASH_X86 && simd && Q >= 6 && c.D % 8 == 0 && c.Dv % 16 == 0;
   float* kf = nullptr;
   if (tiles) {
     const int Lk4 = (Lk + 3) / 4 * 4;
@@ -187,8 +191,8 @@ void attention_chunk(const void* vctx, int chunk) {
     float* vf = kf + size_t((Lk + 3) / 4 * 4) * c.D;
     for (int j = 0; j < Lk; ++j)
       load_row(c.v.ptr, vdt, b * vs[0] + int64_t(hk) * vs[1] + int64_t(j) * vs[2], vs[3], c.Dv, vf + size_t(j) * c.Dv);
-#if FLASH_ROW_X86
-    values_tiles_avx2(p, Lk, Q, vf, Lk, c.Dv, acc);
+#if FLASH_X86
+    flash::avx2::values_tiles(p, Lk, Q, vf, Lk, c.Dv, acc);
 #endif
   } else {
     std::fill(acc, acc + size_t(Q) * c.Dv, 0.f);

@@ -3,10 +3,11 @@
 
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace flash {
 
 enum WeightFormat : int { FMT_Q4 = 0, FMT_Q8 = 1, FMT_F16 = 2, FMT_BF16 = 3 };
-enum ScalarType : int { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
 // One matvec problem. Row r of W starts at w + r * w_row_bytes.
 // Forward:    out[m, i] = dot(W[row(i)], x[m])          x [M, K], out [M, n]
@@ -44,26 +45,9 @@ constexpr int kMaxProblems = 4;
 using RowEpilogue = void (*)(const void* ctx, int i0, int i1);
 void matvec_many(const Problem* ps, int count, RowEpilogue epilogue = nullptr, const void* epilogue_ctx = nullptr);
 
-// Test/bench hooks: force the portable scalar path; number of threads used (>= 1).
-void set_simd_enabled(bool enabled);
-bool simd_active();
-void set_num_threads(int n);
-int num_threads();
-
 // out[m * ld + i] = x[m] . w[i] for m < M, i < n (float32 rows of K; the SIMD path reads w's rows
 // in blocks of 4, so w must hold a multiple of 4 rows, zero past n). Register tiles of 3 x 4 dots,
 // the prompt matvecs' kernel (attention scores use it for blocks of queries).
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld);
-
-// Runs fn(ctx, c) for c in [0, chunks) on the calling thread and the persistent pool.
-using ChunkFn = void (*)(const void* ctx, int chunk);
-void parallel_for(int chunks, ChunkFn fn, const void* ctx);
-
-float load_scalar(const void* base, int dtype, int64_t i);
-// n contiguous values of dtype at base -> float32 (F16C / AVX2 when the SIMD path is on).
-void load_floats(const void* base, int dtype, int64_t n, float* dst);
-// v[i] rounded to dtype and back (what storing and reloading gives), in place.
-void round_floats(int dtype, float* v, int64_t n);
-void store_scalar(void* base, int dtype, int64_t i, float v);
 
 }  // namespace flash

@@ -1,0 +1,59 @@
+// Inline AVX2 / FMA / F16C helpers shared by the AVX2 kernels: 8 lanes of a float dtype as float32,
+// single half values with F16C, horizontal sums. Only called from FLASH_AVX2 functions.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "../../cpu_features.h"
+#include "../../dtype.h"
+
+namespace flash::avx2 {
+
+FLASH_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Element i of a scale-like array of dtype ST (F16C's conversion for float16).
+template <int ST>
+FLASH_AVX2 inline float ldv(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+  else return ld<ST>(base, i);
+}
+
+// store_out with F16C's conversion for float16 outputs (one instruction, round to nearest even as
+// f32_to_f16; the software routine per output element was a tenth of a small matvec's samples).
+FLASH_AVX2 inline void store_out_simd(void* base, int dtype, int64_t i, float v) {
+  if (dtype == DT_F16) static_cast<uint16_t*>(base)[i] = uint16_t(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+  else store_out(base, dtype, i, v);
+}
+
+// 8 scale-like values of dtype ST starting at element i, as float32.
+template <int ST>
+FLASH_AVX2 inline __m256 load8s(const void* base, int64_t i) {
+  if constexpr (ST == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  else if constexpr (ST == DT_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))), 16));
+  else return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+// 8 half values (bfloat16 when BF, else float16) as float32.
+template <bool BF>
+FLASH_AVX2 inline __m256 load8h(const uint16_t* w) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  if constexpr (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+template <bool BF>
+FLASH_AVX2 inline float ldh(const uint16_t* w, int k) {
+  if constexpr (BF) return bf16_to_f32(w[k]);
+  else return _cvtsh_ss(w[k]);
+}
+
+}  // namespace flash::avx2

@@ -1,0 +1,46 @@
+// CPU feature detection and the one run-time choice of instruction set for every kernel.
+// Kernels ask active_isa() once per call and run that ISA's functions (same names per ISA, in
+// namespaces flash::scalar and flash::avx2); nothing else in the kernels tests CPU features.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FLASH_X86 1
+// Functions holding AVX2 / FMA / F16C code carry this attribute: the rest of the library stays
+// baseline x86-64, so a CPU without AVX2 only ever runs the scalar path.
+#define FLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define FLASH_X86 0
+#endif
+
+namespace flash {
+
+// Instruction sets with kernels of their own, slowest first.
+enum class Isa : int { scalar = 0, avx2 = 1 };
+
+const char* isa_name(Isa isa);
+
+// The fastest ISA this CPU runs (detected once).
+Isa best_isa();
+
+// The ISA the kernels use: best_isa(), unless MLX_FLASH_ISA=scalar (read once, at first use) or
+// set_isa() chose another. MLX_FLASH_ISA=avx2 on a CPU without AVX2 falls back to scalar.
+Isa active_isa();
+
+// Throws std::invalid_argument when this CPU cannot run isa.
+void set_isa(Isa isa);
+
+// Parses "scalar" / "avx2"; throws std::invalid_argument for other names.
+Isa parse_isa(const std::string& name);
+
+// Names of the detected features the kernels care about (e.g. "avx2", "fma", "f16c", "avx512f").
+std::vector<std::string> cpu_features();
+
+// The older switch: true = best_isa(), false = scalar.
+void set_simd_enabled(bool enabled);
+// active_isa() is not the scalar one.
+bool simd_active();
+
+}  // namespace flash
