@@ -2,6 +2,8 @@
 // built (before anything is computed) and throws std::invalid_argument (ValueError in Python).
 #pragma once
 
+#include <cstdint>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -28,6 +30,32 @@ inline std::string shape_str(const mx::Shape& shape) {
   return s.str();
 }
 
+// a's dtype is one the kernels compute with.
+inline void check_float(const mx::array& a, const std::string& what) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16)
+    fail(what + " must be float32, float16 or bfloat16");
+}
+
+// a holds indices: a signed or unsigned integer dtype.
+inline void check_integer(const mx::array& a, const std::string& what) {
+  if (!mx::issubdtype(a.dtype(), mx::integer)) fail(what + " must be an integer array");
+}
+
+// bits of a quantized format: 4 or 8 (checked before anything divides by it).
+inline void check_bits(const std::string& op, std::optional<int> bits) {
+  if (bits && *bits != 4 && *bits != 8) fail(op + ": bits must be 4 or 8, got " + std::to_string(*bits));
+}
+
+// Input size K of weight w [N, columns]: columns * 32 / bits when quantized, else columns; 0 when w
+// is not 2-D (check_weights then says so).
+inline int weight_k(const std::string& op, const mx::array& w, std::optional<int> bits) {
+  check_bits(op, bits);
+  if (w.ndim() != 2) return 0;
+  const int64_t k = bits ? int64_t(w.shape(1)) * (32 / *bits) : int64_t(w.shape(1));
+  if (k > std::numeric_limits<int>::max()) fail(op + ": the weight's rows are too long (" + std::to_string(k) + ")");
+  return int(k);
+}
+
 // Kernel weight format of w: MLX affine-quantized uint32 words (bits 4 / 8) or float16 / bfloat16.
 inline int weight_format(const mx::array& w, std::optional<int> bits) {
   if (bits) {
@@ -47,9 +75,10 @@ inline int weight_format(const mx::array& w, std::optional<int> bits) {
 inline int check_weights(const char* op, const mx::array& w, const std::optional<mx::array>& scales,
                          const std::optional<mx::array>& biases, int K, int group_size, std::optional<int> bits,
                          const std::string& what) {
+  check_bits(op, bits);
   const int fmt = weight_format(w, bits);
   if (w.ndim() != 2) fail(std::string(op) + ": weights must be 2-D, got " + shape_str(w));
-  const int k = bits ? w.shape(1) * (32 / *bits) : w.shape(1);
+  const int k = weight_k(op, w, bits);
   if (k != K) fail(std::string(op) + ": weight input size " + std::to_string(k) + " != " + what + " " + std::to_string(K));
   if (bits) {
     if (!scales || !biases) fail(std::string(op) + ": quantized weights need scales and biases (affine mode)");

@@ -41,47 +41,26 @@ NB_MODULE(_ext, m) {
   m.doc() = "mlx_flash CPU matvec kernels as MLX primitives";
   nb::module_::import_("mlx.core");
 
-  m.def(
-      "quantized_matvec",
-      [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-         int group_size, int bits, bool q8_activations, std::optional<mx::array> add) {
-        return matvec_op(x, w, scales, biases, std::nullopt, -1, group_size, bits, false, q8_activations, add);
-      },
-      nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-      nb::arg("bits"), nb::arg("q8_activations") = false, nb::arg("add").none() = nb::none(),
-      "y = x @ dequantize(w).T [+ add] for MLX affine-quantized w [N, K]; x [..., K]. q8_activations: x "
-      "rounded to int8 per 32-element block (scale max|x|/127) and integer dot products. add: a residual "
-      "of y's shape, added after y is rounded to its dtype.");
-  m.def(
-      "half_matvec",
-      [](const mx::array& x, const mx::array& w, std::optional<mx::array> add) {
-        return matvec_op(x, w, std::nullopt, std::nullopt, std::nullopt, -1, 0, std::nullopt, false, false, add);
-      },
-      nb::arg("x"), nb::arg("w"), nb::arg("add").none() = nb::none(),
-      "y = x @ w.T [+ add] for float16/bfloat16 w [N, K]; x [..., K].");
-  m.def(
-      "gather_matvec",
-      [](const mx::array& x, const mx::array& w, std::optional<mx::array> scales,
-         std::optional<mx::array> biases, std::optional<mx::array> rows, std::optional<int> n,
-         int group_size, std::optional<int> bits, bool q8_activations) {
-        if (!rows && !n) fail("pass rows or n");
-        return matvec_op(x, w, scales, biases, rows, rows ? -1 : *n, group_size, bits, false, q8_activations);
-      },
-      nb::arg("x"), nb::arg("w"), nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
-      nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64, nb::arg("bits").none() = nb::none(),
-      nb::arg("q8_activations") = false,
-      "y[..., i] = dot(W[rows[i]], x) (or W[:n]); bits=None for float16/bfloat16 W.");
-  m.def(
-      "gather_matvec_t",
-      [](const mx::array& h, const mx::array& w, std::optional<mx::array> scales,
-         std::optional<mx::array> biases, std::optional<mx::array> rows, std::optional<int> n,
-         int group_size, std::optional<int> bits) {
-        if (!rows && !n) fail("pass rows or n");
-        return matvec_op(h, w, scales, biases, rows, rows ? -1 : *n, group_size, bits, true);
-      },
-      nb::arg("h"), nb::arg("w"), nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
-      nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64, nb::arg("bits").none() = nb::none(),
-      "y[..., :] = sum_i h[..., i] * W[rows[i], :] (or W[:n]); bits=None for float16/bfloat16 W.");
+  m.def("quantized_matvec", &flash_ext::quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("q8_activations") = false,
+        nb::arg("add").none() = nb::none(),
+        "y = x @ dequantize(w).T [+ add] for MLX affine-quantized w [N, K]; x [..., K]. q8_activations: x "
+        "rounded to int8 per 32-element block (scale max|x|/127) and integer dot products. add: a residual "
+        "of y's shape, added after y is rounded to its dtype.");
+  m.def("half_matvec", &flash_ext::half_matvec, nb::arg("x"), nb::arg("w"), nb::arg("add").none() = nb::none(),
+        "y = x @ w.T [+ add] for float16/bfloat16 w [N, K]; x [..., K].");
+  m.def("gather_matvec", &flash_ext::gather_matvec, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
+        nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64,
+        nb::arg("bits").none() = nb::none(), nb::arg("q8_activations") = false,
+        "y[..., i] = dot(W[rows[i]], x) (or W[:n]; pass exactly one); bits=None for float16/bfloat16 W. Rows "
+        "outside [0, N) give NaN outputs.");
+  m.def("gather_matvec_t", &flash_ext::gather_matvec_t, nb::arg("h"), nb::arg("w"),
+        nb::arg("scales").none() = nb::none(), nb::arg("biases").none() = nb::none(),
+        nb::arg("rows").none() = nb::none(), nb::arg("n").none() = nb::none(), nb::arg("group_size") = 64,
+        nb::arg("bits").none() = nb::none(),
+        "y[..., :] = sum_i h[..., i] * W[rows[i], :] (or W[:n]; pass exactly one); bits=None for "
+        "float16/bfloat16 W. A row outside [0, N) makes every output NaN.");
   m.def("quantized_embedding", &flash_ext::quantized_embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
         "mx.dequantize(w[ids], scales[ids], biases[ids]) (mlx-lm's QuantizedEmbedding lookup) as one CPU primitive.");

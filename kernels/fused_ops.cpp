@@ -429,14 +429,13 @@ int check_stage_projection(const char* op, const Linear& p, int K, int group_siz
 int check_fused(const char* op, const mx::array& x, const std::optional<mx::array>& norm_weight,
                 const std::vector<Linear>& projs, int group_size, std::optional<int> bits, mx::Dtype& hdt,
                 mx::Dtype& ydt) {
-  if (!mx::issubdtype(x.dtype(), mx::floating)) fail(std::string(op) + ": x must be a floating point array");
-  scalar_type(x.dtype());
+  check_float(x, std::string(op) + ": x");
   const int D = x.shape(-1);
   hdt = x.dtype();
   if (norm_weight) {
     if (norm_weight->ndim() != 1 || norm_weight->shape(0) != D)
       fail(std::string(op) + ": norm weight must have shape (" + std::to_string(D) + ",), got " + shape_str(*norm_weight));
-    scalar_type(norm_weight->dtype());
+    check_float(*norm_weight, std::string(op) + ": norm weight");
     hdt = mx::promote_types(hdt, norm_weight->dtype());
   }
   const int fmt = weight_format(projs[0].w, bits);
@@ -445,6 +444,7 @@ int check_fused(const char* op, const mx::array& x, const std::optional<mx::arra
       fail(std::string(op) + ": projections must share one weight format");
     if (p.bias && (p.bias->ndim() != 1 || p.bias->shape(0) != p.w.shape(0)))
       fail(std::string(op) + ": bias must have shape (" + std::to_string(p.w.shape(0)) + ",)");
+    if (p.bias) check_float(*p.bias, std::string(op) + ": bias");
   }
   const mx::Dtype wdt = bits ? projs[0].scales->dtype() : projs[0].w.dtype();
   ydt = mx::promote_types(hdt, wdt);
@@ -473,6 +473,7 @@ std::vector<mx::array> norm_qkv_rope(const mx::array& x, const std::optional<mx:
     fail("norm_qkv_rope: rope dims must be even and in (0, " + std::to_string(hd) + "]");
   if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != rope_dims / 2))
     fail("norm_qkv_rope: freqs must have shape (" + std::to_string(rope_dims / 2) + ",)");
+  if (freqs) check_float(*freqs, "norm_qkv_rope: freqs");
   FusedLayout layout;
   std::vector<mx::array> inputs = fused_inputs(x, norm_weight, qkv, layout);
   layout.quant = bits.has_value();
@@ -523,10 +524,10 @@ mx::array norm_swiglu(const mx::array& x, const std::optional<mx::array>& norm_w
   mx::Stream s = cpu_stream();
   if (x.ndim() < 1) fail("norm_swiglu: x must have at least one dimension");
   if (gate.bias || up.bias) fail("norm_swiglu: projections with a bias are not supported");
-  if (gate.w.shape(0) != up.w.shape(0)) fail("norm_swiglu: gate and up must have the same rows");
   FlashSwiGLU::Params P;
   mx::Dtype hdt = x.dtype(), ydt = x.dtype();
   P.fmt = check_fused("norm_swiglu", x, norm_weight, {gate, up}, group_size, bits, hdt, ydt);
+  if (gate.w.shape(0) != up.w.shape(0)) fail("norm_swiglu: gate and up must have the same rows");
   FusedLayout layout;
   std::vector<mx::array> inputs = fused_inputs(x, norm_weight, {gate, up}, layout);
   layout.quant = bits.has_value();

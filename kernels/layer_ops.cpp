@@ -342,11 +342,6 @@ class FlashEmbedding : public CpuPrimitive {
   int group_size_, bits_;
 };
 
-void check_float(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16)
-    fail(std::string(what) + " must be float32, float16 or bfloat16");
-}
-
 }  // namespace
 
 mx::array norm(const mx::array& x, const std::optional<mx::array>& w, const std::optional<mx::array>& b, float eps,
@@ -436,7 +431,7 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
                               const mx::array& biases, int group_size, int bits) {
   mx::Stream s = cpu_stream();
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32) fail("quantized_embedding: ids must be int32 or uint32");
-  const int K = w.ndim() == 2 ? w.shape(1) * (32 / bits) : 0;
+  const int K = weight_k("quantized_embedding", w, bits);
   check_weights("quantized_embedding", w, scales, biases, K, group_size, bits, "the table's row size");
   mx::Shape shape = ids.shape();
   shape.push_back(K);

@@ -67,8 +67,9 @@ class FlashMatvec : public CpuPrimitive {
       } else {
         p.n = n_prefix;
       }
-      const int64_t inner = transposed ? p.n : K;
-      p.M = inner == 0 ? 0 : int(x.size() / inner);
+      int64_t lead = 1;  // x rows: all dims but the last (also when that one is empty)
+      for (size_t d = 0; d + 1 < x.shape.size(); ++d) lead *= x.shape[d];
+      p.M = int(lead);
       if (tl_in.size() < size_t(x.size())) tl_in.resize(size_t(x.size()));
       to_float(x, tl_in.data());
       p.in = tl_in.data();
@@ -84,9 +85,7 @@ class FlashMatvec : public CpuPrimitive {
       }
       p.q8_activations = q8x;
       if (transposed) {
-        if (p.M == 0 && x.size() == 0) {  // h has no columns: the weighted sum of no rows is 0
-          int64_t lead = 1;
-          for (size_t d = 0; d + 1 < x.shape.size(); ++d) lead *= x.shape[d];
+        if (p.n == 0) {  // h has no columns: the weighted sum of no rows is 0
           for (int64_t i = 0; i < lead * K && !has_add; ++i) flash::store_scalar(out_ptr, out_dtype, i, 0.f);
         } else {
           flash::matvec_t(p);
@@ -117,19 +116,19 @@ class FlashMatvec : public CpuPrimitive {
   bool has_add_;
 };
 
-}  // namespace
-
+// The one builder of all variants (see matvec_op.h); n: the prefix of W (None: all rows) when
+// rows is absent.
 mx::array matvec_op(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
-                    const std::optional<mx::array>& biases, const std::optional<mx::array>& rows, int n_prefix,
-                    int group_size, std::optional<int> bits, bool transposed, bool q8x,
-                    const std::optional<mx::array>& add) {
+                    const std::optional<mx::array>& biases, const std::optional<mx::array>& rows,
+                    std::optional<int> n_prefix, int group_size, std::optional<int> bits, bool transposed, bool q8x,
+                    const std::optional<mx::array>& add, const char* op) {
   mx::Stream s = cpu_stream();
   const bool quant = bits.has_value();
   if (q8x && (!quant || transposed)) fail("q8_activations: only for the forward quantized matvec");
-  if (x.ndim() < 1) fail("x must have at least one dimension");
-  if (!mx::issubdtype(x.dtype(), mx::floating)) fail("x must be a floating point array");
-  const int K = w.ndim() == 2 ? (quant ? w.shape(1) * (32 / *bits) : w.shape(1)) : 0;
-  const int fmt = check_weights("matvec", w, scales, biases, K, group_size, bits, "the weight's row size");
+  if (x.ndim() < 1) fail(std::string(op) + ": x must have at least one dimension");
+  check_float(x, std::string(op) + ": x");
+  const int K = weight_k(op, w, bits);
+  const int fmt = check_weights(op, w, scales, biases, K, group_size, bits, "the weight's row size");
   const int N = w.shape(0);
   mx::Dtype out_dtype = x.dtype();
   std::vector<mx::array> inputs = {x, w};
@@ -143,24 +142,27 @@ mx::array matvec_op(const mx::array& x, const mx::array& w, const std::optional<
   scalar_type(out_dtype);
   int n = N;
   if (rows) {
-    if (rows->ndim() != 1) fail("rows must be 1-D");
+    if (rows->ndim() != 1) fail(std::string(op) + ": rows must be 1-D, got " + shape_str(*rows));
+    check_integer(*rows, std::string(op) + ": rows");
     mx::array r = rows->dtype() == mx::int32 ? *rows : mx::astype(*rows, mx::int32, s);
     inputs.push_back(r);
     n = rows->shape(0);
-  } else if (n_prefix >= 0) {
-    if (n_prefix > N) fail("n=" + std::to_string(n_prefix) + " exceeds the " + std::to_string(N) + " weight rows");
-    n = n_prefix;
+  } else if (n_prefix) {
+    if (*n_prefix < 0) fail(std::string(op) + ": n must be >= 0, got " + std::to_string(*n_prefix));
+    if (*n_prefix > N)
+      fail(std::string(op) + ": n=" + std::to_string(*n_prefix) + " exceeds the " + std::to_string(N) + " weight rows");
+    n = *n_prefix;
   }
   const int inner = transposed ? n : K;
   if (x.shape(-1) != inner)
-    fail(std::string(transposed ? "h" : "x") + " last dimension must be " + std::to_string(inner) + ", got " +
+    fail(std::string(op) + ": " + (transposed ? "h" : "x") + " last dimension must be " + std::to_string(inner) + ", got " +
          shape_str(x));
   mx::Shape out_shape = x.shape();
   out_shape.back() = transposed ? K : n;
   const mx::Dtype y_dtype = out_dtype;
   if (add) {
     if (add->shape() != out_shape)
-      fail("add must have the output's shape " + shape_str(out_shape) + ", got " + shape_str(*add));
+      fail(std::string(op) + ": add must have the output's shape " + shape_str(out_shape) + ", got " + shape_str(*add));
     scalar_type(add->dtype());
     out_dtype = mx::promote_types(out_dtype, add->dtype());
     inputs.push_back(*add);
@@ -169,6 +171,33 @@ mx::array matvec_op(const mx::array& x, const mx::array& w, const std::optional<
   auto prim = std::make_shared<FlashMatvec>(s, fmt, quant ? group_size : 0, transposed, rows.has_value(),
                                             rows ? -1 : n, q8x, scalar_type(y_dtype), add.has_value());
   return mx::array(out_shape, out_dtype, prim, std::move(inputs));
+}
+
+}  // namespace
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, bool q8x, const std::optional<mx::array>& add) {
+  return matvec_op(x, w, scales, biases, std::nullopt, std::nullopt, group_size, bits, false, q8x, add,
+                   "quantized_matvec");
+}
+
+mx::array half_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& add) {
+  return matvec_op(x, w, std::nullopt, std::nullopt, std::nullopt, std::nullopt, 0, std::nullopt, false, false, add,
+                   "half_matvec");
+}
+
+mx::array gather_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
+                        const std::optional<mx::array>& biases, const std::optional<mx::array>& rows,
+                        std::optional<int> n, int group_size, std::optional<int> bits, bool q8x) {
+  if (rows.has_value() == n.has_value()) fail("gather_matvec: pass rows or n (one of them)");
+  return matvec_op(x, w, scales, biases, rows, n, group_size, bits, false, q8x, std::nullopt, "gather_matvec");
+}
+
+mx::array gather_matvec_t(const mx::array& h, const mx::array& w, const std::optional<mx::array>& scales,
+                          const std::optional<mx::array>& biases, const std::optional<mx::array>& rows,
+                          std::optional<int> n, int group_size, std::optional<int> bits) {
+  if (rows.has_value() == n.has_value()) fail("gather_matvec_t: pass rows or n (one of them)");
+  return matvec_op(h, w, scales, biases, rows, n, group_size, bits, true, false, std::nullopt, "gather_matvec_t");
 }
 
 }  // namespace flash_ext

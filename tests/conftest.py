@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny random models written as mlx-lm folders (no tokenizer)."""
+"""Shared fixtures: tiny random models written as mlx-lm folders (no tokenizer); the compiled CPU
+kernels' presence check and the report of which instruction set the kernel tests ran on."""
 
+import collections
+import functools
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -182,3 +186,56 @@ def ours(embedded_model_dir):
 
     model, _ = load_model(embedded_model_dir, lazy=False)
     return load_tokenizer(embedded_model_dir), model
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled CPU kernels (mlx_flash._ext). Missing kernels fail the run (most kernel tests would
+# only skip), unless it says it goes without them: MLX_FLASH_SKIP_KERNELS=1, as for the install.
+
+SKIP_KERNELS = os.environ.get("MLX_FLASH_SKIP_KERNELS") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_extension():
+    """(the extension module, None) when the runtime loads it (mlx_flash.cpu.ops), else (None, why)."""
+    from mlx_flash.cpu import ops
+
+    ext = ops.extension()
+    if ext is None:
+        return None, ops.EXTENSION_ERROR
+    if not hasattr(ext, "isa"):
+        return None, f"{ext.__file__} was built from older kernel sources; rebuild it"
+    return ext, None
+
+
+def pytest_sessionstart(session):
+    ext, why = kernel_extension()
+    if ext is None and not SKIP_KERNELS:
+        pytest.exit(f"mlx_flash CPU kernels missing: {why}. Build them (scripts/setup.sh, or `python setup.py "
+                    "build_ext --inplace`), or set MLX_FLASH_SKIP_KERNELS=1 to test without them.", returncode=1)
+
+
+def pytest_report_header(config):
+    ext, why = kernel_extension()
+    if ext is None:
+        return f"mlx_flash kernels: missing ({why}); MLX_FLASH_SKIP_KERNELS=1: kernel tests skip"
+    return (f"mlx_flash kernels: {ext.isa()} (best on this CPU: {ext.best_isa()}; CPU features: "
+            f"{' '.join(ext.cpu_features()) or 'none'}); the kernel tests also run on the scalar path")
+
+
+_tests_by_isa = collections.Counter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    ext, _ = kernel_extension()
+    isa = ext.isa() if ext is not None else None  # as the test's fixtures set it
+    yield
+    if isa is not None:
+        _tests_by_isa[isa] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _tests_by_isa:
+        counts = ", ".join(f"{isa} {n}" for isa, n in sorted(_tests_by_isa.items()))
+        terminalreporter.write_line(f"mlx_flash kernels: tests run per instruction set: {counts}")
