@@ -29,3 +29,12 @@ def atomic_output_dir(out: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def fsync_file(path) -> None:
+    """Flush a written file's data to the device (before renaming it into place)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

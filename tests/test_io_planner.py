@@ -19,10 +19,12 @@ def test_planner_merges_by_cost():
 @pytest.mark.parametrize("engine", ["threads", "aio"])
 def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
-    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, reads=64, engine=engine)
-    assert cost.latency_s > 0 and cost.bandwidth > 0
+    cost = calibrate(tmp_path, threads=4, file_bytes=8 << 20, sizes=(4096, 65536), depths=(1,),
+                     max_reads=64, repeats=1, engine=engine)
+    assert cost.depths == [1, 4] and cost.seconds(4096) > 0 and cost.bandwidth > 0
     stored = [k for k in ("aio", "threads") if load_cost(tmp_path, 4, k) == cost]
-    assert len(stored) == 1 and load_cost(tmp_path, 8, stored[0]) is None
+    # one curve per device and engine, priced at any depth
+    assert len(stored) == 1 and load_cost(tmp_path, 8, stored[0]).depth == 8
     if engine == "threads" or not aio.available():
         assert stored == ["threads"]
-    assert not list(tmp_path.glob(".mlx_flash_calibrate_*"))
+    assert not list(tmp_path.glob(".mlx_flash_read_cost_*"))

@@ -1,26 +1,24 @@
 """Read planner: merge neighbouring bundles into one larger read when the cost model says so.
 
-Cost of one read of `n` bytes = latency (to first byte) + n / bandwidth, measured cold once per
-machine, storage device and thread count (`calibrate`) and kept in
-$MLX_FLASH_HOME/io_profile.json (default ~/.cache/mlx_flash). Two requested ranges are read as one
-when the gap between them costs less to read than a second read's latency: gap / bandwidth <
-latency (the paper's "read more than needed, in larger chunks, and discard").
+The cost of one read is a measured curve (io/read_cost.py): seconds per read at several read
+sizes and depths (reads in flight), measured cold once per machine, storage device and I/O engine
+(`calibrate`) and kept in $MLX_FLASH_HOME/io_profile.json (default ~/.cache/mlx_flash). Two
+requested ranges are read as one when one read of both and the gap between costs no more than two
+reads (the paper's "read more than needed, in larger chunks, and discard"). `ReadCost`, a straight
+line latency + n / bandwidth, remains for explicit models (tests, older profiles).
 """
 
 import json
 import os
-import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..paths import flash_home
-from . import aio
-from .cache import evict
-from .files import FileLayer, aligned_buffer, read_full
+from .files import FileLayer
+from .read_cost import DEFAULT_DEPTHS, DEFAULT_SIZES, ReadCostCurve, measure_curve
 
 DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost parallelism
 
@@ -31,106 +29,76 @@ class ReadCost:
     latency_s: float
     bandwidth: float
 
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth
+    def seconds(self, nbytes):
+        """Seconds per read of `nbytes` (scalar or numpy array)."""
+        return self.latency_s + np.asarray(nbytes) / self.bandwidth
 
     @property
     def merge_gap(self) -> int:
         """Largest gap (bytes) worth reading through instead of issuing another read."""
         return int(self.latency_s * self.bandwidth)
 
+    def merge_gap_for(self, length: int) -> int:
+        """The merge gap between requests of `length` bytes (the same for every length here)."""
+        return self.merge_gap
+
 
 def _profile_key(path, threads, engine) -> str:
     return f"dev{os.stat(path).st_dev}-t{threads}-{engine}"
 
 
-def load_cost(path, threads, engine="threads") -> ReadCost | None:
-    """The stored cost model of the device holding `path` at `threads` reads in flight issued
-    by `engine` ('threads' or 'aio'), if any."""
+def _curve_key(path, engine) -> str:
+    return f"dev{os.stat(path).st_dev}-{engine}-curve"
+
+
+def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | None:
+    """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
+    or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
+    profile measured at exactly `threads`, else None."""
     f = flash_home() / "io_profile.json"
     try:
-        entry = json.loads(f.read_text()).get(_profile_key(path, threads, engine))
+        data = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
+    curve = data.get(_curve_key(path, engine))
+    if curve:
+        return ReadCostCurve.from_dict(curve, depth=threads)
+    entry = data.get(_profile_key(path, threads, engine))
     return ReadCost(entry["latency_s"], entry["bandwidth"]) if entry else None
 
 
-def save_cost(path, threads, cost: ReadCost, engine="threads"):
+def save_cost(path, threads, cost, engine="threads"):
+    """Store a ReadCostCurve for the device of `path` (all depths) or a ReadCost at `threads`."""
     f = flash_home() / "io_profile.json"
     f.parent.mkdir(parents=True, exist_ok=True)
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         data = {}
-    data[_profile_key(path, threads, engine)] = {**asdict(cost), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = f.with_suffix(".tmp")
+    measured = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if isinstance(cost, ReadCostCurve):
+        data[_curve_key(path, engine)] = {**cost.to_dict(), **measured}
+    else:
+        data[_profile_key(path, threads, engine)] = {**asdict(cost), **measured}
+    tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, f)
 
 
-def calibrate(directory, *, threads=32, file_bytes=64 << 20, small=4096, large=256 << 10,
-              reads=2048, files: FileLayer | None = None, save=True, key_path=None,
-              engine="threads") -> ReadCost:
-    """Measure latency and bandwidth cold on a scratch file written in `directory`.
-
-    The result is stored for the device of `key_path` (default: `directory`).
-    Random aligned reads of `small` and `large` bytes, `threads` in flight, issued the way the
-    loader will issue them (engine 'threads': a thread pool; 'aio': Linux native AIO), each
-    after evicting the file (best of 3); two equations t = latency + n / bandwidth give both
-    numbers. ~1-3 s.
+def calibrate(directory, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS,
+              max_reads=512, repeats=2, files: FileLayer | None = None, save=True, key_path=None,
+              engine="threads") -> ReadCostCurve:
+    """Measure the read-cost curve cold on a scratch file written in `directory`
+    (read_cost.measure_curve: every size at every depth, `threads` among the depths) and store it
+    for the device of `key_path` (default: `directory`). Returns it priced at `threads` in flight.
+    ~5-15 s.
     """
-
-    files = files or FileLayer()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".mlx_flash_calibrate_{os.getpid()}"
-    try:
-        with open(path, "wb") as f:
-            f.write(np.random.default_rng(0).integers(0, 256, file_bytes, np.uint8).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        fd, direct = files.open(path, True)
-        use_aio = engine == "aio" and direct and aio.available()
-        ctx = aio.AioContext(threads) if use_aio else None
-        try:
-            def per_read(size, n):
-                evict([path])
-                offsets = [random.randrange(0, file_bytes - size) // 4096 * 4096 for _ in range(n)]
-                if ctx is not None:
-                    buf = aligned_buffer(size * n)
-                    addrs = np.frombuffer(buf, np.uint8).ctypes.data + size * np.arange(n)
-                    t0 = time.perf_counter()
-                    res = ctx.read(np.full(n, fd), np.array(offsets), np.full(n, size), addrs)
-                    if (res != size).any():
-                        raise OSError(f"calibration read failed on {path}")
-                    return (time.perf_counter() - t0) / n
-                groups = [offsets[i::threads] for i in range(threads)]
-
-                def work(group):
-                    buf = aligned_buffer(size)
-                    for off in group:
-                        read_full(files, fd, [buf[:size]], off, path)
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(work, groups))
-                return (time.perf_counter() - t0) / n
-
-            # best of 3: background load only ever makes a run slower
-            t_small = min(per_read(small, reads) for _ in range(3))
-            t_large = min(per_read(large, max(threads, reads // 8)) for _ in range(3))
-        finally:
-            if ctx is not None:
-                ctx.close()
-            files.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-    latency = max(t_small - small / bandwidth, 1e-7)
-    cost = ReadCost(latency, bandwidth)
+    depths = sorted(set(depths) | {threads})
+    curve = measure_curve(directory, sizes=sizes, depths=depths, file_bytes=file_bytes, engine=engine,
+                          files=files, repeats=repeats, max_reads=max_reads).at_depth(threads)
     if save:
-        save_cost(key_path or directory, threads, cost, "aio" if use_aio else "threads")
-    return cost
+        save_cost(key_path or directory, threads, curve, curve.engine)
+    return curve
 
 
 def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
@@ -140,8 +108,9 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     Returns numpy arrays (read_start, read_end, first_request): read k covers requests
     first_request[k] .. first_request[k+1]-1, with its bounds rounded out to `align`.
     cost=None: one read per request (no merging). Otherwise a request joins the previous read
-    when the bytes between them cost less than another read (gap / bandwidth < latency) and the
-    read stays <= max_read bytes (or holds a single request).
+    when the gap between them is at most the cost model's merge gap for requests of `length`
+    bytes (one read through the gap costs no more than two reads) and the read stays <= max_read
+    bytes (or holds a single request).
     """
     starts = np.asarray(starts, np.int64)
     n = len(starts)
@@ -150,7 +119,7 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     if n == 0 or cost is None:
         return a0, a1, np.arange(n)
     new = np.ones(n, bool)  # equal lengths and sorted starts: a1 never decreases
-    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap
+    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap_for(int(length))
     first = np.flatnonzero(new)
     bounds = np.append(first, n)
     if (a1[bounds[1:] - 1] - a0[first]).max() > max_read:  # split long runs greedily

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
+from ..paths import fsync_file
 from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, FORMAT, FORMAT_VERSION, MANIFEST,
                      RESIDENT_FILE, dtype_name, find_ffn, round_up)
 
@@ -156,7 +157,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         del comps
     res_path = tmp / RESIDENT_FILE
     mx.save_safetensors(str(res_path), resident, metadata={"format": "mlx"})
-    _fsync(res_path)
+    fsync_file(res_path)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for pattern in PASSTHROUGH:
         for f in src.glob(pattern):
@@ -291,7 +292,7 @@ def write_manifest(pack_dir, manifest: dict, indent=1) -> Path:
     path = Path(pack_dir) / MANIFEST
     tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=indent))
-    _fsync(tmp)
+    fsync_file(tmp)
     os.replace(tmp, path)
     return path
 
@@ -321,10 +322,3 @@ def _file_crc32(path: Path) -> int:
             crc = zlib.crc32(chunk, crc)
     return crc
 
-
-def _fsync(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,0 +1,535 @@
+"""Relufication: make a SwiGLU llama's FFN activations sparse by swapping its gate activation for a
+ReLU-family one and fine-tuning (LLM in a flash, section 3.1 and appendix C.4; Mirzadeh et al.
+2023; FATReLU: Song et al. 2024).
+
+The swap: silu(gate x) * up x  ->  relu(gate x) * up x  (or FATReLU with a threshold t, or dReLU
+relu(gate x) * relu(up x)); the model becomes mlx-flash's `relu_llama` type (models/relu_llama.py,
+mlx-lm's llama with that MLP, same weight names). Fine-tuning runs with MLX on the CPU in float32
+(quantized sources are dequantized): AdamW on every weight but the (tied) embeddings, loss =
+next-token cross-entropy + `distill` x KL(teacher || student) where the teacher is the frozen
+original model. Sparsity is measured as the fraction of FFN hidden values that are exactly 0 (a
+neuron whose weights a flash runtime need not read for that token).
+
+A run's folder (`out`):
+    checkpoints/step-NNNNNN/   a loadable model folder (config.json, model.safetensors, tokenizer)
+                               + trainer.json (step, tokens trained, seconds, losses); the newest
+                               also holds optimizer.safetensors (AdamW state) for --resume
+    config.json, model.safetensors, tokenizer files, relufication.json   the final model
+Every file is written to a temporary name, fsynced and renamed; a checkpoint directory is renamed
+into place whole.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import FlashError
+from ..paths import fsync_file
+from ..models.relu_llama import ACTIVATIONS, ActiveFractions
+
+SEQ_LEN = 256             # tokens per training / evaluation sequence
+CHECKPOINTS = "checkpoints"
+TRAINER_JSON = "trainer.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+WEIGHTS_FILE = "model.safetensors"
+REPORT_JSON = "relufication.json"
+SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
+FROZEN = ("model.embed_tokens",)                   # tied input/output embeddings stay as they are
+
+
+# ---- activation and model ------------------------------------------------------------------------
+
+def parse_activation(spec: str) -> tuple:
+    """(hidden_act, threshold) from "relu", "fatrelu:T" (T >= 0, gate units), "fatrelu" (threshold
+    None: per-layer thresholds from a target sparsity, see gate_thresholds) or "drelu"."""
+    name, sep, arg = str(spec).partition(":")
+    if name not in ACTIVATIONS:
+        raise FlashError(f"--activation {spec}: expected relu, fatrelu:T, fatrelu or drelu")
+    if name != "fatrelu":
+        if sep:
+            raise FlashError(f"--activation {spec}: {name} takes no threshold")
+        return name, 0.0
+    if not sep:
+        return name, None
+    try:
+        threshold = float(arg)
+    except ValueError:
+        raise FlashError(f"--activation {spec}: fatrelu needs a threshold, e.g. fatrelu:0.1") from None
+    if not math.isfinite(threshold) or threshold < 0:
+        raise FlashError(f"--activation {spec}: the threshold must be a finite number >= 0")
+    return name, threshold
+
+
+def load_float32(path: Path):
+    """(model, config) of an mlx-lm folder, every weight float32 (quantized ones dequantized)."""
+    from mlx.utils import tree_flatten
+
+    from ..models import build_model as build_any_model
+    from ..models import load_model
+    from .dense_pass import dequantized
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") not in SOURCE_TYPES:
+        raise FlashError(f"--model {path}: model_type {config.get('model_type')!r}; relufication "
+                         f"needs a llama-family gated FFN ({', '.join(SOURCE_TYPES)})")
+    quantized, _ = load_model(Path(path), lazy=True)
+    weights = dequantized(dict(tree_flatten(quantized.parameters())), config.get("quantization"))
+    model = build_any_model({k: v for k, v in config.items() if k != "quantization"})
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()])
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def relufied_config(config: dict, hidden_act: str, threshold) -> dict:
+    """The relu_llama config.json of a llama config (float weights: no quantization);
+    threshold: one number or a list with one per layer."""
+    out = {k: v for k, v in config.items() if k not in ("quantization", "architectures")}
+    out.update(model_type="relu_llama", hidden_act=hidden_act,
+               activation_threshold=[float(t) for t in threshold] if isinstance(threshold, (list, tuple))
+               else float(threshold))
+    return out
+
+
+class _GateRecorder(nn.Module):
+    def __init__(self, linear, store: list):
+        super().__init__()
+        self.linear, self._store = linear, store
+
+    def __call__(self, x):
+        y = self.linear(x)
+        self._store.append(y)
+        return y
+
+
+def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float) -> list:
+    """Per layer, the `target_sparsity` quantile of the gate pre-activations gate x of `model` (the
+    original SiLU model) over `sequences`, floored at 0: FATReLU thresholds that silence that
+    fraction of each layer's neurons on this text."""
+    store = []
+    layers = mlps(model)
+    for mlp in layers:
+        mlp.gate_proj = _GateRecorder(mlp.gate_proj, store)
+    try:
+        model(mx.array(sequences))
+        mx.eval(store)
+    finally:
+        for mlp in layers:
+            mlp.gate_proj = mlp.gate_proj.linear
+    return [max(0.0, float(np.quantile(np.array(g).ravel(), target_sparsity))) for g in store]
+
+
+def build_model(config: dict, weights: dict):
+    """A relu_llama model from its config and float32 weights {name: mx.array}."""
+    from ..models import build_model as build_any_model
+
+    model = build_any_model(config)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    return model
+
+
+def freeze_embeddings(model):
+    """Train everything but the tied embeddings (their weight gradient is the lm_head's: a
+    [tokens, vocab] x [vocab, hidden] product per step, for rows most text never touches)."""
+    model.unfreeze()
+    for name in FROZEN:
+        module = model
+        for part in name.split("."):
+            module = getattr(module, part)
+        module.freeze()
+
+
+def mlps(model):
+    return [layer.mlp for layer in model.layers]
+
+
+# ---- text ------------------------------------------------------------------------------------------
+
+def split_by_file(files, every: int = 10) -> tuple:
+    """(train, heldout): the files sorted by path, every `every`-th (from the first) held out."""
+    files = sorted({str(Path(f)) for f in files})
+    heldout = files[::every]
+    return [f for f in files if f not in heldout], heldout
+
+
+def check_disjoint(train_files, eval_files):
+    both = {Path(f).resolve() for f in train_files} & {Path(f).resolve() for f in eval_files}
+    if both:
+        raise FlashError(f"--eval-text {sorted(map(str, both))[0]}: also training text; the two must be disjoint")
+
+
+def text_sequences(files, tokenizer, seq_len: int = SEQ_LEN, max_tokens=None, flag="--text") -> np.ndarray:
+    """int32 [n, seq_len] token ids: the files' text (dense_pass.text_tokens: each file encoded
+    separately, then joined) cut into consecutive sequences; the remainder is dropped."""
+    from .dense_pass import text_tokens
+
+    tokens = text_tokens(files, tokenizer, max_tokens, flag=flag, min_tokens=seq_len)
+    n = len(tokens) // seq_len
+    return tokens[: n * seq_len].reshape(n, seq_len)
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
+    """Sequence indices of training step `step` (0-based): a fresh permutation per epoch, from the
+    seed alone, so a resumed run sees exactly the batches an uninterrupted one would."""
+    start = step * batch_size
+    out = []
+    for k in range(start, start + batch_size):
+        epoch, pos = divmod(k, n)
+        out.append(np.random.default_rng(seed + epoch).permutation(n)[pos])
+    return np.asarray(out)
+
+
+# ---- losses and measurements -------------------------------------------------------------------------
+
+def next_token_nll(logits, tokens):
+    """Per position negative log-likelihood (nats) of tokens[:, 1:] given logits[:, :-1]."""
+    return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:])
+
+
+def distill_kl(student_logits, teacher_logits):
+    """Mean over positions of KL(teacher || student) (nats), both over the whole vocabulary."""
+    t = teacher_logits - mx.logsumexp(teacher_logits, axis=-1, keepdims=True)
+    s = student_logits - mx.logsumexp(student_logits, axis=-1, keepdims=True)
+    return mx.mean(mx.sum(mx.exp(t) * (t - s), axis=-1))
+
+
+def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
+    """Held-out quality and sparsity of a model over `sequences` (whole-sequence forward passes):
+    {"ppl", "tokens", "sparsity" (fraction of FFN hidden values == 0, all layers),
+     "sparsity_per_layer" [layers]} (sparsity None for a model without a ReLU-family MLP)."""
+    record = ActiveFractions()
+    layers = mlps(model)
+    relu = all(hasattr(m, "record") for m in layers)
+    if relu:
+        for m in layers:
+            m.record = record
+    nll_sum, count, active = 0.0, 0, np.zeros(len(layers))
+    try:
+        for s in range(0, len(sequences), batch_size):
+            tokens = mx.array(sequences[s: s + batch_size])
+            record.fractions.clear()
+            nll = next_token_nll(model(tokens), tokens)
+            mx.eval(nll, *record.fractions)
+            nll_sum += float(mx.sum(nll).item())
+            count += int(nll.size)
+            if relu:
+                active += np.array([f.item() for f in record.fractions]) * tokens.shape[0]
+    finally:
+        for m in layers:
+            if relu:
+                m.record = None
+    per_layer = (1 - active / len(sequences)).tolist() if relu else None
+    return {"ppl": math.exp(nll_sum / count), "tokens": count,
+            "sparsity": float(np.mean(per_layer)) if relu else None, "sparsity_per_layer": per_layer}
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+def write_json(path: Path, obj):
+    """Write JSON atomically (temporary name, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def write_weights(path: Path, weights: dict):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.safetensors")
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def copy_tokenizer(src: Path, dst: Path):
+    """Copy the source folder's tokenizer and chat-template files (everything but weights and config)."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
+                and not f.name.startswith(".") and f.name not in (REPORT_JSON, TRAINER_JSON):
+            tmp = dst / f".{f.name}.tmp-{os.getpid()}"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, dst / f.name)
+
+
+def write_model_folder(dst: Path, model, config: dict, tokenizer_src: Path):
+    """An mlx-lm model folder of the relu_llama model at dst (created if missing)."""
+    from mlx.utils import tree_flatten
+
+    dst.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(tokenizer_src, dst)
+    write_weights(dst / WEIGHTS_FILE, dict(tree_flatten(model.parameters())))
+    write_json(dst / "config.json", config)
+
+
+def checkpoint_dirs(out: Path) -> list:
+    """The run's checkpoint folders, oldest first."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-")
+                  and (d / TRAINER_JSON).is_file())
+
+
+def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Path, state: dict) -> Path:
+    """checkpoints/step-NNNNNN: model folder + trainer.json + optimizer state, renamed into place
+    whole; older checkpoints keep their model (for the curve) and drop their optimizer state."""
+    from mlx.utils import tree_flatten
+
+    root = Path(out) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state['step']:06d}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_model_folder(tmp, model, config, tokenizer_src)
+    write_weights(tmp / OPTIMIZER_FILE, dict(tree_flatten(optimizer.state)))
+    write_json(tmp / TRAINER_JSON, state)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for older in checkpoint_dirs(out):
+        if older != final and (older / OPTIMIZER_FILE).exists():
+            (older / OPTIMIZER_FILE).unlink()
+    return final
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+def make_optimizer(lr: float, warmup: int, weight_decay: float = 0.0):
+    import mlx.optimizers as optim
+
+    schedule = optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup), lambda _: lr],
+                                    [warmup]) if warmup > 0 else lr
+    return optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
+
+
+def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: float = 1.0):
+    """step(tokens mx.array [B, L]) -> (loss, ce, kl, sparsity) as floats, after one AdamW update."""
+    import mlx.optimizers as optim
+
+    record = ActiveFractions()
+
+    def loss_fn(tokens, teacher_logits):
+        record.fractions.clear()
+        logits = model(tokens)
+        ce = mx.mean(next_token_nll(logits, tokens))
+        kl = distill_kl(logits, teacher_logits) if teacher_logits is not None else mx.array(0.0)
+        active = mx.mean(mx.stack(record.fractions))
+        return ce + distill * kl, ce, kl, active
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def step(tokens):
+        from ..cpu import ops
+
+        for m in mlps(model):
+            m.record = record
+        teacher_logits = mx.stop_gradient(teacher(tokens)) if teacher is not None and distill > 0 else None
+        kernels = ops.kernels_active()
+        ops.set_kernels_enabled(False)  # our CPU kernels have no gradients (vjp); MLX's ops do
+        try:
+            (loss, ce, kl, active), grads = grad_fn(tokens, teacher_logits)
+        finally:
+            ops.set_kernels_enabled(kernels)
+        if clip:
+            grads, _ = optim.clip_grad_norm(grads, clip)
+        optimizer.update(model, grads)
+        mx.eval(loss, ce, kl, active, model.parameters(), optimizer.state)
+        for m in mlps(model):
+            m.record = None
+        return float(loss.item()), float(ce.item()), float(kl.item()), 1.0 - float(active.item())
+
+    return step
+
+
+def restore_checkpoint(ckpt: Path, optimizer, config: dict):
+    """(model, trainer state) from a checkpoint folder; the optimizer's state is restored in place."""
+    from mlx.utils import tree_unflatten
+
+    state = json.loads((ckpt / TRAINER_JSON).read_text())
+    if not (ckpt / OPTIMIZER_FILE).is_file():
+        raise FlashError(f"{ckpt}: no {OPTIMIZER_FILE} (only the newest checkpoint can be resumed)")
+    saved_config = json.loads((ckpt / "config.json").read_text())
+    keys = ("hidden_act", "activation_threshold") if config.get("activation_threshold") is not None \
+        else ("hidden_act",)  # per-layer thresholds: the run's own, from its checkpoint
+    for key in keys:
+        if saved_config.get(key) != config.get(key):
+            raise FlashError(f"--resume: {ckpt} was trained with {key} {saved_config.get(key)!r}, "
+                             f"this run asks for {config.get(key)!r}")
+    model = build_model(saved_config, dict(mx.load(str(ckpt / WEIGHTS_FILE))))
+    optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER_FILE)).items()))
+    return model, state
+
+
+def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
+           seq_len=SEQ_LEN, lr=5e-5, warmup=10, distill=0.0, checkpoint_every=50, resume=False,
+           seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
+           target_sparsity=None, threshold_sequences=4, progress=True, log=print) -> dict:
+    """Swap src's gate activation for `activation` and fine-tune it for `steps` AdamW steps of
+    batch_size x seq_len tokens on train_files; write checkpoints and the final model to `out`.
+
+    target_sparsity: with activation "fatrelu" (no threshold), per-layer thresholds from
+    gate_thresholds on the first `threshold_sequences` training sequences (fixed for the run).
+    max_minutes: stop early (after the step that crosses it), checkpoint, and write the model.
+    eval_files: held-out text measured (perplexity, sparsity; eval_tokens tokens) before training
+    and on the final model, recorded in relufication.json.
+    Returns the report dict written to out/relufication.json.
+    """
+    from tqdm import tqdm
+
+    from ..models import load_tokenizer
+
+    src, out = Path(src), Path(out)
+    hidden_act, threshold = parse_activation(activation)
+    if (threshold is None) != (target_sparsity is not None):
+        raise FlashError(f"--activation {activation}: a per-layer threshold needs --target-sparsity and "
+                         "--target-sparsity needs --activation fatrelu (without :T)")
+    if target_sparsity is not None and not 0 < target_sparsity < 1:
+        raise FlashError(f"--target-sparsity {target_sparsity}: must be between 0 and 1")
+    existing = checkpoint_dirs(out)
+    if resume and not existing:
+        raise FlashError(f"--resume: {out} has no checkpoint to resume from")
+    if not resume and out.exists() and any(out.iterdir()):
+        raise FlashError(f"--out {out}: already exists and is not empty (pass --resume to continue its run)")
+    check_disjoint(train_files, eval_files)
+    if sys.platform == "linux" and "openblas" not in os.environ.get("LD_PRELOAD", "").lower():
+        log("note: OpenBLAS is not preloaded; float32 training is much slower (README, Linux notes)")
+    tokenizer = load_tokenizer(src)
+    teacher, src_config = load_float32(src)
+    sequences = text_sequences(train_files, tokenizer, seq_len, max_train_tokens)
+    if threshold is None and not resume:
+        threshold = gate_thresholds(teacher, sequences[:threshold_sequences], target_sparsity)
+    config = relufied_config(src_config, hidden_act, 0.0 if threshold is None else threshold)
+    config["relufied_from"] = src_config.get("relufied_from") or str(src)
+    eval_seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text") \
+        if eval_files else None
+    optimizer = make_optimizer(lr, warmup)
+    if resume:
+        if threshold is None:
+            config["activation_threshold"] = None
+        model, state = restore_checkpoint(existing[-1], optimizer, config)
+        config["activation_threshold"] = model.args.activation_threshold
+        log(f"resuming {existing[-1]} at step {state['step']} ({state['tokens_trained']} tokens trained)")
+    else:
+        from mlx.utils import tree_flatten
+
+        model = build_model(config, dict(tree_flatten(teacher.parameters())))
+        state = {"step": 0, "tokens_trained": 0, "seconds": 0.0, "losses": []}
+    state.update(activation=activation, target_sparsity=target_sparsity, batch_size=batch_size,
+                 seq_len=seq_len, lr=lr, warmup=warmup, distill=distill, seed=seed, train_sequences=int(len(sequences)),
+                 train_files=[str(f) for f in train_files])
+    freeze_embeddings(model)
+    model.train()
+    if distill <= 0:
+        teacher = None
+    step_fn = train_step_fn(model, optimizer, teacher, distill)
+    before = None
+    if eval_seqs is not None and not resume:
+        before = {"original": measure(load_float32(src)[0] if teacher is None else teacher, eval_seqs),
+                  "swapped": measure(model, eval_seqs)}
+        log(f"held-out before training: original ppl {before['original']['ppl']:.3f}, swapped ppl "
+            f"{before['swapped']['ppl']:.3f}, sparsity {100 * before['swapped']['sparsity']:.1f}%")
+    t_start, t_run = time.perf_counter(), state["seconds"]
+    deadline = None if max_minutes is None else t_start + 60 * max_minutes
+    last_saved = state["step"]
+    bar = tqdm(total=steps, initial=state["step"], desc="relufy", unit="step", disable=not progress)
+    try:
+        while state["step"] < steps:
+            idx = batch_indices(state["step"], batch_size, len(sequences), seed)
+            loss, ce, kl, sparsity = step_fn(mx.array(sequences[idx]))
+            if not math.isfinite(loss):
+                raise FlashError(f"step {state['step']}: loss is {loss}; lower --lr")
+            state["step"] += 1
+            state["tokens_trained"] += int(batch_size * seq_len)
+            state["seconds"] = t_run + time.perf_counter() - t_start
+            state["losses"].append({"step": state["step"], "loss": loss, "ce": ce, "kl": kl,
+                                    "sparsity": sparsity})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", sparsity=f"{100 * sparsity:.1f}%")
+            if checkpoint_every and state["step"] % checkpoint_every == 0:
+                save_checkpoint(out, model, optimizer, config, src, state)
+                last_saved = state["step"]
+            if deadline is not None and time.perf_counter() > deadline:
+                log(f"--max-minutes {max_minutes}: stopping at step {state['step']}")
+                break
+    finally:
+        bar.close()
+        if state["step"] != last_saved:
+            save_checkpoint(out, model, optimizer, config, src, state)
+    model.eval()
+    write_model_folder(out, model, config, src)
+    report = {"source": str(src), "activation": activation, "steps": state["step"],
+              "tokens_trained": state["tokens_trained"], "seconds": state["seconds"],
+              "final_train_loss": state["losses"][-1] if state["losses"] else None}
+    if before is not None:
+        report["before"] = before
+    if eval_seqs is not None:
+        report["after"] = measure(model, eval_seqs)
+    write_json(out / REPORT_JSON, report)
+    return report
+
+
+# ---- the curve ---------------------------------------------------------------------------------
+
+def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=None, progress=True) -> list:
+    """Rows {step, tokens_trained, seconds, ppl, ppl_ratio, sparsity, sparsity_per_layer} of every
+    checkpoint of a run measured on the held-out eval_files, plus the original model (step 0,
+    no ReLU) and the swapped model before training when `original` (the source folder) is given."""
+    from ..models import load_tokenizer
+
+    out = Path(out)
+    ckpts = checkpoint_dirs(out)
+    if not ckpts:
+        raise FlashError(f"--curve {out}: no checkpoints ({out / CHECKPOINTS} is empty or missing)")
+    first = json.loads((ckpts[0] / TRAINER_JSON).read_text())
+    check_disjoint(first.get("train_files", []), eval_files)
+    src = Path(original or json.loads((ckpts[0] / "config.json").read_text()).get("relufied_from", ""))
+    tokenizer = load_tokenizer(ckpts[0])
+    seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text")
+    rows = []
+    if src and (src / "config.json").is_file():
+        teacher, src_config = load_float32(src)
+        rows.append({"step": "original", "tokens_trained": 0, "seconds": 0.0, **measure(teacher, seqs)})
+        cfg = json.loads((ckpts[0] / "config.json").read_text())
+        from mlx.utils import tree_flatten
+
+        swapped = build_model(cfg, dict(tree_flatten(teacher.parameters())))
+        rows.append({"step": 0, "tokens_trained": 0, "seconds": 0.0, **measure(swapped, seqs)})
+        del teacher, swapped
+    for ckpt in ckpts:
+        state = json.loads((ckpt / TRAINER_JSON).read_text())
+        cfg = json.loads((ckpt / "config.json").read_text())
+        model = build_model(cfg, dict(mx.load(str(ckpt / WEIGHTS_FILE))))
+        model.eval()
+        rows.append({"step": state["step"], "tokens_trained": state["tokens_trained"],
+                     "seconds": state["seconds"], **measure(model, seqs)})
+        if progress:
+            r = rows[-1]
+            print(f"{ckpt.name}: ppl {r['ppl']:.3f} sparsity {100 * r['sparsity']:.1f}%", flush=True)
+    base = rows[0]["ppl"] if rows and rows[0]["step"] == "original" else None
+    for r in rows:
+        r["ppl_ratio"] = r["ppl"] / base if base else None
+    return rows
+
+
+def format_curve(rows) -> str:
+    """Markdown table of curve rows."""
+    lines = ["| checkpoint | tokens trained | minutes | held-out ppl | vs original | FFN sparsity | "
+             "min / max layer sparsity |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "" if r.get("ppl_ratio") is None else f"{100 * (r['ppl_ratio'] - 1):+.1f}%"
+        sp = "-" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%"
+        mm = "-" if r["sparsity_per_layer"] is None else \
+            f"{100 * min(r['sparsity_per_layer']):.0f}% / {100 * max(r['sparsity_per_layer']):.0f}%"
+        name = "original (SiLU)" if r["step"] == "original" else \
+            ("swapped, untrained" if r["step"] == 0 else f"step {r['step']}")
+        lines.append(f"| {name} | {r['tokens_trained']} | {r['seconds'] / 60:.1f} | {r['ppl']:.3f} | "
+                     f"{ratio} | {sp} | {mm} |")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""python -m mlx_flash.relufy: make a SwiGLU llama's FFN sparse (ReLU-family activation + fine-tuning).
+
+    python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
+        [--activation relu|fatrelu:T|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
+        [--checkpoint-every 50] [--resume] [--max-minutes M] [--eval-text FILE ...]
+    python -m mlx_flash.relufy --curve DIR --eval-text FILE [FILE ...] [--markdown OUT] [--json OUT]
+
+SRC defaults to the embedded SmolLM2-135M-Instruct. The output folder DIR is a model folder
+(`relu_llama`, float32) that generate, convert, calibrate and eval accept; DIR/checkpoints holds a
+loadable model every --checkpoint-every steps, and --resume continues from the newest. Without
+--eval-text, every 10th --text file (sorted by path) is held out for evaluation and not trained on.
+`--curve DIR` measures every checkpoint on held-out text: perplexity (vs the original model) and
+FFN activation sparsity against tokens trained.
+
+Float32 training on Linux needs OpenBLAS preloaded (README, Linux notes):
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m mlx_flash.relufy ...
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import FlashError
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_flash.relufy",
+                                description="Swap a llama's SiLU gate for a ReLU-family activation "
+                                            "and fine-tune it so its FFN activations are sparse.")
+    p.add_argument("--model", default=None, help="source model (default: the embedded SmolLM2-135M)")
+    p.add_argument("--text", nargs="+", metavar="FILE", help="training text files (UTF-8)")
+    p.add_argument("--eval-text", nargs="+", default=None, metavar="FILE",
+                   help="held-out text (default: every 10th --text file, not trained on)")
+    p.add_argument("--out", default=None, help="output model folder (holds checkpoints/ too)")
+    p.add_argument("--activation", default="relu",
+                   help="relu (default), fatrelu:T (gate values > T kept), fatrelu (per-layer T from "
+                        "--target-sparsity) or drelu")
+    p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
+                   help="with --activation fatrelu: each layer's threshold silences this fraction of its "
+                        "gate values on the first training sequences (e.g. 0.85)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps in all (default 200)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--sequence-length", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (default 10)")
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="weight of KL(dense teacher || student) added to the LM loss (default 0: off)")
+    p.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from DIR's newest checkpoint")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after this many minutes of training (checkpoint + model written)")
+    p.add_argument("--max-train-tokens", type=int, default=None, help="tokenize at most this much training text")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens measured (default 4096)")
+    p.add_argument("--seed", type=int, default=0, help="data order seed")
+    p.add_argument("--curve", default=None, metavar="DIR",
+                   help="instead of training: measure every checkpoint of the run in DIR")
+    p.add_argument("--markdown", default=None, metavar="OUT", help="--curve: also write the table here")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the report / curve as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def _check_files(flag, files):
+    for f in files:
+        if not Path(f).is_file():
+            raise FlashError(f"{flag} {f}: no such file")
+
+
+def _main(argv):
+    from .calibration import relufication as R
+
+    args = build_parser().parse_args(argv)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if args.curve:
+        if not args.eval_text:
+            raise FlashError("--curve: needs --eval-text FILE ... (held-out text)")
+        _check_files("--eval-text", args.eval_text)
+        rows = R.curve(Path(args.curve), args.eval_text, eval_tokens=args.eval_tokens,
+                       seq_len=args.sequence_length, original=args.model, progress=not args.quiet)
+        table = R.format_curve(rows)
+        print(table)
+        if args.markdown:
+            Path(args.markdown).write_text(table + "\n")
+        if args.json:
+            R.write_json(Path(args.json), rows)
+        return 0
+    if not args.text:
+        raise FlashError("--text: training text files are required (or --curve DIR)")
+    if not args.out:
+        raise FlashError("--out: the output folder is required")
+    _check_files("--text", args.text)
+    for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                             ("--sequence-length", args.sequence_length, 2),
+                             ("--checkpoint-every", args.checkpoint_every, 0), ("--warmup", args.warmup, 0),
+                             ("--eval-tokens", args.eval_tokens, 2)):
+        if value < low:
+            raise FlashError(f"{flag} {value}: must be at least {low}")
+    if not args.lr > 0 or args.distill < 0:
+        raise FlashError(f"--lr {args.lr} / --distill {args.distill}: the rate must be > 0, the weight >= 0")
+    R.parse_activation(args.activation)
+    if args.eval_text:
+        _check_files("--eval-text", args.eval_text)
+        train_files, eval_files = list(args.text), list(args.eval_text)
+    else:
+        train_files, eval_files = R.split_by_file(args.text)
+        if not train_files:
+            raise FlashError("--text: too few files to hold every 10th out; pass --eval-text")
+    from .sources import resolve_model
+
+    src = resolve_model(args.model)
+    report = R.relufy(src, train_files, Path(args.out), activation=args.activation, steps=args.steps,
+                      batch_size=args.batch_size, seq_len=args.sequence_length, lr=args.lr,
+                      warmup=args.warmup, distill=args.distill, checkpoint_every=args.checkpoint_every,
+                      resume=args.resume, seed=args.seed, max_minutes=args.max_minutes,
+                      max_train_tokens=args.max_train_tokens, eval_files=eval_files,
+                      eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity, progress=not args.quiet, log=log)
+    after = report.get("after")
+    summary = f"Wrote {args.out}: {report['steps']} steps, {report['tokens_trained']} tokens, " \
+              f"{report['seconds'] / 60:.1f} min"
+    if after:
+        summary += f"; held-out ppl {after['ppl']:.3f}, FFN sparsity {100 * after['sparsity']:.1f}%"
+        if report.get("before"):
+            summary += f" (original ppl {report['before']['original']['ppl']:.3f})"
+    print(summary)
+    if args.json:
+        R.write_json(Path(args.json), report)
+    return 0
+
+
+def main(argv=None):
+    from .cli import run_cli
+
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

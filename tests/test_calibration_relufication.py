@@ -1,0 +1,151 @@
+"""calibration/relufication: the activation swap, training steps, checkpoints and --resume, on tiny random
+llamas with a byte tokenizer."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_flash.errors import FlashError
+from mlx_flash.calibration import relufication as R
+from calibration_packs import write_byte_tokenizer, write_text
+
+
+@pytest.fixture
+def src(tiny_llama):
+    folder = tiny_llama("src", vocab=256, intermediate=96)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def texts(tmp_path):
+    return [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+
+
+@pytest.mark.parametrize("spec", ["relu", "fatrelu:0.05", "drelu"])
+def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
+    teacher, config = R.load_float32(src)
+    act, t = R.parse_activation(spec)
+    model = R.build_model(R.relufied_config(config, act, t), dict(tree_flatten(teacher.parameters())))
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(1))
+    for i, layer in enumerate(model.layers):
+        w = {n: np.array(teacher.layers[i].mlp[n].weight) for n in ("gate_proj", "up_proj", "down_proj")}
+        g, u = np.array(x) @ w["gate_proj"].T, np.array(x) @ w["up_proj"].T
+        if act == "relu":
+            h = np.maximum(g, 0) * u
+        elif act == "fatrelu":
+            h = np.where(g > t, g, 0) * u
+        else:
+            h = np.maximum(g, 0) * np.maximum(u, 0)
+        want = h @ w["down_proj"].T
+        np.testing.assert_allclose(np.array(layer.mlp(x)), want, rtol=1e-4, atol=1e-5)
+    # the whole model runs the swapped MLPs: its logits differ from the SiLU original's
+    tokens = mx.array([[1, 2, 3, 4]])
+    assert not mx.allclose(model(tokens), teacher(tokens), atol=1e-4).item()
+
+
+def test_parse_activation_rejects_bad_specs():
+    assert R.parse_activation("fatrelu:0.25") == ("fatrelu", 0.25)
+    assert R.parse_activation("fatrelu") == ("fatrelu", None)  # per-layer, from --target-sparsity
+    for bad in ("gelu", "relu:0.1", "relu:", "fatrelu:x", "fatrelu:-1"):
+        with pytest.raises(FlashError, match="--activation"):
+            R.parse_activation(bad)
+
+
+def test_training_steps_reduce_the_loss_on_a_fixed_batch(src):
+    teacher, config = R.load_float32(src)
+    model = R.build_model(R.relufied_config(config, "relu", 0.0), dict(tree_flatten(teacher.parameters())))
+    R.freeze_embeddings(model)
+    step = R.train_step_fn(model, R.make_optimizer(3e-3, warmup=0), teacher, distill=0.5)
+    batch = mx.array(np.random.default_rng(0).integers(0, 256, (2, 32)), dtype=mx.int32)
+    embed = np.array(model.model.embed_tokens.weight)
+    losses = [step(batch) for _ in range(6)]
+    assert losses[-1][0] < 0.9 * losses[0][0], losses
+    assert all(0 < sparsity < 1 and kl >= 0 for _, _, kl, sparsity in losses)
+    np.testing.assert_array_equal(np.array(model.model.embed_tokens.weight), embed)  # frozen
+
+
+def _params(folder):
+    return dict(mx.load(str(folder / "model.safetensors")))
+
+
+def test_checkpoint_and_resume_continue_where_the_run_stopped(src, texts, tmp_path):
+    kw = dict(activation="relu", batch_size=1, seq_len=32, lr=1e-3, warmup=2, distill=0.0,
+              checkpoint_every=2, progress=False, log=lambda *a: None)
+    straight = R.relufy(src, texts, tmp_path / "straight", steps=4, **kw)
+    R.relufy(src, texts, tmp_path / "split", steps=2, **kw)
+    assert [d.name for d in R.checkpoint_dirs(tmp_path / "split")] == ["step-000002"]
+    resumed = R.relufy(src, texts, tmp_path / "split", steps=4, resume=True, **kw)
+    assert straight["steps"] == resumed["steps"] == 4
+    assert straight["tokens_trained"] == resumed["tokens_trained"] == 4 * 32
+    a, b = _params(tmp_path / "straight"), _params(tmp_path / "split")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    # the final model differs from the swapped start (training happened)
+    start = dict(tree_flatten(R.load_float32(src)[0].parameters()))
+    assert not np.allclose(np.array(a["model.layers.0.mlp.gate_proj.weight"]),
+                           np.array(start["model.layers.0.mlp.gate_proj.weight"]))
+    # only the newest checkpoint keeps the optimizer state; each one is a loadable model folder
+    ckpts = R.checkpoint_dirs(tmp_path / "split")
+    assert [d.name for d in ckpts] == ["step-000002", "step-000004"]
+    assert not (ckpts[0] / R.OPTIMIZER_FILE).exists() and (ckpts[1] / R.OPTIMIZER_FILE).exists()
+    assert json.loads((ckpts[1] / R.TRAINER_JSON).read_text())["step"] == 4
+
+
+def test_resume_and_out_refusals(src, texts, tmp_path):
+    kw = dict(steps=1, seq_len=32, checkpoint_every=1, progress=False, log=lambda *a: None)
+    with pytest.raises(FlashError, match="--resume: .* no checkpoint"):
+        R.relufy(src, texts, tmp_path / "none", resume=True, **kw)
+    R.relufy(src, texts, tmp_path / "run", **kw)
+    with pytest.raises(FlashError, match="--out .* already exists"):
+        R.relufy(src, texts, tmp_path / "run", **kw)
+    with pytest.raises(FlashError, match="trained with hidden_act"):
+        R.relufy(src, texts, tmp_path / "run", activation="drelu", resume=True, **dict(kw, steps=2))
+    with pytest.raises(FlashError, match="--eval-text .* also training text"):
+        R.relufy(src, texts, tmp_path / "x", eval_files=[texts[0]], **kw)
+
+
+def test_split_by_file_is_deterministic_and_disjoint(tmp_path):
+    files = [str(tmp_path / f"f{i:02d}.txt") for i in range(25)]
+    train, held = R.split_by_file(reversed(files))
+    assert held == [files[0], files[10], files[20]] and not set(train) & set(held)
+    assert len(train) + len(held) == 25
+
+
+def test_batches_depend_only_on_step_and_seed():
+    a = [R.batch_indices(s, 3, 10, seed=1) for s in range(8)]
+    assert all(np.array_equal(x, R.batch_indices(s, 3, 10, seed=1)) for s, x in enumerate(a))
+    assert sorted(np.concatenate(a[:3]).tolist() + [a[3][0]]) == list(range(10))  # epoch 0 is a permutation
+
+
+def test_measure_counts_zero_hidden_values(src, texts):
+    from mlx_flash.models import load_tokenizer
+
+    teacher, config = R.load_float32(src)
+    model = R.build_model(R.relufied_config(config, "fatrelu", 1e9), dict(tree_flatten(teacher.parameters())))
+    seqs = R.text_sequences(texts, load_tokenizer(src), 32, 128)
+    r = R.measure(model, seqs)
+    assert r["sparsity"] == 1.0 and r["tokens"] == 4 * 31  # nothing passes an infinite threshold
+    dense = R.measure(teacher, seqs)
+    assert dense["sparsity"] is None and dense["ppl"] > 1
+
+
+def test_target_sparsity_sets_per_layer_thresholds_kept_on_resume(src, texts, tmp_path):
+    kw = dict(activation="fatrelu", target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,
+              progress=False, log=lambda *a: None)
+    R.relufy(src, texts[:1], tmp_path / "run", steps=1, eval_files=texts[1:], eval_tokens=128, **kw)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    t = config["activation_threshold"]
+    assert isinstance(t, list) and len(t) == 2 and all(v > 0 for v in t)
+    report = json.loads((tmp_path / "run" / R.REPORT_JSON).read_text())
+    assert 0.7 < report["before"]["swapped"]["sparsity"] < 0.9  # held-out text, thresholds from training text
+    R.relufy(src, texts[:1], tmp_path / "run", steps=2, resume=True, **kw)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["activation_threshold"] == t
+    with pytest.raises(FlashError, match="--target-sparsity"):
+        R.relufy(src, texts[:1], tmp_path / "x", steps=1, **dict(kw, activation="relu"))
+

@@ -1,0 +1,62 @@
+"""io/read_cost: the piecewise read-cost curve (sizes x depths) and its cold measurement."""
+
+import numpy as np
+import pytest
+
+from mlx_flash.io.read_cost import ReadCostCurve, measure_curve
+
+# seconds per read: 17 us at 4 KiB, 31 us at 64 KiB, 338 us at 256 KiB at depth 32 (the issue's
+# figures), four times that at depth 1
+SIZES, DEPTHS = [4096, 65536, 262144], [1, 32]
+TABLE = [[68e-6, 124e-6, 1352e-6], [17e-6, 31e-6, 338e-6]]
+
+
+def test_curve_is_piecewise_linear_in_size_and_log_depth():
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32)
+    assert c.seconds(4096) == pytest.approx(17e-6) and c.seconds(65536) == pytest.approx(31e-6)
+    assert c.seconds(1024) == pytest.approx(17e-6)  # below the smallest size: one block's cost
+    assert c.seconds((4096 + 65536) / 2) == pytest.approx(24e-6)
+    slope = (338e-6 - 31e-6) / (262144 - 65536)
+    assert c.seconds(262144 + 1000) == pytest.approx(338e-6 + 1000 * slope)  # streaming beyond
+    np.testing.assert_allclose(c.seconds(np.array([4096, 262144])), [17e-6, 338e-6])
+    assert c.bandwidth == pytest.approx(1 / slope)
+    # depth 4 is 2/5 of the way from 1 to 32 in log2
+    assert c.at_depth(4).seconds(4096) == pytest.approx(68e-6 + 0.4 * (17e-6 - 68e-6))
+    assert c.at_depth(64).seconds(4096) == pytest.approx(17e-6)  # clamped to the measured depths
+    assert ReadCostCurve.from_dict(c.to_dict(), depth=32).seconds(100000) == c.seconds(100000)
+
+
+def test_merge_gap_is_where_one_read_beats_two():
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32)
+    gap = c.merge_gap_for(1024)
+    assert gap % 4096 == 0 and gap > 0
+    assert c.seconds(2048 + gap) <= 2 * c.seconds(1024) < c.seconds(2048 + gap + 4096)
+    # a flat curve (cost independent of size up to 256 KiB) reads through any gap up to it
+    flat = ReadCostCurve(SIZES, DEPTHS, [[1e-4] * 3, [1e-4] * 3], depth=32)
+    assert flat.merge_gap_for(4096) >= 262144 - 8192
+    # a cost proportional to bytes (no per-read cost) never merges across a gap
+    linear = ReadCostCurve(SIZES, DEPTHS, [[s * 1e-9 for s in SIZES]] * 2, depth=32)
+    assert linear.merge_gap_for(4096) == 0
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="does not match"):
+        ReadCostCurve(SIZES, DEPTHS, [[1.0, 2.0]])
+
+
+def test_measure_curve_on_a_scratch_file(tmp_path):
+    c = measure_curve(tmp_path, sizes=(4096, 65536), depths=(1, 4), file_bytes=4 << 20, repeats=1,
+                      max_reads=64)
+    t = np.asarray(c.table)
+    assert t.shape == (2, 2) and (t > 0).all() and (np.diff(t, axis=1) >= 0).all()
+    assert not list(tmp_path.iterdir())  # the scratch file is gone
+
+
+def test_planner_merges_by_the_curves_gap_for_the_request_size():
+    from mlx_flash.io.planner import plan_reads
+
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32)
+    gap = c.merge_gap_for(1024)
+    starts = [0, 1024 + gap, 2 * 1024 + 2 * gap + 4096]  # the second gap is one block too wide
+    assert [r[2] for r in plan_reads(starts, 1024, cost=c)] == [[0, 1], [2]]
+    assert c.merge_gap_for(65536) < gap  # larger requests: reading through a gap is worth less

@@ -1,0 +1,85 @@
+"""python -m mlx_flash.relufy: the CLI end to end on a tiny random llama (byte tokenizer): the output
+folder loads, generates and converts; --curve; one-line errors with exit code 2."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash import relufy
+from calibration_packs import write_byte_tokenizer, write_text
+
+
+@pytest.fixture
+def src(tiny_llama):
+    folder = tiny_llama("src", vocab=256)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def texts(tmp_path):
+    return [str(write_text(tmp_path / f"t{i}.txt", n_words=200, seed=i)) for i in range(3)]
+
+
+def test_cli_writes_a_folder_that_loads_generates_and_converts(src, texts, tmp_path, capsys):
+    import mlx_flash
+    from mlx_flash.pack import write_pack
+
+    out = tmp_path / "relufied"
+    assert relufy.main(["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "3",
+                        "--sequence-length", "32", "--checkpoint-every", "2", "--eval-tokens", "64",
+                        "--activation", "fatrelu:0.01", "--distill", "0.5", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "Wrote" in printed and "FFN sparsity" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "relu_llama" and config["hidden_act"] == "fatrelu"
+    assert config["activation_threshold"] == 0.01 and "quantization" not in config
+    report = json.loads((out / "relufication.json").read_text())
+    assert report["steps"] == 3 and report["tokens_trained"] == 3 * 32
+    assert 0 < report["after"]["sparsity"] <= 1 and report["before"]["original"]["sparsity"] is None
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+
+    model, tokenizer = mlx_flash.load(str(out))
+    assert type(model.layers[0].mlp).__module__ == "mlx_flash.models.relu_llama"
+    text = mlx_flash.generate(model, tokenizer, "the flash", max_tokens=5)
+    assert isinstance(text, str)
+    # a flash pack of it runs dense with the same logits as the folder
+    pack = write_pack(out, tmp_path / "pack", progress=False)
+    packed, _ = mlx_flash.load(str(pack), mode="dense")
+    tokens = mx.array([[5, 6, 7, 8]])
+    np.testing.assert_allclose(np.array(packed(tokens)), np.array(model(tokens)), rtol=1e-4, atol=1e-4)
+
+
+def test_curve_measures_every_checkpoint(src, texts, tmp_path, capsys):
+    out = tmp_path / "run"
+    relufy.main(["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "2",
+                 "--sequence-length", "32", "--checkpoint-every", "1", "--out", str(out), "--quiet"])
+    capsys.readouterr()
+    assert relufy.main(["--curve", str(out), "--eval-text", texts[2], "--sequence-length", "32",
+                        "--eval-tokens", "64", "--json", str(tmp_path / "c.json"), "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "original (SiLU)" in table and "step 2" in table
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert [r["step"] for r in rows] == ["original", 0, 1, 2]
+    assert [r["tokens_trained"] for r in rows] == [0, 0, 32, 64]
+    assert rows[0]["ppl_ratio"] == 1.0 and rows[0]["sparsity"] is None
+    assert all(0 < r["sparsity"] < 1 for r in rows[1:])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--text", "missing.txt", "--out", "o"], "--text missing.txt: no such file"),
+    (["--text", "{t}", "--out", "o", "--activation", "gelu"], "--activation gelu"),
+    (["--text", "{t}", "--out", "o", "--steps", "0"], "--steps 0"),
+    (["--text", "{t}"], "--out"),
+    (["--text", "{t}", "--eval-text", "{e}", "--out", "{o}", "--resume"], "--resume"),
+    (["--text", "{t}", "--out", "{o}"], "--text: too few files"),
+    (["--curve", "{o}", "--eval-text", "{t}"], "--curve"),
+])
+def test_bad_input_is_one_line_and_exit_2(src, texts, tmp_path, capsys, args, message):
+    args = [a.format(t=texts[0], e=texts[1], o=tmp_path / "empty") for a in args]
+    with pytest.raises(SystemExit) as e:
+        relufy.main(["--model", str(src), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
