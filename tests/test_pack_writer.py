@@ -11,6 +11,7 @@ import pytest
 from mlx_flash.errors import FlashError
 from mlx_flash.pack import (load_pack_weights, load_resident, read_layer_components,
                             read_manifest, write_pack)
+from mlx_flash.pack import Bundle
 from mlx_flash.pack import writer as pack_writer
 
 SOURCES = [("float32", None), ("float16", None), ("bfloat16", None),
@@ -286,6 +287,7 @@ def test_bundle_file_regions_read_back_as_written(tmp_path):
     size = (tmp_path / "bundles" / "x.bin").stat().st_size
     assert size == records[0]["file_length"] == records[1]["file_length"]
     for record, comps in zip(records, regions):
-        got = read_layer_components(tmp_path, {"file": "bundles/x.bin", **record})
+        got = read_layer_components(tmp_path, Bundle.from_dict({"layer": 0, "kind": "neurons",
+                                                                "file": "bundles/x.bin", **record}))
         for name, _, arr, _ in comps:
             assert same(got[name], arr), name

@@ -4,15 +4,18 @@ import numpy as np
 import pytest
 
 from mlx_flash.errors import FlashError
+from mlx_flash.pack.layout import Bundle, Component, Manifest, Resident
 from mlx_flash.sparse.budget import (layer_bytes, plan_flash_layers, plan_memory, prefetch_bytes,
                                      stream_bytes)
 
 
 def fake_manifest(layers=6, count=1000, row=1000):
-    comps = [{"name": "up.weight", "length": row // 2}, {"name": "down_t.weight", "length": row - row // 2}]
-    return {"resident": {"length": 10_000_000},
-            "bundles": [{"layer": i, "count": count, "stride": row, "components": comps}
-                        for i in range(layers)]}
+    """A Manifest with `layers` layers of `count` neurons of `row` bytes (no files behind it)."""
+    comps = [Component("up.weight", "up.weight", "uint8", (row // 2,), 0, row // 2),
+             Component("down_t.weight", "down.weight", "uint8", (row - row // 2,), row // 2, row - row // 2)]
+    bundles = tuple(Bundle(i, "neurons", f"bundles/layer_{i:03d}.bin", 0, count, row, count * row,
+                           count * row, tuple(comps), {}) for i in range(layers))
+    return Manifest(4096, bundles, Resident("resident.safetensors", 10_000_000, 0), {}, {})
 
 
 def bytes_cost(manifest, density_of_reads):

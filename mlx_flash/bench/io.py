@@ -63,15 +63,15 @@ class Bench:
         self.args = args
         self.pack = Path(args.pack)
         self.manifest = read_manifest(self.pack)
-        self.layers = sorted(b["layer"] for b in self.manifest["bundles"])
-        self.entries = {b["layer"]: b for b in self.manifest["bundles"]}
+        self.layers = sorted(b.layer for b in self.manifest.bundles)
+        self.entries = {b.layer: b for b in self.manifest.bundles}
         self.rng = np.random.default_rng(args.seed)
         self.evict_fn = evict
         self.evict_methods = set()
         self.extra_paths = []
 
     def evict(self):
-        paths = [self.pack / e["file"] for e in self.entries.values()] + self.extra_paths
+        paths = [self.pack / e.file for e in self.entries.values()] + self.extra_paths
         r = self.evict_fn(paths, drop_caches=self.args.drop_caches)
         self.evict_methods.add(r["method"])
         if r["residency"] and r["residency"] > 0.01:
@@ -91,7 +91,7 @@ class Bench:
 def _random_sets(bench, fraction):
     out = {}
     for layer in bench.layers:
-        count = bench.entries[layer]["count"]
+        count = bench.entries[layer].count
         n = max(1, int(round(fraction * count)))
         out[layer] = np.sort(bench.rng.choice(count, n, replace=False))
     return out
@@ -100,7 +100,7 @@ def _random_sets(bench, fraction):
 def _chunk_sets(bench, fraction, k):
     out = {}
     for layer in bench.layers:
-        count = bench.entries[layer]["count"]
+        count = bench.entries[layer].count
         chunks = max(1, count // k)
         n = max(1, min(chunks, int(round(fraction * count / k))))
         starts = np.sort(bench.rng.choice(chunks, n, replace=False)) * k
@@ -126,8 +126,8 @@ def _alloc(loader, sets, layer_map=None):
 
 
 def chunk_sweep(bench, threads_list, chunks):
-    stride = bench.entries[bench.layers[0]]["stride"]
-    align = bench.manifest["alignment"]
+    stride = bench.entries[bench.layers[0]].stride
+    align = bench.manifest.alignment
     rows = []
     for k in chunks:
         sets = _chunk_sets(bench, bench.args.sweep_fraction, k)
@@ -149,7 +149,7 @@ def sequential_ceiling(bench, block=4 << 20):
     """Plain large sequential O_DIRECT reads of every bundle file, one thread."""
     files = FileLayer()
     buf = aligned_buffer(block)
-    paths = [bench.pack / bench.entries[layer]["file"] for layer in bench.layers]
+    paths = [bench.pack / bench.entries[layer].file for layer in bench.layers]
     best = []
     for _ in range(bench.args.repeat):
         bench.evict()
@@ -172,16 +172,16 @@ def sequential_ceiling(bench, block=4 << 20):
 def write_unbundled(bench, out: Path):
     """A matrix-major copy of the pack's FFN: per layer one file, one aligned region per matrix
     (gate / up / down_t rows with their scales and biases). Layer L matrix j -> layer 3L+j."""
-    align = bench.manifest["alignment"]
+    align = bench.manifest.alignment
     (out / "bundles").mkdir(parents=True)
     bundles, layer_map = [], {}
     for layer in bench.layers:
         e = bench.entries[layer]
         arrays = read_layer_components(bench.pack, e, verify=False)
         groups = {}
-        for c in e["components"]:
-            groups.setdefault(c["name"].split(".")[0], []).append(
-                (c["name"], c["source"], arrays[c["name"]], c.get("quantization")))
+        for c in e.components:
+            groups.setdefault(c.name.split(".")[0], []).append(
+                (c.name, c.source, arrays[c.name], c.quantization))
         rel = f"bundles/layer_{layer:03d}.bin"
         layer_map[layer] = []
         for j, record in enumerate(write_bundle_file(out / rel, list(groups.values()), align)):
@@ -206,7 +206,7 @@ def fio_command(bench, threads, read_sizes, total_bytes, engine):
     fio = shutil.which("fio")
     if fio is None:
         return None
-    files = ":".join(str(bench.pack / bench.entries[layer]["file"]) for layer in bench.layers)
+    files = ":".join(str(bench.pack / bench.entries[layer].file) for layer in bench.layers)
     total = sum(read_sizes.values())
     split = "/".join(f"{size}/{max(1, round(100 * n / total))}" for size, n in sorted(read_sizes.items()))
     jobs, depth = (threads, 1) if engine == "psync" else (1, threads)
@@ -242,7 +242,7 @@ def interleaved(bench, fns):
 def bundled_vs_unbundled(bench, threads, fractions, with_fio):
     """Same random neuron sets: bundled / unbundled, planner off / on, verify; fio alongside."""
     unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
-    first = bench.pack / bench.entries[bench.layers[0]]["file"]
+    first = bench.pack / bench.entries[bench.layers[0]].file
     probe = FlashLoader(bench.pack, threads=threads, plan=False)
     kind = probe.cost_engine()
     probe.close()
@@ -353,7 +353,7 @@ def run(args) -> int:
     bench = Bench(args)
     threads_list = [int(t) for t in args.threads.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
-    if any(b["kind"] != "neurons" for b in bench.manifest["bundles"]):
+    if any(b.kind != "neurons" for b in bench.manifest.bundles):
         print("note: expert layers are measured as bundles like neurons", file=sys.stderr)
     top = max(threads_list)
     e0 = bench.entries[bench.layers[0]]

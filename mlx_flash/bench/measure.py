@@ -39,11 +39,11 @@ class LoggedReads:
         else:
             # one request per matrix, each with only its own destination arrays
             s = self._unbundled.read_many(
-                [(lid, ids, {c["name"]: dest[c["name"]] for c in self._unbundled.entry(lid)["components"]},
+                [(lid, ids, {c.name: dest[c.name] for c in self._unbundled.entry(lid).components},
                   slots) for lid in self._layer_map[layer]])
         self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
                          s.reads, s.seconds, id(dest) in self._cache_dests,
-                         len(ids) * sum(c["length"] for c in self._loader.entry(layer)["components"])))
+                         len(ids) * sum(c.length for c in self._loader.entry(layer).components)))
         return s
 
 
@@ -135,7 +135,7 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "text": "".join(text)[:300], "accounting": accounting,
         # predicted-active fraction of the FFN neurons per decode token (flash): the sparsity seen
         "active_fraction": (sum(s.neurons_needed for _, s in decode) / len(decode)
-                            / sum(rt.loader.entry(i)["count"] for i in rt.caches)
+                            / sum(rt.loader.entry(i).count for i in rt.caches)
                             if mode == "flash" and decode and rt.caches else None),
     }
     if keep_steps:

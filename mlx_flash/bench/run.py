@@ -225,7 +225,7 @@ class Suite:
         v = r.value
         self.baseline_bytes = max(0, v["summary"]["peak_rss"] - v["plan_weights_bytes"])
         cfg = json.loads((self.pack / "config.json").read_text())
-        layers = cfg.get("num_hidden_layers", len(self.manifest["bundles"]))
+        layers = cfg.get("num_hidden_layers", len(self.manifest.bundles))
         hidden = cfg.get("hidden_size", 0)
         heads = cfg.get("num_attention_heads", 1)
         kv_dim = hidden // heads * (cfg.get("num_key_value_heads") or heads)
@@ -447,8 +447,8 @@ def run(args) -> int:
         "command": command, "cwd": os.getcwd(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_info(), "packages": package_versions(),
         "model": {"pack": str(suite.pack), "pack_bytes": suite.pack_bytes,
-                  "resident_bytes": suite.manifest["resident"]["length"],
-                  "layers": len(suite.manifest["bundles"]), "synthetic": synthetic,
+                  "resident_bytes": suite.manifest.resident.length,
+                  "layers": len(suite.manifest.bundles), "synthetic": synthetic,
                   "mlx_folder": str(model_info["mlx_folder"] or ""),
                   "gguf": str(model_info["gguf"] or ""), "converted": model_info["converted"]},
         "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
@@ -498,7 +498,7 @@ def write_unbundled_copy(pack: Path, dest: Path) -> dict:
 
 
     manifest = read_manifest(pack)
-    entries = {b["layer"]: b for b in manifest["bundles"]}
+    entries = {b.layer: b for b in manifest.bundles}
     shutil.rmtree(dest, ignore_errors=True)
     view = SimpleNamespace(pack=pack, manifest=manifest, layers=sorted(entries), entries=entries)
     layer_map = write_unbundled(view, dest)

@@ -64,7 +64,7 @@ def dequantized(weights: dict, quantization) -> dict:
 
 def ffn_activation(config, manifest) -> str:
     """Name (in predictor.ACTIVATIONS) of the FFN activation of the pack's model."""
-    arch = manifest["bundles"][0]["arch"]
+    arch = manifest.bundles[0].arch
     if arch == "opt":
         return "relu"
     if str(config.get("model_type", "")).startswith("gemma"):
@@ -127,13 +127,13 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
     Each swap is checked against the original FFN on a probe input (catches a wrong activation).
     """
     ffns = {}
-    for entry in manifest["bundles"]:
-        if entry["kind"] != "neurons":
+    for entry in manifest.bundles:
+        if entry.kind != "neurons":
             raise FlashError(f"{entry['file']}: layer {entry['layer']} is a MoE layer; neuron "
                              "predictors need a dense FFN")
-        src = {c["name"].split(".")[0]: c["source"].rsplit(".", 1)[0] for c in entry["components"]
-               if c["name"].endswith(".weight")}
-        i = entry["layer"]
+        src = {c.name.split(".")[0]: c.source.rsplit(".", 1)[0] for c in entry.components
+               if c.name.endswith(".weight")}
+        i = entry.layer
         layer = model.layers[i]
         ffn = MaskedFFN(_module_at(model, src["gate"]) if "gate" in src else None,
                         _module_at(model, src["up"]), _module_at(model, src["down_t"]), activation)
@@ -222,7 +222,7 @@ def collect_inputs(pack_dir, text_files, *, max_tokens=None, max_window=MAX_WIND
         raise FlashError("--text: give at least one calibration text file")
     model, tokenizer, config, manifest = load_dense_model(pack)
     activation = ffn_activation(config, manifest)
-    gated = any(c["name"] == "gate.weight" for c in manifest["bundles"][0]["components"])
+    gated = any(c.name == "gate.weight" for c in manifest.bundles[0].components)
     tokens = text_tokens(text_files, tokenizer, max_tokens)
     ffns = install_masked_ffns(model, manifest, activation, config["hidden_size"])
     # never past the model's context: positions beyond it would index learned position tables

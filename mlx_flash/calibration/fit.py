@@ -324,7 +324,7 @@ def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, 
         raise FlashError(f"--epochs {epochs}: must be >= 1")
     if not 1 <= max_window <= 64:
         raise FlashError(f"--max-window {max_window}: must be in 1..64")
-    n_layers = len(data.manifest["bundles"])
+    n_layers = len(data.manifest.bundles)
     ranks = dict(rank_per_layer) if isinstance(rank_per_layer, dict) else \
         parse_rank_per_layer(rank_per_layer, n_layers)
     return {"kind": kind, "target_sparsity": float(target_sparsity), "rank": rank,

@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
-from ..pack import write_pack
+from ..pack import read_manifest, write_manifest, write_pack
 from ..paths import atomic_output_dir
 from ..sources import resolve_model
 from ..sparse.predictor import save_predictors
@@ -231,14 +231,10 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
         write_pack(src, pack, dtype=dtype, quantize=quantize, group_size=group_size,
                    progress=progress)
         shutil.rmtree(src)
-        manifest_path = pack / "manifest.json"
-        manifest = json.loads(manifest_path.read_text())
         label = dict(made["synthetic"], quantize=quantize,
                      group_size=group_size if quantize else None,
                      seconds_to_build=round(time.perf_counter() - t0, 1))
-        manifest["synthetic"] = label
-        manifest["source"] = {"synthetic": arch}
-        manifest_path.write_text(json.dumps(manifest, indent=1))
+        write_manifest(pack, {**read_manifest(pack).fields, "synthetic": label, "source": {"synthetic": arch}})
         write_predictor(pack, made["predictor"], made["config"])
         for f in pack.iterdir():  # the pack's files become the output folder itself
             f.rename(tmp / f.name)
@@ -281,7 +277,6 @@ def write_predictor(pack: Path, predictor: dict, config: dict, max_window: int =
 def is_synthetic(pack_dir) -> dict | None:
     """The pack's synthetic label, or None for a pack converted from a real model."""
     try:
-        manifest = json.loads((Path(pack_dir) / "manifest.json").read_text())
-    except (OSError, ValueError):
+        return read_manifest(pack_dir).synthetic
+    except FlashError:
         return None
-    return manifest.get("synthetic") or manifest.get("config", {}).get("synthetic")

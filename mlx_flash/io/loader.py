@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashError
-from ..pack.layout import layer_bundles, mx_dtype, read_manifest
+from ..pack.layout import Bundle, layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import read_checksum_table
 from ..paths import flash_home
 from . import aio
@@ -99,7 +99,7 @@ class FlashLoader:
         self.pack = Path(pack_dir)
         self.manifest = read_manifest(self.pack)
         self.bundles = layer_bundles(self.manifest)
-        self.alignment = self.manifest["alignment"]
+        self.alignment = self.manifest.alignment
         self.threads, self.direct, self.verify, self.plan = threads, direct, verify, plan
         self.max_read = max_read
         self.files = files or FileLayer()
@@ -114,7 +114,7 @@ class FlashLoader:
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
         if plan and cost is None and self.bundles:
-            first = self.pack / next(iter(self.bundles.values()))["file"]
+            first = self.pack / next(iter(self.bundles.values())).file
             scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
             kind = self.cost_engine()
             cost = load_cost(first, threads, kind) or calibrate(scratch, threads=threads,
@@ -122,7 +122,7 @@ class FlashLoader:
         self.cost = cost
 
     # -- layout -------------------------------------------------------------------------------
-    def entry(self, layer) -> dict:
+    def entry(self, layer) -> Bundle:
         try:
             return self.bundles[layer]
         except KeyError:
@@ -130,12 +130,12 @@ class FlashLoader:
 
     def alloc(self, layer, n) -> dict:
         """{component name: zeroed mx.array [n, *component shape]} to read `n` bundles into."""
-        return {c["name"]: self._aligned_zeros((n, *c["shape"]), mx_dtype(c["dtype"]))
-                for c in self.entry(layer)["components"]}
+        return {c.name: self._aligned_zeros((n, *c.shape), mx_dtype(c.dtype))
+                for c in self.entry(layer).components}
 
     def alloc_raw(self, layer, n) -> mx.array:
         """A uint8 mx.array [n, stride] of whole bundles."""
-        return self._aligned_zeros((n, self.entry(layer)["stride"]), mx.uint8)
+        return self._aligned_zeros((n, self.entry(layer).stride), mx.uint8)
 
     def _aligned_zeros(self, shape, dtype) -> mx.array:
         """Zeroed, evaluated MLX array whose memory starts on an `alignment` boundary (a view
@@ -322,7 +322,7 @@ class FlashLoader:
         f = self._file(layer, entry)
         if len(slots) != len(ids):
             raise FlashError(f"{f.path}: {len(ids)} bundle ids but {len(slots)} slots")
-        if len(ids) and (ids.min() < 0 or ids.max() >= entry["count"]):
+        if len(ids) and (ids.min() < 0 or ids.max() >= entry.count):
             raise FlashError(f"{f.path}: bundle id out of range 0..{entry['count'] - 1}")
         if len(set(ids.tolist())) != len(ids):
             raise FlashError(f"{f.path}: duplicate bundle ids in one read")
@@ -335,12 +335,12 @@ class FlashLoader:
                     f.crc = read_checksum_table(f.path, entry)
         order = np.argsort(ids, kind="stable")
         ids, slots = ids[order], slots[order]
-        stride = entry["stride"]
-        starts = entry["offset"] + ids * stride
+        stride = entry.stride
+        starts = entry.offset + ids * stride
         r0, r1, first = plan_read_arrays(starts, stride, align=self.alignment if f.direct else 1,
                                          cost=self.cost if self.plan else None,
                                          max_read=self.max_read)
-        pieces = [(c["offset"], c["length"]) for c in entry["components"]]
+        pieces = [(c.offset, c.length) for c in entry.components]
         used = sum(n for _, n in pieces)
         tight = used if all(o == sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces)) else 0
         align = self.alignment if f.direct and sys.platform != "darwin" else 1
@@ -356,7 +356,7 @@ class FlashLoader:
 
         Cached per destination: a runtime reads into the same cache arrays every token."""
         arrays = tuple(dest.values()) if isinstance(dest, dict) else (dest,)
-        key = (entry["file"], tuple(map(id, arrays)))
+        key = (entry.file, tuple(map(id, arrays)))
         hit = self._target_cache.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
             return hit[1]
@@ -369,19 +369,19 @@ class FlashLoader:
     def _make_targets(self, entry, dest):
         if isinstance(dest, dict):
             out = []
-            for c in entry["components"]:
-                arr = dest.get(c["name"])
-                if arr is None or tuple(arr.shape[1:]) != tuple(c["shape"]) \
-                        or arr.dtype != mx_dtype(c["dtype"]):
+            for c in entry.components:
+                arr = dest.get(c.name)
+                if arr is None or tuple(arr.shape[1:]) != tuple(c.shape) \
+                        or arr.dtype != mx_dtype(c.dtype):
                     raise FlashError(f"destination {c['name']!r}: want [n, {c['shape']}] "
                                      f"{c['dtype']} (use FlashLoader.alloc)")
-                out.append((c["offset"], c["length"], host_bytes(arr).reshape(arr.shape[0], -1)))
+                out.append((c.offset, c.length, host_bytes(arr).reshape(arr.shape[0], -1)))
             return out, out[0][2].shape[0], False
-        if dest.dtype != mx.uint8 or dest.ndim != 2 or dest.shape[1] != entry["stride"]:
+        if dest.dtype != mx.uint8 or dest.ndim != 2 or dest.shape[1] != entry.stride:
             raise FlashError(f"raw destination must be uint8 [n, {entry['stride']}] "
                              f"(use FlashLoader.alloc_raw)")
         raw = host_bytes(dest).reshape(dest.shape[0], -1)
-        return [(0, entry["stride"], raw)], raw.shape[0], True
+        return [(0, entry.stride, raw)], raw.shape[0], True
 
     def _read_into(self, f, buffers, offset, n):
         """One preadv; anything unusual (short read, EINTR, error) goes to the careful path."""
@@ -471,14 +471,14 @@ class FlashLoader:
             return f
         with self._lock:
             if layer not in self._open_files:
-                path = self.pack / entry["file"]
+                path = self.pack / entry.file
                 try:
                     size = path.stat().st_size
                     fd, direct = self.files.open(path, self.direct)
                 except OSError as e:
                     raise FlashError(f"{path}: cannot open bundle file ({e.strerror or e})") from None
                 f = _Open(path, fd, direct)
-                if size < entry["file_length"]:
+                if size < entry.file_length:
                     self.files.close(fd)
                     raise FlashError(f"{path}: truncated ({size} bytes, manifest says "
                                      f"{entry['file_length']})")

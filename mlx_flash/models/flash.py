@@ -43,7 +43,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
     manifest = read_manifest(pack)
-    if any(b["kind"] != "neurons" for b in manifest["bundles"]):
+    if any(b.kind != "neurons" for b in manifest.bundles):
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     loader = FlashLoader(pack, threads=cfg.threads)
     read_cost = None
@@ -65,15 +65,15 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     stats = FlashStats(plan)
     runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
     checked = set()
-    for entry in manifest["bundles"]:
-        layer = entry["layer"]
+    for entry in manifest.bundles:
+        layer = entry.layer
         kind = ("resident" if layer in plan.resident_layers
                 else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                 else "streamed")
         _swap_ffn(model, entry, weights, runtime, kind, checked, config)
         if kind == "resident":
-            runtime.caches[layer] = cache = NeuronCache(loader, layer, entry["count"])
-            cache.load(range(entry["count"]), step=0)
+            runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
+            cache.load(range(entry.count), step=0)
         elif kind == "sparse":
             runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
     if plan.streamed_layers and plan.prefetch:
@@ -101,14 +101,14 @@ def _module_at(root, path: str):
 
 def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
     """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias)."""
-    layer = entry["layer"]
+    layer = entry.layer
     modules, quant = {}, {}
-    for c in entry["components"]:
-        role, part = c["name"].split(".", 1)
+    for c in entry.components:
+        role, part = c.name.split(".", 1)
         if part == "weight":
-            modules[role] = c["source"].rsplit(".", 1)[0]
-            if c.get("quantization"):
-                quant[role] = c["quantization"]
+            modules[role] = c.source.rsplit(".", 1)[0]
+            if c.quantization:
+                quant[role] = c.quantization
     parents = {m.rsplit(".", 1)[0] for m in modules.values()}
     if len(parents) != 1 or "up" not in modules or "down_t" not in modules:
         raise FlashError(f"layer {layer}: unsupported MLP shape (projections {sorted(modules.values())})")

@@ -27,6 +27,7 @@ in order, padding excluded, so a reader can check exactly the bundles it read an
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -94,8 +95,140 @@ def round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def read_manifest(pack_dir) -> dict:
-    """Read and validate `pack_dir/manifest.json`; FlashError naming the file if unusable."""
+class _Record:
+    """Dict-style reads (`record["count"]`, `record.get("quantization")`) for code written against
+    the manifest's JSON; mlx-flash's own code reads the attributes."""
+    __slots__ = ()
+
+    def __getitem__(self, key):
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+    def __contains__(self, key):
+        return hasattr(self, key)
+
+
+@dataclass(frozen=True)
+class Component(_Record):
+    """One tensor's row inside every bundle of a layer: `name` is "role.part" (gate/up/down_t/...
+    and weight/scales/biases/bias), `source` the mlx-lm tensor it came from; bytes `offset` ..
+    `offset + length` of each bundle hold it as `dtype` [*shape]."""
+    name: str
+    source: str
+    dtype: str
+    shape: tuple
+    offset: int
+    length: int
+    quantization: dict | None = None  # {"group_size", "bits"} of a quantized weight
+
+    @property
+    def role(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def part(self) -> str:
+        return self.name.split(".", 1)[1]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Component":
+        return cls(d["name"], d["source"], d["dtype"], tuple(d["shape"]), d["offset"], d["length"],
+                   d.get("quantization"))
+
+
+@dataclass(frozen=True)
+class Bundle(_Record):
+    """One layer's bundle file: `count` bundles of `stride` bytes from `offset` (kind "neurons":
+    one per FFN neuron; "experts": one per MoE expert), their crc32 table at `checksums`."""
+    layer: int
+    kind: str
+    file: str
+    offset: int
+    count: int
+    stride: int
+    length: int
+    file_length: int
+    components: tuple
+    checksums: dict  # {"offset", "length", "crc32"} of the per-bundle crc32 table
+    arch: str | None = None  # the FFN_TABLE family ("gated-mlp", "opt", ...)
+    encoding: str = "dense"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one bundle's components (padding excluded)."""
+        return sum(c.length for c in self.components)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole layer's bundles on disk (count x stride)."""
+        return self.count * self.stride
+
+    def component(self, name: str) -> Component | None:
+        return next((c for c in self.components if c.name == name), None)
+
+    def modules(self) -> dict:
+        """{role: mlx-lm module path} of the layer's projections ("up": "model.layers.0.mlp.up_proj")."""
+        return {c.role: c.source.rsplit(".", 1)[0] for c in self.components if c.part == "weight"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Bundle":
+        return cls(d["layer"], d["kind"], d["file"], d["offset"], d["count"], d["stride"], d["length"],
+                   d["file_length"], tuple(Component.from_dict(c) for c in d["components"]),
+                   d["checksums"], d.get("arch"), d.get("encoding", "dense"))
+
+
+@dataclass(frozen=True)
+class Resident(_Record):
+    """The resident safetensors file: `length` bytes, whole-file `crc32`, {name: {dtype, shape}}."""
+    file: str
+    length: int
+    crc32: int
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest(_Record):
+    """A pack's manifest.json as typed records; `fields` keeps the whole JSON document (labels such
+    as "synthetic", "source", "down_requantized")."""
+    alignment: int
+    bundles: tuple
+    resident: Resident | None
+    config: dict
+    fields: dict
+
+    def __getitem__(self, key):
+        return getattr(self, key) if key in _MANIFEST_ATTRS else self.fields[key]
+
+    def get(self, key, default=None):
+        return getattr(self, key) if key in _MANIFEST_ATTRS else self.fields.get(key, default)
+
+    def __contains__(self, key):
+        return key in _MANIFEST_ATTRS or key in self.fields
+
+    @property
+    def synthetic(self) -> dict | None:
+        """The synthetic label of a pack of random weights, None for a real model's pack."""
+        return self.fields.get("synthetic") or self.config.get("synthetic")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        res = d.get("resident")
+        resident = None if res is None else Resident(res["file"], res["length"], res["crc32"],
+                                                     res.get("tensors", {}))
+        return cls(d["alignment"], tuple(Bundle.from_dict(b) for b in d.get("bundles", [])), resident,
+                   d.get("config", {}), d)
+
+
+_MANIFEST_ATTRS = ("alignment", "bundles", "resident", "config", "fields")
+
+
+def read_manifest(pack_dir) -> Manifest:
+    """Read and check `pack_dir/manifest.json` (format, version, encodings) -> Manifest; FlashError
+    naming the file if unusable."""
     path = Path(pack_dir) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -114,9 +247,9 @@ def read_manifest(pack_dir) -> dict:
         if b.get("encoding") != "dense":
             raise FlashError(f"{path}: layer {b.get('layer')} has bundle encoding "
                              f"{b.get('encoding')!r}; this reader supports 'dense'")
-    return manifest
+    return Manifest.from_dict(manifest)
 
 
-def layer_bundles(manifest: dict) -> dict:
-    """Layer index -> bundle file entry of the manifest."""
-    return {b["layer"]: b for b in manifest["bundles"]}
+def layer_bundles(manifest: Manifest) -> dict:
+    """Layer index -> Bundle of the manifest."""
+    return {b.layer: b for b in manifest.bundles}

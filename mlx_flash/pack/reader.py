@@ -19,34 +19,34 @@ def load_resident(pack_dir, *, manifest=None, verify=True):
     """(config, {name: mx.array}) of the resident tensors (everything but bundled FFN weights)."""
     pack = Path(pack_dir)
     manifest = manifest or read_manifest(pack)
-    res = manifest["resident"]
-    path = pack / res["file"]
+    res = manifest.resident
+    path = pack / res.file
     try:
         size = path.stat().st_size
     except OSError as e:
         raise FlashError(f"{path}: cannot read resident tensors ({e.strerror})") from None
-    if size != res["length"]:
+    if size != res.length:
         raise FlashError(f"{path}: {size} bytes, manifest says {res['length']} (truncated or replaced)")
     if verify:
         crc = 0
         with open(path, "rb") as f:
             while chunk := f.read(1 << 22):
                 crc = zlib.crc32(chunk, crc)
-        if crc != res["crc32"]:
+        if crc != res.crc32:
             raise FlashError(f"{path}: checksum mismatch (crc32 {crc:08x}, manifest {res['crc32']:08x})")
     try:
         weights = mx.load(str(path))
     except Exception as e:
         raise FlashError(f"{path}: unreadable safetensors ({e})") from None
-    missing = set(res["tensors"]) - set(weights)
+    missing = set(res.tensors) - set(weights)
     if missing:
         raise FlashError(f"{path}: missing tensors {sorted(missing)[:3]}")
-    return dict(manifest["config"]), weights
+    return dict(manifest.config), weights
 
 
 def bundle_pieces(entry):
     """[(offset, length)] of the components inside one bundle, in checksum order."""
-    return [(c["offset"], c["length"]) for c in entry["components"]]
+    return [(c.offset, c.length) for c in entry.components]
 
 
 def bundle_crc32(row, pieces) -> int:
@@ -59,7 +59,7 @@ def bundle_crc32(row, pieces) -> int:
 
 def read_checksum_table(path: Path, entry, data=None) -> np.ndarray:
     """The per-bundle crc32 table of a layer file, itself checked against the manifest."""
-    t = entry["checksums"]
+    t = entry.checksums
     if data is None:
         with open(path, "rb") as f:
             f.seek(t["offset"])
@@ -75,14 +75,14 @@ def read_checksum_table(path: Path, entry, data=None) -> np.ndarray:
 
 def read_layer_components(pack_dir, entry, *, verify=True):
     """{component name: mx.array [count, *shape]} of one whole bundle file."""
-    path = Path(pack_dir) / entry["file"]
+    path = Path(pack_dir) / entry.file
     try:
         data = np.fromfile(path, np.uint8)
     except OSError as e:
         raise FlashError(f"{path}: cannot read bundle file ({e.strerror})") from None
-    if data.size < entry["file_length"]:
+    if data.size < entry.file_length:
         raise FlashError(f"{path}: truncated ({data.size} bytes, manifest says {entry['file_length']})")
-    count, stride, off = entry["count"], entry["stride"], entry["offset"]
+    count, stride, off = entry.count, entry.stride, entry.offset
     rows = data[off: off + count * stride].reshape(count, stride)
     if verify:
         table = read_checksum_table(path, entry, data)
@@ -92,9 +92,9 @@ def read_layer_components(pack_dir, entry, *, verify=True):
                 raise FlashError(f"{path}: checksum mismatch in bundle {i} "
                                  f"(offset {off + i * stride})")
     out = {}
-    for c in entry["components"]:
-        raw = np.ascontiguousarray(rows[:, c["offset"]: c["offset"] + c["length"]])
-        out[c["name"]] = mx.array(raw).view(mx_dtype(c["dtype"])).reshape(count, *c["shape"])
+    for c in entry.components:
+        raw = np.ascontiguousarray(rows[:, c.offset: c.offset + c.length])
+        out[c.name] = mx.array(raw).view(mx_dtype(c.dtype)).reshape(count, *c.shape)
     return out
 
 
@@ -111,17 +111,17 @@ def load_pack_weights(pack_dir, *, verify=True):
     pack = Path(pack_dir)
     manifest = read_manifest(pack)
     config, weights = load_resident(pack, manifest=manifest, verify=verify)
-    for entry in manifest["bundles"]:
+    for entry in manifest.bundles:
         comps = read_layer_components(pack, entry, verify=verify)
-        by_name = {c["name"]: c for c in entry["components"]}
+        by_name = {c.name: c for c in entry.components}
         for name, arr in comps.items():
             c = by_name[name]
             if not name.startswith("down_t."):
-                weights[c["source"]] = arr
+                weights[c.source] = arr
             elif name == "down_t.weight":
-                q = c.get("quantization")
+                q = c.quantization
                 if q:
                     arr = mx.dequantize(arr, comps["down_t.scales"], comps["down_t.biases"],
                                         group_size=q["group_size"], bits=q["bits"])
-                weights[c["source"]] = mx.contiguous(arr.T)
+                weights[c.source] = mx.contiguous(arr.T)
     return config, weights

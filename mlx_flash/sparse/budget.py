@@ -32,22 +32,22 @@ from ..io.planner import ReadCost, plan_read_arrays
 
 def row_bytes(entry) -> int:
     """In-memory bytes of one neuron of a layer (all its bundle components)."""
-    return sum(c["length"] for c in entry["components"])
+    return sum(c.length for c in entry.components)
 
 
 def layer_bytes(entry) -> int:
     """In-memory bytes of one layer's whole FFN."""
-    return entry["count"] * row_bytes(entry)
+    return entry.count * row_bytes(entry)
 
 
 def pack_bytes(manifest) -> int:
     """Bytes of the model's weights in the pack: resident file + every layer's bundles."""
-    return manifest["resident"]["length"] + sum(b["count"] * b["stride"] for b in manifest["bundles"])
+    return manifest.resident.length + sum(b.count * b.stride for b in manifest.bundles)
 
 
 def stream_bytes(manifest) -> int:
     """Streaming buffer (largest layer) + loader staging for reading it whole."""
-    return max((layer_bytes(b) + b["count"] * b["stride"] for b in manifest["bundles"]), default=0)
+    return max((layer_bytes(b) + b.count * b.stride for b in manifest.bundles), default=0)
 
 
 def fmt_bytes(n) -> str:
@@ -125,7 +125,7 @@ def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> 
     planner's merged, aligned requests priced by its cost model: latency per read + bytes /
     bandwidth); mean of `draws` random neuron sets. Without a cost model: bytes / 1 GB/s."""
     entry = loader.entry(layer)
-    n, stride = entry["count"], entry["stride"]
+    n, stride = entry.count, entry.stride
     if neurons <= 0:
         return 0.0
     cost = loader.cost if getattr(loader, "plan", True) else None
@@ -134,7 +134,7 @@ def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> 
     total = 0.0
     for _ in range(draws if neurons < n else 1):
         ids = np.sort(rng.choice(n, neurons, replace=False)) if neurons < n else np.arange(n)
-        r0, r1, _ = plan_read_arrays(entry["offset"] + ids * stride, stride, align=loader.alignment,
+        r0, r1, _ = plan_read_arrays(entry.offset + ids * stride, stride, align=loader.alignment,
                                      cost=cost, max_read=loader.max_read)
         total += len(r0) * price.latency_s + int((r1 - r0).sum()) / price.bandwidth
     return total / (draws if neurons < n else 1)
@@ -143,7 +143,7 @@ def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> 
 def prefetch_bytes(manifest) -> int:
     """Flash's prefetch ring: two streaming buffers (largest layer) + the background reader's
     staging for one whole layer."""
-    return max((2 * layer_bytes(b) + b["count"] * b["stride"] for b in manifest["bundles"]), default=0)
+    return max((2 * layer_bytes(b) + b.count * b.stride for b in manifest.bundles), default=0)
 
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
@@ -158,16 +158,16 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     """
     limit = resolve_budget(budget, manifest)
     if mode == "flash" and density is not None and read_cost is not None and limit is not None \
-            and limit < manifest["resident"]["length"] + sum(layer_bytes(b) for b in manifest["bundles"]):
+            and limit < manifest.resident.length + sum(layer_bytes(b) for b in manifest.bundles):
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
                                  requested_capacity, prefetch=prefetch)
     # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
     # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
     if isinstance(predictor_bytes, dict):
         predictor_bytes = sum(predictor_bytes.values())
-    bundles = {b["layer"]: b for b in manifest["bundles"]}
+    bundles = {b.layer: b for b in manifest.bundles}
     plan = MemoryPlan(mode, resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest["resident"]["length"], budget_param=budget_param(budget),
+                      manifest.resident.length, budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = plan.resident + sum(plan.layer_bytes.values())
@@ -187,7 +187,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
             plan.resident_layers.append(i)
             room -= plan.layer_bytes[i]
     elif mode == "flash":
-        full = {i: b["count"] for i, b in bundles.items()}
+        full = {i: b.count for i, b in bundles.items()}
         want = {i: min(full[i], int(requested_capacity.get(i, full[i]))) for i in full} \
             if requested_capacity else dict(full)
         want_bytes = sum(want[i] * plan.row_bytes[i] for i in want)
@@ -209,10 +209,10 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
     The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
     neuron caches) when a layer is sparse. FlashError when even the smallest plan does not fit."""
-    bundles = {b["layer"]: b for b in manifest["bundles"]}
+    bundles = {b.layer: b for b in manifest.bundles}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest["resident"]["length"], budget_param=budget_param(budget),
+                      manifest.resident.length, budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = base.resident + sum(base.layer_bytes.values())
@@ -220,7 +220,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         base.resident_layers = layers
         base.expected_read_s = 0.0
         return base
-    full = {i: b["count"] for i, b in bundles.items()}
+    full = {i: b.count for i, b in bundles.items()}
     cost = {i: {"streamed": float(read_cost(i, full[i])),
                 "sparse": float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))}
             for i in layers}

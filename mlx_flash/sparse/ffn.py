@@ -90,7 +90,7 @@ class UpDownMLP(nn.Module):
 
 def layout_key(entry) -> tuple:
     """Bundle layout of a layer: layers with equal keys can share streaming buffers."""
-    return (entry["count"],) + tuple((c["name"], c["dtype"], tuple(c["shape"])) for c in entry["components"])
+    return (entry.count,) + tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
 
 
 class StreamPrefetcher:
@@ -109,7 +109,7 @@ class StreamPrefetcher:
         loader = runtime.loader
         if len({layout_key(loader.entry(i)) for i in self.order}) != 1:
             raise FlashError("prefetch: the streamed layers have different bundle layouts")
-        self.buffers = [loader.alloc(self.order[0], loader.entry(self.order[0])["count"])
+        self.buffers = [loader.alloc(self.order[0], loader.entry(self.order[0]).count)
                         for _ in range(slots)]
         for i in self.order:  # resolve destination views here, not in the reader thread
             for buf in self.buffers:
@@ -130,7 +130,7 @@ class StreamPrefetcher:
             layer = self.order[self.cursor]
             self.cursor += 1
             slot = self.free.pop(0)
-            n = self.rt.loader.entry(layer)["count"]
+            n = self.rt.loader.entry(layer).count
             fut = self._pool.submit(self.rt.loader.read, layer, np.arange(n), self.buffers[slot])
             self.pending[layer] = (slot, fut)
 
@@ -149,7 +149,7 @@ class StreamPrefetcher:
         slot, fut = self.pending.pop(layer)
         t0 = time.perf_counter()
         if fut is None:
-            n = self.rt.loader.entry(layer)["count"]
+            n = self.rt.loader.entry(layer).count
             stats = self.rt.loader.read(layer, np.arange(n), self.buffers[slot])
         else:
             stats = fut.result()
@@ -177,9 +177,9 @@ class FlashRuntime:
 
     def stream_rows(self, layer: int) -> dict:
         entry = self.loader.entry(layer)
-        key = tuple((c["name"], c["dtype"], tuple(c["shape"])) for c in entry["components"])
+        key = tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
         if key not in self._stream:
-            self._stream[key] = self.loader.alloc(layer, entry["count"])
+            self._stream[key] = self.loader.alloc(layer, entry.count)
         return self._stream[key]
 
 
@@ -191,7 +191,7 @@ class FlashFFN(nn.Module):
         self.mlp = mlp
         self.layer, self.kind = layer, kind
         self._current, self._rt = current, runtime
-        self._n = runtime.loader.entry(layer)["count"]
+        self._n = runtime.loader.entry(layer).count
         self._all = np.arange(self._n)
 
     def _run(self, x, rows, n, add_down_bias=True):

@@ -38,7 +38,7 @@ class NeuronCache:
 
     def __init__(self, loader, layer: int, capacity: int):
         self.loader, self.layer = loader, layer
-        self.n_neurons = loader.entry(layer)["count"]
+        self.n_neurons = loader.entry(layer).count
         self.capacity = int(min(capacity, self.n_neurons))
         self.rows = loader.alloc(layer, self.capacity)  # {component: mx.array [capacity, ...]}
         # uint8 views of the same memory, for swap-delete copies (no MLX graph, no reallocation);

@@ -155,7 +155,7 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
             st_path.unlink(missing_ok=True)
             crc = None
         doc = {"format": FORMAT, "format_version": FORMAT_VERSION,
-               "pack_resident_crc32": manifest["resident"]["crc32"],
+               "pack_resident_crc32": manifest.resident.crc32,
                "tensors_file": PREDICTORS_FILE if arrays else None, "tensors_crc32": crc, **meta,
                "layers": {str(i): layers[i] for i in sorted(layers)}}
         text = json.dumps(doc, indent=1)
@@ -180,11 +180,11 @@ def read_predictors_json(pack_dir):
         raise FlashError(f"{path}: predictors format version {doc.get('format_version')}, this "
                          f"mlx-flash reads {FORMAT_VERSION}; re-run python -m mlx_flash.calibrate")
     manifest = read_manifest(pack_dir)
-    if doc.get("pack_resident_crc32") != manifest["resident"]["crc32"]:
+    if doc.get("pack_resident_crc32") != manifest.resident.crc32:
         raise FlashError(f"{path}: calibrated for a different pack; re-run python -m mlx_flash.calibrate")
     layers = doc.get("layers")
-    n_layers = len(manifest["bundles"])
-    if not isinstance(layers, dict) or sorted(map(int, layers)) != sorted(b["layer"] for b in manifest["bundles"]):
+    n_layers = len(manifest.bundles)
+    if not isinstance(layers, dict) or sorted(map(int, layers)) != sorted(b.layer for b in manifest.bundles):
         raise FlashError(f"{path}: layers do not match the pack's {n_layers} FFN layers")
     for key, entry in layers.items():
         if entry.get("kind") not in KINDS:
@@ -236,8 +236,8 @@ def load_predictors(pack_dir):
             tensors = {k: v for k, v in comps.items() if k.startswith(role + ".")}
             if f"{role}.weight" not in tensors:
                 raise FlashError(f"{pack / bundles[i]['file']}: no {role} rows for a {kind} predictor")
-            meta = next(c for c in bundles[i]["components"] if c["name"] == f"{role}.weight")
-            quant = meta.get("quantization")
+            meta = next(c for c in bundles[i].components if c.name == f"{role}.weight")
+            quant = meta.quantization
             del comps
         out[i] = LayerPredictor(i, kind, entry["n_neurons"], threshold=entry.get("threshold", 0.0),
                                 prob_threshold=entry.get("prob_threshold", 0.5),
