@@ -156,6 +156,7 @@ class Bundle(_Record):
     checksums: dict  # {"offset", "length", "crc32"} of the per-bundle crc32 table
     arch: str | None = None  # the FFN_TABLE family ("gated-mlp", "opt", ...)
     encoding: str = "dense"
+    neuron_order: list | None = None  # reordered packs: original neuron at each position (reorder.py)
 
     @property
     def row_bytes(self) -> int:
@@ -178,7 +179,7 @@ class Bundle(_Record):
     def from_dict(cls, d: dict) -> "Bundle":
         return cls(d["layer"], d["kind"], d["file"], d["offset"], d["count"], d["stride"], d["length"],
                    d["file_length"], tuple(Component.from_dict(c) for c in d["components"]),
-                   d["checksums"], d.get("arch"), d.get("encoding", "dense"))
+                   d["checksums"], d.get("arch"), d.get("encoding", "dense"), d.get("neuron_order"))
 
 
 @dataclass(frozen=True)

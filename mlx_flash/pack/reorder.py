@@ -35,7 +35,7 @@ def reorder_pack(pack_dir, orders: dict) -> dict:
     from .writer import _write_bytes, write_manifest
 
     pack = Path(pack_dir)
-    manifest = read_manifest(pack)
+    manifest = read_manifest(pack).fields  # the JSON document: entries are edited in place below
     entries = {b["layer"]: b for b in manifest["bundles"]}
     by_file = {}
     for layer in sorted(orders):
