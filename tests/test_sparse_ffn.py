@@ -1,11 +1,12 @@
 """sparse/ffn.py: the prefetch ring of layers the flash plan streams whole (StreamPrefetcher), and
-the MLP shapes FlashFFN accepts."""
+the MLP shapes FlashFFN accepts, and its GPU path on the fused Metal kernels."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from flash_runs import TOKENS, assert_identical, run_steps
+from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
+from test_models_flash import opt_pack_with_exact_predictors
 
 from mlx_flash.config import FlashConfig
 from mlx_flash.errors import FlashError
@@ -74,3 +75,50 @@ def test_unsupported_mlp_shape_is_refused():
     current = CurrentRows({})
     with pytest.raises(FlashError, match="unsupported MLP shape"):
         check_mlp_shape(SoftmaxMLP(current), current, ["down_t", "up"], 16, "model.layers.0.mlp")
+
+
+def gpu_path_through_the_emulator(monkeypatch):
+    """Make sparse/ffn.py take its GPU path (the fused Metal kernels) on Linux: metal_active() says
+    yes and the kernel sources run in the Metal emulator. Returns the list of kernels run."""
+    from mlx_flash.metal import emulator
+    from mlx_flash.metal import kernels as metal_kernels
+
+    if emulator.compiler() is None:
+        pytest.skip("the Metal emulator needs g++")
+    ran, build = [], metal_kernels.kernel
+
+    def kernel(name, metal_kernel=None):
+        run = build(name, emulator.metal_kernel)
+        return lambda **kw: ran.append(name) or run(**kw)
+
+    monkeypatch.setattr(metal_kernels, "metal_active", lambda: True)
+    monkeypatch.setattr(metal_kernels, "kernel", kernel)
+    return ran
+
+
+@pytest.mark.parametrize("dtype, quant", [("float16", None), ("float16", (4, 32))])
+def test_gpu_path_runs_the_fused_metal_kernels(tiny_llama, tmp_path, monkeypatch, dtype, quant):
+    """Flash mode on the GPU path (fused up/gate + SiLU, then down, over the cache's rows and the
+    overflow's): the logits of the MLP path, up to float16 rounding."""
+    src = tiny_llama("src", dtype=dtype, quantize=quant, layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    predictors = {i: all_neurons(96) for i in range(2)}
+    want = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity={0: 30, 1: 96}))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    got = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors,
+                                      capacity={0: 30, 1: 96}))
+    # every FFN call ran on the kernels (2 layers; layer 0 also computes its overflow rows)
+    assert ran.count("sparse_up") >= 3 * len(TOKENS) and ran.count("sparse_down") == ran.count("sparse_up")
+    for x, y in zip(got, want):
+        x, y = x.astype(mx.float32), y.astype(mx.float32)
+        assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()
+
+
+def test_gpu_path_runs_relu_ffns_on_the_kernels(tmp_path, monkeypatch):
+    _, pack = opt_pack_with_exact_predictors(tmp_path)
+    want = run_steps(build_flash_model(pack, FlashConfig("flash", window=2)))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    got = run_steps(build_flash_model(pack, FlashConfig("flash", window=2)))
+    assert ran.count("sparse_up") >= 2 * len(TOKENS)
+    for x, y in zip(got, want):
+        assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()

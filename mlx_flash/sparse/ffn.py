@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..cpu.ops import gather_matvec, gather_matvec_t
 from ..errors import FlashError
+from ..metal import kernels as metal_kernels
 from .neuron_cache import NeuronCache
 
 
@@ -86,6 +87,13 @@ class UpDownMLP(nn.Module):
 
     def __call__(self, x):
         return self.down(self._act(self.up(x)))
+
+
+def _kernel_weights(rows: dict, role: str, quant: dict):
+    """metal_kernels.Weights of one role's rows (weight, scales, biases, bias; bits from `quant`)."""
+    q = quant.get(role, {})
+    return metal_kernels.Weights(rows[f"{role}.weight"], rows.get(f"{role}.scales"), rows.get(f"{role}.biases"),
+                                 rows.get(f"{role}.bias"), q.get("bits"), q.get("group_size", 64))
 
 
 def layout_key(entry) -> tuple:
@@ -193,10 +201,34 @@ class FlashFFN(nn.Module):
         self._current, self._rt = current, runtime
         self._n = runtime.loader.entry(layer).count
         self._all = np.arange(self._n)
+        self._fused_act = None  # GPU: "silu" / "relu" once the MLP was seen to compute that, False if not
 
     def _run(self, x, rows, n, add_down_bias=True):
+        if self._fused_act is not False and metal_kernels.metal_active():
+            y = self._run_fused(x, rows, n, add_down_bias)
+            if y is not None:
+                return y
         self._current.set(rows, n, add_down_bias)
         return self.mlp(x)
+
+    def _run_fused(self, x, rows, n, add_down_bias):
+        """The FFN on the Metal kernels: fused up/gate + activation over the first n rows, then down
+        over the same rows. Used when the MLP is down(silu(gate x) * up x) (gated) or
+        down(relu(up x)): checked against the MLP itself on the first call; None if it is not."""
+        c = self._current
+        up, down = _kernel_weights(rows, "up", c.quant), _kernel_weights(rows, "down_t", c.quant)
+        gate = _kernel_weights(rows, "gate", c.quant) if "gate.weight" in rows else None
+        act = "silu" if gate is not None else "relu"
+        y = metal_kernels.sparse_down(metal_kernels.sparse_up(x, up, gate, n=n, act=act), down, n=n)
+        if add_down_bias and c.down_bias is not None:
+            y = y + c.down_bias
+        if self._fused_act is None:
+            c.set(rows, n, add_down_bias)
+            same = mx.allclose(y, self.mlp(x), rtol=2e-2, atol=2e-2).item()
+            self._fused_act = act if same else False
+            if not same:
+                return None
+        return y
 
     def __call__(self, x):
         step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
