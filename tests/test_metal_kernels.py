@@ -82,10 +82,10 @@ def up_case(fmt, act, sel, tokens=TOKENS, bias=False):
     gate, gate64 = make_weights(fmt, 2, bias=bias)
     x64, r = as_f64(x), rows_of(sel)
     u = x64 @ up64[r].T + (as_f64(up.bias)[r] if bias else 0)
-    if act == "silu":
+    if act in ("silu", "relu_gated"):
         g = x64 @ gate64[r].T + (as_f64(gate.bias)[r] if bias else 0)
-        a = g / (1 + np.exp(-g))
-        threshold = float(np.quantile(np.abs(a), 0.4)) if a.size else 0.1
+        a = g / (1 + np.exp(-g)) if act == "silu" else np.maximum(g, 0)
+        threshold = float(np.quantile(np.abs(a), 0.4 if act == "silu" else 0.7)) if a.size else 0.1
         h = np.where(np.abs(a) > threshold, a * u, 0)
         margin = np.abs(np.abs(a) - threshold)
     else:
@@ -116,6 +116,19 @@ def test_sparse_up_gated(fmt, sel, backend):
     kw = dict(threshold=t, act="silu", **mx_sel(SELECTIONS[sel]))
     h = run_kernel(K.sparse_up_metal, backend, x, up, gate, **kw)
     assert h.dtype == x.dtype
+    check_close(h, h_ref, x.dtype, skip=near)
+    check_close(K.sparse_up_twin(x, up, gate, **kw), as_f64(h), x.dtype, skip=near, scale=8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sel", list(SELECTIONS), ids=list(SELECTIONS))
+@pytest.mark.parametrize("fmt", ["q8g32", "bf16"])
+def test_sparse_up_gated_relu(fmt, sel, backend):
+    """relu_llama's FFN: relu(gate x) * up x, the threshold acting as FATReLU's."""
+    x, up, gate, t, h_ref, near = up_case(fmt, "relu_gated", SELECTIONS[sel])
+    kw = dict(threshold=t, act="relu_gated", **mx_sel(SELECTIONS[sel]))
+    h = run_kernel(K.sparse_up_metal, backend, x, up, gate, **kw)
+    assert t > 0 and (as_f64(h) == 0).mean() > 0.5  # the threshold masks more than ReLU alone
     check_close(h, h_ref, x.dtype, skip=near)
     check_close(K.sparse_up_twin(x, up, gate, **kw), as_f64(h), x.dtype, skip=near, scale=8)
 

@@ -122,3 +122,24 @@ def test_gpu_path_runs_relu_ffns_on_the_kernels(tmp_path, monkeypatch):
     assert ran.count("sparse_up") >= 2 * len(TOKENS)
     for x, y in zip(got, want):
         assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()
+
+
+def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monkeypatch):
+    """relu_llama with FATReLU (threshold 0.05): the gated-ReLU kernel with the threshold as its mask."""
+    import json
+
+    src = tiny_llama("src", layers=2, intermediate=96)
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="relu_llama", hidden_act="fatrelu", activation_threshold=0.05)
+    (src / "config.json").write_text(json.dumps(config))
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    predictors = {i: all_neurons(96) for i in range(2)}
+    capacity = {0: 40, 1: 96}
+    want = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity=capacity))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    model = build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity=capacity)
+    got = run_steps(model)
+    assert ran.count("sparse_up") >= 2 * len(TOKENS)
+    assert {layer.mlp._fused_act for layer in model.layers} == {"relu_gated"}
+    for x, y in zip(got, want):
+        assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()

@@ -2,8 +2,9 @@
 
     sparse_up(x, up, gate, n= | rows=, threshold, act)  h [..., count]: fused up/gate projection over
         the first n rows of a neuron cache or over gathered row ids, with the activation and the
-        threshold mask (CATS): gated  h_j = act(gate_j x) * (up_j x)  where |act(gate_j x)| > threshold
-                               relu   h_j = relu(up_j x)              where relu(up_j x) > threshold
+        threshold mask (CATS): silu, relu_gated  h_j = act(gate_j x) * (up_j x)  where
+                                                 |act(gate_j x)| > threshold
+                               relu              h_j = relu(up_j x)  where relu(up_j x) > threshold
     sparse_down(h, down_t, n= | rows=)  y [..., D] = sum_j h_j * down_t[row j]: the down projection
         accumulated over the same rows (rows of the transposed down matrix); rows with h_j == 0 are
         not read.
@@ -31,7 +32,8 @@ SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "metal"
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 HALF_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-ACTS = ("silu", "relu")  # gated SiLU (llama family), ReLU without gate (OPT)
+ACTS = ("silu", "relu", "relu_gated")  # gated SiLU (llama), ReLU without gate (OPT), gated ReLU (relu_llama)
+GATED = ("silu", "relu_gated")
 UP_ROWS_PER_THREADGROUP = 8  # SIMD groups (one output row each) per threadgroup of sparse_up
 DOWN_SIMD_GROUPS = 8  # SIMD groups sharing the rows of sparse_down's threadgroup
 DOWN_TARGET_THREADGROUPS = 128  # sparse_down splits its rows until the grid has about this many
@@ -133,8 +135,9 @@ def sparse_up_twin(x, up: Weights, gate: Weights | None, *, rows=None, n=None, t
     if count == 0:
         return mx.zeros((*x.shape[:-1], 0), result_dtype(x.dtype, up))
     u = _project_twin(x, up, rows, n)
-    if act == "silu":
-        a = _silu(_project_twin(x, gate, rows, n))
+    if act in GATED:
+        g = _project_twin(x, gate, rows, n)
+        a = _silu(g) if act == "silu" else mx.maximum(g, 0)
         return mx.where(mx.abs(a) > threshold, a * u, mx.zeros((), a.dtype))
     a = mx.maximum(u, 0)
     return mx.where(a > threshold, a, mx.zeros((), a.dtype))
@@ -191,10 +194,10 @@ def sparse_up_metal(x, up: Weights, gate: Weights | None, *, rows=None, n=None, 
         return mx.zeros((*lead, 0), out_dtype)
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    gated = act == "silu"
+    gated = act in GATED
     if gated and (gate is None or (gate.bias is None) != (up.bias is None)
                   or (gate.bits, gate.group_size, gate.weight.dtype) != (up.bits, up.group_size, up.weight.dtype)):
-        raise ValueError("sparse_up: act 'silu' needs a gate in up's format (bits, group size, dtype, bias)")
+        raise ValueError(f"sparse_up: act {act!r} needs a gate in up's format (bits, group size, dtype, bias)")
     g = gate if gated else up  # ReLU: the gate inputs repeat up's (never read)
     inputs = ([x2] + _quant_inputs(up, g) + _quant_inputs(g, up)
               + [_ids(rows), _params(count, int(rows is not None), K, up.group_size if up.bits else 0),

@@ -201,7 +201,7 @@ class FlashFFN(nn.Module):
         self._current, self._rt = current, runtime
         self._n = runtime.loader.entry(layer).count
         self._all = np.arange(self._n)
-        self._fused_act = None  # GPU: "silu" / "relu" once the MLP was seen to compute that, False if not
+        self._fused_act = None  # GPU: the kernels' act once the MLP was seen to compute it, False if not
 
     def _run(self, x, rows, n, add_down_bias=True):
         if self._fused_act is not False and metal_kernels.metal_active():
@@ -212,14 +212,21 @@ class FlashFFN(nn.Module):
         return self.mlp(x)
 
     def _run_fused(self, x, rows, n, add_down_bias):
-        """The FFN on the Metal kernels: fused up/gate + activation over the first n rows, then down
-        over the same rows. Used when the MLP is down(silu(gate x) * up x) (gated) or
-        down(relu(up x)): checked against the MLP itself on the first call; None if it is not."""
+        """The FFN on the Metal kernels: fused up/gate + activation (and mask) over the first n rows,
+        then down over the same rows. Used when the MLP is down(silu(gate x) * up x), relu_llama's
+        down(relu(gate x) * up x) / FATReLU (its threshold as the mask's) or down(relu(up x)):
+        checked against the MLP itself on the first call; None if it is not that."""
         c = self._current
         up, down = _kernel_weights(rows, "up", c.quant), _kernel_weights(rows, "down_t", c.quant)
         gate = _kernel_weights(rows, "gate", c.quant) if "gate.weight" in rows else None
-        act = "silu" if gate is not None else "relu"
-        y = metal_kernels.sparse_down(metal_kernels.sparse_up(x, up, gate, n=n, act=act), down, n=n)
+        if gate is None:
+            act, threshold = "relu", 0.0
+        elif getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
+            act, threshold = "relu_gated", float(getattr(self.mlp, "threshold", 0.0))
+        else:
+            act, threshold = "silu", 0.0
+        h = metal_kernels.sparse_up(x, up, gate, n=n, act=act, threshold=threshold)
+        y = metal_kernels.sparse_down(h, down, n=n)
         if add_down_bias and c.down_bias is not None:
             y = y + c.down_bias
         if self._fused_act is None:
