@@ -124,15 +124,19 @@ def test_gpu_path_runs_relu_ffns_on_the_kernels(tmp_path, monkeypatch):
         assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()
 
 
-def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monkeypatch):
-    """relu_llama with FATReLU (threshold 0.05): the gated-ReLU kernel with the threshold as its mask."""
+def relu_llama_pack(tiny_llama, tmp_path, **act):
     import json
 
     src = tiny_llama("src", layers=2, intermediate=96)
     config = json.loads((src / "config.json").read_text())
-    config.update(model_type="relu_llama", hidden_act="fatrelu", activation_threshold=0.05)
+    config.update(model_type="relu_llama", **act)
     (src / "config.json").write_text(json.dumps(config))
-    pack = write_pack(src, tmp_path / "pack", progress=False)
+    return write_pack(src, tmp_path / "pack", progress=False)
+
+
+def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monkeypatch):
+    """relu_llama with FATReLU (threshold 0.05): the gated-ReLU kernel with the threshold as its mask."""
+    pack = relu_llama_pack(tiny_llama, tmp_path, hidden_act="fatrelu", activation_threshold=0.05)
     predictors = {i: all_neurons(96) for i in range(2)}
     capacity = {0: 40, 1: 96}
     want = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity=capacity))
@@ -143,3 +147,17 @@ def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monke
     assert {layer.mlp._fused_act for layer in model.layers} == {"relu_gated"}
     for x, y in zip(got, want):
         assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()
+
+
+def test_gpu_path_keeps_the_mlp_the_kernels_do_not_compute(tiny_llama, tmp_path, monkeypatch):
+    """dReLU (relu(gate x) * relu(up x)) has no kernel: the first call sees the difference, warns,
+    and every layer keeps the MLP path (the same logits)."""
+    pack = relu_llama_pack(tiny_llama, tmp_path, hidden_act="drelu")
+    predictors = {i: all_neurons(96) for i in range(2)}
+    want = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity={0: 96, 1: 96}))
+    gpu_path_through_the_emulator(monkeypatch)
+    model = build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity={0: 96, 1: 96})
+    with pytest.warns(RuntimeWarning, match="differ from the MLP .* keeps the MLP path"):
+        got = run_steps(model)
+    assert {layer.mlp._fused_act for layer in model.layers} == {False}
+    assert_identical(got, want)
