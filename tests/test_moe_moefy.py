@@ -8,6 +8,7 @@ from conftest import write_tiny_llama
 
 from mlx_flash.models import load_model
 from mlx_flash.moe.moefy import balanced_kmeans, moefy
+from mlx_flash.moe.quality import set_moefied_top_k
 
 
 def test_balanced_kmeans_makes_equal_clusters_of_similar_rows():
@@ -35,14 +36,10 @@ def test_moefied_model_equals_dense_ffn_with_every_expert_and_a_zero_router(tmp_
     assert "Derived model" in (out / "README.md").read_text()
     moe, _ = load_model(out, lazy=False)
     tokens = mx.array([[1, 5, 9, 77, 3, 100, 42, 8]])
-    # Route every token to every expert with equal scores: the MoE layer is the dense FFN
-    # (each down matrix carries the factor top_k; scores 1/top_k).
-    cfg["num_experts_per_tok"] = 4
+    # Route every token to every expert with equal scores: the MoE layer is the dense FFN.
+    set_moefied_top_k(moe, 4)
     for layer in moe.model.layers:
-        block = layer.block_sparse_moe
-        block.num_experts_per_tok = 4
-        block.gate.weight = mx.zeros_like(block.gate.weight)
-        block.switch_mlp.down_proj.weight = block.switch_mlp.down_proj.weight * 2  # x2 carried, x4 for 1/4
+        layer.block_sparse_moe.gate.weight = mx.zeros_like(layer.block_sparse_moe.gate.weight)
     want, got = model(tokens), moe(tokens)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
     assert np.array_equal(np.argmax(np.array(got), -1), np.array(np.argmax(np.array(want), -1)))

@@ -16,6 +16,7 @@ whether every step's logits equal dense's bit for bit.
 import json
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +32,9 @@ def add_arguments(p):
     p.add_argument("--width", type=int, default=None, help="experts preloaded per layer (default top_k)")
     p.add_argument("--pack", default=None, help="also run the streamed runtime on this MoE pack")
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--ppl-k", type=int, nargs="*", default=None,
+                   help="also report held-out perplexity of a moefied model at these top-k, next "
+                        "to its dense source (config's derived_from)")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -95,6 +99,30 @@ def runtime_rows(pack, tokens, n_steps, slots, width):
     return rows
 
 
+def moefied_perplexity(model_dir, config, tokens, ks):
+    """Held-out perplexity of the dense source and of the moefied model at each top-k."""
+    from ..models import load_model
+    from ..moe.quality import held_out_perplexity, set_moefied_top_k
+
+    src = config.get("derived_from")
+    if not src or "moefied" not in config:
+        raise FlashError(f"--ppl-k: {model_dir} is not a moefied model (no derived_from)")
+    dense, _ = load_model(Path(src), lazy=False)
+    from mlx_lm.utils import dequantize_model
+
+    dense = dequantize_model(dense)  # moefy's reference: the source dequantized, as it was split
+    out = {"dense": held_out_perplexity([dense], tokens)["ppl"][0]}
+    del dense
+    moe, _ = load_model(Path(model_dir))
+    for k in ks:
+        set_moefied_top_k(moe, k)
+        r = held_out_perplexity([moe], tokens)
+        out[f"top{k}"] = r["ppl"][0]
+        print(f"held-out perplexity ({r['tokens']} tokens): top-{k} of {config['num_local_experts']} "
+              f"{out[f'top{k}']:.2f} vs dense {out['dense']:.2f} (x{out[f'top{k}'] / out['dense']:.2f})")
+    return out
+
+
 def run(args):
     import mlx.core as mx  # noqa: F401
 
@@ -103,8 +131,8 @@ def run(args):
     from ..calibration.dense_pass import text_tokens
     from ..moe.predict import RoutingProfile, record_routing
 
-    model, config = load_model(args.model)
-    tokenizer = load_tokenizer(args.model)
+    model, config = load_model(Path(args.model))
+    tokenizer = load_tokenizer(Path(args.model))
     top_k, n_experts = top_k_of(config), _n_experts(config)
     if n_experts is None:
         raise FlashError(f"--model {args.model}: config.json names no expert count")
@@ -148,6 +176,8 @@ def run(args):
             print(f"| {r['mode']} | {r['tok_s']:.1f} | {r['mb_read_per_token']:.2f} | "
                   f"{r['host_syncs_per_token']:.0f} | {hr} | {r['exact']} |")
         result["runtime"] = rt
+    if args.ppl_k:
+        result["perplexity"] = moefied_perplexity(args.model, config, text, args.ppl_k)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -24,3 +24,17 @@ def held_out_perplexity(models, tokens: np.ndarray, seq_len=256) -> dict:
     """{"ppl": [perplexity of each model], "tokens": scored tokens} on `tokens` (int32 ids)."""
     ppl = [math.exp(float(np.mean(sequence_nll(m, tokens, seq_len)))) for m in models]
     return {"ppl": ppl, "tokens": int((len(tokens) - 1) // seq_len * seq_len)}
+
+
+def set_moefied_top_k(model, k: int):
+    """Route a MoEfied mixtral model (moe.moefy) to `k` experts per token instead of its own k.
+
+    Each down matrix carries the factor k_built (mixtral's top-k softmax gives each chosen expert
+    ~1/k), so it is rescaled by k / k_now; k = all experts gives back the dense FFN.
+    """
+    for layer in model.model.layers:
+        block = layer.block_sparse_moe
+        old = block.num_experts_per_tok
+        block.num_experts_per_tok = k
+        down = block.switch_mlp.down_proj
+        down.weight = down.weight * (k / old)
