@@ -61,6 +61,11 @@ def hit_rate_table(trace, n_experts, top_k, width, profile):
             row["best+lookahead"] = simulate(accesses, layers, cap, best,
                                              preload=preload_plan(trace, preds["lookahead"])).hit_rate
         rows.append(row)
+    half = n_experts // 2
+    if half >= top_k:  # one pool of the same total size: where the layer-aware distance matters
+        pooled = {p: simulate(accesses, layers, half * len(layers), p).hit_rate
+                  for p in ("lru", "lfu", "layer", "belady")}
+        rows.append({"slots": f"{half} (pooled)", **pooled})
     return rows, scores
 
 
@@ -150,7 +155,7 @@ def run(args):
           f"in decode order, per-layer cache; {platform.machine()} {platform.node()}, "
           f"{time.perf_counter() - t0:.0f} s")
     print(f"# command: {args.command_line}")
-    print("| slots/layer | LRU | LFU | layer-aware | Belady | best + lookahead preload |")
+    print(f"| slots/layer | LRU | LFU | layer-aware | Belady | best + lookahead preload (width {width}) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         pre = f"{r['best+lookahead']:.3f} ({r['best']})" if "best+lookahead" in r else "-"
@@ -158,7 +163,7 @@ def run(args):
               f"{r['belady']:.3f} | {pre} |")
     for name, (rec, prec) in scores.items():
         print(f"next-layer predictor {name}: recall {rec:.3f}, precision {prec:.3f} at width {width}")
-    half = next(r for r in rows if r["slots"] == n_experts // 2) if n_experts // 2 >= top_k else None
+    half = next((r for r in rows if r["slots"] == n_experts // 2), None)
     if half:
         best = max(half[p] for p in ("lru", "lfu", "layer"))
         print(f"half the experts cached ({half['slots']}/layer): best policy {best:.3f}, "
