@@ -2,7 +2,7 @@
 
     python -m mlx_flash.calibrate --model PACK --text FILE [FILE ...] [--kind KIND]
         [--target-sparsity T] [--rank R] [--rank-per-layer 26-29:256] [--recall 0.99]
-        [--threshold 0.5] [--max-tokens N]
+        [--threshold 0.5] [--max-tokens N] [--reorder]
 
 Runs the pack's model dense (float32) over the text, records every layer's FFN input x (the
 normalised attention output), then per layer:
@@ -19,15 +19,16 @@ normalised attention output), then per layer:
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
   * capacity Req_i for windows 1..--max-window tokens (99th percentile of the predicted union).
 and writes predictors.json + predictors.safetensors into the pack (sparse/predictor.py), each
-atomically. The low-rank classifier cannot express |act(g)| > t for silu/gelu (true on both lobes
+atomically. --reorder first permutes each layer's neurons on disk so that neurons active on the same
+calibration tokens share read blocks (calibration/reorder.py; logits unchanged), then fits. The low-rank classifier cannot express |act(g)| > t for silu/gelu (true on both lobes
 of the activation), which is why gated models default to the gate estimate.
 """
 
 import argparse
 import sys
 
-from .calibration.dense_pass import MAX_WINDOW, MIN_TOKENS
-from .calibration.fit import DEFAULTS, calibrate
+from .calibration.dense_pass import MAX_WINDOW, MIN_TOKENS, collect_inputs
+from .calibration.fit import DEFAULTS, fit_predictors, resolve_settings
 from .cli import run_cli
 from .errors import FlashError
 from .sparse.predictor import KINDS
@@ -66,6 +67,9 @@ def build_parser():
     parser.add_argument("--max-window", type=int, default=MAX_WINDOW,
                         help=f"measure neuron-cache capacity for windows 1..N (default {MAX_WINDOW})")
     parser.add_argument("--seed", type=int, default=0, help="training seed")
+    parser.add_argument("--reorder", action="store_true",
+                        help="first permute each layer's neurons on disk by co-activation on the "
+                             "calibration text (fewer read blocks per token; same logits)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return parser
@@ -75,10 +79,21 @@ def _main(argv):
     args = build_parser().parse_args(argv)
     if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
         raise FlashError(f"--max-tokens {args.max_tokens}: need at least {MIN_TOKENS}")
-    calibrate(args.model, args.text, kind=args.kind, target_sparsity=args.target_sparsity,
-              rank=args.rank, rank_per_layer=args.rank_per_layer, threshold=args.threshold,
-              recall=args.recall, epochs=args.epochs, max_tokens=args.max_tokens,
-              max_window=args.max_window, seed=args.seed, progress=not args.quiet)
+    settings = dict(kind=args.kind, target_sparsity=args.target_sparsity, rank=args.rank,
+                    rank_per_layer=args.rank_per_layer, threshold=args.threshold, recall=args.recall,
+                    epochs=args.epochs, max_window=args.max_window)
+    progress = not args.quiet
+    data = collect_inputs(args.model, args.text, max_tokens=args.max_tokens, max_window=args.max_window,
+                          progress=progress)
+    if args.reorder:
+        from .calibration.reorder import layer_orders, reorder_neurons
+
+        orders = layer_orders(data, resolve_settings(data, **settings)["target_sparsity"], progress)
+        reorder_neurons(data, orders)
+        if progress:
+            print(f"Reordered the neurons of {len(orders)} layers by co-activation", flush=True)
+    say = (lambda *a: print(*a, flush=True)) if progress else None
+    fit_predictors(data, seed=args.seed, progress=progress, say=say, **settings)
     return 0
 
 

@@ -149,3 +149,28 @@ def test_target_sparsity_sets_per_layer_thresholds_kept_on_resume(src, texts, tm
     with pytest.raises(FlashError, match="--target-sparsity"):
         R.relufy(src, texts[:1], tmp_path / "x", steps=1, **dict(kw, activation="relu"))
 
+
+def test_relufied_pack_calibrates_and_runs_flash_with_exact_gate_masks(src, texts, tmp_path):
+    """A FATReLU model (per-layer thresholds) through convert + calibrate (resident gate, exact
+    masks): flash mode, every layer sparse, computes dense's logits while skipping neurons."""
+    from calibration_packs import decode_logits
+    from mlx_flash.calibration.fit import calibrate
+    from mlx_flash.calibration.quality import load_mode
+    from mlx_flash.pack import write_pack
+
+    out = tmp_path / "relufied"
+    R.relufy(src, texts, out, activation="fatrelu", target_sparsity=0.7, steps=1, seq_len=32,
+             checkpoint_every=0, progress=False, log=lambda *a: None)
+    pack = write_pack(out, tmp_path / "pack", progress=False)
+    calibrate(pack, texts, kind="gate-threshold", target_sparsity=0.0, progress=False)
+    doc = json.loads((pack / "predictors.json").read_text())
+    thresholds = json.loads((out / "config.json").read_text())["activation_threshold"]
+    assert [e["activation"] for e in doc["layers"].values()] == [f"fatrelu:{t}" for t in thresholds]
+    assert all(e["stats"]["active"] < 0.4 for e in doc["layers"].values())  # ~30% active by design
+    ids = [5, 17, 99, 3, 42, 7]
+    dense = decode_logits(load_mode(pack, "dense")[0], ids)
+    model = load_mode(pack, "flash", all_sparse=True)[0]
+    flash = decode_logits(model, ids)
+    np.testing.assert_allclose(flash, dense, rtol=1e-4, atol=1e-4)
+    s = model.flash_stats.summary()
+    assert s["neurons_loaded"] < 0.6 * 2 * 96  # most neurons of the 2 layers never read

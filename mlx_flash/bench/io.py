@@ -306,7 +306,8 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
         shutil.rmtree(unb, ignore_errors=True)
         bench.extra_paths = []
     return rows, fio, {"latency_us": cost.latency_s * 1e6, "bandwidth_gbps": cost.bandwidth / 1e9,
-                       "merge_gap_bytes": cost.merge_gap}
+                       "merge_gap_bytes": cost.merge_gap,
+                       "curve": cost.to_dict() if hasattr(cost, "to_dict") else None}
 
 
 def machine():
@@ -384,6 +385,12 @@ def run(args) -> int:
         print(f"{k:>5} ({k * e0['stride']:>8}) " + " ".join(f"{vals[t]:7.3f}" for t in threads_list))
     print(f"\ncost model ({top} threads): latency {cost['latency_us']:.1f} us, bandwidth "
           f"{cost['bandwidth_gbps']:.2f} GB/s -> merge gaps up to {cost['merge_gap_bytes']} bytes")
+    if cost.get("curve"):
+        c = cost["curve"]
+        print("measured us per read (rows: reads in flight; columns: read size)")
+        print("depth " + " ".join(f"{s // 1024:>7}K" for s in c["sizes"]))
+        for d, row in zip(c["depths"], c["table"]):
+            print(f"{d:>5} " + " ".join(f"{t * 1e6:>8.1f}" for t in row))
     print(f"\nrandom neuron sets, queue depth {top} (GB/s useful; reads issued)")
     print(f"{'fraction':>8} {'bundled':>14} {'unbundled':>14} {'ratio':>6} {'bundled+plan':>14} "
           f"{'unbundled+plan':>15} {'plan x':>6} {'+verify':>8}")

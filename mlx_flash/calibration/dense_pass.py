@@ -14,7 +14,7 @@ from tqdm import tqdm
 from ..errors import FlashError
 from ..models import build_model, context_length, load_tokenizer
 from ..pack import load_pack_weights, read_manifest
-from ..sparse.predictor import ACTIVATIONS
+from ..sparse.predictor import activation_fn
 
 SEQ_LEN = 512           # tokens per forward chunk
 MIN_TOKENS = 64         # a calibration text shorter than this cannot train or measure anything
@@ -63,12 +63,18 @@ def dequantized(weights: dict, quantization) -> dict:
 
 
 def ffn_activation(config, manifest) -> str:
-    """Name (in predictor.ACTIVATIONS) of the FFN activation of the pack's model."""
+    """Name (predictor.activation_fn) of the FFN activation of the pack's model; "fatrelu" for a
+    relu_llama with FATReLU, whose threshold is per layer."""
     arch = manifest.bundles[0].arch
     if arch == "opt":
         return "relu"
     if str(config.get("model_type", "")).startswith("gemma"):
         return "gelu_approx"
+    if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "drelu":
+        raise FlashError("config.json: hidden_act drelu (ReLU on gate and up) is not supported for "
+                         "calibration; relufy with relu or fatrelu")
+    if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "fatrelu":
+        return "fatrelu"  # per layer "fatrelu:T" (install_masked_ffns)
     name = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     names = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu",
              "gelu_new": "gelu_approx", "gelu_pytorch_tanh": "gelu_approx"}
@@ -100,7 +106,7 @@ class MaskedFFN(nn.Module):
 
     def activations(self, x):
         """(act, h): act(gate x) (or act(up x)) and the FFN hidden vector before masking."""
-        act = ACTIVATIONS[self.activation]
+        act = activation_fn(self.activation)
         u = self.up(x)
         if self.gate is None:
             a = act(u)
@@ -135,8 +141,9 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
                if c.name.endswith(".weight")}
         i = entry.layer
         layer = model.layers[i]
+        layer_act = f"fatrelu:{model.args.layer_threshold(i)}" if activation == "fatrelu" else activation
         ffn = MaskedFFN(_module_at(model, src["gate"]) if "gate" in src else None,
-                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), activation)
+                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), layer_act)
         old = getattr(layer, "mlp", None)
         if old is not None:
             probe = mx.random.normal((1, 3, hidden), key=mx.random.key(i))

@@ -269,7 +269,7 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     stats = prediction_stats(active[n_train:], predicted)
     stats["train_active"] = float(active[:n_train].mean())
     entry = {"kind": kind, "n_neurons": n, "rank": pred.rank, "threshold": threshold,
-             "prob_threshold": prob_threshold, "cut": cut, "stats": stats,
+             "prob_threshold": prob_threshold, "cut": cut, "activation": ffn.activation, "stats": stats,
              "capacity": window_capacity(predicted, max_window)}
     return entry, factors
 

@@ -122,8 +122,9 @@ def budget_param(budget) -> str:
 
 def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
     """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
-    planner's merged, aligned requests priced by its cost model: latency per read + bytes /
-    bandwidth); mean of `draws` random neuron sets. Without a cost model: bytes / 1 GB/s."""
+    planner's merged, aligned requests, each priced by its cost model: the measured read-cost
+    curve's seconds per read at that read's size and the loader's depth); mean of `draws` random
+    neuron sets. Without a cost model: bytes / 1 GB/s."""
     entry = loader.entry(layer)
     n, stride = entry.count, entry.stride
     if neurons <= 0:
@@ -136,7 +137,7 @@ def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> 
         ids = np.sort(rng.choice(n, neurons, replace=False)) if neurons < n else np.arange(n)
         r0, r1, _ = plan_read_arrays(entry.offset + ids * stride, stride, align=loader.alignment,
                                      cost=cost, max_read=loader.max_read)
-        total += len(r0) * price.latency_s + int((r1 - r0).sum()) / price.bandwidth
+        total += float(np.sum(price.seconds(r1 - r0)))
     return total / (draws if neurons < n else 1)
 
 

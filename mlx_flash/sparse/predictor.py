@@ -54,6 +54,18 @@ LOW_RANK = ("low-rank", "low-rank-gate")  # kinds whose factors live in predicto
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
+def activation_fn(name: str):
+    """The elementwise activation called `name`: one of ACTIVATIONS, or "fatrelu:T" (FATReLU, the
+    relu_llama model's: g where g > T, else 0)."""
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name]
+    kind, _, arg = str(name).partition(":")
+    if kind == "fatrelu":
+        t = float(arg)
+        return lambda g: mx.where(g > t, g, mx.zeros_like(g))
+    raise FlashError(f"{PREDICTORS_JSON}: unknown activation {name!r}")
+
+
 def _logit(p: float) -> float:
     return float(np.log(p) - np.log1p(-p))
 
@@ -77,7 +89,7 @@ class LayerPredictor:
         self.rank, self.activation, self.stats = int(rank), activation, dict(stats or {})
         self._t = dict(tensors or {})
         self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
-        self._act = ACTIVATIONS[activation]
+        self._act = activation_fn(activation)
         self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
         self.nbytes = int(sum(a.nbytes for a in self._t.values()))
 
@@ -241,7 +253,8 @@ def load_predictors(pack_dir):
             del comps
         out[i] = LayerPredictor(i, kind, entry["n_neurons"], threshold=entry.get("threshold", 0.0),
                                 prob_threshold=entry.get("prob_threshold", 0.5),
-                                rank=entry.get("rank", 0), activation=doc.get("activation", "silu"),
+                                rank=entry.get("rank", 0),
+                                activation=entry.get("activation", doc.get("activation", "silu")),
                                 stats=entry.get("stats"), tensors=tensors, quantization=quant,
                                 cut=entry.get("cut", 0.0))
     return out
