@@ -310,7 +310,7 @@ class FlashSwiGLU : public CpuPrimitive {
     uint8_t* out;
   };
   // silu(g) * u for rows [i0, i1) of every x row, each factor first rounded to the projections' dtype
-  // (silu's exp 8 lanes at a time on the SIMD path: a scalar exp per element was 4% of a prompt).
+  // (silu's exp 8 lanes at a time on the SIMD path: a scalar exp per element shows in a prompt's time).
   static void epilogue(const void* vctx, int i0, int i1) {
     const Epilogue& e = *static_cast<const Epilogue*>(vctx);
     const bool simd = flash::simd_active();

@@ -116,10 +116,8 @@ FLASH_AVX2 void q_fwd_avx2(const Problem& p, const float* x, const float* xsum, 
       for (g = gb; g < ge; ++g) {
         // One x row: two partial sums keep the FMA dependency chains within a group short too. Four
         // rows (prompts): the rows are the independent chains, so one partial each (q1 is qa) and one
-        // accumulator: 13 vector registers instead of 21, which spilled (in a throwaway stand-alone
-        // loop, 1536x576 group 32, cache-resident: 4 rows 204 -> 154 us on one thread, 106-159 ->
-        // 81-136 us on two; 37 rows 2104 -> 1547 us). The float32 summation order then differs from
-        // the one-row loop's (both within the tests' accumulation bounds).
+        // accumulator: 13 vector registers instead of 21, which would spill. The float32 summation
+        // order then differs from the one-row loop's (both within the tests' accumulation bounds).
         constexpr bool kSplit = MB < 4;
         __m256 qa[MB], qb[MB];
         __m256* q1 = kSplit ? qb : qa;  // takes the 2nd and 4th 8-lane blocks
@@ -336,8 +334,8 @@ FLASH_AVX2 void q_fwd_avx2_groups(const Problem& p, const float* x, const float*
 // rows (TILE_NR rows at a time, into a small panel: s*q + b for quantized weights, in the order
 // load32 yields and the prepared x follows; the float value of half weights), then a TILE_MR x
 // TILE_NR register tile of dot products runs over K: 12 FMAs per 3 x loads and 4 panel loads, where
-// the one-row loops convert every weight again for each x row (1536x576 4-bit, one thread, 64 rows:
-// 12.4 -> 29.6 GMAC/s in a stand-alone loop). Sums are float32 as everywhere, in another order.
+// the one-row loops convert every weight again for each x row. Sums are float32 as everywhere, in
+// another order.
 constexpr int TILE_MR = 3, TILE_NR = 4;
 thread_local std::vector<float> tl_panel;
 

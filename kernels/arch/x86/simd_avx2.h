@@ -26,7 +26,7 @@ FLASH_AVX2 inline float ldv(const void* base, int64_t i) {
 }
 
 // store_out with F16C's conversion for float16 outputs (one instruction, round to nearest even as
-// f32_to_f16; the software routine per output element was a tenth of a small matvec's samples).
+// f32_to_f16; the software routine per output element would weigh on small matvecs).
 FLASH_AVX2 inline void store_out_simd(void* base, int dtype, int64_t i, float v) {
   if (dtype == DT_F16) static_cast<uint16_t*>(base)[i] = uint16_t(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
   else store_out(base, dtype, i, v);
