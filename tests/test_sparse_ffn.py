@@ -78,20 +78,27 @@ def test_unsupported_mlp_shape_is_refused():
 
 
 def gpu_path_through_the_emulator(monkeypatch):
-    """Make sparse/ffn.py take its GPU path (the fused Metal kernels) on Linux: metal_active() says
-    yes and the kernel sources run in the Metal emulator. Returns the list of kernels run."""
+    """Make sparse/ffn.py take its GPU path (the fused Metal kernels): on a Mac the real kernels on
+    the GPU; on Linux metal_active() says yes and the kernel sources run in the Metal emulator.
+    Returns the list of kernels run."""
+    import sys
+
     from mlx_flash.metal import emulator
     from mlx_flash.metal import kernels as metal_kernels
 
-    if emulator.compiler() is None:
+    on_mac = sys.platform == "darwin"
+    if on_mac and not (mx.metal.is_available() and mx.default_device() == mx.gpu):
+        pytest.skip("needs the Metal GPU as the default device")
+    if not on_mac and emulator.compiler() is None:
         pytest.skip("the Metal emulator needs g++")
     ran, build = [], metal_kernels.kernel
 
     def kernel(name, metal_kernel=None):
-        run = build(name, emulator.metal_kernel)
+        run = build(name, None if on_mac else emulator.metal_kernel)
         return lambda **kw: ran.append(name) or run(**kw)
 
-    monkeypatch.setattr(metal_kernels, "metal_active", lambda: True)
+    if not on_mac:
+        monkeypatch.setattr(metal_kernels, "metal_active", lambda: True)
     monkeypatch.setattr(metal_kernels, "kernel", kernel)
     return ran
 
