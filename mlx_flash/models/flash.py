@@ -23,7 +23,7 @@ from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape)
 from ..sparse.neuron_cache import NeuronCache
-from ..sparse.predictor import calibrated_capacity, load_predictors, predicted_density
+from ..sparse.predictor import ACTIVATIONS, calibrated_capacity, load_predictors, predicted_density
 from ..sparse.stats import FlashStats
 from .loader import build_model
 
@@ -58,6 +58,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                        if cfg.mode == "flash" else 0,
                        requested_capacity=capacity, density=density, read_cost=read_cost,
                        prefetch=prefetch)
+    # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
+    thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
     if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
         predictors = {i: p for i, p in predictors.items() if i in plan.capacity}  # only sparse layers
     config, weights = load_resident(pack, manifest=manifest)
@@ -70,7 +72,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         kind = ("resident" if layer in plan.resident_layers
                 else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                 else "streamed")
-        _swap_ffn(model, entry, weights, runtime, kind, checked, config)
+        _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
         if kind == "resident":
             runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
             cache.load(range(entry.count), step=0)
@@ -99,8 +101,19 @@ def _module_at(root, path: str):
     return node
 
 
-def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
-    """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias)."""
+def activation_thresholds(predictors) -> dict:
+    """{layer: (threshold, act)} of the predictors that carry a positive activation threshold."""
+    out = {}
+    for i, p in (predictors or {}).items():
+        t = float(getattr(p, "threshold", 0.0) or 0.0)
+        if t > 0:
+            out[i] = (t, ACTIVATIONS[getattr(p, "activation", "silu")])
+    return out
+
+
+def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=None):
+    """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias).
+    threshold: (activation threshold, act) of the thresholded model, or None."""
     layer = entry.layer
     modules, quant = {}, {}
     for c in entry.components:
@@ -138,6 +151,8 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config):
     if type(mlp) not in checked:
         check_mlp_shape(mlp, current, sorted(modules), config["hidden_size"], holder_path)
         checked.add(type(mlp))
+    if threshold is not None:
+        current.set_threshold(*threshold, "gate" if "gate" in modules else "up")
     setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
 
 

@@ -32,12 +32,23 @@ from .neuron_cache import NeuronCache
 
 
 class CurrentRows:
-    """The rows an FFN call computes with (a plain object, so no array joins the parameter tree)."""
+    """The rows an FFN call computes with (a plain object, so no array joins the parameter tree).
+
+    threshold (activation units, >= 0) with `act` and `masked_role` ("gate" for gated MLPs, else
+    "up"): the thresholded model of sparse/predictor.py. The masked role's output g is replaced by
+    0 where |act(g)| <= threshold; act(0) = 0 for every supported activation, so neuron i's
+    h_i = act(g_i) * (up_i x) (or act(up_i x)) becomes exactly 0 and the rest is unchanged.
+    """
 
     def __init__(self, quant: dict, down_bias=None):
         self.quant = quant  # role -> {"group_size", "bits"} for quantized roles
         self.down_bias = down_bias  # resident per-output bias of the down projection, or None
         self.rows, self.n, self.add_down_bias = None, 0, True
+        self.threshold, self.act, self.masked_role = 0.0, None, None
+
+    def set_threshold(self, threshold: float, act, masked_role: str):
+        """Apply |act(g)| > threshold to `masked_role`'s output from now on (0 turns it off)."""
+        self.threshold, self.act, self.masked_role = float(threshold), act, masked_role
 
     def set(self, rows: dict, n: int, add_down_bias=True):
         self.rows, self.n, self.add_down_bias = rows, n, add_down_bias
@@ -58,6 +69,8 @@ class RowProjection(nn.Module):
                           bits=q.get("bits"))
         if f"{role}.bias" in c.rows:
             y = y + c.rows[f"{role}.bias"][: c.n]
+        if c.threshold > 0 and role == c.masked_role:
+            y = mx.where(mx.abs(c.act(y)) > c.threshold, y, mx.zeros_like(y))
         return y
 
 
@@ -221,11 +234,11 @@ class FlashFFN(nn.Module):
         up, down = _kernel_weights(rows, "up", c.quant), _kernel_weights(rows, "down_t", c.quant)
         gate = _kernel_weights(rows, "gate", c.quant) if "gate.weight" in rows else None
         if gate is None:
-            act, threshold = "relu", 0.0
+            act, threshold = "relu", c.threshold
         elif getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
-            act, threshold = "relu_gated", float(getattr(self.mlp, "threshold", 0.0))
+            act, threshold = "relu_gated", max(float(getattr(self.mlp, "threshold", 0.0)), c.threshold)
         else:
-            act, threshold = "silu", 0.0
+            act, threshold = "silu", c.threshold  # the predictor's thresholded model (CurrentRows)
         h = metal_kernels.sparse_up(x, up, gate, n=n, act=act, threshold=threshold)
         y = metal_kernels.sparse_down(h, down, n=n)
         if add_down_bias and c.down_bias is not None:
