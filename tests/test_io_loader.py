@@ -1,18 +1,25 @@
-"""Flash loader: zero-copy destinations, exact bundle reads, alignment edges, injected faults."""
+"""Flash loader: zero-copy destinations, exact bundle reads, alignment edges, injected faults; a pack
+is only ever read (the read cost profile is measured on its own files, read-only, or skipped)."""
 
+import contextlib
 import errno
 import json
 import os
+import subprocess
 import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_flash.config import FlashConfig
 from mlx_flash.errors import FlashError
 from mlx_flash.io import FileLayer, FlashLoader, ReadCost, host_bytes
 from mlx_flash.io import aio
 from mlx_flash.io import files as io_files
+from mlx_flash.io import loader as loader_module
+from mlx_flash.io.planner import load_cost
+from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_layer_components, read_manifest, write_pack
 
 COST = ReadCost(latency_s=1e-4, bandwidth=1e9)  # merge gaps up to 100 kB
@@ -303,3 +310,77 @@ def test_expert_blocks_and_biased_neurons_through_the_loader(tmp_path):
         if name == "moe":  # each expert's block equals the source expert's matrices
             w = moe["model.layers.0.mlp.switch_mlp.up_proj.weight"].astype(np.float16)
             assert np.array_equal(np.array(dest["up.weight"]), w[ids])
+
+
+# ---- read-only packs ----
+
+def snapshot(root):
+    """{relative path: (size, mtime_ns)} of everything under root, hidden files included."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@contextlib.contextmanager
+def read_only(pack, tmp_path):
+    """The pack where writing fails: a read-only bind mount as root (chmod does not stop root),
+    else the pack with every write permission removed."""
+    if os.geteuid() == 0:
+        view = tmp_path / "ro-view"
+        view.mkdir()
+        ok = subprocess.run(["mount", "--bind", str(pack), str(view)], capture_output=True).returncode == 0
+        if ok and subprocess.run(["mount", "-o", "remount,ro,bind", str(view)],
+                                 capture_output=True).returncode == 0:
+            try:
+                yield view
+            finally:
+                subprocess.run(["umount", str(view)], check=True)
+            return
+        if ok:
+            subprocess.run(["umount", str(view)], check=True)
+    modes = {p: p.stat().st_mode for p in [pack, *pack.rglob("*")]}
+    for p, m in modes.items():
+        p.chmod(m & ~0o222)
+    try:
+        yield pack
+    finally:
+        for p, m in modes.items():
+            p.chmod(m)
+
+
+def test_read_only_pack_runs_and_nothing_is_written_into_it(tiny_llama, tmp_path, monkeypatch):
+    """The pack is big enough to measure (threshold lowered): the profile is measured by reading
+    the pack's bundle files and stored in the cache home."""
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loader_module, "CALIBRATION_MIN_BYTES", 1 << 20)
+    src = tiny_llama("src", hidden=256, intermediate=512, layers=2)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    before = snapshot(pack)
+    with read_only(pack, tmp_path) as view:
+        with pytest.raises(OSError):
+            (view / "probe").write_text("x")
+        model = build_flash_model(view, FlashConfig("naive"))
+        import mlx.core as mx
+
+        mx.eval(model(mx.array([[1, 2, 3]])))
+        first_bundle = view / "bundles" / "layer_000.bin"
+        assert load_cost(first_bundle, 32, model.flash_runtime.loader.cost_engine()) is not None
+        model.flash_runtime.loader.close()
+    assert snapshot(pack) == before
+    assert (tmp_path / "home" / "io_profile.json").is_file()
+
+
+def test_small_pack_is_measured_in_the_cache_home(tiny_llama, tmp_path, monkeypatch):
+    """Bundle files too small to measure in place: a scratch file in the cache home (on the pack's
+    device here), never in the pack."""
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    before = snapshot(pack)
+    model = build_flash_model(pack, FlashConfig("naive"))
+    assert model.flash_runtime.loader.cost is not None
+    assert snapshot(pack) == before and (tmp_path / "home" / "io_profile.json").is_file()
+    assert not [p for p in (tmp_path / "home").iterdir() if p.name.startswith(".")]

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..io import FlashLoader, ReadCost, calibrate, evict, load_cost
+from ..io import FlashLoader, ReadCost, evict, load_cost
+from ..io.loader import measure_cost
 from ..io.files import FileLayer, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
 
@@ -249,8 +250,10 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
     cost = None if bench.args.calibrate else load_cost(first, threads, kind)
     if cost is None:
         print(f"calibrating the read cost model ({threads} in flight, {kind})...", file=sys.stderr)
-        cost = calibrate(first.parent if os.access(first.parent, os.W_OK) else Path.home(),
-                         threads=threads, key_path=first, engine=kind)
+        cost = measure_cost([bench.pack / bench.entries[i]["file"] for i in bench.layers], threads, kind)
+        if cost is None:
+            raise FlashError(f"{bench.pack}: cannot measure the read cost (bundle files under "
+                             f"16 MiB and a cache home on another device)")
     rows, fio, loaders = [], {}, []
     try:
         layer_map = write_unbundled(bench, unb)

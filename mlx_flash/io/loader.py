@@ -20,6 +20,27 @@ from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
 from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_read_arrays
 
+# A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
+CALIBRATION_MIN_BYTES = 16 << 20
+
+
+def measure_cost(paths, threads, engine) -> ReadCost | None:
+    """The read cost of the device holding `paths` (a pack's bundle files), measured without ever
+    writing into the pack: on the largest file (read-only) when it is big enough for random reads,
+    else on a scratch file in the cache home when that is on the same device; None (one read per
+    bundle run, no merging) when neither is possible. Stored for the device (load_cost)."""
+    try:
+        largest = max(paths, key=lambda p: p.stat().st_size)
+        if largest.stat().st_size >= CALIBRATION_MIN_BYTES:
+            return calibrate(threads=threads, read_path=largest, key_path=paths[0], engine=engine)
+        home = flash_home()
+        home.mkdir(parents=True, exist_ok=True)
+        if os.stat(home).st_dev == os.stat(paths[0]).st_dev:
+            return calibrate(home, threads=threads, key_path=paths[0], engine=engine)
+    except (OSError, ValueError):  # an unreadable file is reported by the read that needs it
+        return None
+    return None
+
 
 @dataclass
 class ReadStats:
@@ -114,12 +135,14 @@ class FlashLoader:
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
         if plan and cost is None and self.bundles:
-            first = self.pack / next(iter(self.bundles.values())).file
-            scratch = first.parent if os.access(first.parent, os.W_OK) else flash_home()
-            kind = self.cost_engine()
-            cost = load_cost(first, threads, kind) or calibrate(scratch, threads=threads,
-                                                                 key_path=first, engine=kind)
+            cost = self._measured_cost()
         self.cost = cost
+
+    def _measured_cost(self) -> ReadCost | None:
+        """The stored cost model of the pack's device, else measure_cost's."""
+        paths = [self.pack / e.file for e in self.bundles.values()]
+        kind = self.cost_engine()
+        return load_cost(paths[0], self.threads, kind) or measure_cost(paths, self.threads, kind)
 
     # -- layout -------------------------------------------------------------------------------
     def entry(self, layer) -> Bundle:

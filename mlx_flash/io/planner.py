@@ -70,7 +70,10 @@ def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | Non
 def save_cost(path, threads, cost, engine="threads"):
     """Store a ReadCostCurve for the device of `path` (all depths) or a ReadCost at `threads`."""
     f = flash_home() / "io_profile.json"
-    f.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only cache home: the profile is measured again next time
+        return
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
@@ -81,23 +84,31 @@ def save_cost(path, threads, cost, engine="threads"):
     else:
         data[_profile_key(path, threads, engine)] = {**asdict(cost), **measured}
     tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, f)
+    try:
+        with open(tmp, "w") as out:
+            out.write(json.dumps(data, indent=1))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, f)
+    except OSError:  # a read-only or full cache home: the profile is measured again next time
+        tmp.unlink(missing_ok=True)
 
 
-def calibrate(directory, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS,
+def calibrate(directory=None, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS,
               max_reads=512, repeats=2, files: FileLayer | None = None, save=True, key_path=None,
-              engine="threads") -> ReadCostCurve:
-    """Measure the read-cost curve cold on a scratch file written in `directory`
+              engine="threads", read_path=None) -> ReadCostCurve:
+    """Measure the read-cost curve cold on an existing file (`read_path`, opened read-only, e.g. a
+    pack's largest bundle file: nothing is written) or on a scratch file written in `directory`
     (read_cost.measure_curve: every size at every depth, `threads` among the depths) and store it
-    for the device of `key_path` (default: `directory`). Returns it priced at `threads` in flight.
-    ~5-15 s.
+    for the device of `key_path` (default: `read_path` or `directory`). Returns it priced at
+    `threads` in flight. ~5-15 s.
     """
     depths = sorted(set(depths) | {threads})
     curve = measure_curve(directory, sizes=sizes, depths=depths, file_bytes=file_bytes, engine=engine,
-                          files=files, repeats=repeats, max_reads=max_reads).at_depth(threads)
+                          files=files, repeats=repeats, max_reads=max_reads,
+                          read_path=read_path).at_depth(threads)
     if save:
-        save_cost(key_path or directory, threads, curve, curve.engine)
+        save_cost(key_path or read_path or directory, threads, curve, curve.engine)
     return curve
 
 

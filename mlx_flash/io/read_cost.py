@@ -121,8 +121,9 @@ def timed_reads(fd, path, file_bytes, size, n, depth, *, files, ctx=None) -> flo
 
 
 def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file_bytes=64 << 20,
-                  engine="threads", files=None, repeats=2, max_reads=512) -> ReadCostCurve:
-    """Measure the curve cold on a scratch file written in `directory` (deleted afterwards).
+                  engine="threads", files=None, repeats=2, max_reads=512, read_path=None) -> ReadCostCurve:
+    """Measure the curve cold on a scratch file written in `directory` (deleted afterwards), or on
+    the existing file `read_path`, opened read-only (its size replaces `file_bytes`).
 
     Per (depth, size): min(max_reads, file_bytes / size) (at least 4 x depth) random aligned reads,
     the file evicted before each of `repeats` runs, the best kept (background load only ever
@@ -135,16 +136,22 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     from .files import FileLayer
 
     files = files or FileLayer()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".mlx_flash_read_cost_{os.getpid()}"
+    if read_path is None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f".mlx_flash_read_cost_{os.getpid()}"
+    else:
+        path = Path(read_path)
+        file_bytes = path.stat().st_size
+    sizes = [s for s in sizes if s <= file_bytes // 2] or [min(sizes)]
     table = np.zeros((len(depths), len(sizes)))
     used = "threads"
     try:
-        with open(path, "wb") as f:
-            f.write(np.random.default_rng(0).integers(0, 256, file_bytes, np.uint8).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        if read_path is None:
+            with open(path, "wb") as f:
+                f.write(np.random.default_rng(0).integers(0, 256, file_bytes, np.uint8).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
         fd, direct = files.open(path, True)
         try:
             for i, depth in enumerate(depths):
@@ -161,6 +168,7 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         finally:
             files.close(fd)
     finally:
-        path.unlink(missing_ok=True)
+        if read_path is None:
+            path.unlink(missing_ok=True)
     table = np.maximum.accumulate(table, axis=1)  # a larger read never costs less: noise otherwise
     return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used)
