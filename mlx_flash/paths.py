@@ -1,9 +1,17 @@
-"""Where mlx-flash keeps files: the cache home, and output folders that appear whole or not at all."""
+"""Where mlx-flash keeps files (the cache home), and crash-consistent writes: temporary path beside
+the target, fsync, rename, fsync of the folder, so output appears whole or not at all.
+
+A temporary name carries the writer's process id (`.NAME.tmp-PID-XXXX`), so a later writer of the
+same target removes the temporaries of processes that no longer run (killed, power loss) and leaves
+those of live ones alone. A full disk or any other OSError becomes one FlashError line naming the
+file.
+"""
 
 import contextlib
+import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 from .errors import FlashError
@@ -14,27 +22,143 @@ def flash_home() -> Path:
     return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
 
 
-@contextlib.contextmanager
 def atomic_output_dir(out: Path):
-    """Yield a temporary folder beside `out`; rename it to `out` on success, delete it on failure."""
+    """A temporary folder beside `out`, renamed to `out` on success (atomic_dir); `out` must not exist."""
     out = Path(out)
     if out.exists():
         raise FlashError(f"--out {out}: already exists; remove it or choose another path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return atomic_dir(out)
 
 
-def fsync_file(path) -> None:
-    """Flush a written file's data to the device (before renaming it into place)."""
+def fsync_file(path: Path) -> None:
+    """Flush a written file's data (or a folder's entries: the renames inside it) to the device."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root`, folders last."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+        fsync_file(Path(dirpath))
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clean_stale_temporaries(target: Path) -> list:
+    """Remove `.NAME.tmp-PID-*` beside `target` whose PID no longer runs; returns what was removed."""
+    target = Path(target)
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    prefix = _temp_prefix(target)
+    for p in target.parent.iterdir():
+        if not p.name.startswith(prefix):
+            continue
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def temporary_path(target: Path) -> Path:
+    """A fresh temporary name beside `target`, marked with this process id."""
+    target = Path(target)
+    return target.parent / f"{_temp_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_error(e: BaseException, path) -> FlashError:
+    """One FlashError line for a failed write (full disk, read-only folder, ...)."""
+    if isinstance(e, OSError):
+        name = e.filename or path
+        return FlashError(f"{name}: cannot write ({e.strerror or e})")
+    return FlashError(f"{path}: cannot write ({e}{_free_space(path)})")
+
+
+def _free_space(path) -> str:
+    try:
+        st = os.statvfs(Path(path).parent)
+        return f"; {st.f_bavail * st.f_frsize} bytes free there"
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path, *, replace=False):
+    """Yield a temporary folder beside `target`; on success fsync it all and rename it to
+    `target` (replacing an existing one if `replace`), on failure remove it. Stale temporaries
+    of dead processes for the same target are removed first."""
+    target = Path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temporaries(target)
+        tmp = temporary_path(target)
+        tmp.mkdir()
+    except OSError as e:
+        raise write_error(e, target) from None
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        fsync_tree(tmp)
+        if replace and target.exists():
+            old = temporary_path(target)
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        fsync_file(target.parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(e, target) from None
+        raise
+
+
+def save_safetensors(path: Path, arrays: dict, metadata=None) -> None:
+    """mx.save_safetensors with a full disk (MLX raises a bare RuntimeError) as one FlashError."""
+    import mlx.core as mx
+
+    try:
+        mx.save_safetensors(str(path), arrays, metadata=metadata)
+    except RuntimeError as e:
+        raise write_error(e, path) from None
+
+
+def write_json_atomic(path: Path, doc) -> None:
+    """Write JSON to `path`: temporary file, fsync, rename, fsync of the folder."""
+    path = Path(path)
+    tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_file(path.parent)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(e, path) from None
+        raise

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.errors import FlashError
+from mlx_flash.pack.schema import write_metadata
 from mlx_flash.pack import write_pack
 from mlx_flash.sparse.predictor import (PREDICTORS_FILE, PREDICTORS_JSON, LayerPredictor,
                                         calibrated_capacity, load_predictors, save_predictors)
@@ -90,18 +91,23 @@ def test_missing_and_corrupt_files(pack):
         load_predictors(pack)
     js = pack / PREDICTORS_JSON
     doc = json.loads(js.read_text())
-    doc["pack_resident_crc32"] += 1
+    doc["layers"]["0"]["threshold"] = 0.5  # an edit without a new checksum
     js.write_text(json.dumps(doc))
+    with pytest.raises(FlashError, match="metadata_crc32 does not match"):
+        load_predictors(pack)
+    doc["layers"]["0"]["threshold"] = 0.0
+    doc["pack_resident_crc32"] += 1
+    write_metadata(js, doc)
     with pytest.raises(FlashError, match="calibrated for a different pack"):
         load_predictors(pack)
     doc["pack_resident_crc32"] -= 1
     doc["layers"]["0"]["kind"] = "magic"
-    js.write_text(json.dumps(doc))
-    with pytest.raises(FlashError, match="unknown kind 'magic'"):
+    write_metadata(js, doc)
+    with pytest.raises(FlashError, match=r"layers\['0'\].kind = 'magic' is not one of"):
         load_predictors(pack)
     del doc["layers"]["1"]
     doc["layers"]["0"]["kind"] = "all"
-    js.write_text(json.dumps(doc))
+    write_metadata(js, doc)
     with pytest.raises(FlashError, match="do not match the pack's 2 FFN layers"):
         load_predictors(pack)
     js.write_text("{not json")

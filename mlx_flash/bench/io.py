@@ -190,8 +190,7 @@ def write_unbundled(bench, out: Path):
             layer_map[layer].append(lid)
             bundles.append({"layer": lid, "kind": "neurons", "file": rel, "encoding": "dense", **record})
     write_manifest(out, {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": align,
-                         "bundles": bundles, "note": "mlx_flash.bench io: unbundled comparison copy"},
-                   indent=None)
+                         "bundles": bundles, "note": "mlx_flash.bench io: unbundled comparison copy"})
     return layer_map
 
 

@@ -25,7 +25,7 @@ Each component starts at a multiple of 4 bytes inside its bundle (so typed views
 in order, padding excluded, so a reader can check exactly the bundles it read and nothing else.
 """
 
-import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FlashError
+from .schema import check_pack_files, read_json_file, validate_manifest
 
 FORMAT = "mlx-flash-pack"
 FORMAT_VERSION = 1
@@ -231,12 +232,9 @@ def read_manifest(pack_dir) -> Manifest:
     """Read and check `pack_dir/manifest.json` (format, version, encodings) -> Manifest; FlashError
     naming the file if unusable."""
     path = Path(pack_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FlashError(f"{path}: not a flash pack (no manifest.json)") from None
-    except (OSError, ValueError) as e:
-        raise FlashError(f"{path}: unreadable manifest ({e})") from None
+    if not os.path.lexists(path):
+        raise FlashError(f"{path}: not a flash pack (no manifest.json)")
+    manifest = read_json_file(path, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FlashError(f"{path}: not a flash pack manifest (format {manifest.get('format')!r})"
                          if isinstance(manifest, dict) else f"{path}: not a flash pack manifest")
@@ -244,10 +242,12 @@ def read_manifest(pack_dir) -> Manifest:
     if version != FORMAT_VERSION:
         raise FlashError(f"{path}: pack format version {version}, this mlx-flash reads version "
                          f"{FORMAT_VERSION}; re-convert the model")
-    for b in manifest.get("bundles", []):
+    validate_manifest(manifest, path)
+    for b in manifest["bundles"]:
         if b.get("encoding") != "dense":
             raise FlashError(f"{path}: layer {b.get('layer')} has bundle encoding "
                              f"{b.get('encoding')!r}; this reader supports 'dense'")
+    check_pack_files(pack_dir, manifest, path)
     return Manifest.from_dict(manifest)
 
 

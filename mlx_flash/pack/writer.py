@@ -11,7 +11,8 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
-from ..paths import fsync_file
+from ..paths import atomic_dir, save_safetensors
+from .schema import write_metadata
 from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, FORMAT, FORMAT_VERSION, MANIFEST,
                      RESIDENT_FILE, dtype_name, find_ffn, round_up)
 
@@ -33,8 +34,9 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       along hidden): None = re-quantize with the source's bits (lossy: on SmolLM2-135M Q4 it adds
       ~8% relative error to down, as much as Q4 itself), 8 = re-quantize at 8 bits (~0.5%),
       16 = the dequantized float values (exact, ~1.7x the down bytes).
-    Writes into a temporary directory beside `out_dir` and renames it; on any failure the
-    temporary directory is removed and FlashError names the file and reason. Returns out_dir.
+    Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
+    on any failure the temporary directory is removed and FlashError names the file and reason.
+    Returns out_dir.
     """
     src, out = Path(src_dir), Path(out_dir)
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -47,22 +49,8 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
+    with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            name = e.filename or str(out)
-            raise FlashError(f"{name}: cannot write pack ({e.strerror or e})") from e
-        raise
     return out
 
 
@@ -156,8 +144,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
                         "encoding": "dense", **entry})
         del comps
     res_path = tmp / RESIDENT_FILE
-    mx.save_safetensors(str(res_path), resident, metadata={"format": "mlx"})
-    fsync_file(res_path)
+    save_safetensors(res_path, resident, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for pattern in PASSTHROUGH:
         for f in src.glob(pattern):
@@ -287,13 +274,11 @@ def write_bundle_file(path: Path, regions, alignment: int, block_align=COMPONENT
     return [{**r, "file_length": pos} for r in records]
 
 
-def write_manifest(pack_dir, manifest: dict, indent=1) -> Path:
-    """Write `manifest` as the pack's manifest.json (temporary file, fsync, rename)."""
+def write_manifest(pack_dir, manifest: dict) -> Path:
+    """Write `manifest` as the pack's manifest.json with its metadata checksum (temporary file,
+    fsync, rename, fsync of the folder)."""
     path = Path(pack_dir) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=indent))
-    fsync_file(tmp)
-    os.replace(tmp, path)
+    write_metadata(path, manifest)
     return path
 
 
@@ -321,4 +306,3 @@ def _file_crc32(path: Path) -> int:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
-

@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from ..paths import atomic_output_dir
+from ..paths import atomic_output_dir, save_safetensors
 from .gguf import gguf_to_mlx, read_gguf_header
 from .gguf_tokenizer import write_tokenizer
 
@@ -21,7 +21,7 @@ def convert_gguf(gguf_path, out_dir, progress=True) -> Path:
         for name in tqdm(sorted(weights), desc=f"Converting {gguf_path.name}", unit="tensor",
                          disable=not progress, file=sys.stderr):
             mx.eval(weights[name])
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        save_safetensors(tmp / "model.safetensors", weights, metadata={"format": "mlx"})
         write_tokenizer(header, tmp)
         meta = header.metadata
         for key in ("bos", "eos"):

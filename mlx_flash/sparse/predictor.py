@@ -42,8 +42,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..pack import layer_bundles, read_layer_components, read_manifest
 from ..cpu.ops import half_matvec, quantized_matvec
+from ..pack import layer_bundles, read_layer_components, read_manifest
+from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
+from ..paths import fsync_file
 
 FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
@@ -141,7 +143,9 @@ def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         write(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_file(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -170,8 +174,9 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
                "pack_resident_crc32": manifest.resident.crc32,
                "tensors_file": PREDICTORS_FILE if arrays else None, "tensors_crc32": crc, **meta,
                "layers": {str(i): layers[i] for i in sorted(layers)}}
-        text = json.dumps(doc, indent=1)
-        _atomic_write(js_path, lambda p: p.write_text(text))
+        write_metadata(js_path, doc)
+    except RuntimeError as e:  # MLX's bare error for a failed write (full disk)
+        raise FlashError(f"{st_path}: cannot write predictors ({e})") from None
     except OSError as e:
         raise FlashError(f"{e.filename or pack}: cannot write predictors ({e.strerror or e})") from None
     return js_path
@@ -180,12 +185,9 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
 def read_predictors_json(pack_dir):
     """The validated predictors.json of a pack, or None when the pack has none."""
     path = Path(pack_dir) / PREDICTORS_JSON
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise FlashError(f"{path}: unreadable predictors file ({e})") from None
+    doc = read_json_file(path, "predictors file")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise FlashError(f"{path}: not a predictors file")
     if doc.get("format_version") != FORMAT_VERSION:
@@ -194,14 +196,53 @@ def read_predictors_json(pack_dir):
     manifest = read_manifest(pack_dir)
     if doc.get("pack_resident_crc32") != manifest.resident.crc32:
         raise FlashError(f"{path}: calibrated for a different pack; re-run python -m mlx_flash.calibrate")
-    layers = doc.get("layers")
-    n_layers = len(manifest.bundles)
-    if not isinstance(layers, dict) or sorted(map(int, layers)) != sorted(b.layer for b in manifest.bundles):
-        raise FlashError(f"{path}: layers do not match the pack's {n_layers} FFN layers")
-    for key, entry in layers.items():
-        if entry.get("kind") not in KINDS:
-            raise FlashError(f"{path}: layer {key} has unknown kind {entry.get('kind')!r}")
+    validate_predictors(doc, path, manifest)
     return doc
+
+
+def validate_predictors(doc: dict, path, manifest) -> None:
+    """FlashError naming `path` and the field unless predictors.json is consistent with itself
+    and with the pack: checksum, one entry per FFN layer of the pack, neuron counts equal to the
+    bundle counts, finite non-negative thresholds and cuts, probabilities in (0, 1), capacities
+    1..n non-decreasing, a known activation."""
+    c = FieldCheck(path)
+    check_checksum(doc, path)
+    c.str(doc.get("activation", "silu"), "activation", ACTIVATIONS)
+    if doc.get("tensors_file") is not None:
+        c.str(doc["tensors_file"], "tensors_file", (PREDICTORS_FILE,))
+        c.int(c.get(doc, "tensors_crc32"), "tensors_crc32", 0, 2 ** 32 - 1)
+    layers = c.dict(c.get(doc, "layers"), "layers")
+    counts = {b.layer: b.count for b in manifest.bundles}
+    seen = set()
+    for key, entry in layers.items():
+        f = f"layers[{key!r}]"
+        if not key.isdigit() or int(key) in seen:
+            c.fail(f, "is not a distinct layer number")
+        seen.add(int(key))
+        c.dict(entry, f)
+        kind = c.str(c.get(entry, "kind", f"{f}.kind"), f"{f}.kind", KINDS)
+        n = c.int(c.get(entry, "n_neurons", f"{f}.n_neurons"), f"{f}.n_neurons", 1, 1 << 24)
+        if int(key) in counts and n != counts[int(key)]:
+            c.fail(f"{f}.n_neurons", f"= {n}, but the pack's layer {key} has {counts[int(key)]} neurons")
+        c.int(entry.get("rank", 0), f"{f}.rank", 0, n)
+        if kind in LOW_RANK and entry.get("rank", 0) < 1:
+            c.fail(f"{f}.rank", f"must be at least 1 for a {kind} predictor")
+        c.num(entry.get("threshold", 0.0), f"{f}.threshold", 0)
+        c.num(entry.get("cut", 0.0), f"{f}.cut", 0)
+        c.num(entry.get("prob_threshold", 0.5), f"{f}.prob_threshold", 0, 1, lo_open=True)
+        if entry.get("prob_threshold", 0.5) >= 1:
+            c.fail(f"{f}.prob_threshold", "must be below 1")
+        caps = c.list(c.get(entry, "capacity", f"{f}.capacity"), f"{f}.capacity")
+        if not caps:
+            c.fail(f"{f}.capacity", "is empty")
+        for k, v in enumerate(caps):
+            c.int(v, f"{f}.capacity[{k}]", 1, n)
+        if any(a > b for a, b in zip(caps, caps[1:])):
+            c.fail(f"{f}.capacity", "must not decrease with the window")
+        if entry.get("stats") is not None:
+            c.dict(entry["stats"], f"{f}.stats")
+    if seen != set(counts):
+        c.fail("layers", f"do not match the pack's {len(counts)} FFN layers")
 
 
 def load_predictors(pack_dir):
@@ -216,6 +257,7 @@ def load_predictors(pack_dir):
     factors = {}
     if doc.get("tensors_file"):
         st_path = pack / doc["tensors_file"]
+        check_pack_file(pack, doc["tensors_file"], "tensors_file", pack / PREDICTORS_JSON)
         try:
             raw = st_path.read_bytes()
         except OSError as e:
