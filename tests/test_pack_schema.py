@@ -1,0 +1,172 @@
+"""pack/schema.py: manifest.json is untrusted input. Every bad value gives one FlashError line naming
+the file and the field before anything is allocated or read; never wrong text, a hang or a crash."""
+
+import json
+import math
+import os
+import threading
+
+import pytest
+
+from mlx_flash.errors import FlashError
+from mlx_flash.pack import load_pack_weights, read_manifest, write_pack
+from mlx_flash.pack.schema import CHECKSUM_KEY, metadata_crc32, write_metadata
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    from conftest import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("schema")
+    src = write_tiny_llama(root / "src", layers=2, intermediate=96, quantize=(4, 32))
+    return write_pack(src, root / "pack", progress=False)
+
+
+@pytest.fixture
+def edit(pack, tmp_path):
+    """edit(change, resign=True) -> a copy of the pack whose manifest `change(manifest)` edited
+    (re-signed with a fresh checksum unless resign=False, so the schema checks are reached)."""
+    import shutil
+
+    def make(change, resign=True):
+        out = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(pack, out)
+        m = json.loads((out / "manifest.json").read_text())
+        change(m)
+        if resign:
+            write_metadata(out / "manifest.json", m)
+        else:
+            (out / "manifest.json").write_text(json.dumps(m))
+        return out
+
+    return make
+
+
+def assert_refused(path, match):
+    with pytest.raises(FlashError, match=match) as e:
+        read_manifest(path)
+    assert "\n" not in str(e.value) and "manifest.json" in str(e.value)
+
+
+def test_written_manifest_carries_its_checksum(pack):
+    m = json.loads((pack / "manifest.json").read_text())
+    assert m[CHECKSUM_KEY] == metadata_crc32(m)
+    read_manifest(pack)
+
+
+def test_edit_without_checksum_is_refused(edit):
+    def relabel(m):  # float16 scales relabelled as bfloat16: same length, wrong values
+        comp = next(c for c in m["bundles"][0]["components"] if c["name"] == "up.scales")
+        comp["dtype"] = "bfloat16" if comp["dtype"] != "bfloat16" else "float16"
+
+    assert_refused(edit(relabel, resign=False), "metadata_crc32 does not match")
+    assert_refused(edit(lambda m: m.pop(CHECKSUM_KEY), resign=False), "metadata_crc32 is missing")
+
+
+def _bundle(i, key, value):
+    def change(m):
+        m["bundles"][i][key] = value
+    return change
+
+
+def _config(key, value):
+    def change(m):
+        m["config"][key] = value
+    return change
+
+
+def _comp(name, key, value):
+    def change(m):
+        next(c for c in m["bundles"][0]["components"] if c["name"] == name)[key] = value
+    return change
+
+
+CASES = {
+    "smaller count": (_bundle(0, "count", 64), r"bundles\[0\]\.(length|count)"),
+    "count and length shrunk together": (
+        lambda m: m["bundles"][0].update(count=64, length=64 * m["bundles"][0]["stride"]),
+        r"bundles\[0\]\.(count = 64, but the config|checksums.length)"),
+    "huge count": (_bundle(0, "count", 1 << 40), r"bundles\[0\]\.count = \d+ is out of range"),
+    "duplicate layer": (_bundle(1, "layer", 0), r"bundles\[1\]\.layer = 0 appears twice"),
+    "layer past the model": (_bundle(1, "layer", 1000), "layer 1000 is beyond config.num_hidden_layers"),
+    "zero stride": (_bundle(0, "stride", 0), r"bundles\[0\]\.stride = 0 is out of range"),
+    "zero alignment": (lambda m: m.update(alignment=0), "alignment = 0 is out of range"),
+    "odd alignment": (lambda m: m.update(alignment=1000), "alignment = 1000 is not a power of two"),
+    "missing bundles": (lambda m: m.pop("bundles"), "bundles is missing"),
+    "missing component offset": (_comp("up.weight", "offset", None), r"components\[\d\]\.offset must be an integer"),
+    "missing key in a bundle": (lambda m: m["bundles"][0].pop("stride"), r"bundles\[0\]\.stride is missing"),
+    "string where a number goes": (_bundle(0, "offset", "0"), r"bundles\[0\]\.offset must be an integer"),
+    "unknown dtype": (_comp("up.weight", "dtype", "float128"), r"dtype = 'float128' is not one of"),
+    "dtype of another width": (_comp("up.scales", "dtype", "float16"), r"length = \d+ bytes, but shape"),
+    "component past the stride": (_comp("down_t.biases", "offset", 1 << 20), r"offset = \d+ is out of range"),
+    "NaN rms_norm_eps": (_config("rms_norm_eps", math.nan), "config.rms_norm_eps must be a finite number"),
+    "negative rms_norm_eps": (_config("rms_norm_eps", -1.0), "config.rms_norm_eps = -1.0 is out of range"),
+    "huge vocab_size": (_config("vocab_size", 1 << 40), "config.vocab_size = \\d+ is out of range"),
+    "vocab_size vs embedding": (_config("vocab_size", 4096), "config.vocab_size = 4096, but model.embed_tokens"),
+    "hidden_size vs rows": (_config("hidden_size", 128), r"hidden_size 128 needs"),
+    "group_size 0": (lambda m: m["config"]["quantization"].update(group_size=0),
+                     "config.quantization.group_size = 0 is out of range"),
+    "bits 0": (_comp("up.weight", "quantization", {"group_size": 32, "bits": 0}),
+               r"quantization.bits = 0 is out of range"),
+    "checksum table too short": (lambda m: m["bundles"][0]["checksums"].update(length=4),
+                                 r"checksums.length = 4, but 96 bundles need 384"),
+    "file shorter than its regions": (_bundle(0, "file_length", 4096), r"run past file_length 4096"),
+    "not an object": (lambda m: m.update(bundles=[17]), r"bundles\[0\] must be an object"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_field_is_one_line_naming_it(edit, case):
+    change, match = CASES[case]
+    assert_refused(edit(change), match)
+
+
+@pytest.mark.parametrize("target, match", [
+    ("../../../../etc/passwd", "must be a relative path inside the pack"),
+    ("/dev/zero", "must be a relative path inside the pack"),
+    ("bundles/../../outside.bin", "must be a relative path inside the pack"),
+    ("bundles/link.bin", "leads outside the pack"),
+    ("bundles/fifo.bin", "is not a regular file"),
+    ("bundles/dev.bin", "leads outside the pack"),  # a symlink to /dev/zero
+    ("bundles/missing.bin", "cannot read"),
+])
+def test_bundle_file_names_only_regular_files_inside_the_pack(edit, target, match, tmp_path):
+    def change(m):
+        m["bundles"][0]["file"] = target
+
+    path = edit(change)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\0" * (1 << 20))
+    os.symlink(outside, path / "bundles" / "link.bin")
+    os.mkfifo(path / "bundles" / "fifo.bin")
+    os.symlink("/dev/zero", path / "bundles" / "dev.bin")
+    result = {}
+
+    def load():  # a FIFO must be refused before it is opened: an open would block forever
+        try:
+            load_pack_weights(path)
+        except FlashError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "hung opening the bundle file"
+    assert match in result.get("error", ""), result
+
+
+def test_manifest_that_is_a_fifo_or_huge_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "manifest.json")
+    with pytest.raises(FlashError, match="not a regular file"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # deep nesting
+    with pytest.raises(FlashError, match="unreadable manifest"):
+        read_manifest(tmp_path)
+
+
+def test_resident_file_is_checked_like_bundles(edit):
+    def change(m):
+        m["resident"]["file"] = "/etc/passwd"
+
+    assert_refused(edit(change), "resident.file = '/etc/passwd' must be a relative path")
