@@ -1,5 +1,8 @@
 """GGUF import checked against an independent implementation: transformers + torch reading the
-same file (its own GGUF parser, dequantizer and tokenizer builder)."""
+same file (its own GGUF parser, dequantizer and tokenizer builder). GGUF metadata is untrusted
+input: values that disagree with the tensors the file holds give one FlashError line naming the key."""
+
+import struct
 
 import numpy as np
 import pytest
@@ -7,7 +10,7 @@ import pytest
 import mlx.core as mx
 
 from mlx_flash.errors import FlashError
-from mlx_flash.sources.gguf import read_gguf_header, unpermute_rows
+from mlx_flash.sources.gguf import gguf_config, gguf_to_mlx, read_gguf_header, unpermute_rows
 
 gguf = pytest.importorskip("gguf")
 
@@ -130,3 +133,88 @@ def test_unsupported_architecture_is_named(tmp_path):
     path = _write_gguf(tmp_path / "a.gguf", gguf.GGMLQuantizationType.F32, arch="mamba")
     with pytest.raises(FlashError, match=r"a\.gguf: GGUF architecture 'mamba' is not supported"):
         gguf_config(read_gguf_header(path))
+
+
+# ---- metadata checked against the tensors (a tiny GGUF written by the gguf package) ----
+
+HIDDEN, FFN, VOCAB, LAYERS = 64, 96, 128, 2
+BLOCK = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "attn_q": (HIDDEN, HIDDEN),
+         "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+         "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+
+
+def write_tiny_gguf(path, layers=LAYERS):
+    """A tiny float32 llama GGUF (random weights) written by the `gguf` package's writer."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_uint32("general.alignment", 32)
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(layers):
+        for name, shape in BLOCK.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", rng.standard_normal(shape, dtype=np.float32) * 0.05)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def patch_uint32(path, key, value, type_id=4):
+    """Overwrite the uint32 (or other scalar) value of metadata `key` in place."""
+    raw = bytearray(path.read_bytes())
+    k = key.encode()
+    at = raw.index(struct.pack("<Q", len(k)) + k) + 8 + len(k)
+    assert struct.unpack_from("<I", raw, at)[0] == type_id
+    fmt = {4: "<I", 6: "<f"}[type_id]
+    struct.pack_into(fmt, raw, at + 4, value)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+def test_tiny_gguf_reads(tiny_gguf):
+    config, weights = gguf_to_mlx(tiny_gguf)
+    assert config["num_hidden_layers"] == LAYERS and config["vocab_size"] == VOCAB
+    assert weights["model.layers.1.mlp.up_proj.weight"].shape == (FFN, HIDDEN)
+
+
+@pytest.mark.parametrize("key, value, type_id, match", [
+    ("general.alignment", 0, 4, r"general\.alignment = 0, must be a power of two"),
+    ("general.alignment", 48, 4, r"general\.alignment = 48"),
+    ("llama.block_count", 1000, 4, r"llama\.block_count = 1000, but the file holds tensors for 2 blocks"),
+    ("llama.block_count", 1, 4, r"llama\.block_count = 1, but the file holds tensors for 2 blocks"),
+    ("llama.block_count", 0, 4, r"llama\.block_count = 0 is out of range"),
+    ("llama.embedding_length", 32, 4, r"llama\.embedding_length = 32, but token_embd\.weight"),
+    ("llama.feed_forward_length", 4096, 4, r"llama\.feed_forward_length = 4096, but blk\.0\.ffn_up"),
+    ("llama.attention.head_count", 0, 4, r"llama\.attention\.head_count = 0 is out of range"),
+    ("llama.attention.head_count", 5, 4, r"llama\.attention\.head_count = 5 .* does not divide"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), 6, r"layer_norm_rms_epsilon = nan"),
+])
+def test_bad_metadata_is_one_line(tiny_gguf, key, value, type_id, match):
+    patch_uint32(tiny_gguf, key, value, type_id)
+    with pytest.raises(FlashError, match=match) as e:
+        gguf_config(read_gguf_header(tiny_gguf))
+    assert "\n" not in str(e.value) and "tiny.gguf" in str(e.value)
+
+
+def test_bad_metadata_through_the_cli_is_one_line_exit_2(tiny_gguf):
+    import subprocess
+    import sys
+
+    patch_uint32(tiny_gguf, "llama.block_count", 1000)
+    p = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--model", str(tiny_gguf),
+                        "--prompt", "hi", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "block_count = 1000" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

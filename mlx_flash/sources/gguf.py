@@ -138,7 +138,11 @@ def read_gguf_header(path) -> GGUFHeader:
         shape = tuple(cur.take("Q") for _ in range(n_dims))
         type_id, offset = cur.take("I"), cur.take("Q")
         infos.append((name, shape, type_id, offset))
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or not 0 < alignment <= 1 << 20 \
+            or alignment & (alignment - 1):
+        raise FlashError(f"{path}: corrupt GGUF header (general.alignment = {alignment!r:.40}, "
+                         f"must be a power of two up to 1 MiB)")
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     header = GGUFHeader(path=path, version=version, metadata=metadata)
     for name, shape, type_id, offset in infos:
@@ -240,6 +244,9 @@ def gguf_config(header: GGUFHeader) -> dict:
         }
     except TypeError as e:  # a required key is missing (int(None))
         raise FlashError(f"{header.path}: GGUF metadata lacks a required {arch}.* key ({e})") from None
+    except (ValueError, OverflowError) as e:  # a key of the wrong type (a string, NaN as int)
+        raise FlashError(f"{header.path}: GGUF metadata has an invalid {arch}.* value ({e})") from None
+    _check_config_vs_tensors(header, config)
     head_dim = get("attention.key_length") or get("rope.dimension_count")
     if head_dim and int(head_dim) != hidden // n_heads or arch == "qwen3":
         config["head_dim"] = int(head_dim or hidden // n_heads)
@@ -256,6 +263,51 @@ def gguf_config(header: GGUFHeader) -> dict:
         if key in header.metadata:
             config.setdefault("gguf_metadata", {})[key] = header.metadata[key]
     return config
+
+
+def _check_config_vs_tensors(header: GGUFHeader, config: dict):
+    """The metadata must describe the tensors the file holds: one line naming the key otherwise
+    (a wrong block_count made mlx-lm list thousands of missing weights)."""
+    path, arch = header.path, header.architecture
+
+    def bad(key, reason):
+        raise FlashError(f"{path}: GGUF metadata {arch}.{key} {reason}")
+
+    for key, value in (("embedding_length", config["hidden_size"]),
+                       ("feed_forward_length", config["intermediate_size"]),
+                       ("attention.head_count", config["num_attention_heads"]),
+                       ("attention.head_count_kv", config["num_key_value_heads"]),
+                       ("block_count", config["num_hidden_layers"]),
+                       ("context_length", config["max_position_embeddings"])):
+        if not 0 < value <= 1 << 24:
+            bad(key, f"= {value} is out of range")
+    eps = config["rms_norm_eps"]
+    if not (eps == eps and 0 < eps < 1):  # NaN fails eps == eps
+        bad("attention.layer_norm_rms_epsilon", f"= {eps} must be in (0, 1)")
+    if not (config["rope_theta"] == config["rope_theta"] and 0 < config["rope_theta"] < 1e12):
+        bad("rope.freq_base", f"= {config['rope_theta']} is out of range")
+    if config["hidden_size"] % config["num_attention_heads"] or \
+            config["num_attention_heads"] % config["num_key_value_heads"]:
+        bad("attention.head_count", f"= {config['num_attention_heads']} (kv "
+            f"{config['num_key_value_heads']}) does not divide embedding_length {config['hidden_size']}")
+    blocks = {int(n.split(".")[1]) for n in header.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    n_layers = config["num_hidden_layers"]
+    if blocks != set(range(n_layers)):
+        bad("block_count", f"= {n_layers}, but the file holds tensors for {len(blocks)} blocks"
+            + (f" (0..{max(blocks)})" if blocks else ""))
+    embd = header.tensors.get("token_embd.weight")
+    if embd is None:
+        raise FlashError(f"{path}: GGUF file has no token_embd.weight tensor")
+    if len(embd.shape) != 2 or embd.shape[0] != config["hidden_size"]:
+        bad("embedding_length", f"= {config['hidden_size']}, but token_embd.weight is {list(embd.shape)}")
+    if header.arch_value("vocab_size") is None:  # the token list may be shorter than the table
+        config["vocab_size"] = embd.shape[1]
+    elif config["vocab_size"] != embd.shape[1]:
+        bad("vocab_size", f"= {config['vocab_size']}, but token_embd.weight has {embd.shape[1]} rows")
+    up = header.tensors.get("blk.0.ffn_up.weight")
+    if up is not None and list(up.shape) != [config["hidden_size"], config["intermediate_size"]]:
+        bad("feed_forward_length", f"= {config['intermediate_size']}, but blk.0.ffn_up.weight is "
+            f"{list(up.shape)}")
 
 
 def gguf_to_mlx(path) -> tuple:
