@@ -133,10 +133,13 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "prompt_tps": last.prompt_tps if last else None,
         "generated_tokens": last.generation_tokens if last else 0,
         "text": "".join(text)[:300], "accounting": accounting,
-        # predicted-active fraction of the FFN neurons per decode token (flash): the sparsity seen
+        # fraction of all the model's FFN neurons needed per decode token (flash): needed counts
+        # the predicted neurons of sparse layers and every neuron of resident / streamed ones
         "active_fraction": (sum(s.neurons_needed for _, s in decode) / len(decode)
-                            / sum(rt.loader.entry(i).count for i in rt.caches)
-                            if mode == "flash" and decode and rt.caches else None),
+                            / sum(b.count for b in rt.loader.bundles.values())
+                            if mode == "flash" and decode else None),
+        "sparse_layers": len(stats.plan.capacity) if mode == "flash" and stats.plan else None,
+        "ffn_layers": len(rt.loader.bundles),
     }
     if keep_steps:
         out["steps"] = {"io_ms": [1e3 * s.io_s for _, s in decode],

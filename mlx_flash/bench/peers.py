@@ -218,13 +218,14 @@ def run_peers(suite, names: dict, prompts, out: Path) -> dict:
     results = {}
     info = suite.model_info
     for name, reason in names.items():
-        if reason:
-            results[name] = {"ok": False, "error": reason, "note": "not run"}
+        if reason:  # not installed: nothing was measured, so no figures
+            results[name] = {"ok": False, "status": "not installed", "error": reason, "note": ""}
             continue
         try:
             path, note = _model_file(name, suite, out)
         except FlashError as e:
-            results[name] = {"ok": False, "error": str(e), "note": "no model file for this peer"}
+            results[name] = {"ok": False, "status": "not run", "error": str(e),
+                             "note": "no model file for this peer"}
             continue
         recs = []
         for rep in range(suite.args.repeats):
@@ -237,7 +238,7 @@ def run_peers(suite, names: dict, prompts, out: Path) -> dict:
             recs.append(suite.child("peers", name, fn, kw, budget_bytes=suite.budget_bytes,
                                     paths=[path], repeat=rep))
         ok = [r for r in recs if r["ok"]]
-        res = {"ok": bool(ok), "model_file": str(path), "note": note,
+        res = {"ok": bool(ok), "status": "ran" if ok else "failed", "model_file": str(path), "note": note,
                "cap_bytes": recs[0]["cap_bytes"],
                "peak_bytes": max((r["peak_bytes"] or 0) for r in recs),
                "error": None if ok else recs[0]["error"]}

@@ -68,9 +68,10 @@ def table3_rows(result) -> list:
                 row[k] = r.get(k)
         rows.append(row)
     for name, p in (result.get("peers") or {}).items():
-        row = {"method": name, "kind": "peer", "ok": p.get("ok", False),
+        row = {"method": name, "kind": "peer", "ok": p.get("ok", False), "status": p.get("status"),
                "errors": [p["error"]] if p.get("error") else [], "note": p.get("note"),
-               "peak_gb": (p.get("peak_bytes") or 0) / 1e9, "cap_gb": (p.get("cap_bytes") or 0) / 1e9}
+               "peak_gb": (p.get("peak_bytes") or 0) / 1e9 if p.get("peak_bytes") else None,
+               "cap_gb": (p.get("cap_bytes") or 0) / 1e9}
         if row["ok"]:
             row.update(total_ms=p["total_ms"], total_ms_std=p.get("total_ms_std"))
         rows.append(row)
@@ -177,8 +178,11 @@ def _table3_md(result) -> list:
         cap = f" ({r['cap_gb']:.2f})" if r.get("cap_gb") else ""
         if not r["ok"]:
             err = "; ".join(r["errors"])[:160]
-            lines.append(f"| {r['method']} | does not fit / failed: {err} | | | | | | | "
-                         f"{r['peak_gb']:.2f}{cap} |")
+            if r.get("status") in ("not installed", "not run"):  # nothing ran: no figures
+                lines.append(f"| {r['method']} | {r['status']}: {err} | | | | | | | |")
+                continue
+            peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}{cap}"
+            lines.append(f"| {r['method']} | does not fit / failed: {err} | | | | | | | {peak} |")
             continue
         if r["kind"] == "peer":
             lines.append(f"| {r['method']} | - | - | - | {_ms(r['total_ms'], r.get('total_ms_std'))} "
@@ -256,8 +260,7 @@ def markdown(result) -> str:
                 f"row counters equal the reads that landed in caches, in every run.", ""]
     fl = (result.get("modes") or {}).get("flash") or {}
     if fl.get("active_fraction") is not None:
-        out += [f"Flash: the predictors marked {100 * fl['active_fraction']:.1f}% of the FFN "
-                f"neurons active per token on average (the sparsity the runs really had).", ""]
+        out += [flash_sparsity_line(fl), ""]
     if result["speedups"]:
         out += ["Speed-ups of flash (per-token latency ratio): " + ", ".join(
             f"{k.removeprefix('flash_vs_')} {v:.2f}x" for k, v in result["speedups"].items()), ""]
@@ -286,10 +289,23 @@ def markdown(result) -> str:
         out += ["## Peers", ""]
         for name, pr in result["peers"].items():
             state = (f"{pr['total_ms']:.1f} ms/token" if pr.get("ok") else
-                     f"does not fit / did not run: {pr.get('error')}")
+                     f"{pr['status']}: {pr.get('error')}" if pr.get("status") in ("not installed", "not run")
+                     else f"does not fit / failed: {pr.get('error')}")
             out.append(f"- **{name}**: {state}. {pr.get('note', '')}")
         out.append("")
     return "\n".join(out)
+
+
+def flash_sparsity_line(fl) -> str:
+    """What the flash runs needed per token, with its denominator (all FFN neurons of the model)."""
+    sparse = fl.get("sparse_layers")
+    if sparse == 0:
+        return ("Flash: the memory plan ran no layer sparse (every FFN neuron of every layer was "
+                "computed: resident or streamed whole).")
+    layers = "" if sparse is None else f"; {sparse} of {fl.get('ffn_layers')} layers ran sparse"
+    return (f"Flash: {100 * fl['active_fraction']:.1f}% of the model's FFN neurons were needed per "
+            f"token on average (predicted-active neurons of the sparse layers plus every neuron of "
+            f"the others{layers}).")
 
 
 def summary(result) -> str:

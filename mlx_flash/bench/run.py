@@ -340,6 +340,8 @@ def aggregate(records) -> dict:
     row["plan"] = ok[0]["value"].get("plan")
     row["tokens"] = summaries[0]["tokens"]
     row["active_fraction"], _ = mean_std([r["value"].get("active_fraction") for r in ok])
+    row["sparse_layers"] = ok[0]["value"].get("sparse_layers")
+    row["ffn_layers"] = ok[0]["value"].get("ffn_layers")
     row["load_s"], row["load_s_std"] = mean_std([r["value"]["load_s"] for r in ok])
     io = [s["io_ms"] for s in summaries]
     row["throughput_gbps"] = (row["bytes_read"] / (statistics.fmean(io) / 1e3) / 1e9

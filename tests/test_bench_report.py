@@ -1,0 +1,28 @@
+"""bench/report.py: every printed figure is one the run measured, with its denominator; a peer that
+is not installed is "not installed", nothing more."""
+
+from mlx_flash.bench.report import _table3_md, flash_sparsity_line, table3_rows
+
+
+def test_peer_not_installed_has_no_figures():
+    result = {"modes": {}, "peers": {"llama.cpp": {"ok": False, "status": "not installed",
+                                                   "error": "not installed: pip install llama-cpp-python",
+                                                   "note": ""}}}
+    result["table3"] = table3_rows(result)
+    (row,) = [line for line in _table3_md(result) if line.startswith("| llama.cpp")]
+    assert "not installed" in row and "does not fit" not in row and "0.00" not in row
+
+
+def test_failed_peer_keeps_its_measured_peak():
+    result = {"modes": {}, "peers": {"mlx-lm": {"ok": False, "status": "failed", "error": "OOM",
+                                                "peak_bytes": 2.5e9, "cap_bytes": 2e9}}}
+    result["table3"] = table3_rows(result)
+    (row,) = [line for line in _table3_md(result) if line.startswith("| mlx-lm")]
+    assert "does not fit / failed: OOM" in row and "2.50 (2.00)" in row
+
+
+def test_flash_sparsity_line_names_its_denominator():
+    none_sparse = flash_sparsity_line({"active_fraction": 5.0, "sparse_layers": 0, "ffn_layers": 30})
+    assert "no layer sparse" in none_sparse and "%" not in none_sparse
+    some = flash_sparsity_line({"active_fraction": 0.42, "sparse_layers": 12, "ffn_layers": 30})
+    assert "42.0% of the model's FFN neurons" in some and "12 of 30 layers ran sparse" in some
