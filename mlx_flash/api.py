@@ -25,12 +25,36 @@ def load(model=None, config: FlashConfig = None, *, progress: bool = True, **opt
 
 
 def check_prompt_fits(model, n_prompt_tokens: int, max_tokens: int = 0) -> None:
-    """Refuse a prompt longer than the model's context instead of silently degrading."""
+    """Refuse a prompt that, with `max_tokens` generated tokens (-1: up to the context), does not
+    fit the model's context instead of silently degrading past it."""
     from .models import context_length  # heavy (mlx-lm), see load
 
     limit = context_length(model)
-    if limit is not None and n_prompt_tokens > limit:
+    if limit is None:
+        return
+    if n_prompt_tokens > limit:
         raise FlashError(f"--prompt: {n_prompt_tokens} tokens, longer than the model's context of {limit} tokens")
+    if max_tokens > 0 and n_prompt_tokens + max_tokens > limit:
+        raise FlashError(f"--max-tokens {max_tokens}: the prompt's {n_prompt_tokens} tokens plus "
+                         f"{max_tokens} exceed the model's context of {limit} tokens (at most "
+                         f"{limit - n_prompt_tokens} fit)")
+
+
+def check_token_ids(model, ids) -> None:
+    """FlashError unless every id indexes the model's embedding table (a wrong id read past it)."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    bad = [i for i in ids if not isinstance(i, int) or i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise FlashError(f"prompt: token id {bad[0]!r} is outside the embedding table "
+                         f"(0..{vocab - 1 if vocab else '?'})")
+
+
+def _prompt_ids(tokenizer, prompt):
+    """Token ids of a prompt as mlx-lm's stream_generate makes them (a BOS unless already there)."""
+    if not isinstance(prompt, str):
+        return [int(i) for i in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: float = 0.0,
@@ -43,8 +67,14 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: fl
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    if not isinstance(prompt, str):
-        check_prompt_fits(model, len(prompt))
+    from .models import context_length
+
+    prompt = _prompt_ids(tokenizer, prompt)
+    check_token_ids(model, prompt)
+    if max_tokens == -1:  # no limit: up to the end of the context
+        limit = context_length(model)
+        max_tokens = -1 if limit is None else max(0, limit - len(prompt))
+    check_prompt_fits(model, len(prompt), max_tokens)
     sampler = kwargs.pop("sampler", None) or make_sampler(temp=temp, top_p=top_p)
     # Every token allocates a few hundred Python objects, so the cyclic GC runs often, and its full
     # passes walked the model's and tokenizer's ~10^6 long-lived objects: a sixth of the Python

@@ -1,6 +1,7 @@
 """python -m mlx_flash.generate: stream text from a model (flags mirror mlx_lm.generate)."""
 
 import argparse
+import math
 import os
 import sys
 
@@ -50,10 +51,26 @@ def build_parser():
 def _check_args(args):
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise FlashError(f"--max-tokens {args.max_tokens}: must be positive (or -1 for no limit)")
-    if args.temp < 0:
-        raise FlashError(f"--temp {args.temp}: must be >= 0")
+    if not (math.isfinite(args.temp) and args.temp >= 0):
+        raise FlashError(f"--temp {args.temp}: must be a finite number >= 0")
     if not 0 < args.top_p <= 1:
         raise FlashError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise FlashError(f"--seed {args.seed}: must be in 0..2^63-1")
+
+
+def read_prompt(prompt: str) -> str:
+    """The --prompt value; '-' reads stdin, which must be UTF-8 text."""
+    from .errors import FlashError
+
+    if prompt != "-":
+        return prompt
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlashError(f"--prompt -: stdin is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start})") from None
 
 
 def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True) -> list:
@@ -81,12 +98,12 @@ def _main(argv):
         from .cpu.ops import set_q8_activations  # heavy, as above
 
         set_q8_activations(True)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
                             window=args.window, threads=args.threads)
     stats = getattr(model, "flash_stats", None)
     tokens = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
-    check_prompt_fits(model, len(tokens))
+    check_prompt_fits(model, len(tokens), args.max_tokens)
     print("==========", flush=True)
     response = None
     if stats is not None:

@@ -129,7 +129,9 @@ def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
 
 def quantized_embedding(ids, w, scales, biases, group_size=64, bits=4):
     """mlx-lm's QuantizedEmbedding lookup, mx.dequantize(w[ids], scales[ids], biases[ids]): one
-    primitive on the kernel (MLX's ops: about 35 for a 4- or 8-bit table), the same values."""
+    primitive on the kernel (MLX's ops: about 35 for a 4- or 8-bit table), the same values.
+    Ids outside 0..rows-1 raise ValueError on both paths (MLX's gather does not check them)."""
+    _check_ids(ids, w.shape[0])
     if (kernels_active() and ids.dtype in (mx.int32, mx.uint32)
             and quant_ok(w, scales, biases, group_size, bits)):
         return _ext.quantized_embedding(ids, w, scales, biases, group_size, bits)
@@ -153,9 +155,34 @@ def _select(a, rows, n):
     return a[:n] if rows is None else a[rows]
 
 
-def _check_rows(rows, n):
+def _check_ids(ids, rows: int) -> None:
+    """ValueError unless every id is in 0..rows-1 (one small reduction; evaluates `ids`)."""
+    if ids.size and (ids.dtype not in (mx.int32, mx.uint32, mx.int64, mx.uint64, mx.int16, mx.uint16,
+                                       mx.int8, mx.uint8)):
+        raise ValueError(f"ids must be integers, not {ids.dtype}")
+    if ids.size:
+        lo, hi = mx.min(ids).item(), mx.max(ids).item()
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"id {lo if lo < 0 else hi} is outside the table's rows 0..{rows - 1}")
+
+
+def _check_rows(rows, n, w=None):
+    """Exactly one of rows / n; n an integer in 0..len(w); rows int32/uint32: the kernel and its
+    MLX twin then see the same valid request (a negative n meant all rows on one and 3 on the other)."""
     if (rows is None) == (n is None):
         raise ValueError("pass exactly one of rows (int32 indices) or n (use the first n rows)")
+    if w is None:
+        return
+    if n is not None:
+        try:
+            ok = not isinstance(n, bool) and 0 <= operator.index(n) <= w.shape[0]
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"n = {n!r}: must be an integer in 0..{w.shape[0]}")
+    if rows is not None and rows.dtype not in (mx.int32, mx.uint32):
+        # (rows' values are not checked here: that would evaluate them mid-graph on the hot path)
+        raise ValueError(f"rows must be int32 or uint32 indices, not {rows.dtype}")
 
 
 def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=64, bits=None):
@@ -164,7 +191,7 @@ def gather_matvec(x, w, rows=None, n=None, scales=None, biases=None, group_size=
     W is half precision when bits is None, else MLX affine-quantized with scales/biases.
     The selected rows are read in place; the gather is never materialised on the kernel path.
     """
-    _check_rows(rows, n)
+    _check_rows(rows, n, w)
     quant = bits is not None
     count = n if rows is None else rows.shape[0]
     if use_kernel(x) and (quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
@@ -184,7 +211,7 @@ def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_siz
 
     W is half precision when bits is None, else MLX affine-quantized with scales/biases.
     """
-    _check_rows(rows, n)
+    _check_rows(rows, n, w)
     quant = bits is not None
     if use_kernel(h) and (quant_ok(w, scales, biases, group_size, bits) if quant else w.dtype in HALF_DTYPES):
         return _ext.gather_matvec_t(h, w, scales, biases, rows, n, group_size, bits)
