@@ -15,6 +15,7 @@ fused.py; routing a loaded model's modules through these ops: patch.py.
 """
 
 import importlib
+import operator
 import os
 import warnings
 
