@@ -27,8 +27,9 @@ COST = ReadCost(latency_s=1e-4, bandwidth=1e9)  # merge gaps up to 100 kB
 
 @pytest.fixture
 def make_pack(tiny_llama, tmp_path):
-    def make(name="src", **kwargs):
-        return write_pack(tiny_llama(name, **kwargs), tmp_path / f"{name}.pack", progress=False)
+    def make(name="src", down_bits=None, **kwargs):
+        return write_pack(tiny_llama(name, **kwargs), tmp_path / f"{name}.pack", progress=False,
+                          down_bits=down_bits)
     return make
 
 
@@ -91,7 +92,7 @@ def test_read_many_layers_at_once(make_pack):
 
 
 def test_quantized_sparse_matmul_on_loaded_rows(make_pack):
-    pack = make_pack(dtype="float32", quantize=(4, 32))
+    pack = make_pack(dtype="float32", quantize=(4, 32), down_bits=4)  # a quantized down column
     entry = read_manifest(pack)["bundles"][0]
     full = read_layer_components(pack, entry)
     ids = [3, 17, 40, 95]
@@ -236,9 +237,8 @@ def test_truncated_bundle_file_is_refused(make_pack):
     pack = make_pack()
     entry = read_manifest(pack)["bundles"][0]
     os.truncate(pack / entry["file"], 4096)
-    with FlashLoader(pack, threads=2, cost=COST) as loader:
-        with pytest.raises(FlashError, match=r"layer_000\.bin: truncated \(4096 bytes"):
-            loader.read(0, [95], loader.alloc(0, 1))
+    with pytest.raises(FlashError, match=r"layer_000\.bin: truncated \(4096 bytes"):  # before any read
+        FlashLoader(pack, threads=2, cost=COST)
 
 
 @pytest.mark.parametrize("raw", [False, True])

@@ -98,7 +98,7 @@ CASES = {
     "string where a number goes": (_bundle(0, "offset", "0"), r"bundles\[0\]\.offset must be an integer"),
     "unknown dtype": (_comp("up.weight", "dtype", "float128"), r"dtype = 'float128' is not one of"),
     "dtype of another width": (_comp("up.scales", "dtype", "float16"), r"length = \d+ bytes, but shape"),
-    "component past the stride": (_comp("down_t.biases", "offset", 1 << 20), r"offset = \d+ is out of range"),
+    "component past the stride": (_comp("up.biases", "offset", 1 << 20), r"offset = \d+ is out of range"),
     "NaN rms_norm_eps": (_config("rms_norm_eps", math.nan), "config.rms_norm_eps must be a finite number"),
     "negative rms_norm_eps": (_config("rms_norm_eps", -1.0), "config.rms_norm_eps = -1.0 is out of range"),
     "huge vocab_size": (_config("vocab_size", 1 << 40), "config.vocab_size = \\d+ is out of range"),

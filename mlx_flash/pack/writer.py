@@ -1,6 +1,7 @@
 """write_pack: an mlx-lm folder -> a flash pack (format in layout.py)."""
 
 import json
+import math
 import os
 import shutil
 import zlib
@@ -31,9 +32,12 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       weight (FFN down is quantized in its transposed, bundled form). Source must be unquantized.
     alignment: bytes; bundle regions and file lengths are multiples of it (direct I/O).
     down_bits: only for an already quantized source, how to store down.T (whose groups must run
-      along hidden): None = re-quantize with the source's bits (lossy: on SmolLM2-135M Q4 it adds
-      ~8% relative error to down, as much as Q4 itself), 8 = re-quantize at 8 bits (~0.5%),
-      16 = the dequantized float values (exact, ~1.7x the down bytes).
+      along hidden, across the source's groups): None or 16 (default) = the source's dequantized
+      values as floats in the scales' dtype: the source model (float16 rounding of each weight;
+      on SmolLM2-135M Q4_1 perplexity 18.80 = the source's, bundles 1.73x the 4-bit size);
+      8 or 4 = re-quantized at that many bits, smaller bundles but a different model (lossy:
+      +0.12% / +4.5% perplexity there). The manifest's "down" entry names the choice and the
+      measured weight error.
     Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
     on any failure the temporary directory is removed and FlashError names the file and reason.
     Returns out_dir.
@@ -129,13 +133,15 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
         else:
             resident[k] = v
-    requantized = False
+    requantized, down_errors = False, []
     bundles = []
     bundle_dir = tmp / "bundles"
     bundle_dir.mkdir()
     for layer, info in tqdm(ffn.items(), desc="flash pack", unit="layer", disable=not progress):
-        comps, req = _components(weights, config, info, quantize, group_size, down_bits)
+        comps, req, err = _components(weights, config, info, quantize, group_size, down_bits)
         requantized |= req
+        if err is not None:
+            down_errors.append(err)
         rel = f"bundles/layer_{layer:03d}.bin"
         # An expert is one direct-I/O-aligned block: its stride is a multiple of the alignment.
         (entry,) = write_bundle_file(tmp / rel, [comps], alignment,
@@ -162,6 +168,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         "down_layout": "transposed",
         "down_requantized": requantized,
         "down_bits": down_bits,
+        "down": _down_summary(down_errors, requantized, down_bits),
         "resident": {"file": RESIDENT_FILE, "length": res_path.stat().st_size,
                      "crc32": _file_crc32(res_path),
                      "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
@@ -171,10 +178,29 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     write_manifest(tmp, manifest)
 
 
+def _down_summary(errors, requantized, down_bits) -> dict | None:
+    """How the down projection of a quantized source was stored and how far it is from the source's
+    weights: max |stored - source| and sqrt(sum diff^2 / sum source^2), over every layer."""
+    if not errors:
+        return None
+    num, den = sum(e[1] for e in errors), sum(e[2] for e in errors)
+    return {"storage": f"{down_bits}-bit re-quantized (lossy)" if requantized else
+            "float values of the source's quantized weights (exact up to float rounding)",
+            "lossy": requantized, "max_abs_error": max(e[0] for e in errors),
+            "relative_rms_error": math.sqrt(num / den) if den else 0.0}
+
+
+def _weight_error(stored, source_t) -> tuple:
+    """(max |stored - source|, sum diff^2, sum source^2) in float32 (both [n, hidden])."""
+    d = stored.astype(mx.float32) - source_t
+    return (mx.abs(d).max().item(), mx.sum(d * d).item(), mx.sum(source_t * source_t).item())
+
+
 def _components(weights, config, info, quantize, group_size, down_bits=None):
-    """[(component name, source tensor name, array [count, ...row], quantization|None)], requantized."""
+    """([(component name, source tensor name, array [count, ...row], quantization|None)],
+    requantized, down error (see _weight_error) or None when down was not converted)."""
     modules, kind = info["modules"], info["kind"]
-    comps, requantized = [], False
+    comps, requantized, down_error = [], False, None
 
     def add_matrix(role, module, w, s=None, b=None, q=None, source=None):
         source = source or f"{module}.weight"
@@ -192,14 +218,18 @@ def _components(weights, config, info, quantize, group_size, down_bits=None):
             role = "down_t"
             if f"{module}.scales" in weights:
                 g, bits = _qparams(config, module)
-                full = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
-                                     group_size=g, bits=bits)
-                if down_bits == 16:  # exact: the dequantized values, as floats
-                    add_matrix(role, module, mx.contiguous(full.T))
+                scales, biases = weights[f"{module}.scales"], weights[f"{module}.biases"]
+                full = mx.dequantize(w, scales, biases, group_size=g, bits=bits)
+                exact_t = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                                        group_size=g, bits=bits).T
+                if down_bits in (None, 16):  # the source's values, as floats
+                    stored = mx.contiguous(full.T)
+                    add_matrix(role, module, stored)
+                    down_error = _weight_error(stored, exact_t)
                     continue
-                bits = down_bits or bits
-                q, s, b = mx.quantize(mx.contiguous(full.T), group_size=g, bits=bits)
-                add_matrix(role, module, q, s, b, {"group_size": g, "bits": bits})
+                q, s, b = mx.quantize(mx.contiguous(full.T), group_size=g, bits=down_bits)
+                add_matrix(role, module, q, s, b, {"group_size": g, "bits": down_bits})
+                down_error = _weight_error(mx.dequantize(q, s, b, group_size=g, bits=down_bits), exact_t)
                 requantized = True
                 continue
             w = mx.contiguous(w.T)
@@ -220,7 +250,7 @@ def _components(weights, config, info, quantize, group_size, down_bits=None):
     counts = {c[2].shape[0] for c in comps}
     if len(counts) != 1:
         raise FlashError(f"{modules['up']}: FFN tensors disagree on the neuron count {sorted(counts)}")
-    return comps, requantized
+    return comps, requantized, down_error
 
 
 def _row_bytes(arr) -> np.ndarray:
