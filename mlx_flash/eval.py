@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .calibration.fit import DEFAULTS
+from .calibration.fit import DEFAULTS, check_text_files, check_writable
 from .calibration.quality import (DEFAULT_MAX_TOKENS, DEFAULT_SEQUENCE_LENGTH, evaluate_ppl, format_ppl,
                                   format_sweep, sweep)
 from .cli import run_cli
@@ -81,6 +81,16 @@ def _main(argv):
     args = build_parser().parse_args(argv)
     if args.max_tokens < 2:
         raise FlashError(f"--max-tokens {args.max_tokens}: must be at least 2")
+    # everything that can be checked before minutes of model passes
+    check_text_files(args.text)
+    if args.command == "sweep":
+        check_text_files(args.calib_text)
+    for flag, dest in (("--json", args.json), ("--markdown", getattr(args, "markdown", None))):
+        if dest and dest != "-":
+            parent = Path(dest).expanduser().parent
+            if not parent.is_dir():
+                raise FlashError(f"{flag} {dest}: no folder {parent}")
+            check_writable(parent, flag)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     progress = not args.quiet
     budget = parse_memory_budget(args.memory_budget, "--memory-budget")

@@ -22,6 +22,46 @@ def test_generate_matches_stream(loaded):
     assert last.prompt_tokens == len(prompt) and last.peak_memory > 0
 
 
+def test_greedy_generate_equals_an_argmax_loop(loaded):
+    """Independent of mlx-lm's generation loop: greedy decoding by hand, one token per step
+    through a KV cache, gives the same tokens as generate()."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = loaded
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a color."}], add_generation_prompt=True)
+    got = [r.token for r in mlx_flash.stream_generate(model, tokenizer, prompt, max_tokens=8)]
+    cache, ids, want = make_prompt_cache(model), prompt, []
+    for _ in range(len(got)):
+        logits = model(mx.array([ids]), cache=cache)[0, -1]
+        ids = [int(mx.argmax(logits).item())]
+        want.append(ids[0])
+    assert got == want
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(loaded):
+    model, tokenizer = loaded
+    old = model.args.max_position_embeddings
+    model.args.max_position_embeddings = 64  # a 64-token context, as in the issue's case
+    try:
+        prompt = list(range(100, 161))  # 61 tokens
+        with pytest.raises(FlashError, match=r"--max-tokens 40: the prompt's 61 tokens plus 40 exceed "
+                                             r"the model's context of 64 tokens \(at most 3 fit\)"):
+            mlx_flash.generate(model, tokenizer, prompt, max_tokens=40)
+        assert len(list(mlx_flash.stream_generate(model, tokenizer, prompt, max_tokens=-1))) <= 3
+        assert len(list(mlx_flash.stream_generate(model, tokenizer, prompt, max_tokens=3))) <= 3
+    finally:
+        model.args.max_position_embeddings = old
+
+
+def test_token_ids_past_the_embedding_table_are_refused(loaded):
+    model, tokenizer = loaded
+    vocab = model.args.vocab_size
+    for bad in (vocab, 10 ** 9, -1):
+        with pytest.raises(FlashError, match=f"token id {bad} is outside the embedding table"):
+            mlx_flash.generate(model, tokenizer, [1, 2, bad], max_tokens=2)
+
+
 def test_prompt_too_long(loaded):
     model, tokenizer = loaded
     with pytest.raises(FlashError, match="longer than the model's context"):

@@ -23,3 +23,40 @@ def test_cli_bad_text_one_line_exit_2(llama_pack, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "empty text" in err[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target-sparsity", "1.5"], "--target-sparsity 1.5: must be in [0, 1)"),
+    (["--rank", "0"], "--rank 0: must be >= 1"),
+    (["--recall", "0"], "--recall 0.0: must be in (0, 1]"),
+    (["--max-window", "0"], "--max-window 0: must be in 1..64"),
+    (["--kind", "exact-relu"], "exact-relu"),
+    (["--text", "/nonexistent.txt"], "--text /nonexistent.txt: no such file"),
+])
+def test_flags_are_checked_before_the_dense_pass(llama_pack, text, capsys, monkeypatch, flags, message):
+    from mlx_flash.calibration import fit
+
+    def no_dense_pass(*a, **k):
+        raise AssertionError("the dense pass ran before the flags were checked")
+
+    monkeypatch.setattr(fit, "collect_inputs", no_dense_pass)
+    argv = ["--model", str(llama_pack), "--text", str(text), *flags]
+    with pytest.raises(SystemExit) as e:
+        calibrate_cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_read_only_pack_is_refused_before_the_dense_pass(llama_pack, text, capsys, monkeypatch):
+    from mlx_flash.calibration import fit
+
+    monkeypatch.setattr(fit, "collect_inputs", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(llama_pack), "write_bytes", refuse)
+    with pytest.raises(SystemExit) as e:
+        calibrate_cli.main(["--model", str(llama_pack), "--text", str(text)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "cannot write into it (Read-only file system)" in err

@@ -458,3 +458,29 @@ def test_environment_switch(value, active):
                          cwd=tempfile.gettempdir())
     want = (active and ops.EXTENSION_AVAILABLE)
     assert out.stdout.split() == [str(want), str(int(want))]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "mlx-twin"])
+def test_out_of_range_ids_and_row_counts_are_refused_on_both_paths(kernels):
+    """One validation for the kernel and its twin (MLX's gather does not check ids; a negative n
+    meant every row on the kernel and 3 on the twin)."""
+    w, s, b = mx.quantize(mx.random.normal((16, 64), key=mx.random.key(0)), group_size=32, bits=4)
+    half = mx.random.normal((8, 64), key=mx.random.key(1)).astype(mx.float16)
+    x = mx.random.normal((1, 64), key=mx.random.key(2))
+    was = ops.kernels_active()
+    ops.set_kernels_enabled(kernels)
+    try:
+        for ids in ([0, 16], [-1], [2 ** 31 - 1]):
+            with pytest.raises(ValueError, match="outside the table's rows 0..15"):
+                ops.quantized_embedding(mx.array(ids), w, s, b, 32, 4)
+        assert ops.quantized_embedding(mx.array([0, 15]), w, s, b, 32, 4).shape == (2, 64)
+        for n in (-1, 9, 2.5, True):
+            with pytest.raises(ValueError, match="must be an integer in 0..8"):
+                ops.gather_matvec(x, half, n=n)
+            with pytest.raises(ValueError, match="must be an integer in 0..8"):
+                ops.gather_matvec_t(mx.ones((1, 8)), half, n=n)
+        assert ops.gather_matvec(x, half, n=8).shape == (1, 8)
+        assert ops.gather_matvec(x, half, n=0).shape == (1, 0)
+    finally:
+        ops.set_kernels_enabled(was)
+

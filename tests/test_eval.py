@@ -31,3 +31,15 @@ def test_cli_json_and_errors(llama_pack, tmp_path, capsys):
             eval_cli.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_json_destination_checked_before_the_model_runs(llama_pack, tmp_path, capsys, monkeypatch):
+    from mlx_flash import eval as eval_module
+
+    monkeypatch.setattr(eval_module, "evaluate_ppl", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    text = write_text(tmp_path / "eval.txt", n_words=60, seed=11)
+    for dest, message in [(tmp_path / "missing" / "r.json", "--json"), ("/proc/r.json", "--json /proc: cannot write into it")]:
+        with pytest.raises(SystemExit) as e:
+            eval_cli.main(["ppl", "--model", str(llama_pack), "--text", str(text), "--json", str(dest), "--quiet"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err

@@ -82,3 +82,33 @@ def test_prompt_longer_than_context(embedded_model_dir):
 def test_verbose_shows_traceback():
     r = run("--model", "/no/such/model", "--verbose")
     assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--temp", "nan"], "--temp nan: must be a finite number"),
+    (["--temp", "inf"], "--temp inf: must be a finite number"),
+    (["--seed", "-1"], r"--seed -1: must be in 0..2\^63-1"),
+    (["--top-p", "nan"], r"--top-p nan: must be in \(0, 1\]"),
+])
+def test_bad_sampling_flags_are_one_line(flags, match, capsys):
+    import re
+
+    from mlx_flash.generate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent", *flags])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and re.search(match, err), err
+
+
+def test_non_utf8_stdin_is_one_line(monkeypatch, capsys):
+    import io
+
+    from mlx_flash.generate import main
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff")))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent", "--prompt", "-"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--prompt -: stdin is not UTF-8 text (byte 0xe9 at offset 3)" in err
+

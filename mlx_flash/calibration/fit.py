@@ -17,6 +17,7 @@ lobes of the activation), which is why gated models default to the gate estimate
 """
 
 import math
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -369,6 +370,50 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
     return read_predictors_json(out)
 
 
+def preflight(pack_dir, text_files, **settings) -> dict:
+    """Every check that needs no dense pass, before it: the settings (resolve_settings on what the
+    manifest and config say), the text files readable, the pack writable (predictors go into it).
+    Returns the resolved settings."""
+    from types import SimpleNamespace
+
+    from ..pack import read_manifest
+    from .dense_pass import ffn_activation
+
+    pack = Path(pack_dir)
+    if not pack.is_dir():
+        raise FlashError(f"--model {pack}: no such pack directory")
+    manifest = read_manifest(pack)
+    gated = any(c["name"] == "gate.weight" for c in manifest["bundles"][0]["components"])
+    shape = SimpleNamespace(gated=gated, activation=ffn_activation(manifest["config"], manifest),
+                            manifest=manifest)
+    st = resolve_settings(shape, **settings)
+    check_text_files(text_files)
+    check_writable(pack, "--model")
+    return st
+
+
+def check_text_files(text_files) -> None:
+    """FlashError naming --text unless every file is a readable regular file."""
+    if not text_files:
+        raise FlashError("--text: give at least one calibration text file")
+    for f in text_files:
+        p = Path(f)
+        if not p.is_file():
+            raise FlashError(f"--text {p}: no such file")
+        if not os.access(p, os.R_OK):
+            raise FlashError(f"--text {p}: not readable")
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """FlashError naming `flag` unless a file can be created in `folder` (tried, then removed)."""
+    probe = Path(folder) / f".mlx-flash-write-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FlashError(f"{flag} {folder}: cannot write into it ({e.strerror or e})") from None
+
+
 def calibrate(pack_dir, text_files, *, max_tokens=None, seed=0, progress=True, **settings) -> dict:
     """Calibrate predictors for every FFN layer of a flash pack and write them into the pack.
 
@@ -379,6 +424,7 @@ def calibrate(pack_dir, text_files, *, max_tokens=None, seed=0, progress=True, *
     max_tokens: calibration tokens used at most. Returns the written predictors.json as a dict.
     """
     say = (lambda *a: print(*a, flush=True)) if progress else None
+    preflight(pack_dir, text_files, **settings)  # minutes of dense pass follow: fail first
     data = collect_inputs(pack_dir, text_files, max_tokens=max_tokens,
                           max_window=settings.get("max_window", MAX_WINDOW), progress=progress)
     return fit_predictors(data, seed=seed, progress=progress, say=say, **settings)
