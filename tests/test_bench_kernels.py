@@ -1,6 +1,7 @@
 """bench kernels: runs end to end on tiny sizes (speed is never asserted here)."""
 
 import json
+import os
 
 import pytest
 
@@ -76,3 +77,23 @@ def test_kernels_bench_refuses_counts_out_of_range(flag, value, capsys):
         main(["kernels", "--no-kernels", "--generate", flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{flag}: must be at least" in err and len(err.strip().splitlines()) == 1
+
+
+def test_llama_cpp_crash_is_a_row_not_the_end(tmp_path, monkeypatch):
+    """A llama.cpp that segfaults (as 0.3.36's AMX matmul does on some Intel machines) runs in a
+    child process: the benchmark gets a 'crashed' reason and goes on."""
+    import argparse
+    import sys
+
+    from mlx_flash.bench import kernels
+
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import ctypes\n\nclass Llama:\n    def __init__(self, **kw):\n        ctypes.string_at(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    args = argparse.Namespace(max_tokens=4, gen_repeats=1)
+    value, why = kernels._llama_cpp_in_child(tmp_path / "m.gguf", 1, [1, 2, 3], args, None)
+    assert value is None and why == "crashed in its child process (SIGSEGV)"
+    sys.modules.pop("llama_cpp", None)

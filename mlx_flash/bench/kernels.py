@@ -315,20 +315,52 @@ def _prompt_speeds(engines, use, tokenizer, args):
             if label == "mlx_flash_q8x" or (label == "mlx" and rep > 0):
                 continue
             use(label)
-            t = _llama_cpp_ttft(e["llm"], ids) if label == "llama.cpp" else _mlx_flash_ttft(e["model"], tokenizer, ids)
+            t = _mlx_flash_ttft(e["model"], tokenizer, ids)
             best[label] = max(len(ids) / t, best.get(label, 0.0))
-    return {"tokens": len(ids), "tps": best}
+    return {"tokens": len(ids), "tps": best, "ids": ids}
 
 
-def _llama_cpp_model(gguf, threads):
-    """A llama.cpp model (llama-cpp-python) on `gguf` with `threads` threads, or (None, reason)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None, ("llama-cpp-python is not installed: `scripts/setup.sh --peers` "
-                      "(or pip install 'llama-cpp-python>=0.3.16'; compiles llama.cpp, ~10 min)")
-    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
-                 n_batch=512, verbose=False), None
+def llama_cpp_generation(gguf, threads, ids, max_tokens, repeats, prompt_ids=None) -> dict:
+    """llama.cpp (llama-cpp-python) on `gguf`: best decode tokens/s of `repeats` greedy runs (after
+    a warm-up), their tokens, and prompt tokens/s on `prompt_ids`. Called in a child process
+    (mlx_flash.bench.cap.run_capped), so a llama.cpp crash (e.g. its AMX matmul on some Intel
+    machines) is a failed row, not the end of the benchmark."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                n_batch=512, verbose=False)
+    _llama_cpp_run(llm, ids, min(8, max_tokens))
+    best, tokens = 0.0, []
+    for _ in range(repeats):
+        tps, tokens = _llama_cpp_run(llm, ids, max_tokens)
+        best = max(best, tps)
+    out = {"generation_tps": best, "tokens": tokens}
+    if prompt_ids:
+        out["prompt_tps"] = max(len(prompt_ids) / _llama_cpp_ttft(llm, prompt_ids) for _ in range(repeats))
+    return out
+
+
+def _llama_cpp_in_child(gguf, threads, ids, args, prompt_ids) -> tuple:
+    """(llama_cpp_generation's result or None, why not): llama.cpp runs in a child process."""
+    import importlib.util
+
+    from .cap import run_capped
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, ("not installed: `scripts/setup.sh --peers` (or pip install "
+                      "'llama-cpp-python>=0.3.16'; compiles llama.cpp, ~10 min)")
+    r = run_capped("mlx_flash.bench.kernels:llama_cpp_generation",
+                   {"gguf": str(gguf), "threads": threads, "ids": list(ids), "max_tokens": args.max_tokens,
+                    "repeats": args.gen_repeats, "prompt_ids": list(prompt_ids or [])},
+                   use_cgroup=False, timeout=3600)
+    if not r.ok:
+        code = (r.error or "").removeprefix("exit code ")
+        if code.startswith("-") and code[1:].isdigit():
+            import signal
+
+            return None, f"crashed in its child process ({signal.Signals(-int(code)).name})"
+        return None, f"failed in its child process: {r.error}"
+    return r.value, None
 
 
 def _llama_cpp_run(llm, ids, max_tokens):
@@ -367,31 +399,33 @@ def _generate(args):
         ops.set_kernels_enabled(label != "mlx")
         ops.set_q8_activations(label == "mlx_flash_q8x")
     ids = _chat_ids(tokenizer, args.prompt)
-    llm, why = _llama_cpp_model(gguf, threads) if gguf else (None, "--generate is not a .gguf file")
-    if llm is not None:
-        engines["llama.cpp"] = {"llm": llm}
     results = {"model": str(source or "embedded default"), "gguf": str(gguf) if gguf else None,
                "threads": threads, "kernel_threads": ops._ext.num_threads(),
-               "prompt_tokens": len(ids), "max_tokens": args.max_tokens, "llama_cpp_missing": why}
+               "prompt_tokens": len(ids), "max_tokens": args.max_tokens}
     best, tokens, mlx_lm_tps = {}, {}, {}
     for label, e in engines.items():  # warm-up: threads, allocator, compiled graphs
         use(label)
-        if label == "llama.cpp":
-            _llama_cpp_run(e["llm"], ids, min(8, args.max_tokens))
-        else:
-            _mlx_flash_run(e["model"], tokenizer, ids, min(8, args.max_tokens))
+        _mlx_flash_run(e["model"], tokenizer, ids, min(8, args.max_tokens))
     for _ in range(args.gen_repeats):
         for label, e in engines.items():
             use(label)
-            if label == "llama.cpp":
-                tps, toks = _llama_cpp_run(e["llm"], ids, args.max_tokens)
-            else:
-                tps, toks, own = _mlx_flash_run(e["model"], tokenizer, ids, args.max_tokens)
-                mlx_lm_tps[label] = max(own, mlx_lm_tps.get(label, 0.0))
+            tps, toks, own = _mlx_flash_run(e["model"], tokenizer, ids, args.max_tokens)
+            mlx_lm_tps[label] = max(own, mlx_lm_tps.get(label, 0.0))
             best[label] = max(tps, best.get(label, 0.0))
             tokens[label] = toks
+    prompt_ids = None
     if args.prompt_tokens > 0:
         results["prompt"] = _prompt_speeds(engines, use, tokenizer, args)
+        prompt_ids = results["prompt"].pop("ids")
+    # llama.cpp last, in its own process (not interleaved with ours: a crash must not end the run)
+    llama, why = (_llama_cpp_in_child(gguf, threads, ids, args, prompt_ids) if gguf
+                  else (None, "--generate is not a .gguf file"))
+    results["llama_cpp_missing"] = why
+    if llama is not None:
+        best["llama.cpp"], tokens["llama.cpp"] = llama["generation_tps"], llama["tokens"]
+        engines["llama.cpp"] = {}
+        if "prompt_tps" in llama and "prompt" in results:
+            results["prompt"]["tps"]["llama.cpp"] = llama["prompt_tps"]
     ops.set_kernels_enabled(True)
     ops.set_q8_activations(False)
     for label, e in engines.items():
@@ -441,7 +475,7 @@ def _print_generate(g):
               f"{g['same_first_tokens_as_llama_cpp']} tokens (--q8-activations: "
               f"{g['q8x_same_first_tokens_as_llama_cpp']})")
     else:
-        print(f"  llama.cpp: skipped ({g['llama_cpp_missing']})")
+        print(f"  llama.cpp: {g['llama_cpp_missing']}")
     if "prompt" in g:
         tps = g["prompt"]["tps"]
         print(f"prompt processing ({g['prompt']['tokens']}-token prompt; tokens/s = prompt tokens / time to "
