@@ -16,7 +16,8 @@ Neuron bundle i (kind "neurons") = its gate row, up row and down column, each wi
 scales and biases, one after another ("row-column bundling"). The down column is stored as row i of
 down.T ([intermediate, hidden]) because a column of an MLX-quantized down matrix is not separable:
 its groups run along the intermediate axis. When the source down matrix is already quantized, down.T
-is re-quantized with the same bits and group size (lossy; the manifest says `down_requantized`).
+holds its dequantized values as floats (the source model; write_pack's down_bits=4/8 re-quantizes
+instead: smaller, lossy, and the manifest says so in `down_requantized` and `down`).
 Expert bundle e (kind "experts") = expert e's full gate, up and down matrices in the source (mlx-lm
 SwitchGLU) orientation, with their scales and biases: no transposition, no re-quantization.
 
