@@ -37,6 +37,8 @@ flash_ext::Linear linear(const Proj& p) {
 
 }  // namespace
 
+void bind_endor(nb::module_& m);  // endor_bind.cpp
+
 NB_MODULE(_ext, m) {
   m.doc() = "mlx_flash CPU matvec kernels as MLX primitives";
   nb::module_::import_("mlx.core");
@@ -163,5 +165,6 @@ NB_MODULE(_ext, m) {
       "their intermediates.");
   m.def("simd_active", &flash::simd_active);
   m.def("num_threads", &flash::num_threads);
+  bind_endor(m);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;
 }

@@ -1,0 +1,61 @@
+// Python binding of the ENDOR decoder (kernels/endor_decode.h), registered by ext.cpp's bind_endor.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "endor_decode.h"
+#include "cpu_features.h"
+
+namespace nb = nanobind;
+
+using Bytes1 = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Bytes2 = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
+using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void bind_endor(nb::module_& m) {
+  m.def(
+      "endor_decode",
+      [](Bytes1 flat, Index starts, Index lengths, Index slots,
+         const std::vector<std::tuple<Bytes2, int64_t, int, int>>& roles, std::optional<bool> simd) {
+        const size_t count = starts.shape(0);
+        if (lengths.shape(0) != count || slots.shape(0) != count)
+          throw std::invalid_argument("endor_decode: starts, lengths and slots differ in length");
+        std::vector<flash::endor::Role> rs;
+        for (const auto& [dest, n, kind, group_size] : roles) {
+          if (dest.stride(1) != 1) throw std::invalid_argument("endor_decode: destination rows not contiguous");
+          if (kind < flash::endor::kRaw || kind > flash::endor::kQuant4)
+            throw std::invalid_argument("endor_decode: unknown kind");
+          if (kind >= flash::endor::kQuant8 && group_size <= 0)
+            throw std::invalid_argument("endor_decode: group_size must be positive");
+          const int64_t size = kind == flash::endor::kFloat ? 4 : 2;
+          if (kind != flash::endor::kRaw && dest.shape(1) != static_cast<size_t>(n * size))
+            throw std::invalid_argument("endor_decode: destination row size disagrees with n");
+          rs.push_back({dest.data(), static_cast<int64_t>(dest.stride(0)), n, kind, group_size});
+        }
+        for (size_t b = 0; b < count; ++b) {
+          for (const auto& [dest, n, kind, gs] : roles) {
+            if (slots.data()[b] < 0 || static_cast<size_t>(slots.data()[b]) >= dest.shape(0))
+              throw std::invalid_argument("endor_decode: slot out of range");
+          }
+        }
+        const flash::Isa isa = !simd.has_value() ? flash::active_isa()
+                               : *simd ? flash::best_isa() : flash::Isa::scalar;
+        nb::gil_scoped_release release;
+        return flash::endor::decode_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
+                                            lengths.data(), slots.data(), static_cast<int64_t>(count), rs.data(),
+                                            static_cast<int>(rs.size()), isa);
+      },
+      nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("slots"), nb::arg("roles"),
+      nb::arg("simd").none() = nb::none(),
+      "Decode ENDOR bundles flat[starts[b]:starts[b]+lengths[b]] into row slots[b] of each role's "
+      "destination; roles: [(uint8 dest [rows, row bytes], n, kind, group_size)], kind 0 raw, 1 16-bit, "
+      "2 float32, 3 8-bit codes, 4 4-bit codes (see mlx_flash/pack/bitmap.py). Returns -1, or the "
+      "first bundle whose bitmaps disagree with its length.");
+}

@@ -1,0 +1,56 @@
+// ENDOR decoding: bitmap + packed non-zeros -> dense destination rows, as bundles land in memory.
+// The block format and the decode rule are specified in mlx_flash/pack/bitmap.py (the numpy twin).
+// endor_decode.cpp holds the batch driver and the scalar reference (namespace flash::scalar);
+// arch/x86/endor_decode_avx2.cpp the same functions for AVX2 (namespace flash::avx2).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_features.h"
+
+namespace flash::endor {
+
+// How one role (component) of a bundle is stored.
+enum Kind : int {
+  kRaw = 0,     // not encoded: `row_bytes` bytes copied as they are (padded to 4 in the bundle)
+  kHalf = 1,    // float16 / bfloat16 non-zeros
+  kFloat = 2,   // float32 non-zeros
+  kQuant8 = 3,  // 8-bit affine codes of the non-zeros -> float16
+  kQuant4 = 4,  // 4-bit affine codes of the non-zeros -> float16
+};
+
+struct Role {
+  uint8_t* dest;      // row 0 of the destination matrix
+  int64_t row_bytes;  // bytes between destination rows (= bytes of one decoded row)
+  int64_t n;          // elements per row (kRaw: unused)
+  int kind;
+  int group_size;     // quantized kinds: stored values per scale/bias
+};
+
+// Decodes bundle b (bytes flat[starts[b], starts[b] + lengths[b])) into row slots[b] of every
+// role, in role order, with `isa`'s kernels. Returns -1 when all bundles decode, else the index of
+// the first bundle whose blocks do not add up to its length (a bitmap popcount that disagrees with
+// the stored non-zeros, or a truncated bundle); rows of bundles before it are written.
+int64_t decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts,
+                       const int64_t* lengths, const int64_t* slots, int64_t count, const Role* roles,
+                       int n_roles, Isa isa);
+
+}  // namespace flash::endor
+
+// One ISA's row kernels, the same functions in flash::scalar and flash::avx2:
+//   endor_expand16: dst[j] = next stored 16-bit value where bit j is set, else 0; returns the
+//     values consumed (the bitmap's popcount over n bits); `values` holds nnz of them.
+//   endor_dequant: out[i] = float16(float32(scale[g]) * code_i + float32(bias[g])), g = i / group_size,
+//     codes of `bits` (8, or 4 two per byte low nibble first); the product is exact in float32
+//     (11-bit scale x 8-bit code), so a fused multiply-add would give the same result.
+namespace flash::scalar {
+int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
+void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
+                   int group_size, int64_t nnz, uint16_t* out);
+}  // namespace flash::scalar
+
+namespace flash::avx2 {
+int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
+void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
+                   int group_size, int64_t nnz, uint16_t* out);
+}  // namespace flash::avx2
