@@ -47,6 +47,9 @@ def build_parser():
     ppl = sub.add_parser("ppl", help="perplexity of one mode vs dense on the same text")
     _common(ppl)
     ppl.add_argument("--mode", choices=MODES, default="flash", help="run mode to evaluate (default flash)")
+    ppl.add_argument("--source", default=None, metavar="MODEL",
+                     help="also the perplexity of the model the pack was converted from (a .gguf file "
+                          "or model folder) on the same text: is the pack's dense model the source's?")
     ppl.add_argument("--all-sparse", action="store_true",
                      help="flash: run every layer with its predictor and neuron cache instead of the "
                           "per-layer memory plan (measures the predictors' effect on quality)")
@@ -97,7 +100,8 @@ def _main(argv):
     if args.command == "ppl":
         r = evaluate_ppl(args.model, args.text, mode=args.mode, memory_budget=budget,
                          window=args.window, threads=args.threads, max_tokens=args.max_tokens,
-                         seq_len=args.sequence_length, progress=progress, all_sparse=args.all_sparse)
+                         seq_len=args.sequence_length, progress=progress, all_sparse=args.all_sparse,
+                         source=args.source)
         print(format_ppl(r))
         if args.json:
             _write_json(args.json, r)

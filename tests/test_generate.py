@@ -46,6 +46,29 @@ def test_q8_activations_flag(embedded_model_dir):
     assert "red" in r.stdout.lower() and "blue" in r.stdout.lower()
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_q8_activations_flag_reaches_the_kernels(embedded_model_dir, monkeypatch, capsys, flag):
+    """The flag must switch the kernels' int8 activations on (and only with the flag): the answer
+    test above passes whether or not it does."""
+    from mlx_flash import api
+    from mlx_flash.cpu import ops
+    from mlx_flash.generate import main
+
+    seen = []
+
+    def record(*a, **k):
+        seen.append(ops._q8x)
+        return iter(())
+
+    monkeypatch.setattr(api, "stream_generate", record)
+    try:
+        main(["--model", str(embedded_model_dir), "--prompt", "hi", "--max-tokens", "2"]
+             + (["--q8-activations"] if flag else []))
+    finally:
+        ops.set_q8_activations(False)
+    assert seen == [flag]
+
+
 def test_sampling_is_seeded(embedded_model_dir):
     args = ("--model", str(embedded_model_dir), "--prompt", "Tell me a story", "--max-tokens", "10",
             "--temp", "0.9", "--top-p", "0.95", "--seed", "3")

@@ -233,3 +233,12 @@ def test_bad_metadata_through_the_cli_is_one_line_exit_2(tiny_gguf):
                         "--prompt", "hi", "--max-tokens", "1"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "block_count = 1000" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("name", ["blk.ffn_up.weight", "blk.x.ffn_up.weight", "blk.0.nope.weight", "what.weight"])
+def test_malformed_tensor_names_are_one_line(name):
+    from mlx_flash.sources.gguf import mlx_name
+
+    with pytest.raises(FlashError, match="unknown GGUF tensor"):
+        mlx_name(name)
+

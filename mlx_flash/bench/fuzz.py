@@ -166,6 +166,13 @@ def setup(target: str, root: Path) -> dict:
     return {}
 
 
+def _note(ctx, case):
+    """Hand the case's input to the child's status file before it runs (a hang or crash is then
+    reported with it)."""
+    if ctx.get("note"):
+        ctx["note"](json.dumps(case, default=str)[:4000])
+
+
 def _write_signed(path: Path, doc, sign: bool):
     from ..pack.schema import CHECKSUM_KEY, metadata_crc32
 
@@ -195,6 +202,7 @@ def case_manifest(data, ctx):
 
     doc = mutate_json(data, ctx["manifest"])
     _write_signed(ctx["pack"] / "manifest.json", doc, data.draw(st.integers(0, 9)) > 0)
+    _note(ctx, doc)
     try:
         m = read_manifest(ctx["pack"])
         load_pack_weights(ctx["pack"])
@@ -217,6 +225,7 @@ def case_predictors(data, ctx):
 
     doc = mutate_json(data, ctx["doc"])
     _write_signed(ctx["pack"] / "predictors.json", doc, data.draw(st.integers(0, 9)) > 0)
+    _note(ctx, doc)
     try:
         load_predictors(ctx["pack"])
         _run_model(ctx["pack"], "flash")
@@ -248,6 +257,7 @@ def case_gguf(data, ctx):
             else:
                 struct.pack_into("<Q", raw, at, data.draw(st.sampled_from([0, 2 ** 40, 2 ** 63, 2 ** 64 - 1])))
     ctx["out"].write_bytes(bytes(raw))
+    _note(ctx, {"how": how, "length": len(raw)})
     try:
         header = read_gguf_header(ctx["out"])
         gguf_config(header)
@@ -339,13 +349,14 @@ CASES = {"manifest": case_manifest, "predictors": case_predictors, "gguf": case_
 
 
 def fuzz_target(target: str, root: Path, *, max_examples=None, seconds=None, seed=None,
-                on_case=None, alarm=False) -> dict:
+                on_case=None, alarm=False, note=None) -> dict:
     """Run one target with hypothesis; {"cases", "tracebacks": [text]}. Bounded by max_examples
     per batch and, with `seconds`, repeated with new seeds until the time is up."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     ctx = setup(target, root)
+    ctx["note"] = note
     out = {"target": target, "cases": 0, "tracebacks": []}
 
     def one(data):
@@ -445,10 +456,12 @@ def _run_child(target, seconds) -> dict:
         result["tracebacks"] += st.get("tracebacks", [])
         if code == "hang":
             result["hangs"] += 1
+            result["hang_cases"] = result.get("hang_cases", []) + [st.get("last_input")]
         elif code < 0 or (code != 0 and not st.get("finished")):
             result["crashes"] += 1
             result["crash_cases"].append({"signal": -code if isinstance(code, int) and code < 0 else None,
-                                          "case": st.get("cases"), "stderr": (p.stderr or "")[-2000:]})
+                                          "case": st.get("cases"), "input": st.get("last_input"),
+                                          "stderr": (p.stderr or "")[-2000:]})
         shutil.rmtree(work, ignore_errors=True)
         if st.get("finished"):
             break
@@ -473,7 +486,12 @@ def _child(args):
         raise TimeoutError(f"a case ran over {CASE_TIMEOUT_S} s")
 
     signal.signal(signal.SIGALRM, too_long)
-    out = fuzz_target(args.child, work / "fixture", seconds=args.seconds, on_case=on_case, alarm=True)
+    def note(case):
+        done["last_input"] = case
+        save()
+
+    out = fuzz_target(args.child, work / "fixture", seconds=args.seconds, on_case=on_case, alarm=True,
+                      note=note)
     done["cases"] = out["cases"]
     save({"tracebacks": out["tracebacks"], "finished": True})
     return 0

@@ -130,10 +130,12 @@ def flash_summary(model) -> dict:
 
 def evaluate_ppl(pack, files, *, mode="dense", memory_budget=None, window=5, threads=32,
                  max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQUENCE_LENGTH, reference=None,
-                 progress=True, all_sparse=False) -> dict:
+                 progress=True, all_sparse=False, source=None) -> dict:
     """Perplexity and greedy agreement of `mode` against dense on the text (see module docstring).
 
     reference: (sequences, nll, greedy) from dense_reference, to reuse one dense run.
+    source: a --model value (GGUF file, model folder) the pack was converted from: its perplexity
+    on the same sequences is added as "source_ppl" (is the pack's dense model the source's?).
     Returns compare()'s dict plus mode settings, seconds and the flash runtime's per-token stats.
     """
     seqs, ref_nll, ref_greedy = reference or dense_reference(pack, files, max_tokens, seq_len, progress)
@@ -151,6 +153,10 @@ def evaluate_ppl(pack, files, *, mode="dense", memory_budget=None, window=5, thr
            "plan": stats.plan.describe() if stats is not None and stats.plan else None,
            **compare(nll, greedy, ref_nll, ref_greedy), "seconds": seconds,
            "flash_stats": flash_summary(model)}
+    if source is not None:
+        src_model, _ = load(source, progress=progress)
+        src_nll, _ = score_sequences(src_model, seqs, progress, desc="source")
+        out["source"], out["source_ppl"] = str(source), float(np.exp(src_nll.mean()))
     return out
 
 
@@ -163,6 +169,9 @@ def format_ppl(r: dict) -> str:
              f"Perplexity: {r['ppl']:.3f} ± {r['ppl_se']:.3f}   dense {r['dense_ppl']:.3f} ± "
              f"{r['dense_ppl_se']:.3f}   ratio {r['ppl_ratio']:.4f} ({100 * (r['ppl_ratio'] - 1):+.2f}%)",
              f"Greedy agreement with dense: {100 * r['agreement']:.2f}%"]
+    if r.get("source_ppl") is not None:
+        lines.append(f"Source model {r['source']}: perplexity {r['source_ppl']:.3f}; the pack's dense "
+                     f"model {100 * (r['dense_ppl'] / r['source_ppl'] - 1):+.2f}% vs the source")
     fs = r.get("flash_stats")
     if fs:
         hit = "n/a" if fs["hit_rate"] is None else f"{100 * fs['hit_rate']:.1f}%"

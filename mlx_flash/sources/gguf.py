@@ -195,9 +195,10 @@ def mlx_name(gguf_name: str) -> str:
     """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight` (also .scales/.biases/.bias)."""
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
-        _, layer, part = base.split(".", 2)
-        if part not in _BLOCK_NAMES:
+        pieces = base.split(".", 2)
+        if len(pieces) != 3 or not pieces[1].isdigit() or pieces[2] not in _BLOCK_NAMES:
             raise FlashError(f"unknown GGUF tensor {gguf_name!r}")
+        _, layer, part = pieces
         return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{suffix}"
     if base not in _GLOBAL_NAMES:
         raise FlashError(f"unknown GGUF tensor {gguf_name!r}")
