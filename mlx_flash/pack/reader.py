@@ -20,6 +20,8 @@ def load_resident(pack_dir, *, manifest=None, verify=True):
     pack = Path(pack_dir)
     manifest = manifest or read_manifest(pack)
     res = manifest.resident
+    if res is None or manifest.config is None:
+        raise FlashError(f"{pack / 'manifest.json'}: not a model pack (no resident tensors or config)")
     path = pack / res.file
     try:
         size = path.stat().st_size

@@ -136,6 +136,7 @@ def check_config(config: dict, c: FieldCheck) -> None:
     """Values the model is built from: positive bounded integers, finite positive epsilons,
     valid quantization (group size 0 would kill the process inside MLX)."""
     c.dict(config, "config")
+    c.str(c.get(config, "model_type", "config.model_type"), "config.model_type")
     for key in ("hidden_size", "vocab_size", *NEURON_KEYS, *EXPERT_KEYS, "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
         if config.get(key) is not None:
@@ -241,13 +242,16 @@ def validate_manifest(manifest, path) -> dict:
         c.fail("alignment", f"= {alignment} is not a power of two or a multiple of 512")
     if manifest.get("checksum", "crc32") != "crc32":
         c.fail("checksum", f"= {manifest.get('checksum')!r}: this reader checks crc32")
+    # A model pack has both; bench io's unbundled comparison copy has neither (the loader only).
+    if ("config" in manifest) != ("resident" in manifest):
+        c.fail("config" if "config" not in manifest else "resident", "is missing")
     config = manifest.get("config")
-    if config is not None:
+    if "config" in manifest:
         check_config(config, c)
     if manifest.get("quantization") is not None:
         check_quantization(manifest["quantization"], "quantization", c)
     res = manifest.get("resident")
-    if res is not None:
+    if "resident" in manifest:
         c.dict(res, "resident")
         c.str(c.get(res, "file", "resident.file"), "resident.file")
         c.int(c.get(res, "length", "resident.length"), "resident.length", 8)
