@@ -55,8 +55,16 @@ def _main(argv):
                              "as floats (default: the source model, bundles ~1.7x a 4-bit one); "
                              "8 or 4 = re-quantize: smaller bundles, a lossy model (on SmolLM2-135M "
                              "Q4_1: +0.12%% / +4.5%% perplexity)")
+    parser.add_argument("--encoding", choices=("dense", "endor"), default="dense",
+                        help="pack: endor stores pruned FFN bundles and resident linears as a bitmap "
+                             "of their non-zeros plus the non-zeros (float source, e.g. from "
+                             "python -m mlx_flash.prune); with --quantize only the non-zeros are "
+                             "quantized, pruned zeros stay exact")
     parser.add_argument("--sparsity", type=float, default=0.95,
                         help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
+    parser.add_argument("--weight-sparsity", type=float, default=0.0,
+                        help="--synthetic: fraction of attention/FFN weights set to exactly zero at "
+                             "random positions (unstructured pruning's shape, for ENDOR; default 0)")
     parser.add_argument("--rank", type=int, default=128,
                         help="--synthetic: rank of the up projection and its predictor (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
@@ -67,7 +75,8 @@ def _main(argv):
             raise FlashError("--synthetic: only with --format pack")
         out = write_synthetic_pack(args.synthetic, Path(args.out), sparsity=args.sparsity,
                                    dtype=args.dtype or "float16", quantize=args.quantize,
-                                   group_size=args.group_size, rank=args.rank, seed=args.seed)
+                                   group_size=args.group_size, rank=args.rank, seed=args.seed,
+                                   encoding=args.encoding, weight_sparsity=args.weight_sparsity)
         print(f"Wrote {out} (synthetic {args.synthetic}: random weights, for speed only)",
               file=sys.stderr)
         return 0
@@ -85,7 +94,7 @@ def _main(argv):
         convert_gguf(src, out)
     else:
         write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
-                   group_size=args.group_size, down_bits=args.down_bits)
+                   group_size=args.group_size, down_bits=args.down_bits, encoding=args.encoding)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

@@ -261,9 +261,9 @@ def test_checksum_mismatch_is_caught(make_pack, raw):
 def test_other_format_version_is_refused(make_pack):
     pack = make_pack()
     m = json.loads((pack / "manifest.json").read_text())
-    m["format_version"] = 2
+    m["format_version"] = 3  # 1 dense, 2 ENDOR
     (pack / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(FlashError, match="manifest.json: pack format version 2"):
+    with pytest.raises(FlashError, match="manifest.json: pack format version 3"):
         FlashLoader(pack, cost=COST)
 
 
@@ -384,3 +384,25 @@ def test_small_pack_is_measured_in_the_cache_home(tiny_llama, tmp_path, monkeypa
     assert model.flash_runtime.loader.cost is not None
     assert snapshot(pack) == before and (tmp_path / "home" / "io_profile.json").is_file()
     assert not [p for p in (tmp_path / "home").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("quantize", [None, 8])
+@pytest.mark.parametrize("direct,plan", [(True, True), (True, False), (False, True)])
+def test_endor_random_subsets_decode_to_the_layer_rows(tiny_llama, tmp_path, quantize, direct, plan):
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=128)
+    pack = write_pack(src, tmp_path / "endor", quantize=quantize, encoding="endor", progress=False)
+    rng = np.random.default_rng(0)
+    with FlashLoader(pack, threads=4, direct=direct, plan=plan, cost=COST) as loader:
+        dest = loader.alloc(1, 128)
+        for _ in range(3):
+            ids = rng.choice(128, size=rng.integers(1, 40), replace=False)
+            slots = rng.choice(128, size=len(ids), replace=False)
+            stats = loader.read(1, ids, dest, slots)
+            check_rows(pack, loader, 1, ids, dest, slots)
+            index = loader._open_files[1].index
+            assert stats.bytes_useful == int((index[ids + 1] - index[ids]).sum())
+            assert stats.bytes_read >= stats.bytes_useful
+        with pytest.raises(FlashError, match="ENDOR-encoded"):
+            loader.alloc_raw(1, 4)

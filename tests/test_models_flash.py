@@ -11,7 +11,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_manifest, write_pack
-from mlx_flash.sparse.budget import layer_bytes, stream_bytes
+from mlx_flash.sparse.budget import layer_bytes, resident_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
 from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
 from test_generate import run as generate  # the CLI in a subprocess, as users run it
@@ -19,7 +19,7 @@ from test_generate import run as generate  # the CLI in a subprocess, as users r
 def hybrid_budget(pack, resident_layers):
     """A byte budget that fits the fixed part of hybrid mode plus `resident_layers` whole FFNs."""
     m = read_manifest(pack)
-    return m["resident"]["length"] + stream_bytes(m) + sum(layer_bytes(b) for b in m["bundles"][:resident_layers])
+    return resident_bytes(m) + stream_bytes(m) + sum(layer_bytes(b) for b in m["bundles"][:resident_layers])
 
 
 @pytest.mark.parametrize("dtype, quant", [("float32", None), ("float16", None), ("float32", (4, 32)),
@@ -166,3 +166,31 @@ def test_cli_flash_errors_are_one_line(embedded_pack, args, message):
 def test_cli_memory_budget_needs_a_pack(embedded_model_dir):
     r = generate("--model", str(embedded_model_dir), "--memory-budget", "0.5")
     assert r.returncode == 2 and "--memory-budget: needs a flash pack" in r.stderr
+
+
+@pytest.mark.parametrize("quantize", [None, 4])
+def test_endor_pack_runs_every_mode_like_the_dense_pack(tiny_llama, tmp_path, quantize):
+    """ENDOR bundles decode to exactly the rows a dense pack holds (float16), so every mode gives
+    the dense pack's logits bit for bit; 4-bit ENDOR decodes to float16 rows, compared with its
+    own dense mode (same decoded weights, different read path)."""
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, layers=4, intermediate=96)
+    endor = write_pack(src, tmp_path / "endor", quantize=quantize, encoding="endor", progress=False)
+    if quantize is None:
+        dense = run_steps(build_flash_model(write_pack(src, tmp_path / "dense", progress=False),
+                                            FlashConfig("dense")))
+        assert_identical(run_steps(build_flash_model(endor, FlashConfig("dense"))), dense)
+    else:
+        dense = run_steps(build_flash_model(endor, FlashConfig("dense")))
+    runs = {
+        "naive": build_flash_model(endor, FlashConfig("naive")),
+        "hybrid": build_flash_model(endor, FlashConfig("hybrid", memory_budget=hybrid_budget(endor, 1))),
+        "flash": build_flash_model(endor, FlashConfig("flash", window=2),
+                                   predictors={i: all_neurons(96) for i in range(4)},
+                                   capacity={i: 96 for i in range(4)}),
+    }
+    assert runs["hybrid"].flash_stats.plan.resident_layers == [0]
+    for mode, model in runs.items():
+        assert_identical(run_steps(model), dense)
+    assert runs["naive"].flash_stats.summary()["bytes_read"] > 0

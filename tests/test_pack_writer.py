@@ -313,3 +313,49 @@ def test_bundle_file_regions_read_back_as_written(tmp_path):
                                                                 "file": "bundles/x.bin", **record}))
         for name, _, arr, _ in comps:
             assert same(got[name], arr), name
+
+
+# ---- ENDOR encoding (bitmap + non-zeros) --------------------------------------------------------
+
+def endor_source(tiny_llama, tmp_path, dtype="float16"):
+    from test_calibration_prune import pruned_model
+
+    return pruned_model(tiny_llama, tmp_path, f"pruned-{dtype}", dtype=dtype, intermediate=96)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_endor_pack_holds_the_dense_packs_weights_exactly(tiny_llama, tmp_path, dtype):
+    src = endor_source(tiny_llama, tmp_path, dtype)
+    dense = write_pack(src, tmp_path / "dense", dtype=dtype, progress=False)
+    endor = write_pack(src, tmp_path / "endor", dtype=dtype, progress=False, encoding="endor")
+    md, me = read_manifest(dense), read_manifest(endor)
+    assert md["format_version"] == 1 and me["format_version"] == 2 and me["encoding"] == "endor"
+    assert all(b["encoding"] == "endor" and "index" in b for b in me["bundles"])
+    assert len(me["resident"]["endor"]) == 8  # q, k, v, o of both layers
+    assert me["resident"]["length"] < 0.9 * md["resident"]["length"]  # budgets count decoded bytes:
+    assert me["resident"]["memory_length"] == pytest.approx(md["resident"]["length"], rel=0.02)
+    ratio = sum(b["length"] for b in me["bundles"]) / sum(b["length"] for b in md["bundles"])
+    assert ratio < (0.57 if dtype != "float32" else 0.54)
+    _, wd = load_pack_weights(dense)
+    _, we = load_pack_weights(endor)
+    assert set(wd) == set(we)
+    for k in wd:
+        assert same(wd[k], we[k]), k
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_endor_quantized_keeps_pruned_zeros_exact(tiny_llama, tmp_path, bits):
+    src = endor_source(tiny_llama, tmp_path)
+    endor = write_pack(src, tmp_path / "endor", quantize=bits, progress=False, encoding="endor")
+    _, w = load_pack_weights(endor)
+    ref = source_weights(src)
+    for k in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+              "model.layers.0.self_attn.q_proj.weight"):
+        assert w[k].dtype == mx.float16 and mx.array_equal(w[k] == 0, ref[k] == 0).item(), k
+        err = mx.abs(w[k].astype(mx.float32) - ref[k].astype(mx.float32)).max().item()
+        assert err < (0.02 if bits == 8 else 0.3) * mx.abs(ref[k]).max().item(), k
+
+
+def test_endor_refuses_quantized_sources(tiny_llama, tmp_path):
+    with pytest.raises(FlashError, match="--encoding endor needs a float source"):
+        write_pack(tiny_llama("q", quantize=(4, 32)), tmp_path / "p", progress=False, encoding="endor")

@@ -114,9 +114,12 @@ def _orthonormal_rows(rows: int, cols: int, key):
 
 
 def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: int = DEFAULT_RANK,
-                        seed: int = 0, dtype: str = "float16", progress: bool = True) -> dict:
+                        seed: int = 0, dtype: str = "float16", progress: bool = True,
+                        weight_sparsity: float = 0.0) -> dict:
     """Write a random mlx-lm folder of architecture `arch` at `out` (one safetensors shard per layer).
 
+    weight_sparsity: fraction of every attention and FFN weight set to exactly 0 at uniformly random
+    positions (unstructured pruning's shape, for ENDOR; the predictor then only approximates fc1).
     Returns {"config", "predictor": {layer: (A [rank, hidden], B [ffn, rank], bias [ffn])},
     "synthetic": label}. float32 predictor factors are kept in memory (small: rank x (hidden+ffn)).
     """
@@ -124,6 +127,8 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
         raise FlashError(f"--synthetic {arch}: unknown architecture (choose from {', '.join(ARCHS)})")
     if not 0.0 < sparsity < 1.0:
         raise FlashError(f"--sparsity {sparsity}: must be between 0 and 1 (fraction of FFN neurons off)")
+    if not 0.0 <= weight_sparsity < 1.0:
+        raise FlashError(f"--weight-sparsity {weight_sparsity}: must be in [0, 1)")
     config = dict(ARCHS[arch])
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     ffn = config.get("ffn_dim") or config["intermediate_size"]
@@ -140,6 +145,8 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
                                      "for speed measurements only, never quality"}
     if vocab_note:
         label["vocab_note"] = vocab_note
+    if weight_sparsity:
+        label["weight_sparsity"] = weight_sparsity
     roles = ffn_roles(config)
     if config["model_type"] == "llama":
         config["mlp_bias"] = True
@@ -207,6 +214,9 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
         # Down projection scaled so the FFN output has O(1) variance with (1 - sparsity) of neurons on.
         w[f"{p}{roles['down']}.weight"] = normal((hidden, ffn), 1 / math.sqrt((1 - sparsity) * ffn))
         w[f"{p}{roles['down']}.bias"] = mx.zeros((hidden,), target)
+        if weight_sparsity:
+            for k in [k for k, v in w.items() if k.endswith(".weight") and v.ndim == 2]:
+                w[k] = mx.where(mx.random.uniform(shape=w[k].shape) < weight_sparsity, 0, w[k])
         save(f"model-layer{i:03d}.safetensors", w)
         del w
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -215,7 +225,8 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
 
 def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str = "float16",
                          quantize=None, group_size: int = 64, rank: int = DEFAULT_RANK,
-                         seed: int = 0, progress: bool = True) -> Path:
+                         seed: int = 0, progress: bool = True, weight_sparsity: float = 0.0,
+                         encoding: str = "dense") -> Path:
     """A flash pack of random weights shaped like `arch`, with an exact low-rank predictor.
 
     Built in a temporary folder beside `out` (the random mlx-lm source is deleted) and renamed
@@ -226,10 +237,10 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
     with atomic_output_dir(out) as tmp:
         src = tmp / "source"
         made = write_source_folder(arch, src, sparsity=sparsity, rank=rank, seed=seed,
-                                   dtype=dtype, progress=progress)
+                                   dtype=dtype, progress=progress, weight_sparsity=weight_sparsity)
         pack = tmp / "pack"
         write_pack(src, pack, dtype=dtype, quantize=quantize, group_size=group_size,
-                   progress=progress)
+                   progress=progress, encoding=encoding)
         shutil.rmtree(src)
         label = dict(made["synthetic"], quantize=quantize,
                      group_size=group_size if quantize else None,

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..pack.layout import Bundle, layer_bundles, mx_dtype, read_manifest
-from ..pack.reader import read_checksum_table
+from ..pack.reader import endor_roles, read_bundle_index, read_checksum_table
 from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
@@ -79,6 +79,7 @@ class _Open:
     direct: bool
     buffered_fd: int | None = None
     crc: np.ndarray | None = None
+    index: np.ndarray | None = None  # ENDOR layers: file offsets of bundles 0..count
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -101,6 +102,8 @@ class _Job:
     first: np.ndarray  # first bundle (index into ids) of each read
     member_read: np.ndarray  # planned read holding each bundle
     pos: np.ndarray | None = None  # staging position of each planned read
+    lengths: np.ndarray | None = None  # ENDOR layers: encoded bytes of each bundle (ids order)
+    roles: list | None = None  # ENDOR layers: decode destinations (pack.reader.endor_roles)
 
 
 class FlashLoader:
@@ -157,7 +160,9 @@ class FlashLoader:
                 for c in self.entry(layer).components}
 
     def alloc_raw(self, layer, n) -> mx.array:
-        """A uint8 mx.array [n, stride] of whole bundles."""
+        """A uint8 mx.array [n, stride] of whole bundles (dense layers only)."""
+        if self.entry(layer).encoding == "endor":
+            raise FlashError(f"{self.pack}: layer {layer} is ENDOR-encoded: read it with alloc()")
         return self._aligned_zeros((n, self.entry(layer).stride), mx.uint8)
 
     def _aligned_zeros(self, shape, dtype) -> mx.array:
@@ -200,7 +205,8 @@ class FlashLoader:
                 pos += int(sizes.sum())
             stats.direct = job.f.direct
             stats.bundles += len(job.ids)
-            stats.bytes_useful += len(job.ids) * sum(n for _, n in job.pieces)
+            stats.bytes_useful += (int(job.lengths.sum()) if job.lengths is not None
+                                   else len(job.ids) * sum(n for _, n in job.pieces))
             stats.reads += len(sizes)
             stats.bytes_read += int(sizes.sum())
             for n, k in zip(*np.unique(sizes, return_counts=True)):
@@ -358,6 +364,8 @@ class FlashLoader:
                     f.crc = read_checksum_table(f.path, entry)
         order = np.argsort(ids, kind="stable")
         ids, slots = ids[order], slots[order]
+        if entry.encoding == "endor":
+            return self._prepare_endor(f, entry, ids, slots, dest)
         stride = entry.stride
         starts = entry.offset + ids * stride
         r0, r1, first = plan_read_arrays(starts, stride, align=self.alignment if f.direct else 1,
@@ -373,6 +381,25 @@ class FlashLoader:
         member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
         return _Job(f, entry, targets, raw, ids, slots, starts, stride, zero_copy, pieces, tight,
                     r0, r1, first, member_read)
+
+    def _prepare_endor(self, f, entry, ids, slots, dest):
+        """A request on an ENDOR layer: variable-length bundles found through the layer's index,
+        read (merged and aligned by the planner) into staging, then checked and decoded."""
+        if not isinstance(dest, dict):
+            raise FlashError(f"{f.path}: ENDOR bundles decode into component arrays (use FlashLoader.alloc)")
+        if f.index is None:
+            with f.lock:
+                if f.index is None:
+                    f.index = read_bundle_index(f.path, entry)
+        targets, _, _ = self._targets(entry, dest)
+        starts = f.index[ids]
+        lengths = f.index[ids + 1] - starts
+        r0, r1, first = plan_read_arrays(starts, lengths, align=self.alignment if f.direct else 1,
+                                         cost=self.cost if self.plan else None, max_read=self.max_read)
+        member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
+        roles = endor_roles(entry, {c.name: mat for c, (_, _, mat) in zip(entry.components, targets)})
+        return _Job(f, entry, targets, False, ids, slots, starts, 0, False, [], 0, r0, r1, first,
+                    member_read, lengths=lengths, roles=roles)
 
     def _targets(self, entry, dest):
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw).
@@ -438,13 +465,29 @@ class FlashLoader:
             n -= k
 
     def _scatter(self, job, flat):
-        """Copy a request's bundles from the staging buffer to their rows, checking crc32 first."""
+        """Copy a request's bundles from the staging buffer to their rows, checking crc32 first
+        (ENDOR layers: decode them into their rows)."""
+        if job.lengths is not None:
+            return self._decode(job, flat)
         offs = job.pos[job.member_read] + job.starts - job.r0[job.member_read]
         rows = np.lib.stride_tricks.sliding_window_view(flat, job.stride)[offs]
         if self.verify:
             self._check(job, rows)
         for off, n, mat in job.targets:
             mat[job.slots] = rows[:, off: off + n]
+
+    def _decode(self, job, flat):
+        from ..pack.bitmap import decode_into
+
+        offs = job.pos[job.member_read] + job.starts - job.r0[job.member_read]
+        if self.verify:
+            crc32, table = zlib.crc32, job.f.crc
+            for i, (o, n) in enumerate(zip(offs.tolist(), job.lengths.tolist())):
+                if crc32(flat[o: o + n]) != table[job.ids[i]]:
+                    raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
+                                     f"(offset {int(job.starts[i])})")
+        decode_into(flat, offs, job.lengths, job.slots, job.roles, str(job.f.path), ids=job.ids,
+                    offsets=job.starts)
 
     def _check(self, job, rows):
         crc_table, crc32, tight = job.f.crc, zlib.crc32, job.tight

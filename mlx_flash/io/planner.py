@@ -114,7 +114,8 @@ def calibrate(directory=None, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_
 
 def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
                      max_read=DEFAULT_MAX_READ):
-    """Group sorted request start offsets (bytes, each request `length` bytes) into reads.
+    """Group sorted request start offsets (bytes, each request `length` bytes: an int, or one per
+    request for variable-length ENDOR bundles, whose mean sets the merge gap) into reads.
 
     Returns numpy arrays (read_start, read_end, first_request): read k covers requests
     first_request[k] .. first_request[k+1]-1, with its bounds rounded out to `align`.
@@ -129,8 +130,8 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     a1 = -(-(starts + length) // align) * align
     if n == 0 or cost is None:
         return a0, a1, np.arange(n)
-    new = np.ones(n, bool)  # equal lengths and sorted starts: a1 never decreases
-    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap_for(int(length))
+    new = np.ones(n, bool)  # sorted, non-overlapping requests: a1 never decreases
+    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap_for(int(np.mean(length)))
     first = np.flatnonzero(new)
     bounds = np.append(first, n)
     if (a1[bounds[1:] - 1] - a0[first]).max() > max_read:  # split long runs greedily

@@ -24,6 +24,20 @@ SwitchGLU) orientation, with their scales and biases: no transposition, no re-qu
 Each component starts at a multiple of 4 bytes inside its bundle (so typed views are aligned);
 `stride` is the bundle size rounded up to 4 bytes. A bundle's crc32 covers its components' bytes
 in order, padding excluded, so a reader can check exactly the bundles it read and nothing else.
+
+ENDOR layer files (bundle "encoding": "endor", format version 2; written by `convert --encoding
+endor`) hold pruned neurons as bitmap + non-zeros (pack/bitmap.py): neuron bundle i is its gate,
+up and down-column rows, each one ENDOR block, plus any raw per-neuron pieces (biases), in
+component order. Bundles vary in length: they are packed back to back from `offset` (compact: a
+whole-layer read fetches only the encoded bytes; a reader of some neurons reads a covering,
+`alignment`-rounded range and discards the edges), and an index table (uint64 [count + 1] file
+offsets, bundle i = [index[i], index[i+1])) sits at its own aligned offset, with its crc32 in the
+manifest, before the crc32 table (one per bundle, over its whole bytes). Components describe the
+decoded rows (dtype, shape, `length` = decoded bytes, `offset` 0) and carry `endor`: the block
+payload. The entry's `stride` is the mean encoded bundle size (for estimates only). Resident
+matrices with enough exact zeros are stored as NAME.endor_bitmap + NAME.endor_values (or
+.endor_codes, .endor_scales, .endor_biases), listed under the manifest's resident "endor", with
+the resident tensors' decoded size as resident "memory_length".
 """
 
 import os
@@ -37,7 +51,11 @@ from ..errors import FlashError
 from .schema import check_pack_files, read_json_file, validate_manifest
 
 FORMAT = "mlx-flash-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1       # what dense packs are written as (readable by older mlx-flash)
+ENDOR_VERSION = 2        # packs with any ENDOR-encoded tensor
+READ_VERSIONS = (FORMAT_VERSION, ENDOR_VERSION)
+ENCODINGS = ("dense", "endor")
+ENDOR_MIN_ZEROS = 0.25   # a resident matrix is bitmap-encoded from this fraction of exact zeros
 MANIFEST = "manifest.json"
 RESIDENT_FILE = "resident.safetensors"
 DEFAULT_ALIGNMENT = 4096
@@ -127,6 +145,7 @@ class Component(_Record):
     offset: int
     length: int
     quantization: dict | None = None  # {"group_size", "bits"} of a quantized weight
+    endor: dict | None = None  # ENDOR layers: the block payload ({"dtype"} or {"bits", "group_size"})
 
     @property
     def role(self) -> str:
@@ -139,7 +158,7 @@ class Component(_Record):
     @classmethod
     def from_dict(cls, d: dict) -> "Component":
         return cls(d["name"], d["source"], d["dtype"], tuple(d["shape"]), d["offset"], d["length"],
-                   d.get("quantization"))
+                   d.get("quantization"), d.get("endor"))
 
 
 @dataclass(frozen=True)
@@ -159,6 +178,7 @@ class Bundle(_Record):
     arch: str | None = None  # the FFN_TABLE family ("gated-mlp", "opt", ...)
     encoding: str = "dense"
     neuron_order: list | None = None  # reordered packs: original neuron at each position (reorder.py)
+    index: dict | None = None  # ENDOR layers: {"offset", "length", "crc32"} of the bundle offsets
 
     @property
     def row_bytes(self) -> int:
@@ -181,7 +201,8 @@ class Bundle(_Record):
     def from_dict(cls, d: dict) -> "Bundle":
         return cls(d["layer"], d["kind"], d["file"], d["offset"], d["count"], d["stride"], d["length"],
                    d["file_length"], tuple(Component.from_dict(c) for c in d["components"]),
-                   d["checksums"], d.get("arch"), d.get("encoding", "dense"), d.get("neuron_order"))
+                   d["checksums"], d.get("arch"), d.get("encoding", "dense"), d.get("neuron_order"),
+                   d.get("index"))
 
 
 @dataclass(frozen=True)
@@ -191,6 +212,8 @@ class Resident(_Record):
     length: int
     crc32: int
     tensors: dict = field(default_factory=dict)
+    endor: dict = field(default_factory=dict)  # {name: {shape, dtype, nnz, payload}} stored as ENDOR
+    memory_length: int | None = None  # bytes once ENDOR tensors are decoded (None: = length)
 
 
 @dataclass(frozen=True)
@@ -221,7 +244,8 @@ class Manifest(_Record):
     def from_dict(cls, d: dict) -> "Manifest":
         res = d.get("resident")
         resident = None if res is None else Resident(res["file"], res["length"], res["crc32"],
-                                                     res.get("tensors", {}))
+                                                     res.get("tensors", {}), res.get("endor", {}),
+                                                     res.get("memory_length"))
         return cls(d["alignment"], tuple(Bundle.from_dict(b) for b in d.get("bundles", [])), resident,
                    d.get("config", {}), d)
 
@@ -240,14 +264,15 @@ def read_manifest(pack_dir) -> Manifest:
         raise FlashError(f"{path}: not a flash pack manifest (format {manifest.get('format')!r})"
                          if isinstance(manifest, dict) else f"{path}: not a flash pack manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FlashError(f"{path}: pack format version {version}, this mlx-flash reads version "
-                         f"{FORMAT_VERSION}; re-convert the model")
-    validate_manifest(manifest, path)
-    for b in manifest["bundles"]:
-        if b.get("encoding") != "dense":
+    if version not in READ_VERSIONS:
+        raise FlashError(f"{path}: pack format version {version}, this mlx-flash reads versions "
+                         f"{', '.join(map(str, READ_VERSIONS))}; re-convert the model")
+    for b in manifest.get("bundles") or []:
+        if isinstance(b, dict) and (b.get("encoding", "dense") not in ENCODINGS
+                                    or (b.get("encoding") == "endor" and version < ENDOR_VERSION)):
             raise FlashError(f"{path}: layer {b.get('layer')} has bundle encoding "
-                             f"{b.get('encoding')!r}; this reader supports 'dense'")
+                             f"{b.get('encoding')!r}; this reader supports {', '.join(ENCODINGS)}")
+    validate_manifest(manifest, path)
     check_pack_files(pack_dir, manifest, path)
     return Manifest.from_dict(manifest)
 

@@ -43,7 +43,40 @@ def load_resident(pack_dir, *, manifest=None, verify=True):
     missing = set(res.tensors) - set(weights)
     if missing:
         raise FlashError(f"{path}: missing tensors {sorted(missing)[:3]}")
+    for name, spec in res.endor.items():
+        weights[name] = decode_resident(weights, name, spec, path)
     return dict(manifest.config), weights
+
+
+def decode_resident(weights: dict, name: str, spec: dict, path) -> mx.array:
+    """The dense matrix of an ENDOR-encoded resident tensor (pops its encoded pieces from weights);
+    FlashError naming the file when the bitmap's popcount disagrees with the stored non-zeros."""
+    from .bitmap import dequantize_values, unpack_codes
+
+    rows, cols = spec["shape"]
+    bitmap = np.array(weights.pop(f"{name}.endor_bitmap"))
+    mask = np.unpackbits(bitmap, axis=1, bitorder="little", count=cols).astype(bool)
+    nnz = int(mask.sum())
+    payload = spec["payload"]
+    if payload.get("bits") is None:
+        v = weights.pop(f"{name}.endor_values")
+        values = np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v)
+        ok = len(values) == nnz
+    else:
+        bits, g = payload["bits"], payload["group_size"]
+        codes = np.array(weights.pop(f"{name}.endor_codes"))
+        scales = np.array(weights.pop(f"{name}.endor_scales"))
+        biases = np.array(weights.pop(f"{name}.endor_biases"))
+        ok = len(codes) == (nnz * bits + 7) // 8 and len(scales) == len(biases) == -(-nnz // g)
+        if ok:
+            values = dequantize_values(unpack_codes(codes, nnz, bits), scales, biases, g)
+    if not ok or nnz != spec["nnz"]:
+        raise FlashError(f"{path}: {name}: its bitmap's popcount ({nnz}) disagrees with the stored "
+                         f"non-zeros (manifest says {spec['nnz']})")
+    out = np.zeros((rows, cols), values.dtype)
+    out[mask] = values
+    arr = mx.array(out)
+    return arr.view(mx.bfloat16) if spec["dtype"] == "bfloat16" else arr
 
 
 def bundle_pieces(entry):
@@ -59,20 +92,44 @@ def bundle_crc32(row, pieces) -> int:
     return crc
 
 
-def read_checksum_table(path: Path, entry, data=None) -> np.ndarray:
-    """The per-bundle crc32 table of a layer file, itself checked against the manifest."""
-    t = entry.checksums
+def _read_table(path: Path, t: dict, what: str, data=None, length=None) -> bytes:
+    """The bytes of a table of a layer file (its manifest record `t`), checked against its crc32."""
     if data is None:
         with open(path, "rb") as f:
             f.seek(t["offset"])
             raw = f.read(t["length"])
     else:
         raw = bytes(data[t["offset"]: t["offset"] + t["length"]])
-    if len(raw) != t["length"]:
-        raise FlashError(f"{path}: truncated (checksum table at offset {t['offset']} cut short)")
+    if len(raw) != t["length"] or (length is not None and t["length"] != length):
+        raise FlashError(f"{path}: truncated ({what} at offset {t['offset']} cut short)")
     if zlib.crc32(raw) != t["crc32"]:
-        raise FlashError(f"{path}: checksum table at offset {t['offset']} is corrupt")
-    return np.frombuffer(raw, "<u4")
+        raise FlashError(f"{path}: {what} at offset {t['offset']} is corrupt")
+    return raw
+
+
+def read_checksum_table(path: Path, entry, data=None) -> np.ndarray:
+    """The per-bundle crc32 table of a layer file, itself checked against the manifest."""
+    return np.frombuffer(_read_table(path, entry.checksums, "checksum table", data), "<u4")
+
+
+def read_bundle_index(path: Path, entry, data=None) -> np.ndarray:
+    """int64 [count + 1] file offsets of an ENDOR layer's bundles, checked against the manifest."""
+    raw = _read_table(path, entry.index, "bundle index", data, 8 * (entry.count + 1))
+    index = np.frombuffer(raw, "<u8").astype(np.int64)
+    if index[0] != entry.offset or np.any(np.diff(index) < 0) or index[-1] != entry.offset + entry.length:
+        raise FlashError(f"{path}: bundle index disagrees with the manifest")
+    return index
+
+
+def endor_roles(entry, dest: dict) -> list:
+    """[(uint8 [rows, row bytes] view of dest[component], n elements, payload or None)] in the
+    bundle's component order, for mlx_flash.pack.bitmap.decode_into."""
+    roles = []
+    for c in entry.components:
+        mat = dest[c.name]
+        n = int(np.prod(c.shape)) if c.shape else 1
+        roles.append((mat.reshape(mat.shape[0], -1), n, c.endor))
+    return roles
 
 
 def read_layer_components(pack_dir, entry, *, verify=True):
@@ -84,6 +141,8 @@ def read_layer_components(pack_dir, entry, *, verify=True):
         raise FlashError(f"{path}: cannot read bundle file ({e.strerror})") from None
     if data.size < entry.file_length:
         raise FlashError(f"{path}: truncated ({data.size} bytes, manifest says {entry['file_length']})")
+    if entry.encoding == "endor":
+        return _read_endor_components(path, entry, data, verify)
     count, stride, off = entry.count, entry.stride, entry.offset
     rows = data[off: off + count * stride].reshape(count, stride)
     if verify:
@@ -98,6 +157,23 @@ def read_layer_components(pack_dir, entry, *, verify=True):
         raw = np.ascontiguousarray(rows[:, c.offset: c.offset + c.length])
         out[c.name] = mx.array(raw).view(mx_dtype(c.dtype)).reshape(count, *c.shape)
     return out
+
+
+def _read_endor_components(path, entry, data, verify):
+    from .bitmap import decode_into
+
+    count = entry.count
+    index = read_bundle_index(path, entry, data)
+    starts, lengths = index[:-1], np.diff(index)
+    if verify:
+        table = read_checksum_table(path, entry, data)
+        for i in range(count):
+            if zlib.crc32(data[starts[i]: starts[i] + lengths[i]]) != table[i]:
+                raise FlashError(f"{path}: checksum mismatch in bundle {i} (offset {int(starts[i])})")
+    dest = {c.name: np.zeros((count, c.length), np.uint8) for c in entry.components}
+    decode_into(data, starts, lengths, np.arange(count), endor_roles(entry, dest), str(path))
+    return {c.name: mx.array(dest[c.name]).view(mx_dtype(c.dtype)).reshape(count, *c.shape)
+            for c in entry.components}
 
 
 def load_pack_weights(pack_dir, *, verify=True):

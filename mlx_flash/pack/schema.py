@@ -184,10 +184,64 @@ def _check_component(comp, i, field, stride, c: FieldCheck):
     return name, off, length
 
 
+def _check_table(b, key, field, want_length, c: FieldCheck) -> tuple:
+    """(offset, length) of a layer file's table record b[key] = {"offset", "length", "crc32"}."""
+    t = c.dict(c.get(b, key, f"{field}.{key}"), f"{field}.{key}")
+    t_off = c.int(c.get(t, "offset", f"{field}.{key}.offset"), f"{field}.{key}.offset")
+    t_len = c.int(c.get(t, "length", f"{field}.{key}.length"), f"{field}.{key}.length")
+    c.int(c.get(t, "crc32", f"{field}.{key}.crc32"), f"{field}.{key}.crc32", 0, 2 ** 32 - 1)
+    if t_len != want_length:
+        c.fail(f"{field}.{key}.length", f"= {t_len}, but {b['count']} bundles need {want_length}")
+    return t_off, t_len
+
+
+def _check_endor_bundle(b, field, alignment, count, c: FieldCheck) -> None:
+    """An ENDOR layer: decoded components, variable-length bundles found through the index table."""
+    offset = c.int(c.get(b, "offset", f"{field}.offset"), f"{field}.offset")
+    length = c.int(c.get(b, "length", f"{field}.length"), f"{field}.length")
+    file_length = c.int(c.get(b, "file_length", f"{field}.file_length"), f"{field}.file_length")
+    c.int(c.get(b, "stride", f"{field}.stride"), f"{field}.stride", 1, 1 << 30)
+    if offset % alignment or file_length % alignment:
+        c.fail(field, f"offset {offset} / file_length {file_length} not multiples of the alignment {alignment}")
+    comps = c.list(c.get(b, "components", f"{field}.components"), f"{field}.components")
+    if not comps:
+        c.fail(f"{field}.components", "is empty")
+    names = set()
+    for k, comp in enumerate(comps):
+        f = f"{field}.components[{k}]"
+        name, _, _ = _check_component(comp, k, field, 1 << 30, c)
+        if name in names:
+            c.fail(f"{field}.components", f"name {name!r} appears twice")
+        names.add(name)
+        payload = comp.get("endor")
+        if payload is None:
+            continue
+        c.dict(payload, f"{f}.endor")
+        if payload.get("bits") is None:
+            c.str(c.get(payload, "dtype", f"{f}.endor.dtype"), f"{f}.endor.dtype",
+                  ("float16", "bfloat16", "float32"))
+        else:
+            c.int(payload["bits"], f"{f}.endor.bits", 4, 8)
+            if payload["bits"] not in (4, 8):
+                c.fail(f"{f}.endor.bits", f"= {payload['bits']}: ENDOR codes are 4 or 8 bits")
+            c.int(c.get(payload, "group_size", f"{f}.endor.group_size"), f"{f}.endor.group_size", 1, 1 << 20)
+    i_off, i_len = _check_table(b, "index", field, 8 * (count + 1), c)
+    t_off, t_len = _check_table(b, "checksums", field, 4 * count, c)
+    regions = sorted([(offset, offset + length), (i_off, i_off + i_len), (t_off, t_off + t_len)])
+    if any(a[1] > b_[0] for a, b_ in zip(regions, regions[1:])) or regions[-1][1] > file_length:
+        c.fail(field, f"bundles, index and checksum table overlap or run past file_length {file_length}")
+
+
 def check_bundle(b, i, alignment, c: FieldCheck) -> None:
     """One bundle file entry: its layout fits its stride, its regions fit its file, nothing overlaps."""
     field = f"bundles[{i}]"
     c.dict(b, field)
+    if b.get("encoding") == "endor":
+        c.int(c.get(b, "layer", f"{field}.layer"), f"{field}.layer", 0, 1 << 20)
+        c.str(c.get(b, "kind", f"{field}.kind"), f"{field}.kind", ("neurons",))
+        c.str(c.get(b, "file", f"{field}.file"), f"{field}.file")
+        count = c.int(c.get(b, "count", f"{field}.count"), f"{field}.count", 1, MAX_COUNT)
+        return _check_endor_bundle(b, field, alignment, count, c)
     c.int(c.get(b, "layer", f"{field}.layer"), f"{field}.layer", 0, 1 << 20)
     c.str(c.get(b, "kind", f"{field}.kind"), f"{field}.kind", BUNDLE_KINDS)
     c.str(c.get(b, "file", f"{field}.file"), f"{field}.file")

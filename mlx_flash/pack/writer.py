@@ -14,7 +14,8 @@ from tqdm import tqdm
 from ..errors import FlashError
 from ..paths import atomic_dir, save_safetensors
 from .schema import write_metadata
-from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, FORMAT, FORMAT_VERSION, MANIFEST,
+from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENCODINGS, ENDOR_MIN_ZEROS, ENDOR_VERSION,
+                     FORMAT, FORMAT_VERSION, MANIFEST,
                      RESIDENT_FILE, dtype_name, find_ffn, round_up)
 
 PASSTHROUGH = ("tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "*.jinja",
@@ -24,7 +25,7 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
-               alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None) -> Path:
+               alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense") -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -38,6 +39,9 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       8 or 4 = re-quantized at that many bits, smaller bundles but a different model (lossy:
       +0.12% / +4.5% perplexity there). The manifest's "down" entry names the choice and the
       measured weight error.
+    encoding: "dense", or "endor": FFN neuron bundles and pruned resident linears stored as a bitmap
+      of their non-zeros plus the non-zeros (layout.py; with `quantize`, only the non-zeros are
+      quantized and pruned zeros stay exact). Needs a float source (prune saves float16).
     Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
     on any failure the temporary directory is removed and FlashError names the file and reason.
     Returns out_dir.
@@ -49,12 +53,14 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"--quantize {quantize!r}: choose 4 or 8 bits")
     if down_bits not in (None, 4, 8, 16):
         raise FlashError(f"down_bits {down_bits!r}: choose 4, 8 or 16")
+    if encoding not in ENCODINGS:
+        raise FlashError(f"--encoding {encoding!r}: choose {' or '.join(ENCODINGS)}")
     if alignment <= 0 or alignment % 512:
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     with atomic_dir(out, replace=overwrite) as tmp:
-        _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits)
+        _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding)
     return out
 
 
@@ -96,11 +102,15 @@ def _should_quantize(name, arr, group_size):
             and mx.issubdtype(arr.dtype, mx.floating) and arr.shape[-1] % group_size == 0)
 
 
-def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits):
+def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense"):
     config, weights, files = _load_source(src)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
         raise FlashError(f"{src}: already quantized; convert without --quantize")
+    endor = encoding == "endor"
+    if endor and (src_quant or any(k.endswith(".scales") for k in weights)):
+        raise FlashError(f"{src}: --encoding endor needs a float source (its zeros must be exact; "
+                         f"python -m mlx_flash.prune saves float16)")
     if dtype is not None:
         target = FLOAT_DTYPES[dtype]
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
@@ -123,11 +133,14 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             # A neuron's down bias is per output, not per neuron: it stays resident.
             if (info["kind"] == "experts" or role != "down") and f"{module}.bias" in weights:
                 bundled.add(f"{module}.bias")
-    resident = {}
+    resident, resident_endor = {}, {}
     for k, v in weights.items():
         if k in bundled:
             continue
-        if quantize and _should_quantize(k, v, group_size):
+        if endor and _endor_worth_it(k, v):
+            tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
+            resident.update(tensors)
+        elif quantize and _should_quantize(k, v, group_size):
             base = k[: -len(".weight")]
             q, s, b = mx.quantize(v, group_size=group_size, bits=quantize)
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
@@ -138,16 +151,22 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     bundle_dir = tmp / "bundles"
     bundle_dir.mkdir()
     for layer, info in tqdm(ffn.items(), desc="flash pack", unit="layer", disable=not progress):
-        comps, req, err = _components(weights, config, info, quantize, group_size, down_bits)
+        encode = endor and info["kind"] == "neurons"
+        comps, req, err = _components(weights, config, info, None if encode else quantize, group_size,
+                                      down_bits)
         requantized |= req
         if err is not None:
             down_errors.append(err)
         rel = f"bundles/layer_{layer:03d}.bin"
-        # An expert is one direct-I/O-aligned block: its stride is a multiple of the alignment.
-        (entry,) = write_bundle_file(tmp / rel, [comps], alignment,
-                                     block_align=alignment if info["kind"] == "experts" else COMPONENT_ALIGN)
+        if encode:
+            entry = _write_endor_bundle_file(tmp / rel, comps, alignment, quantize, group_size)
+        else:
+            # An expert is one direct-I/O-aligned block: its stride is a multiple of the alignment.
+            (entry,) = write_bundle_file(tmp / rel, [comps], alignment,
+                                         block_align=alignment if info["kind"] == "experts" else COMPONENT_ALIGN)
+            entry["encoding"] = "dense"
         bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
-                        "encoding": "dense", **entry})
+                        **entry})
         del comps
     res_path = tmp / RESIDENT_FILE
     save_safetensors(res_path, resident, metadata={"format": "mlx"})
@@ -158,7 +177,8 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
                 shutil.copy2(f, tmp / f.name)
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": ENDOR_VERSION if endor else FORMAT_VERSION,
+        "encoding": encoding,
         "source": {"path": str(src.resolve()),
                    "files": {f.name: f.stat().st_size for f in files}},
         "config": config,
@@ -172,7 +192,10 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         "resident": {"file": RESIDENT_FILE, "length": res_path.stat().st_size,
                      "crc32": _file_crc32(res_path),
                      "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
-                                 for k, v in sorted(resident.items())}},
+                                 for k, v in sorted(resident.items())},
+                     "endor": resident_endor,
+                     "memory_length": res_path.stat().st_size + sum(
+                         _decoded_extra(resident, k, e) for k, e in resident_endor.items())},
         "bundles": bundles,
     }
     write_manifest(tmp, manifest)
@@ -336,3 +359,106 @@ def _file_crc32(path: Path) -> int:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _decoded_extra(resident, name, spec) -> int:
+    """Bytes a decoded ENDOR resident matrix takes in memory beyond its stored pieces."""
+    rows, cols = spec["shape"]
+    stored = sum(v.nbytes for k, v in resident.items() if k.startswith(f"{name}.endor_"))
+    return rows * cols * (2 if spec["dtype"] != "float32" else 4) - stored
+
+
+def _endor_worth_it(name, arr) -> bool:
+    """A resident linear weight with enough exact zeros that a bitmap pays for itself."""
+    if not (name.endswith(".weight") and arr.ndim == 2 and mx.issubdtype(arr.dtype, mx.floating)):
+        return False
+    if any(s in name for s in ("norm", "embed", "lm_head", "wte", "wpe")):
+        return False
+    return mx.mean(arr == 0).item() >= ENDOR_MIN_ZEROS
+
+
+def _host_rows(arr) -> np.ndarray:
+    """numpy [rows, cols] of a float MLX matrix (bfloat16 as its uint16 bits)."""
+    arr = mx.contiguous(arr.reshape(arr.shape[0], -1))
+    if arr.dtype == mx.bfloat16:
+        return np.array(arr.view(mx.uint16))
+    return np.array(arr)
+
+
+def _endor_payload(dtype, quantize, group_size) -> dict:
+    return {"bits": quantize, "group_size": group_size} if quantize else {"dtype": dtype}
+
+
+def _encode_resident(name, arr, quantize, group_size):
+    """({tensor name: mx.array}, manifest entry) of a resident matrix stored as ENDOR: a bitmap
+    [rows, ceil(cols / 8)] and its non-zeros in row order (quantized in groups when asked)."""
+    from .bitmap import pack_codes, quantize_values
+
+    rows = _host_rows(arr)
+    mask = (rows & 0x7FFF) != 0 if rows.dtype == np.uint16 else rows != 0
+    bitmap = np.packbits(mask, axis=1, bitorder="little")
+    values = rows[mask]
+    dtype = dtype_name(arr.dtype)
+    out = {f"{name}.endor_bitmap": mx.array(bitmap)}
+    if quantize:
+        if rows.dtype == np.uint16:
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        codes, scales, biases = quantize_values(values, quantize, group_size)
+        out.update({f"{name}.endor_codes": mx.array(pack_codes(codes, quantize)),
+                    f"{name}.endor_scales": mx.array(scales), f"{name}.endor_biases": mx.array(biases)})
+        dtype = "float16"
+    else:
+        v = mx.array(values)
+        out[f"{name}.endor_values"] = v.view(mx.bfloat16) if arr.dtype == mx.bfloat16 else v
+    return out, {"shape": list(arr.shape), "dtype": dtype, "nnz": int(mask.sum()),
+                 "payload": _endor_payload(dtype_name(arr.dtype), quantize, group_size)}
+
+
+def _write_endor_bundle_file(path: Path, comps, alignment, quantize, group_size):
+    """A layer file of variable-length ENDOR neuron bundles (layout.py): bundles packed back to
+    back, then the bundle index (uint64 [count + 1] file offsets) and the crc32 table."""
+    from .bitmap import encode_row, pad4
+
+    count = comps[0][2].shape[0]
+    layout, sources = [], []
+    for name, source, arr, q in comps:
+        mx.eval(arr)
+        if q:
+            raise FlashError(f"{source}: quantized tensor in an ENDOR bundle (convert a float source)")
+        host = _host_rows(arr) if name.endswith(".weight") else _row_bytes(arr)
+        entry = {"name": name, "source": source, "shape": list(arr.shape[1:]), "offset": 0}
+        if name.endswith(".weight"):
+            payload = _endor_payload(dtype_name(arr.dtype), quantize, group_size)
+            entry.update(dtype="float16" if quantize else dtype_name(arr.dtype), endor=payload)
+            entry["length"] = host.shape[1] * (2 if quantize else arr.dtype.size)
+        else:
+            payload = None
+            entry.update(dtype=dtype_name(arr.dtype), length=host.shape[1])
+        layout.append(entry)
+        sources.append((host, payload))
+    blocks = []
+    for i in range(count):
+        parts = []
+        for host, payload in sources:
+            if payload is None:
+                raw = host[i]
+                parts.append(np.concatenate([raw, np.zeros(pad4(len(raw)) - len(raw), np.uint8)]))
+            else:
+                parts.append(encode_row(host[i], payload))
+        blocks.append(np.concatenate(parts))
+    lengths = np.array([len(b) for b in blocks], np.int64)
+    index = np.zeros(count + 1, "<u8")
+    index[1:] = np.cumsum(lengths)
+    data = np.concatenate(blocks)
+    crcs = np.array([zlib.crc32(b) for b in blocks], "<u4")
+    length = int(index[-1])
+    index_offset = round_up(length, alignment)
+    table_offset = round_up(index_offset + index.nbytes, alignment)
+    file_length = round_up(table_offset + crcs.nbytes, alignment)
+    _write_bytes(path, [(0, data), (index_offset, index), (table_offset, crcs)], file_length)
+    return {"encoding": "endor", "offset": 0, "count": count, "stride": -(-length // count),
+            "length": length, "file_length": file_length, "components": layout,
+            "index": {"offset": index_offset, "length": int(index.nbytes),
+                      "crc32": zlib.crc32(index.tobytes())},
+            "checksums": {"offset": table_offset, "length": int(crcs.nbytes),
+                          "crc32": zlib.crc32(crcs.tobytes())}}

@@ -40,6 +40,12 @@ def layer_bytes(entry) -> int:
     return entry.count * row_bytes(entry)
 
 
+def resident_bytes(manifest) -> int:
+    """In-memory bytes of the resident tensors (ENDOR-encoded ones count decoded)."""
+    res = manifest.resident
+    return res.memory_length if res.memory_length is not None else res.length
+
+
 def pack_bytes(manifest) -> int:
     """Bytes of the model's weights in the pack: resident file + every layer's bundles."""
     return manifest.resident.length + sum(b.count * b.stride for b in manifest.bundles)
@@ -159,7 +165,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     """
     limit = resolve_budget(budget, manifest)
     if mode == "flash" and density is not None and read_cost is not None and limit is not None \
-            and limit < manifest.resident.length + sum(layer_bytes(b) for b in manifest.bundles):
+            and limit < resident_bytes(manifest) + sum(layer_bytes(b) for b in manifest.bundles):
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
                                  requested_capacity, prefetch=prefetch)
     # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
@@ -168,7 +174,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
         predictor_bytes = sum(predictor_bytes.values())
     bundles = {b.layer: b for b in manifest.bundles}
     plan = MemoryPlan(mode, resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest.resident.length, budget_param=budget_param(budget),
+                      resident_bytes(manifest), budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = plan.resident + sum(plan.layer_bytes.values())
@@ -213,7 +219,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     bundles = {b.layer: b for b in manifest.bundles}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
-                      manifest.resident.length, budget_param=budget_param(budget),
+                      resident_bytes(manifest), budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = base.resident + sum(base.layer_bytes.values())

@@ -1,0 +1,279 @@
+"""python -m mlx_flash.bench endor: ENDOR's Figure 5 per layer — cold read + decode of one FFN
+layer stored dense, as ENDOR (bitmap + non-zeros) and as zstd-compressed dense bytes.
+
+    python -m mlx_flash.bench endor --pack ENDOR_PACK [--dense DENSE_PACK] [--layers 0,5,10]
+        [--repeats 3] [--zstd-level 3] [--json OUT]
+    python -m mlx_flash.bench endor --compare-runs DENSE_RUN ENDOR_RUN
+        (end to end: two `bench run --out` folders of the dense and the ENDOR pack of one model,
+        same modes, budget and cap: tokens/s, I/O ms and bytes per token side by side)
+
+Per layer and repeat, in rotating order (so background load hits every format alike), each format
+is read cold (pages evicted first; O_DIRECT where the file system allows it) as one read of its
+whole bundle region, then decoded into dense rows:
+    dense  the dense pack's layer file (--dense), else the ENDOR layer's rows decoded and written
+           to a scratch file in the dense pack layout; no decode step
+    endor  the ENDOR layer file's bundle region, decoded by the C++ kernel (mlx_flash/endor)
+    zstd   the dense bytes compressed with zstandard (level --zstd-level) in a scratch file,
+           decompressed with zstandard (one thread)
+Reported: bytes read, read ms, decode ms, their sum, bytes and total time relative to dense,
+and decode time as a fraction of the read time ENDOR saves. Timings are medians over repeats.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FlashError
+
+
+def add_arguments(parser):
+    parser.add_argument("--pack", help="a pack converted with --encoding endor")
+    parser.add_argument("--compare-runs", nargs=2, metavar=("DENSE_RUN", "ENDOR_RUN"),
+                        help="instead: compare two `bench run` output folders (results.json)")
+    parser.add_argument("--dense", help="the dense pack of the same model (default: the ENDOR "
+                                        "layers decoded into a scratch dense file)")
+    parser.add_argument("--layers", default="", help="comma-separated layer indices (default: 4 "
+                                                     "spread over the model)")
+    parser.add_argument("--repeats", type=int, default=3, help="cold runs per layer and format")
+    parser.add_argument("--zstd-level", type=int, default=3)
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="as root, also drop the page cache if fadvise leaves pages cached")
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--verbose", action="store_true")
+
+
+def _cold_read(path: Path, start: int, length: int, drop_caches: bool) -> tuple:
+    """(bytes object-like uint8 view of [start, start+length), seconds, bytes read): evict the
+    file, then read the covering 4 KiB-aligned range with O_DIRECT (buffered if refused)."""
+    from ..io import evict
+    from ..io.files import FileLayer, aligned_buffer, read_full
+
+    evict([path], drop_caches=drop_caches)
+    align = 4096
+    a0 = start // align * align
+    a1 = -(-(start + length) // align) * align
+    size = os.path.getsize(path)
+    a1 = min(a1, -(-size // align) * align)
+    files = FileLayer()
+    fd, direct = files.open(path, True)
+    buf = aligned_buffer(a1 - a0)
+    try:
+        t0 = time.perf_counter()
+        read_full(files, fd, [buf], a0, path)
+        seconds = time.perf_counter() - t0
+    except FlashError:
+        files.close(fd)  # the aligned range ran past the end of the file: read it buffered
+        fd, direct = files.open(path, False)
+        t0 = time.perf_counter()
+        n = os.preadv(fd, [buf], a0)
+        seconds = time.perf_counter() - t0
+        buf = buf[:n]
+    finally:
+        files.close(fd)
+    view = np.frombuffer(buf, np.uint8)[start - a0: start - a0 + length]
+    return view, seconds, a1 - a0, direct
+
+
+def _dense_region(entry, comps: dict) -> np.ndarray:
+    """uint8 [count * stride] bytes of decoded rows in the dense pack's bundle layout."""
+    from ..pack.layout import round_up
+
+    count = entry["count"]
+    widths = [c["length"] for c in entry["components"]]
+    offsets, pos = [], 0
+    for w in widths:
+        offsets.append(pos)
+        pos = round_up(pos + w, 4)
+    data = np.zeros((count, pos), np.uint8)
+    for c, off in zip(entry["components"], offsets):
+        data[:, off: off + c["length"]] = comps[c["name"]]
+    return data.reshape(-1)
+
+
+def layer_formats(pack: Path, entry, dense_pack, scratch: Path, level: int) -> dict:
+    """{format: (path, start, length)} of one layer, writing the scratch files needed."""
+    import zstandard
+
+    from ..pack.bitmap import decode_into
+    from ..pack.reader import endor_roles, read_bundle_index
+
+    path = pack / entry["file"]
+    index = read_bundle_index(path, entry)
+    data = np.fromfile(path, np.uint8)
+    dest = {c["name"]: np.zeros((entry["count"], c["length"]), np.uint8) for c in entry["components"]}
+    decode_into(data, index[:-1], np.diff(index), np.arange(entry["count"]), endor_roles(entry, dest), str(path))
+    dense_bytes = _dense_region(entry, dest)
+    formats = {"endor": (path, int(index[0]), int(index[-1] - index[0]))}
+    if dense_pack is not None:
+        from ..pack import layer_bundles, read_manifest
+
+        d = layer_bundles(read_manifest(dense_pack))[entry["layer"]]
+        formats["dense"] = (dense_pack / d["file"], d["offset"], d["count"] * d["stride"])
+        dense_bytes = np.fromfile(dense_pack / d["file"], np.uint8)[d["offset"]: d["offset"] + d["count"] * d["stride"]]
+    else:
+        p = scratch / f"dense_{entry['layer']:03d}.bin"
+        p.write_bytes(dense_bytes.tobytes())
+        formats["dense"] = (p, 0, dense_bytes.size)
+    z = zstandard.ZstdCompressor(level=level).compress(dense_bytes.tobytes())
+    zp = scratch / f"zstd_{entry['layer']:03d}.zst"
+    zp.write_bytes(z)
+    formats["zstd"] = (zp, 0, len(z), dense_bytes.size)
+    return formats, dest
+
+
+def measure_layer(entry, index, formats, dest, repeats, drop_caches) -> dict:
+    """{format: {"bytes", "read_ms", "decode_ms", "total_ms"}} medians over cold repeats."""
+    import zstandard
+
+    from ..pack.bitmap import decode_into
+    from ..pack.reader import endor_roles
+
+    roles = endor_roles(entry, dest)
+    order = ["dense", "endor", "zstd"]
+    times = {f: {"read": [], "decode": []} for f in order}
+    nbytes = {}
+    dctx = zstandard.ZstdDecompressor()
+    for r in range(repeats):
+        for f in order[r % 3:] + order[: r % 3]:
+            path, start, length = formats[f][:3]
+            view, read_s, read_bytes, _ = _cold_read(path, start, length, drop_caches)
+            nbytes[f] = length
+            t0 = time.perf_counter()
+            if f == "endor":
+                decode_into(view, index[:-1] - start, np.diff(index), np.arange(entry.count), roles,
+                            str(path))
+            elif f == "zstd":
+                out = dctx.decompress(view.tobytes(), max_output_size=formats["zstd"][3])
+                if len(out) != formats["zstd"][3]:
+                    raise FlashError(f"{path}: zstd output {len(out)} bytes, want {formats['zstd'][3]}")
+            decode_s = time.perf_counter() - t0
+            times[f]["read"].append(read_s)
+            times[f]["decode"].append(decode_s)
+    out = {}
+    for f in order:
+        read = statistics.median(times[f]["read"]) * 1e3
+        dec = statistics.median(times[f]["decode"]) * 1e3
+        out[f] = {"bytes": nbytes[f], "read_ms": read, "decode_ms": dec, "total_ms": read + dec}
+    return out
+
+
+def compare_runs(dense_dir, endor_dir) -> str:
+    """Markdown table of two `bench run` results (dense pack vs ENDOR pack), mode by mode."""
+    runs = []
+    for d in (dense_dir, endor_dir):
+        path = Path(d) / "results.json"
+        try:
+            runs.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise FlashError(f"--compare-runs {path}: unreadable ({e})") from None
+    dense, endor = runs
+    lines = [f"dense: `{dense['command']}`", f"ENDOR: `{endor['command']}`", "",
+             "| mode | dense tok/s | ENDOR tok/s | speedup | dense I/O ms | ENDOR I/O ms | "
+             "dense MB/tok | ENDOR MB/tok | bytes ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode, d in dense["modes"].items():
+        e = endor["modes"].get(mode)
+        if not e or not d.get("ok_runs") or not e.get("ok_runs"):
+            continue
+        lines.append(f"| {mode} | {1e3 / d['total_ms']:.2f} | {1e3 / e['total_ms']:.2f} | "
+                     f"{d['total_ms'] / e['total_ms']:.2f}x | {d['io_ms']:.0f} | {e['io_ms']:.0f} | "
+                     f"{d['bytes_read'] / 1e6:.1f} | {e['bytes_read'] / 1e6:.1f} | "
+                     f"{e['bytes_read'] / d['bytes_read']:.3f} |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ..pack.bitmap import _extension
+    from ..pack import layer_bundles, read_manifest
+    from ..pack.reader import read_bundle_index
+
+    if args.compare_runs:
+        print(compare_runs(*args.compare_runs))
+        return 0
+    if not args.pack:
+        raise FlashError("--pack: required (or --compare-runs DENSE_RUN ENDOR_RUN)")
+    if args.repeats < 1:
+        raise FlashError(f"--repeats {args.repeats}: must be at least 1")
+    pack = Path(args.pack)
+    manifest = read_manifest(pack)
+    bundles = layer_bundles(manifest)
+    endor_layers = sorted(i for i, b in bundles.items() if b.encoding == "endor")
+    if not endor_layers:
+        raise FlashError(f"--pack {pack}: no ENDOR-encoded layers (convert with --encoding endor)")
+    dense = Path(args.dense) if args.dense else None
+    if dense is not None:
+        read_manifest(dense)
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError:
+            raise FlashError(f"--layers {args.layers!r}: comma-separated integers") from None
+        missing = [i for i in layers if i not in endor_layers]
+        if missing:
+            raise FlashError(f"--layers {missing[0]}: not an ENDOR layer of {pack}")
+    else:
+        k = min(4, len(endor_layers))
+        layers = [endor_layers[round(j * (len(endor_layers) - 1) / max(k - 1, 1))] for j in range(k)]
+    rows = {}
+    scratch_root = Path(tempfile.mkdtemp(prefix=".endor-bench-", dir=pack))
+    try:
+        for layer in layers:
+            entry = bundles[layer]
+            index = read_bundle_index(pack / entry.file, entry)
+            formats, dest = layer_formats(pack, entry, dense, scratch_root, args.zstd_level)
+            rows[layer] = measure_layer(entry, index, formats, dest, args.repeats, args.drop_caches)
+            r = rows[layer]
+            print(f"layer {layer:3d}: " + "  ".join(
+                f"{f} {r[f]['bytes'] / 1e6:.2f} MB {r[f]['read_ms']:.2f}+{r[f]['decode_ms']:.2f} ms"
+                for f in ("dense", "endor", "zstd")), file=sys.stderr)
+    finally:
+        import shutil
+
+        shutil.rmtree(scratch_root, ignore_errors=True)
+    total = {f: {k: sum(rows[i][f][k] for i in layers) for k in ("bytes", "read_ms", "decode_ms", "total_ms")}
+             for f in ("dense", "endor", "zstd")}
+    saved_read = total["dense"]["read_ms"] - total["endor"]["read_ms"]
+    summary = {
+        "endor_bytes_ratio": total["endor"]["bytes"] / total["dense"]["bytes"],
+        "zstd_bytes_ratio": total["zstd"]["bytes"] / total["dense"]["bytes"],
+        "endor_speedup": total["dense"]["total_ms"] / total["endor"]["total_ms"],
+        "zstd_speedup": total["dense"]["total_ms"] / total["zstd"]["total_ms"],
+        "endor_vs_zstd": total["zstd"]["total_ms"] / total["endor"]["total_ms"],
+        "decode_over_saved_read": (total["endor"]["decode_ms"] / saved_read) if saved_read > 0 else None,
+    }
+    result = {"command": args.command_line, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "pack": str(pack), "dense": str(dense) if dense else "decoded scratch copy",
+              "kernel": _extension() is not None, "repeats": args.repeats, "layers": rows,
+              "total": total, "summary": summary}
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def markdown(result) -> str:
+    lines = [f"`{result['command']}` ({result['date']}; dense = {result['dense']}; "
+             f"medians of {result['repeats']} cold reads)", "",
+             "| layer | format | MB read | read ms | decode ms | total ms | bytes vs dense | time vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    items = list(result["layers"].items()) + [("all", result["total"])]
+    for layer, r in items:
+        for f in ("dense", "endor", "zstd"):
+            x = r[f]
+            lines.append(f"| {layer} | {f} | {x['bytes'] / 1e6:.3f} | {x['read_ms']:.2f} | "
+                         f"{x['decode_ms']:.2f} | {x['total_ms']:.2f} | "
+                         f"{x['bytes'] / r['dense']['bytes']:.3f} | "
+                         f"{x['total_ms'] / r['dense']['total_ms']:.3f} |")
+    s = result["summary"]
+    dec = s["decode_over_saved_read"]
+    lines += ["", f"ENDOR: {s['endor_bytes_ratio']:.3f} of dense bytes, {s['endor_speedup']:.2f}x dense "
+                  f"(read + decode), {s['endor_vs_zstd']:.2f}x zstd; zstd: {s['zstd_bytes_ratio']:.3f} "
+                  f"of dense bytes, {s['zstd_speedup']:.2f}x dense; ENDOR decode = "
+                  + (f"{dec:.1%} of the read time it saves" if dec is not None else
+                     "n/a (no read time saved)")]
+    return "\n".join(lines)
