@@ -16,11 +16,20 @@ def test_lru_lfu_layer_choose_their_victims():
     c.access(0, [1]); c.access(0, [1]); c.access(0, [2])
     c.access(0, [3])
     assert c.cached(0).keys() == {1, 3}                     # 2 was used once, 1 twice
-    # One pool for 3 layers: at layer 1, layer 2's expert runs next and layer 0's runs last.
+    # One pool for 3 layers: at layer 1, layer 2 runs next, then 0, then 1 again: layer 1's
+    # other expert is needed last and goes, at equal frequency.
     c = ExpertCache([0, 1, 2], 3, "layer")
     c.access(0, [5]); c.access(1, [5]); c.access(2, [5])
     c.access(1, [6])
-    assert (0, 5) not in c.slot and (2, 5) in c.slot
+    assert (1, 5) not in c.slot and (2, 5) in c.slot and (0, 5) in c.slot
+    # ... unless used more often: layer 1's expert 5 (3 uses, distance 3) outlives layer 0's
+    # new expert 7 (1 use, distance 2)
+    c = ExpertCache([0, 1, 2], 3, "layer")
+    for _ in range(3):
+        c.access(0, [5]); c.access(1, [5]); c.access(2, [5])
+    c.access(0, [7])
+    c.access(1, [6])
+    assert (1, 5) in c.slot
 
 
 def test_pinned_experts_are_never_evicted_and_over_capacity_fails():

@@ -10,7 +10,7 @@ distance term matters). Policies:
   lru    evict the least recently used expert
   lfu    evict the least frequently used (all-time count), ties by recency
   layer  EdgeMoE 3.3.3: evict the highest distance / frequency, distance = how many MoE layers
-         ahead of the current one the expert's layer runs next ((pos(l) - pos(now)) mod S)
+         from now until the expert's layer runs again (1 for the next layer, S for the current)
   belady evict the expert whose next use is farthest in a known future (the offline optimum)
 """
 
@@ -171,7 +171,9 @@ class ExpertCache:
             now, n = self.position[self.current_layer], len(self.layers)
 
             def score(k):
-                distance = (self.position[k[0]] - now) % n
+                # Layers run now+1, now+2, ..., now: the current layer's other experts are
+                # next needed a whole cycle later (distance n), the next layer's first (1).
+                distance = (self.position[k[0]] - now - 1) % n + 1
                 return (distance / max(self.count.get(k, 0), 1), -self.last_use.get(k, -1), k)
             return max(candidates, key=score)
         return max(candidates, key=lambda k: (self._next_use(k), k))
