@@ -242,3 +242,49 @@ def test_malformed_tensor_names_are_one_line(name):
     with pytest.raises(FlashError, match="unknown GGUF tensor"):
         mlx_name(name)
 
+
+def test_qwen3_moe_gguf_imports_experts_and_router(tmp_path):
+    """llama.cpp's MoE names (ffn_gate_inp, ffn_*_exps [E, out, in]) -> mlx-lm's qwen3_moe."""
+    import mlx.core as mx
+    from conftest import write_tiny_moe
+    from mlx.utils import tree_flatten
+
+    from mlx_flash.models import build_model, load_model
+    from mlx_flash.sources.gguf import _BLOCK_NAMES, _GLOBAL_NAMES, gguf_to_mlx
+
+    src = write_tiny_moe(tmp_path / "src", "qwen3_moe", experts=4)
+    model, config = load_model(src, lazy=False)
+    to_gguf = {v: k for k, v in {**_BLOCK_NAMES, **_GLOBAL_NAMES}.items()}
+    # llama.cpp's own MoE names, spelled out here (not read back from the module under test)
+    to_gguf.update({"mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+                    "mlp.switch_mlp.up_proj": "ffn_up_exps", "mlp.switch_mlp.down_proj": "ffn_down_exps"})
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    for key, value in (("block_count", config["num_hidden_layers"]), ("context_length", 256),
+                       ("embedding_length", config["hidden_size"]),
+                       ("feed_forward_length", config["intermediate_size"]),
+                       ("attention.head_count", 4), ("attention.head_count_kv", 2),
+                       ("attention.key_length", 16), ("expert_count", 4), ("expert_used_count", 2),
+                       ("expert_feed_forward_length", config["moe_intermediate_size"]),
+                       ("vocab_size", config["vocab_size"])):
+        writer.add_uint32(f"qwen3moe.{key}", value)
+    writer.add_float32("qwen3moe.rope.freq_base", config["rope_theta"])
+    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    for name, arr in tree_flatten(model.parameters()):
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            gname = f"blk.{layer}.{to_gguf[part]}.{suffix}"
+        else:
+            gname = f"{to_gguf[base]}.{suffix}"
+        writer.add_tensor(gname, np.array(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg, weights = gguf_to_mlx(tmp_path / "m.gguf")
+    assert cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] == 4 and cfg["norm_topk_prob"]
+    assert weights["model.layers.1.mlp.switch_mlp.gate_proj.weight"].shape == (4, 64, 64)
+    imported = build_model(cfg, weights)
+    imported.load_weights(list(weights.items()), strict=True)
+    tokens = mx.array([[1, 7, 30, 99, 5]])
+    np.testing.assert_array_equal(np.array(imported(tokens)), np.array(model(tokens)))

@@ -184,8 +184,22 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE (llama.cpp's names): router, stacked experts [E, out, in] (mlx-lm SwitchGLU), shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architecture -> (mlx-lm model_type, HF class); MoE ones read llama.cpp's expert_* keys.
+_MODEL_TYPES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 # llama.cpp's converter permutes llama q/k rows for its interleaved RoPE; mlx-lm (like HF) uses the
 # half-split RoPE, so those rows are put back. Qwen GGUFs use NeoX RoPE and are not permuted.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -229,9 +243,8 @@ def gguf_config(header: GGUFHeader) -> dict:
         n_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         config = {
-            "model_type": arch,
-            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                               "qwen3": "Qwen3ForCausalLM"}[arch]],
+            "model_type": _MODEL_TYPES[arch][0],
+            "architectures": [_MODEL_TYPES[arch][1]],
             "hidden_size": hidden,
             "num_hidden_layers": int(get("block_count")),
             "intermediate_size": int(get("feed_forward_length")),
@@ -248,10 +261,12 @@ def gguf_config(header: GGUFHeader) -> dict:
     except (ValueError, OverflowError) as e:  # a key of the wrong type (a string, NaN as int)
         raise FlashError(f"{header.path}: GGUF metadata has an invalid {arch}.* value ({e})") from None
     _check_config_vs_tensors(header, config)
+    if arch in _MOE_ARCHITECTURES:
+        _moe_config(config, header, get)
     head_dim = get("attention.key_length") or get("rope.dimension_count")
-    if head_dim and int(head_dim) != hidden // n_heads or arch == "qwen3":
+    if head_dim and int(head_dim) != hidden // n_heads or arch in ("qwen3", "qwen3moe"):
         config["head_dim"] = int(head_dim or hidden // n_heads)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
     scaling = get("rope.scaling.type")
     if scaling == "linear":
@@ -309,6 +324,22 @@ def _check_config_vs_tensors(header: GGUFHeader, config: dict):
     if up is not None and list(up.shape) != [config["hidden_size"], config["intermediate_size"]]:
         bad("feed_forward_length", f"= {config['intermediate_size']}, but blk.0.ffn_up.weight is "
             f"{list(up.shape)}")
+
+
+def _moe_config(config, header, get):
+    """llama.cpp's expert_* metadata -> the mlx-lm MoE config keys (qwen2_moe, qwen3_moe)."""
+    try:
+        config.update({"num_experts": int(get("expert_count")),
+                       "num_experts_per_tok": int(get("expert_used_count")),
+                       "moe_intermediate_size": int(get("expert_feed_forward_length"))})
+    except TypeError as e:
+        raise FlashError(f"{header.path}: MoE GGUF lacks an expert_* key ({e})") from None
+    if header.architecture == "qwen3moe":
+        # llama.cpp's qwen3moe graph normalises the chosen experts' weights (norm_w = true)
+        config.update({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    else:
+        shared = get("expert_shared_feed_forward_length")
+        config["shared_expert_intermediate_size"] = int(shared) if shared else 0
 
 
 def gguf_to_mlx(path) -> tuple:
