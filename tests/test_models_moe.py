@@ -48,15 +48,14 @@ def test_memory_budget_sets_slots_and_too_small_budget_fails(moe_pack):
     assert 2 <= model.moe_store.cache.capacity_of(0) < 8
 
 
-def test_wrong_expert_count_fails(moe_pack, tmp_path):
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(moe_pack, bad)
-    manifest = json.loads((bad / "manifest.json").read_text())
-    manifest["config"]["num_experts"] = 6
-    (bad / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FlashError, match="8 experts in layer 0, config.json says 6"):
+def test_wrong_expert_count_fails(tmp_path):
+    src = write_tiny_moe(tmp_path / "src", "qwen2_moe", experts=8)
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = 6  # the weights hold 8
+    (src / "config.json").write_text(json.dumps(config))
+    bad = write_pack(src, tmp_path / "bad", progress=False)
+    with pytest.raises(FlashError,
+                       match=r"manifest.json: bundles\[0\].count = 8, but the config.s num_experts says 6"):
         build_moe_model(bad, FlashConfig(mode="hybrid"))
 
 
