@@ -31,6 +31,23 @@ def test_logits_bit_identical_to_mlx_lm_load(embedded_model_dir):
     assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
 
 
+def test_logits_match_mlx_lm_on_its_own_ops(embedded_model_dir):
+    """Against mlx-lm's model left on MLX's own ops (nothing patched: the independent reference the
+    test above cannot be, since it patches both sides): float16 rounding only, same greedy token."""
+    from mlx_lm import load as mlx_lm_load
+
+    import mlx_flash
+
+    ours, tok = mlx_flash.load(str(embedded_model_dir))
+    ref, _ = mlx_lm_load(str(embedded_model_dir))
+    ids = mx.array([tok.encode("Independent references catch what shared code hides.")])
+    a, b = ours(ids).astype(mx.float32), ref(ids).astype(mx.float32)
+    scale = mx.abs(b).max().item()
+    ulp = 2.0 ** (np.floor(np.log2(scale)) - 10)  # float16 ulp at the largest logit
+    assert mx.abs(a - b).max().item() <= ulp  # observed 0.004 ulp
+    assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item()
+
+
 def test_tiny_folder_loads(tiny_llama):
     path = tiny_llama("q", quantize=(4, 32))
     model, config = load_model(path)
