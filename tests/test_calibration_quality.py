@@ -27,6 +27,21 @@ def test_dense_vs_dense_is_identical(pack, text):
     assert r["ppl"] > 1 and r["ppl_se"] > 0
 
 
+def test_token_by_token_scoring_equals_one_forward_pass(pack, text):
+    """score_sequences (one token per step through a KV cache, as generation runs) against an
+    independent computation: each whole sequence in one forward pass, log-softmax, the next token's
+    log-probability (the dense-vs-dense test above compares the scorer with itself)."""
+    import mlx.core as mx
+
+    model, tokenizer = quality.load_mode(pack, "dense")
+    seqs = quality.eval_sequences([text], tokenizer, 96, 32)
+    nll, _ = quality.score_sequences(model, seqs, progress=False)
+    logits = model(mx.array(seqs)).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = -np.take_along_axis(np.array(logp[:, :-1]), seqs[:, 1:, None].astype(np.int64), -1)[..., 0]
+    np.testing.assert_allclose(nll, want.reshape(-1), rtol=1e-4, atol=1e-4)
+
+
 
 def test_flash_with_sparsity_off_matches_dense_and_sparse_differs(pack, text, tmp_path):
     calib = write_text(tmp_path / "calib.txt", seed=12)
