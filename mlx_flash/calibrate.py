@@ -28,7 +28,7 @@ import argparse
 import sys
 
 from .calibration.dense_pass import MAX_WINDOW, MIN_TOKENS, collect_inputs
-from .calibration.fit import DEFAULTS, fit_predictors, resolve_settings
+from .calibration.fit import DEFAULTS, fit_predictors, preflight, resolve_settings
 from .cli import run_cli
 from .errors import FlashError
 from .sparse.predictor import KINDS
@@ -83,6 +83,7 @@ def _main(argv):
                     rank_per_layer=args.rank_per_layer, threshold=args.threshold, recall=args.recall,
                     epochs=args.epochs, max_window=args.max_window)
     progress = not args.quiet
+    preflight(args.model, args.text, **settings)  # minutes of dense pass follow: fail first
     data = collect_inputs(args.model, args.text, max_tokens=args.max_tokens, max_window=args.max_window,
                           progress=progress)
     if args.reorder:

@@ -40,6 +40,7 @@ def test_flags_are_checked_before_the_dense_pass(llama_pack, text, capsys, monke
         raise AssertionError("the dense pass ran before the flags were checked")
 
     monkeypatch.setattr(fit, "collect_inputs", no_dense_pass)
+    monkeypatch.setattr(calibrate_cli, "collect_inputs", no_dense_pass)
     argv = ["--model", str(llama_pack), "--text", str(text), *flags]
     with pytest.raises(SystemExit) as e:
         calibrate_cli.main(argv)
@@ -50,7 +51,9 @@ def test_flags_are_checked_before_the_dense_pass(llama_pack, text, capsys, monke
 def test_read_only_pack_is_refused_before_the_dense_pass(llama_pack, text, capsys, monkeypatch):
     from mlx_flash.calibration import fit
 
-    monkeypatch.setattr(fit, "collect_inputs", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    ran = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran"))  # noqa: E731
+    monkeypatch.setattr(fit, "collect_inputs", ran)
+    monkeypatch.setattr(calibrate_cli, "collect_inputs", ran)
 
     def refuse(self, *a, **k):
         raise PermissionError(13, "Read-only file system", str(self))

@@ -379,7 +379,10 @@ def check_pack_file(pack_dir, rel, field, path_for_errors, *, size=None, min_siz
     full = pack / p
     try:
         real = full.resolve(strict=True)
-        inside = real.is_relative_to(pack.resolve(strict=True))
+        # inside the pack, or inside the folder its manifest really is in (a view of symlinks to
+        # a pack, as eval's sweep makes, reads that pack's files)
+        roots = {pack.resolve(strict=True), (pack / "manifest.json").resolve(strict=True).parent}
+        inside = any(real.is_relative_to(r) for r in roots)
         st = os.stat(real)  # stat never blocks, unlike an open of a FIFO
     except OSError as e:
         raise FlashError(f"{full}: cannot read ({e.strerror or e})") from None

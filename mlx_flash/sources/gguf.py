@@ -361,6 +361,9 @@ def gguf_to_mlx(path) -> tuple:
         name = mlx_name(gguf_name)
         part = gguf_name.split(".")[-2]
         if permuted and part in heads:
+            if value.ndim < 1 or value.shape[0] == 0 or value.shape[0] % (2 * heads[part]):
+                raise FlashError(f"{header.path}: tensor {gguf_name!r} has {value.shape[0] if value.ndim else 0} "
+                                 f"rows, not a multiple of 2 x {heads[part]} heads")
             value = unpermute_rows(value, heads[part])
         weights[name] = value
     for info in header.tensors.values():
