@@ -44,8 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A child that imports once (mlx-lm's import takes seconds on a loaded machine), then forks one
 # grandchild per request. The grandchild counts the calls that write (open for writing, write,
-# fsync, rename, mkdir, safetensors saves, ...) and SIGKILLs itself just before call number
-# `kill_at`: a real kill -9, at a chosen point, with no finally blocks or atexit handlers run.
+# fsync, rename, mkdir, safetensors saves, ...) and MLX evaluations, and SIGKILLs itself just
+# before call number `kill_at`: a real kill -9, at a chosen point, with no finally blocks or
+# atexit handlers run.
 ZYGOTE = r"""
 import builtins, json, os, shutil, signal, sys
 sys.path.insert(0, %(tests)r)
@@ -73,6 +74,7 @@ def hook(kill_at):
     wrap(os, "open", lambda path, flags, *a, **k: bool(flags & (os.O_WRONLY | os.O_RDWR)))
     wrap(builtins, "open", lambda f, mode="r", *a, **k: any(c in mode for c in "wax+"))
     wrap(mx, "save_safetensors")
+    wrap(mx, "eval")  # the conversion's compute steps: kill points between the writes too
     wrap(shutil, "copy2")
     return calls
 
@@ -192,7 +194,7 @@ def test_kill_9_during_first_gguf_run(tmp_path, monkeypatch, zygote):
     z = zygote
     for _ in range(2):  # the second run counts the calls of a run that finds the lock file
         done = z.run("gguf", [str(gguf)])
-        assert done["code"] == 0 and done["calls"] >= 10
+        assert done["code"] == 0 and done["calls"] >= 20
         (folder,) = [p for p in models.iterdir() if not p.name.startswith(".")]
         shutil.rmtree(folder)
     points = kill_points(done["calls"])
@@ -205,7 +207,7 @@ def test_kill_9_during_first_gguf_run(tmp_path, monkeypatch, zygote):
         assert stale(models) == [] and sorted(p.name for p in models.iterdir()) == \
             sorted([folder.name, f".{folder.name}.lock"])
         shutil.rmtree(folder)
-    assert left_behind >= len(points) // 2
+    assert len(points) >= min(POINTS, 12) and left_behind >= len(points) // 2
 
 
 def test_damaged_gguf_cache_entry_is_converted_again(tmp_path, monkeypatch, capsys):
