@@ -174,3 +174,19 @@ def test_relufied_pack_calibrates_and_runs_flash_with_exact_gate_masks(src, text
     np.testing.assert_allclose(flash, dense, rtol=1e-4, atol=1e-4)
     s = model.flash_stats.summary()
     assert s["neurons_loaded"] < 0.6 * 2 * 96  # most neurons of the 2 layers never read
+
+
+def test_low_rank_gate_keeps_its_recall_on_a_fatrelu_model(src, texts, tmp_path):
+    """FATReLU is zero below its threshold, so |act(estimate)| cannot rank the neurons the estimate
+    puts just under it; the predictor scores the estimate itself and keeps --recall."""
+    from mlx_flash.calibration.fit import calibrate
+    from mlx_flash.pack import write_pack
+
+    out = tmp_path / "relufied"
+    R.relufy(src, texts, out, activation="fatrelu", target_sparsity=0.8, steps=1, seq_len=32,
+             checkpoint_every=0, progress=False, log=lambda *a: None)
+    pack = write_pack(out, tmp_path / "pack", progress=False)
+    doc = calibrate(pack, texts, kind="low-rank-gate", rank=8, recall=0.99, target_sparsity=0.0,
+                    progress=False)
+    recalls = [e["stats"]["recall"] for e in doc["layers"].values()]
+    assert min(recalls) > 0.9, recalls

@@ -155,7 +155,8 @@ def recall_cut(score: np.ndarray, active: np.ndarray, recall: float) -> float:
     s = score[active]
     if not len(s):
         return float(score.max()) if score.size else 0.0
-    return float(np.quantile(s, 1 - recall)) * (1 - 1e-6)
+    q = float(np.quantile(s, 1 - recall))
+    return q - 1e-6 * abs(q)  # just below: the quantile's own entries count as kept
 
 
 def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None, prob_threshold=0.5,
@@ -260,7 +261,7 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     elif kind == "low-rank-gate":
         factors = fit_low_rank_gate(ffn, x[:n_train], rank)
         approx = layer_predictor(layer, kind, ffn, n, factors=factors)
-        score = np.concatenate([np.array(mx.abs(approx.gate_estimate(mx.array(x[s: min(s + 2048, n_train)]))))
+        score = np.concatenate([np.array(approx.gate_score(mx.array(x[s: min(s + 2048, n_train)])))
                                 for s in range(0, n_train, 2048)])
         cut = recall_cut(score, active[:n_train], recall)
         del score

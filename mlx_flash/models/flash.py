@@ -23,7 +23,7 @@ from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape)
 from ..sparse.neuron_cache import NeuronCache
-from ..sparse.predictor import ACTIVATIONS, calibrated_capacity, load_predictors, predicted_density
+from ..sparse.predictor import activation_fn, calibrated_capacity, load_predictors, predicted_density
 from ..sparse.stats import FlashStats
 from .loader import build_model
 
@@ -107,7 +107,7 @@ def activation_thresholds(predictors) -> dict:
     for i, p in (predictors or {}).items():
         t = float(getattr(p, "threshold", 0.0) or 0.0)
         if t > 0:
-            out[i] = (t, ACTIVATIONS[getattr(p, "activation", "silu")])
+            out[i] = (t, activation_fn(getattr(p, "activation", "silu")))
     return out
 
 

@@ -33,6 +33,7 @@ With threshold 0 the rule changes nothing (only exact zeros are dropped).
 """
 
 import json
+import math
 import os
 import zlib
 from pathlib import Path
@@ -56,6 +57,11 @@ LOW_RANK = ("low-rank", "low-rank-gate")  # kinds whose factors live in predicto
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
+def monotone(activation: str) -> bool:
+    """ReLU-family activations: zero below a threshold, increasing above it."""
+    return activation == "relu" or str(activation).startswith("fatrelu:")
+
+
 def activation_fn(name: str):
     """The elementwise activation called `name`: one of ACTIVATIONS, or "fatrelu:T" (FATReLU, the
     relu_llama model's: g where g > T, else 0)."""
@@ -77,7 +83,7 @@ class LayerPredictor:
 
     Attributes: layer, kind, n_neurons, rank (0 unless low-rank), threshold (activation cutoff the
     runtime applies, see the module docstring), prob_threshold (sigmoid cutoff, low-rank only),
-    cut (|act(approximate gate)| cutoff, low-rank-gate only), activation (name), stats
+    cut (gate_score cutoff, low-rank-gate only), activation (name), stats
     (calibration numbers), nbytes (bytes of the arrays it holds, counted in the memory budget).
     """
 
@@ -111,6 +117,14 @@ class LayerPredictor:
         """act(gate x) [..., n_neurons] from the resident gate ("gate-threshold" only)."""
         return self._act(self._rows("gate", x))
 
+    def gate_score(self, x):
+        """The "low-rank-gate" score, active where > cut: the gate estimate itself for ReLU-family
+        activations (monotone and zero below their threshold, so the cut may lie below the
+        threshold and keep neurons the estimate puts just under it), |act(estimate)| otherwise."""
+        if monotone(self.activation):
+            return self.logits(x)
+        return mx.abs(self.gate_estimate(x))
+
     def gate_estimate(self, x):
         """act(B (A x) + bias) [..., n_neurons], float32 ("low-rank-gate" only)."""
         return self._act(self.logits(x))
@@ -129,7 +143,7 @@ class LayerPredictor:
         if self.kind == "gate-threshold":
             return mx.abs(self.gate_activation(x)) > self.threshold
         if self.kind == "low-rank-gate":
-            return mx.abs(self.gate_estimate(x)) > self.cut
+            return self.gate_score(x) > self.cut
         return self.logits(x) > self._logit_cut
 
     def __repr__(self):
@@ -207,7 +221,7 @@ def validate_predictors(doc: dict, path, manifest) -> None:
     1..n non-decreasing, a known activation."""
     c = FieldCheck(path)
     check_checksum(doc, path)
-    c.str(doc.get("activation", "silu"), "activation", ACTIVATIONS)
+    c.str(doc.get("activation", "silu"), "activation", (*ACTIVATIONS, "fatrelu"))
     if doc.get("tensors_file") is not None:
         c.str(doc["tensors_file"], "tensors_file", (PREDICTORS_FILE,))
         c.int(c.get(doc, "tensors_crc32"), "tensors_crc32", 0, 2 ** 32 - 1)
@@ -228,7 +242,13 @@ def validate_predictors(doc: dict, path, manifest) -> None:
         if kind in LOW_RANK and entry.get("rank", 0) < 1:
             c.fail(f"{f}.rank", f"must be at least 1 for a {kind} predictor")
         c.num(entry.get("threshold", 0.0), f"{f}.threshold", 0)
-        c.num(entry.get("cut", 0.0), f"{f}.cut", 0)
+        act = c.str(entry.get("activation", doc.get("activation", "silu")), f"{f}.activation")
+        try:
+            activation_fn(act)
+        except (FlashError, ValueError):
+            c.fail(f"{f}.activation", f"= {act!r} is not a known activation (silu, relu, fatrelu:T, ...)")
+        # ReLU-family layers score the gate estimate itself, whose cut may be negative
+        c.num(entry.get("cut", 0.0), f"{f}.cut", -math.inf if monotone(act) else 0)
         c.num(entry.get("prob_threshold", 0.5), f"{f}.prob_threshold", 0, 1, lo_open=True)
         if entry.get("prob_threshold", 0.5) >= 1:
             c.fail(f"{f}.prob_threshold", "must be below 1")
