@@ -20,11 +20,20 @@ Orders are permutations `order` with order[new_position] = original neuron id.
 import numpy as np
 
 
-def coactivation_order(active: np.ndarray, per_block: int) -> np.ndarray:
+def coactivation_order(active: np.ndarray, per_block: int, band_blocks: int | None = 8) -> np.ndarray:
     """int64 [n] permutation (order[new position] = original neuron) from a boolean activity
     matrix active [tokens, n] (True = neuron active on that token); per_block >= 1 neurons per
-    read block. Cost: one pass over the union's tokens per block (overlaps updated incrementally)."""
+    read block. band_blocks: group only within bands of band_blocks x per_block neurons of similar
+    frequency (neurons sorted by frequency, bands laid out hottest first): the read planner merges
+    reads across small gaps, so the span of a token's active neurons matters as much as how many
+    blocks they touch, and unbanded grouping fills hot blocks with cold neurons (which add the
+    fewest new tokens). None: one band. Cost: one pass over the union's tokens per block."""
     m = np.asarray(active, bool)
+    if band_blocks:
+        by_freq = frequency_order(m)
+        size = max(1, band_blocks * max(1, int(per_block)))
+        return np.concatenate([band[coactivation_order(m[:, band], per_block, None)]
+                               for band in (by_freq[s: s + size] for s in range(0, m.shape[1], size))])
     n = m.shape[1]
     per_block = max(1, int(per_block))
     counts = m.sum(axis=0).astype(np.int64)
