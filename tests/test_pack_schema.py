@@ -112,6 +112,7 @@ CASES = {
                                  r"checksums.length = 4, but 96 bundles need 384"),
     "file shorter than its regions": (_bundle(0, "file_length", 4096), r"run past file_length 4096"),
     "not an object": (lambda m: m.update(bundles=[17]), r"bundles\[0\] must be an object"),
+    "bundles not a list": (lambda m: m.update(bundles=True), "bundles must be a list"),
     "config null": (lambda m: m.update(config=None), "config must be an object"),
     "resident null": (lambda m: m.update(resident=None), "resident must be an object"),
     "config without resident": (lambda m: m.pop("resident"), "resident is missing"),

@@ -267,12 +267,12 @@ def read_manifest(pack_dir) -> Manifest:
     if version not in READ_VERSIONS:
         raise FlashError(f"{path}: pack format version {version}, this mlx-flash reads versions "
                          f"{', '.join(map(str, READ_VERSIONS))}; re-convert the model")
-    for b in manifest.get("bundles") or []:
-        if isinstance(b, dict) and (b.get("encoding", "dense") not in ENCODINGS
-                                    or (b.get("encoding") == "endor" and version < ENDOR_VERSION)):
+    validate_manifest(manifest, path)  # first: the loop below needs a list of objects
+    for b in manifest["bundles"]:
+        if b.get("encoding", "dense") not in ENCODINGS or (b.get("encoding") == "endor"
+                                                            and version < ENDOR_VERSION):
             raise FlashError(f"{path}: layer {b.get('layer')} has bundle encoding "
                              f"{b.get('encoding')!r}; this reader supports {', '.join(ENCODINGS)}")
-    validate_manifest(manifest, path)
     check_pack_files(pack_dir, manifest, path)
     return Manifest.from_dict(manifest)
 
