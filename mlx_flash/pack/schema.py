@@ -318,6 +318,17 @@ def validate_manifest(manifest, path) -> dict:
             for k, d in enumerate(c.list(c.get(t, "shape", f"resident.tensors[{name!r}].shape"),
                                          f"resident.tensors[{name!r}].shape")):
                 c.int(d, f"resident.tensors[{name!r}].shape[{k}]", 0, MAX_DIM)
+        for name, spec in c.dict(res.get("endor", {}), "resident.endor").items():
+            f = f"resident.endor[{name!r}]"
+            c.dict(spec, f)
+            shape = c.list(c.get(spec, "shape", f"{f}.shape"), f"{f}.shape")
+            if len(shape) != 2:
+                c.fail(f"{f}.shape", f"= {shape!r:.40} must be [rows, columns]")
+            for k, d in enumerate(shape):
+                c.int(d, f"{f}.shape[{k}]", 1, MAX_DIM)
+            payload = c.dict(c.get(spec, "payload", f"{f}.payload"), f"{f}.payload")
+            if payload.get("bits") is not None:
+                check_quantization(payload, f"{f}.payload", c)
         if config is not None:
             _check_vocab(config, tensors, c)
     bundles = c.list(c.get(manifest, "bundles"), "bundles")
