@@ -419,7 +419,7 @@ def _generate(args):
         prompt_ids = results["prompt"].pop("ids")
     # llama.cpp last, in its own process (not interleaved with ours: a crash must not end the run)
     llama, why = (_llama_cpp_in_child(gguf, threads, ids, args, prompt_ids) if gguf
-                  else (None, "--generate is not a .gguf file"))
+                  else (None, "skipped (--generate is not a .gguf file)"))
     results["llama_cpp_missing"] = why
     if llama is not None:
         best["llama.cpp"], tokens["llama.cpp"] = llama["generation_tps"], llama["tokens"]
