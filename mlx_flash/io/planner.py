@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..paths import flash_home
+from ..errors import FlashError
+from ..paths import flash_home, write_json_atomic
 from .files import FileLayer
 from .read_cost import DEFAULT_DEPTHS, DEFAULT_SIZES, ReadCostCurve, measure_curve
 
@@ -83,15 +84,10 @@ def save_cost(path, threads, cost, engine="threads"):
         data[_curve_key(path, engine)] = {**cost.to_dict(), **measured}
     else:
         data[_profile_key(path, threads, engine)] = {**asdict(cost), **measured}
-    tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as out:
-            out.write(json.dumps(data, indent=1))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, f)
-    except OSError:  # a read-only or full cache home: the profile is measured again next time
-        tmp.unlink(missing_ok=True)
+        write_json_atomic(f, data)
+    except FlashError:  # a read-only or full cache home: the profile is measured again next time
+        pass
 
 
 def calibrate(directory=None, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS,
