@@ -116,6 +116,16 @@ CASES = {
     "resident.endor null": (lambda m: m["resident"].update(endor=None), "resident.endor must be an object"),
     "resident.endor without shape": (lambda m: m["resident"].update(endor={"w": {"payload": {}}}),
                                      r"resident.endor\['w'\].shape is missing"),
+    # the memory plan adds memory_length up (a string gave a TypeError in sparse/budget.py)
+    "resident.memory_length a string": (lambda m: m["resident"].update(memory_length="x"),
+                                        "resident.memory_length must be an integer"),
+    "resident.memory_length a list": (lambda m: m["resident"].update(memory_length=[1]),
+                                      "resident.memory_length must be an integer"),
+    "resident.memory_length below length": (lambda m: m["resident"].update(memory_length=-5),
+                                            "resident.memory_length = -5 is out of range"),
+    "resident.memory_length without ENDOR": (
+        lambda m: m["resident"].update(memory_length=m["resident"]["length"] + 4),
+        r"resident.memory_length = \d+, but with no ENDOR tensors it is resident.length"),
     "config null": (lambda m: m.update(config=None), "config must be an object"),
     "resident null": (lambda m: m.update(resident=None), "resident must be an object"),
     "config without resident": (lambda m: m.pop("resident"), "resident is missing"),

@@ -308,7 +308,7 @@ def validate_manifest(manifest, path) -> dict:
     if "resident" in manifest:
         c.dict(res, "resident")
         c.str(c.get(res, "file", "resident.file"), "resident.file")
-        c.int(c.get(res, "length", "resident.length"), "resident.length", 8)
+        res_length = c.int(c.get(res, "length", "resident.length"), "resident.length", 8)
         c.int(c.get(res, "crc32", "resident.crc32"), "resident.crc32", 0, 2 ** 32 - 1)
         tensors = c.dict(c.get(res, "tensors", "resident.tensors"), "resident.tensors")
         for name, t in tensors.items():
@@ -329,6 +329,7 @@ def validate_manifest(manifest, path) -> dict:
             payload = c.dict(c.get(spec, "payload", f"{f}.payload"), f"{f}.payload")
             if payload.get("bits") is not None:
                 check_quantization(payload, f"{f}.payload", c)
+        _check_memory_length(res, res_length, c)
         if config is not None:
             _check_vocab(config, tensors, c)
     bundles = c.list(c.get(manifest, "bundles"), "bundles")
@@ -352,6 +353,18 @@ def validate_manifest(manifest, path) -> dict:
             c.fail("bundles", f"layer {beyond[0]} is beyond config.num_hidden_layers "
                               f"{config['num_hidden_layers']}")
     return manifest
+
+
+def _check_memory_length(res, length, c: FieldCheck):
+    """resident.memory_length (bytes once ENDOR tensors are decoded; absent: = length) is what the
+    memory plan adds up: at least the file's length (ENDOR pieces decode larger), exactly it when no
+    tensor is ENDOR-encoded."""
+    if res.get("memory_length") is None:
+        return
+    memory = c.int(res["memory_length"], "resident.memory_length", length, MAX_BYTES)
+    if not res.get("endor") and memory != length:
+        c.fail("resident.memory_length", f"= {memory}, but with no ENDOR tensors it is "
+                                         f"resident.length {length}")
 
 
 def _check_rows_vs_hidden(b, i, config, c: FieldCheck):
