@@ -33,12 +33,30 @@ def test_calibrate_writes_predictors_that_load(llama_pack, text, kind):
         if kind == "gate-threshold":
             assert s["over_prediction"] == pytest.approx(1.0)
         if kind == "low-rank-gate":
-            assert s["recall"] > 0.8  # 0.99 on the training tokens, held-out tokens are close
+            assert s["recall"] > 0.8  # 0.99 on the training tokens (held-out: the test below)
         if kind != "all":
             assert abs(s["train_active"] - 0.7) < 0.01  # the threshold is the 0.3 quantile
     assert calibrated_capacity(llama_pack, 5) == {i: doc["layers"][str(i)]["capacity"][4] for i in (0, 1)}
     no_tmp = [p.name for p in llama_pack.iterdir() if ".tmp" in p.name]
     assert not no_tmp
+
+
+def test_threshold_and_recall_hold_on_held_out_tokens(llama_pack, text, tmp_path):
+    """The threshold (0.3 quantile of the calibration tokens' |silu(gate x)|) and the low-rank-gate
+    cut (recall 0.99 there) measured on another text's tokens, which set neither: the kept
+    fraction stays near 0.7 (0.696, 0.705 measured) and most active neurons are predicted."""
+    doc = fit.calibrate(llama_pack, [text], kind="low-rank-gate", target_sparsity=0.3, rank=8,
+                        progress=False)
+    held_out = dense_pass.collect_inputs(llama_pack, [write_text(tmp_path / "held.txt", seed=11)],
+                                         progress=False)
+    model, *_ = dense_pass.load_dense_model(llama_pack)
+    preds = load_predictors(llama_pack)
+    for i, p in preds.items():
+        x = mx.array(held_out.xs[i])
+        active = np.array(mx.abs(nn.silu(model.layers[i].mlp.gate_proj(x)))) > doc["layers"][str(i)]["threshold"]
+        predicted = np.array(p(x))
+        assert len(x) >= 1000 and abs(active.mean() - 0.7) < 0.03, active.mean()
+        assert (active & predicted).sum() / active.sum() > 0.95  # 0.99 measured
 
 
 def test_kind_all_flash_logits_equal_dense_bit_for_bit(llama_pack, text):
