@@ -7,7 +7,7 @@ pytest.importorskip("hypothesis")
 
 from mlx_flash.bench.fuzz import TARGETS, fuzz_target  # noqa: E402
 
-EXAMPLES = {"manifest": 25, "predictors": 40, "gguf": 60, "kernels": 150}
+EXAMPLES = {"manifest": 25, "manifest-endor": 25, "predictors": 40, "gguf": 60, "kernels": 150}
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -34,14 +34,15 @@ from pathlib import Path
 
 from ..errors import FlashError
 
-TARGETS = ("manifest", "predictors", "gguf", "kernels")
+TARGETS = ("manifest", "manifest-endor", "predictors", "gguf", "kernels")
 CASE_TIMEOUT_S = 60  # a case running longer counts as a hang
 
 
 # ---- fixtures: tiny real inputs ------------------------------------------------------------------
 
-def tiny_source(path: Path, seed=0) -> Path:
-    """A random 2-layer llama, 4-bit, as an mlx-lm folder (no tokenizer)."""
+def tiny_source(path: Path, seed=0, pruned=False) -> Path:
+    """A random 2-layer llama, 4-bit, as an mlx-lm folder (no tokenizer); pruned: float16 with the
+    smaller half of every layer weight set to 0 (what ENDOR packs encode)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -53,18 +54,27 @@ def tiny_source(path: Path, seed=0) -> Path:
               "tie_word_embeddings": True, "max_position_embeddings": 256}
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    nn.quantize(model, group_size=32, bits=4)
-    config["quantization"] = {"group_size": 32, "bits": 4}
+    if not pruned:
+        nn.quantize(model, group_size=32, bits=4)
+        config["quantization"] = {"group_size": 32, "bits": 4}
+    weights = dict(tree_flatten(model.parameters()))
+    if pruned:
+        for name, w in weights.items():
+            w = w.astype(mx.float16)
+            if name.startswith("model.layers.") and w.ndim == 2:
+                w = mx.where(mx.abs(w) < mx.sort(mx.abs(w).flatten())[w.size // 2], 0, w)
+            weights[name] = w
     path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
     return path
 
 
-def tiny_pack(root: Path, predictors=False) -> Path:
+def tiny_pack(root: Path, predictors=False, encoding="dense") -> Path:
     from ..pack import write_pack
 
-    pack = write_pack(tiny_source(root / "src"), root / "pack", progress=False)
+    pack = write_pack(tiny_source(root / "src", pruned=encoding == "endor"), root / "pack",
+                      progress=False, encoding=encoding)
     if predictors:
         import mlx.core as mx
 
@@ -154,8 +164,9 @@ def mutate_json(data, doc):
 
 def setup(target: str, root: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
-    if target == "manifest":
-        pack = tiny_pack(root)
+    if target in ("manifest", "manifest-endor"):
+        # manifest-endor: an ENDOR pack (per-layer index tables, resident.endor, memory_length)
+        pack = tiny_pack(root, encoding="endor" if target == "manifest-endor" else "dense")
         return {"pack": pack, "manifest": json.loads((pack / "manifest.json").read_text())}
     if target == "predictors":
         pack = tiny_pack(root, predictors=True)
@@ -344,7 +355,7 @@ def case_kernels(data, ctx):
                              f"{mx.abs(a - t).max().item()} (> {bound})")
 
 
-CASES = {"manifest": case_manifest, "predictors": case_predictors, "gguf": case_gguf,
+CASES = {"manifest": case_manifest, "manifest-endor": case_manifest, "predictors": case_predictors, "gguf": case_gguf,
          "kernels": case_kernels}
 
 
