@@ -180,12 +180,13 @@ def test_write_pack_casts_and_quantizes(tiny_llama, tmp_path, dtype, quantize):
     want = getattr(mx, dtype or "float32")
     assert weights["model.norm.weight"].dtype == want
     source = source_weights(src)
-    model = build_model(config, weights)
-    logits = model(mx.array([[1, 2, 3]]))
-    ref = build_model(json.loads((src / "config.json").read_text()), source)(mx.array([[1, 2, 3]]))
-    # lossy only through the requested cast / quantization
-    err = mx.abs(logits.astype(mx.float32) - ref).max().item()
-    assert err < (0.5 if quantize == 4 else 0.1)
+    ids = (mx.arange(192) % 128).reshape(64, 3)  # 64 three-token prompts: the error RMS varies little
+    logits = build_model(config, weights)(ids).astype(mx.float32)
+    ref = build_model(json.loads((src / "config.json").read_text()), source)(ids)
+    # lossy only through the requested cast / quantization: RMS error relative to the logits' RMS
+    rel = (mx.sqrt(mx.mean((logits - ref) ** 2)) / mx.sqrt(mx.mean(ref ** 2))).item()
+    # measured over 6 source seeds: float16 0.00088-0.00093, 8-bit 0.0099-0.0105, 4-bit 0.170-0.183
+    assert rel < {None: 1.5e-3, 8: 0.015, 4: 0.25}[quantize]
 
 
 def test_non_gated_with_biases_and_moe_experts(tmp_path):
