@@ -129,5 +129,18 @@ def main(argv=None):
     return run_cli(_main, argv)
 
 
+class _CallableModule(type(sys)):
+    """`mlx_flash.generate` is the API function and this CLI module's name: importing the module
+    (`from mlx_flash.generate import main`) rebinds the package attribute to it, so the module
+    forwards calls to the function and `mlx_flash.generate(model, tokenizer, prompt)` still works."""
+
+    def __call__(self, *args, **kwargs):
+        from .api import generate
+
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -73,3 +73,15 @@ def test_unknown_options():
         mlx_flash.load(mode="warp")
     with pytest.raises(TypeError, match="unknown options"):
         mlx_flash.load(windw=3)
+
+
+def test_generate_stays_callable_after_the_cli_module_is_imported(loaded):
+    # importing the `generate` CLI module rebinds the package attribute `mlx_flash.generate` to it
+    import importlib
+
+    from mlx_flash import api
+
+    model, tokenizer = loaded
+    importlib.import_module("mlx_flash.generate")
+    assert mlx_flash.generate(model, tokenizer, "Hello", max_tokens=3) == api.generate(model, tokenizer, "Hello",
+                                                                                       max_tokens=3)
