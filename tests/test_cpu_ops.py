@@ -484,3 +484,36 @@ def test_out_of_range_ids_and_row_counts_are_refused_on_both_paths(kernels):
     finally:
         ops.set_kernels_enabled(was)
 
+
+
+# ---- the kernels' environment variables ---------------------------------------------------------
+
+@pytest.mark.parametrize("environ", [{}, {"MLX_FLASH_ISA": ""}, {"MLX_FLASH_ISA": "scalar"},
+                                     {"MLX_FLASH_ISA": "avx2"}, {"MLX_FLASH_THREADS": "1"},
+                                     {"MLX_FLASH_THREADS": "256"}, {"MLX_FLASH_THREADS": ""}])
+def test_kernel_environment_accepts_valid_values(environ):
+    ops.check_kernel_environment(environ)
+
+
+@pytest.mark.parametrize("name,value", [("MLX_FLASH_ISA", "avx512"), ("MLX_FLASH_ISA", "Scalar"),
+                                        ("MLX_FLASH_ISA", " scalar"), ("MLX_FLASH_THREADS", "0"),
+                                        ("MLX_FLASH_THREADS", "257"), ("MLX_FLASH_THREADS", "-4"),
+                                        ("MLX_FLASH_THREADS", "4x"), ("MLX_FLASH_THREADS", "1e9")])
+def test_kernel_environment_refuses_unknown_isa_and_unbounded_threads(name, value):
+    from mlx_flash.errors import FlashError
+
+    with pytest.raises(FlashError, match=f"^{name}=") as e:
+        ops.check_kernel_environment({name: value})
+    assert "\n" not in str(e.value)
+
+
+def test_bad_kernel_environment_is_one_line_exit_2_in_a_cli():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MLX_FLASH_ISA": "avx512"}
+    out = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--prompt", "Hi", "--max-tokens", "1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: MLX_FLASH_ISA='avx512'")
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -21,6 +21,8 @@ import warnings
 
 import mlx.core as mx
 
+from ..errors import FlashError
+
 # Rows of x per kernel call. MLX's CPU ops have no fast path for quantized or half weights (measured
 # 17-30x slower than ours from 8 to 512 rows), so prompts run on the kernels too, up to mlx-lm's
 # prefill chunk of 2048 tokens; beyond that MLX's ops (the kernel converts x to float32 scratch).
@@ -29,6 +31,24 @@ KERNEL_BITS = (4, 8)
 KERNEL_GROUP_SIZES = (32, 64, 128)
 HALF_DTYPES = (mx.float16, mx.bfloat16)
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+KERNEL_ISAS = ("avx2", "scalar")
+MAX_KERNEL_THREADS = 256
+
+
+def check_kernel_environment(environ=os.environ) -> None:
+    """FlashError naming the variable unless MLX_FLASH_ISA and MLX_FLASH_THREADS (read by the
+    kernels' C++, which would take an unknown ISA as the best one and any thread count) are unset,
+    empty or valid."""
+    isa = environ.get("MLX_FLASH_ISA", "")  # as the C++ compares it
+    if isa and isa not in KERNEL_ISAS:
+        raise FlashError(f"MLX_FLASH_ISA={isa!r:.40}: unknown instruction set (choose from "
+                         f"{', '.join(KERNEL_ISAS)}, or leave it unset for the best this CPU has)")
+    threads = environ.get("MLX_FLASH_THREADS", "")
+    if threads and not (threads.isdigit() and 1 <= int(threads) <= MAX_KERNEL_THREADS):
+        raise FlashError(f"MLX_FLASH_THREADS={threads!r:.40}: must be a whole number in "
+                         f"1..{MAX_KERNEL_THREADS} (unset: the CPU's cores, at most 16)")
 
 
 def _load_extension():
@@ -42,6 +62,7 @@ def _load_extension():
     return ext, None
 
 
+check_kernel_environment()
 _ext, EXTENSION_ERROR = _load_extension()
 EXTENSION_AVAILABLE = _ext is not None
 # MLX_FLASH_KERNELS=0 in the environment starts with the kernels off (MLX's own ops everywhere),
