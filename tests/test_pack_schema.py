@@ -126,6 +126,8 @@ CASES = {
     "resident.memory_length without ENDOR": (
         lambda m: m["resident"].update(memory_length=m["resident"]["length"] + 4),
         r"resident.memory_length = \d+, but with no ENDOR tensors it is resident.length"),
+    "rope_theta null": (_config("rope_theta", None), "config.rope_theta must be a finite number"),
+    "rms_norm_eps null": (_config("rms_norm_eps", None), "config.rms_norm_eps must be a finite number"),
     "config null": (lambda m: m.update(config=None), "config must be an object"),
     "resident null": (lambda m: m.update(resident=None), "resident must be an object"),
     "config without resident": (lambda m: m.pop("resident"), "resident is missing"),

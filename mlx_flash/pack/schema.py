@@ -143,10 +143,11 @@ def check_config(config: dict, c: FieldCheck) -> None:
             c.int(config[key], f"config.{key}", 1, MAX_DIM)
     if "num_hidden_layers" in config:
         c.int(config["num_hidden_layers"], "config.num_hidden_layers", 1, MAX_LAYERS)
+    # present means a number: null reaches mlx-lm as None (rope_theta null: a ValueError in MLX's rope)
     for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
-        if config.get(key) is not None:
+        if key in config:
             c.num(config[key], f"config.{key}", 0, 1, lo_open=True)
-    if config.get("rope_theta") is not None:
+    if "rope_theta" in config:
         c.num(config["rope_theta"], "config.rope_theta", 0, 1e12, lo_open=True)
     q = config.get("quantization")
     if q is not None:
