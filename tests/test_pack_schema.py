@@ -128,6 +128,16 @@ CASES = {
         r"resident.memory_length = \d+, but with no ENDOR tensors it is resident.length"),
     "rope_theta null": (_config("rope_theta", None), "config.rope_theta must be a finite number"),
     "rms_norm_eps null": (_config("rms_norm_eps", None), "config.rms_norm_eps must be a finite number"),
+    "resident.endor without nnz": (
+        lambda m: m["resident"].update(endor={"w": {"shape": [4, 4], "dtype": "float16", "payload": {}}}),
+        r"resident.endor\['w'\].nnz is missing"),
+    "resident.endor without dtype": (
+        lambda m: m["resident"].update(endor={"w": {"shape": [4, 4], "nnz": 3, "payload": {}}}),
+        r"resident.endor\['w'\].dtype is missing"),
+    "resident.endor nnz past its shape": (
+        lambda m: m["resident"].update(endor={"w": {"shape": [4, 4], "dtype": "float16", "nnz": 17,
+                                                    "payload": {}}}),
+        r"resident.endor\['w'\].nnz = 17 is out of range 0..16"),
     "config null": (lambda m: m.update(config=None), "config must be an object"),
     "resident null": (lambda m: m.update(resident=None), "resident must be an object"),
     "config without resident": (lambda m: m.pop("resident"), "resident is missing"),

@@ -327,6 +327,8 @@ def validate_manifest(manifest, path) -> dict:
                 c.fail(f"{f}.shape", f"= {shape!r:.40} must be [rows, columns]")
             for k, d in enumerate(shape):
                 c.int(d, f"{f}.shape[{k}]", 1, MAX_DIM)
+            c.str(c.get(spec, "dtype", f"{f}.dtype"), f"{f}.dtype", ("float16", "bfloat16", "float32"))
+            c.int(c.get(spec, "nnz", f"{f}.nnz"), f"{f}.nnz", 0, shape[0] * shape[1])
             payload = c.dict(c.get(spec, "payload", f"{f}.payload"), f"{f}.payload")
             if payload.get("bits") is not None:
                 check_quantization(payload, f"{f}.payload", c)
