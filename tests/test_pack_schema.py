@@ -138,6 +138,10 @@ CASES = {
         lambda m: m["resident"].update(endor={"w": {"shape": [4, 4], "dtype": "float16", "nnz": 17,
                                                     "payload": {}}}),
         r"resident.endor\['w'\].nnz = 17 is out of range 0..16"),
+    "resident.endor without its pieces": (
+        lambda m: m["resident"].update(endor={"w": {"shape": [4, 4], "dtype": "float16", "nnz": 3,
+                                                    "payload": {}}}),
+        r"resident.endor\['w'\] needs the resident tensor w.endor_bitmap"),
     "config null": (lambda m: m.update(config=None), "config must be an object"),
     "resident null": (lambda m: m.update(resident=None), "resident must be an object"),
     "config without resident": (lambda m: m.pop("resident"), "resident is missing"),

@@ -332,6 +332,17 @@ def validate_manifest(manifest, path) -> dict:
             payload = c.dict(c.get(spec, "payload", f"{f}.payload"), f"{f}.payload")
             if payload.get("bits") is not None:
                 check_quantization(payload, f"{f}.payload", c)
+                if payload["bits"] not in (4, 8):
+                    c.fail(f"{f}.payload.bits", f"= {payload['bits']}: ENDOR codes are 4 or 8 bits")
+            # its pieces are tensors of the resident file; the bitmap holds one bit per column
+            pieces = ("bitmap", "values") if payload.get("bits") is None else ("bitmap", "codes", "scales", "biases")
+            for piece in pieces:
+                if not isinstance(tensors.get(f"{name}.endor_{piece}"), dict):
+                    c.fail(f, f"needs the resident tensor {name}.endor_{piece}")
+            bitmap = tensors[f"{name}.endor_bitmap"]
+            if bitmap["dtype"] != "uint8" or bitmap["shape"] != [shape[0], -(-shape[1] // 8)]:
+                c.fail(f"resident.tensors[{name + '.endor_bitmap'!r}]",
+                       f"must be uint8 [{shape[0]}, {-(-shape[1] // 8)}] for shape {shape}")
         _check_memory_length(res, res_length, c)
         if config is not None:
             _check_vocab(config, tensors, c)
