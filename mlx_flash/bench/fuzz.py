@@ -205,45 +205,48 @@ def _run_model(pack, mode):
     model.flash_runtime.loader.close()
 
 
-def case_manifest(data, ctx):
+def _run_mutated_json(data, ctx, name: str, original, run) -> None:
+    """Write a mutated copy of the pack's `name` (re-signed 9 times in 10), call `run()`, restore it.
+
+    A FlashError is the expected answer to bad metadata; anything else propagates as a finding."""
     from hypothesis import strategies as st
+
+    doc = mutate_json(data, original)
+    _write_signed(ctx["pack"] / name, doc, data.draw(st.integers(0, 9)) > 0)
+    _note(ctx, doc)
+    try:
+        run()
+    except FlashError:
+        pass
+    finally:
+        _write_signed(ctx["pack"] / name, original, False)
+
+
+def case_manifest(data, ctx):
+    import numpy as np
 
     from ..io import FlashLoader
     from ..pack import load_pack_weights, read_manifest
 
-    doc = mutate_json(data, ctx["manifest"])
-    _write_signed(ctx["pack"] / "manifest.json", doc, data.draw(st.integers(0, 9)) > 0)
-    _note(ctx, doc)
-    try:
+    def run():
         m = read_manifest(ctx["pack"])
         load_pack_weights(ctx["pack"])
         with FlashLoader(ctx["pack"], plan=False) as loader:
             for b in m["bundles"]:
-                import numpy as np
-
                 loader.read(b["layer"], np.arange(min(3, b["count"])), loader.alloc(b["layer"], 3))
         _run_model(ctx["pack"], "naive")
-    except FlashError:
-        pass
-    finally:
-        _write_signed(ctx["pack"] / "manifest.json", ctx["manifest"], False)
+
+    _run_mutated_json(data, ctx, "manifest.json", ctx["manifest"], run)
 
 
 def case_predictors(data, ctx):
-    from hypothesis import strategies as st
-
     from ..sparse.predictor import load_predictors
 
-    doc = mutate_json(data, ctx["doc"])
-    _write_signed(ctx["pack"] / "predictors.json", doc, data.draw(st.integers(0, 9)) > 0)
-    _note(ctx, doc)
-    try:
+    def run():
         load_predictors(ctx["pack"])
         _run_model(ctx["pack"], "flash")
-    except FlashError:
-        pass
-    finally:
-        _write_signed(ctx["pack"] / "predictors.json", ctx["doc"], False)
+
+    _run_mutated_json(data, ctx, "predictors.json", ctx["doc"], run)
 
 
 def case_gguf(data, ctx):
