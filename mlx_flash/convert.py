@@ -38,8 +38,10 @@ def _main(argv):
     source.add_argument("--synthetic", metavar="ARCH",
                         help="instead of --model: random weights shaped like ARCH (opt-1.3b, "
                              "opt-6.7b, llama-2-7b, opt-125m, opt-tiny, llama-tiny) with a chosen "
-                             "FFN sparsity and an exact predictor; labelled synthetic, for speed "
-                             "measurements only (default dtype float16)")
+                             "FFN sparsity and an exact predictor, or an MoE shape (olmoe-1b-7b, "
+                             "qwen3-30b-a3b, olmoe-tiny, qwen3-moe-tiny: --quantize 4 (default) "
+                             "or 8, group size 32); labelled synthetic, for speed measurements "
+                             "only (default dtype float16)")
     parser.add_argument("--out", required=True, help="output folder (must not exist)")
     parser.add_argument("--format", choices=("pack", "mlx"), default="pack",
                         help="pack: a flash pack (default); mlx: an mlx-lm folder (GGUF sources)")
@@ -47,8 +49,9 @@ def _main(argv):
                         help="pack: cast float weights to this dtype")
     parser.add_argument("--quantize", type=int, choices=(4, 8), default=None,
                         help="pack: MLX affine-quantize weights to this many bits (float sources)")
-    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
-                        help="pack: quantization group size (with --quantize)")
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                        help="pack: quantization group size (with --quantize; default 64, "
+                             "synthetic MoE shapes 32: llama.cpp's Q4_1 block)")
     parser.add_argument("--down-bits", type=int, choices=(4, 8, 16), default=16,
                         help="pack, already quantized sources: how to store each down projection "
                              "column (its groups must run the other way): 16 = the source's values "
@@ -94,7 +97,7 @@ def _main(argv):
         convert_gguf(src, out)
     else:
         write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
-                   group_size=args.group_size, down_bits=args.down_bits, encoding=args.encoding)
+                   group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

@@ -91,3 +91,46 @@ def test_bad_arguments(tmp_path, capsys):
     assert not list(tmp_path.glob(".*"))  # no temporary folders left behind
     with pytest.raises(SystemExit):  # --model and --synthetic are exclusive
         convert_main(["--synthetic", "opt-tiny", "--model", "x", "--out", str(tmp_path / "c")])
+
+
+@pytest.mark.parametrize("arch,total", [("olmoe-1b-7b", 6.92e9), ("qwen3-30b-a3b", 30.5e9)])
+def test_moe_shapes_give_the_published_parameter_counts(arch, total):
+    from mlx_flash.calibration.synthetic import MOE_ARCHS, moe_tensor_shapes
+
+    # the model cards' total parameter counts (OLMoE-1B-7B: 6.92B, Qwen3-30B-A3B: 30.5B)
+    n = sum(int(np.prod(shape)) for shape, _ in moe_tensor_shapes(MOE_ARCHS[arch]).values())
+    assert abs(n / total - 1) < 0.01
+
+
+@pytest.mark.parametrize("arch", ["olmoe-tiny", "qwen3-moe-tiny"])
+def test_synthetic_moe_pack_is_quantized_labelled_and_runs(tmp_path, arch):
+    from mlx_flash.calibration.synthetic import MOE_ARCHS
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.models.moe import build_moe_model
+
+    out = tmp_path / "pack"
+    assert convert_main(["--synthetic", arch, "--out", str(out)]) == 0
+    manifest = read_manifest(out)
+    shape = MOE_ARCHS[arch]
+    assert manifest["synthetic"]["arch"] == arch and "speed" in manifest["synthetic"]["note"]
+    assert json.loads((out / "config.json").read_text())["synthetic"]["arch"] == arch
+    assert manifest["quantization"] == {"group_size": 32, "bits": 4}
+    experts = [b for b in manifest["bundles"] if b["kind"] == "experts"]
+    assert len(experts) == shape["num_hidden_layers"]
+    assert all(b["count"] == shape["num_experts"] and b["stride"] % 4096 == 0 for b in experts)
+    assert not list(tmp_path.glob(".*")) and not (out / "source").exists()
+    config, weights = load_pack_weights(out)
+    hidden = shape["hidden_size"]
+    p = "model.layers.1.mlp.switch_mlp.down_proj"
+    inter = shape.get("moe_intermediate_size") or shape["intermediate_size"]
+    w = mx.dequantize(weights[f"{p}.weight"], weights[f"{p}.scales"], weights[f"{p}.biases"],
+                      group_size=32, bits=4).astype(mx.float32)
+    assert w.shape == (shape["num_experts"], hidden, inter)
+    # dequantized weights centred with std ~ 1/sqrt(fan in) (scales drawn x0.5..1.5 around it)
+    assert abs(w.mean().item()) < 0.1 / np.sqrt(inter)
+    assert 0.85 < w.std().item() * np.sqrt(inter) < 1.2
+    tokens = mx.array([[1, 2, 3, 400, 5000]])
+    dense = build_moe_model(out, FlashConfig(mode="dense"))(tokens)
+    assert bool(mx.all(mx.isfinite(dense)))
+    naive = build_moe_model(out, FlashConfig(mode="naive"))(tokens)
+    assert np.array_equal(np.array(dense), np.array(naive))

@@ -17,6 +17,14 @@ low rank: exact up to float rounding. OPT shapes use ReLU (exact zeros); Llama s
 with SiLU (mlx-lm's llama), so the gate carries B @ A and the bias (mlp_bias) and "inactive"
 neurons are small rather than zero: speed only.
 
+MoE shapes (MOE_ARCHS: OLMoE-1B-7B, Qwen3-30B-A3B and tiny ones) are written already quantized
+(MLX affine, default 4 bits with group size 32, float16 scales and biases: exactly llama.cpp's Q4_1
+block, so sources.gguf_export writes the same weights losslessly for llama.cpp). Every linear
+weight is uniform random codes with per-group random scales (std 1/sqrt(fan in)); routers and norms
+stay float16. Random routers route uniformly: every expert is equally likely at every layer and
+consecutive tokens share no experts beyond chance, so expert-cache hit rates on these packs are
+the uniform-routing floor (slots / experts), not what a trained model's routing gives.
+
 The tokenizer is the embedded SmolLM2 tokenizer (49152 tokens), padded with placeholder tokens
 when the architecture's vocabulary is larger; a smaller vocabulary (Llama-2's 32000) is raised to
 49152 and the manifest says so.
@@ -59,6 +67,33 @@ ARCHS = {
                        vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-5,
                        rope_theta=10000.0, tie_word_embeddings=True),
 }
+# MoE shapes from the published config.json files (allenai/OLMoE-1B-7B-0924, Qwen/Qwen3-30B-A3B).
+MOE_ARCHS = {
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, num_hidden_layers=16,
+                        intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                        vocab_size=50304, max_position_embeddings=4096, rope_theta=10000.0,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                          intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Tiny shapes for tests (group size 32 divides every input dimension).
+    "olmoe-tiny": dict(model_type="olmoe", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                       num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=False, vocab_size=49152,
+                       max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                           vocab_size=49152, max_position_embeddings=512, rope_theta=1000000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+MOE_GROUP_SIZE = 32  # llama.cpp's Q4_1 / Q8_0 block length: the GGUF export is then lossless
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_RANK = 128
 
@@ -124,7 +159,8 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
     "synthetic": label}. float32 predictor factors are kept in memory (small: rank x (hidden+ffn)).
     """
     if arch not in ARCHS:
-        raise FlashError(f"--synthetic {arch}: unknown architecture (choose from {', '.join(ARCHS)})")
+        raise FlashError(f"--synthetic {arch}: unknown architecture (choose from "
+                         f"{', '.join([*ARCHS, *MOE_ARCHS])})")
     if not 0.0 < sparsity < 1.0:
         raise FlashError(f"--sparsity {sparsity}: must be between 0 and 1 (fraction of FFN neurons off)")
     if not 0.0 <= weight_sparsity < 1.0:
@@ -224,14 +260,21 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
 
 
 def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str = "float16",
-                         quantize=None, group_size: int = 64, rank: int = DEFAULT_RANK,
+                         quantize=None, group_size: int | None = None, rank: int = DEFAULT_RANK,
                          seed: int = 0, progress: bool = True, weight_sparsity: float = 0.0,
                          encoding: str = "dense") -> Path:
-    """A flash pack of random weights shaped like `arch`, with an exact low-rank predictor.
+    """A flash pack of random weights shaped like `arch`, with an exact low-rank predictor
+    (MoE shapes, MOE_ARCHS: write_synthetic_moe_pack, `quantize` bits, default 4, group size 32).
+    group_size: None = 64 (dense) or 32 (MoE).
 
     Built in a temporary folder beside `out` (the random mlx-lm source is deleted) and renamed
     into place. The manifest gets a top-level "synthetic" label. Returns `out`.
     """
+    if arch in MOE_ARCHS:
+        return write_synthetic_moe_pack(arch, out, bits=quantize or 4,
+                                        group_size=group_size or MOE_GROUP_SIZE, seed=seed,
+                                        progress=progress)
+    group_size = group_size or 64
     out = Path(out).expanduser()
     t0 = time.perf_counter()
     with atomic_output_dir(out) as tmp:
@@ -248,6 +291,140 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
         write_manifest(pack, {**read_manifest(pack).fields, "synthetic": label, "source": {"synthetic": arch}})
         write_predictor(pack, made["predictor"], made["config"])
         for f in pack.iterdir():  # the pack's files become the output folder itself
+            f.rename(tmp / f.name)
+        pack.rmdir()
+    return out
+
+
+def _random_quantized(rng, shape, std, bits, group_size) -> dict:
+    """{"weight", "scales", "biases"} numpy arrays of an MLX affine-quantized [*lead, out, in] matrix:
+    uniform random codes, per-group scales drawn around std / std(codes) (x0.5..1.5) and biases
+    centring the codes, so the dequantized weights have mean ~0 and std ~`std`."""
+    *lead, n_out, n_in = shape
+    if n_in % group_size:
+        raise FlashError(f"--group-size {group_size}: does not divide the input width {n_in}")
+    rows = int(np.prod(lead, dtype=np.int64)) * n_out
+    words = np.frombuffer(rng.bytes(rows * n_in * bits // 8), np.uint32)
+    levels = 2 ** bits
+    scale = std / math.sqrt((levels ** 2 - 1) / 12)
+    groups = (*lead, n_out, n_in // group_size)
+    scales = (scale * rng.uniform(0.5, 1.5, groups)).astype(np.float16)
+    biases = (-scales.astype(np.float32) * (levels - 1) / 2).astype(np.float16)
+    return {"weight": words.reshape(*lead, n_out, n_in * bits // 32), "scales": scales,
+            "biases": biases}
+
+
+def moe_tensor_shapes(config: dict) -> dict:
+    """{mlx-lm tensor base name: (shape, std) for quantized linears, or (shape, "ones"/"router")}
+    of a synthetic MoE model, in write order (top-level first, then each layer)."""
+    hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    experts, vocab = config["num_experts"], config["vocab_size"]
+    per_head_norm = config["model_type"] == "qwen3_moe"  # olmoe normalises the whole q / k
+    out = {"model.embed_tokens": ((vocab, hidden), 1.0), "model.norm": ((hidden,), "ones"),
+           "lm_head": ((vocab, hidden), 1 / math.sqrt(hidden))}
+    for i in range(n_layers):
+        lp = f"model.layers.{i}."
+        a = lp + "self_attn."
+        out.update({
+            lp + "input_layernorm": ((hidden,), "ones"),
+            lp + "post_attention_layernorm": ((hidden,), "ones"),
+            a + "q_proj": ((heads * head_dim, hidden), 1 / math.sqrt(hidden)),
+            a + "k_proj": ((kv * head_dim, hidden), 1 / math.sqrt(hidden)),
+            a + "v_proj": ((kv * head_dim, hidden), 1 / math.sqrt(hidden)),
+            a + "o_proj": ((hidden, heads * head_dim), 1 / math.sqrt(heads * head_dim)),
+            a + "q_norm": ((head_dim if per_head_norm else heads * head_dim,), "ones"),
+            a + "k_norm": ((head_dim if per_head_norm else kv * head_dim,), "ones"),
+            lp + "mlp.gate": ((experts, hidden), "router"),
+            lp + "mlp.switch_mlp.gate_proj": ((experts, inter, hidden), 1 / math.sqrt(hidden)),
+            lp + "mlp.switch_mlp.up_proj": ((experts, inter, hidden), 1 / math.sqrt(hidden)),
+            lp + "mlp.switch_mlp.down_proj": ((experts, hidden, inter), 1 / math.sqrt(inter)),
+        })
+    return out
+
+
+def write_moe_source_folder(arch: str, out: Path, *, bits: int = 4, group_size: int = MOE_GROUP_SIZE,
+                            seed: int = 0, progress: bool = True) -> dict:
+    """Write a random, already quantized mlx-lm MoE folder of `arch` (MOE_ARCHS) at `out`.
+
+    One safetensors shard for the top-level tensors and one per layer, generated and written
+    tensor by tensor (peak memory: one layer's tensors; OLMoE-1B-7B ~0.25 GB, Qwen3-30B-A3B
+    ~0.4 GB at 4 bits), with a progress bar in bytes. Returns {"config", "synthetic": label}.
+    """
+    if arch not in MOE_ARCHS:
+        raise FlashError(f"--synthetic {arch}: not an MoE architecture ({', '.join(MOE_ARCHS)})")
+    if bits not in (4, 8):
+        raise FlashError(f"--quantize {bits}: synthetic MoE packs are written quantized (4 or 8)")
+    config = dict(MOE_ARCHS[arch])
+    out.mkdir(parents=True)
+    n_tokens = _write_tokenizer(out, config["vocab_size"])
+    label = {"arch": arch, "seed": seed, "quantize": bits, "group_size": group_size,
+             "note": "random weights in a real MoE architecture's shape: for speed measurements "
+                     "only, never quality; random routers route uniformly (hit rates are the "
+                     "uniform-routing floor)"}
+    if n_tokens > config["vocab_size"]:
+        label["vocab_note"] = (f"vocab_size {n_tokens} (the embedded tokenizer's) instead of "
+                               f"{config['vocab_size']}: the tokenizer cannot be shrunk")
+        config["vocab_size"] = n_tokens
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    config["quantization_config"] = dict(config["quantization"])
+    config["synthetic"] = label
+    shapes = moe_tensor_shapes(config)
+
+    def nbytes(shape, kind):
+        n = int(np.prod(shape, dtype=np.int64))
+        return 2 * n if isinstance(kind, str) else n * bits // 8 + n // group_size * 4
+
+    shards = {}
+    for name, spec in shapes.items():
+        shard = (f"model-layer{int(name.split('.')[2]):03d}.safetensors"
+                 if name.startswith("model.layers.") else "model-top.safetensors")
+        shards.setdefault(shard, []).append((name, spec))
+    rng = np.random.default_rng(seed)
+    total = sum(nbytes(*spec) for spec in shapes.values())
+    with tqdm(total=total, desc=f"synthetic {arch} ({bits}-bit)", unit="B", unit_scale=True,
+              disable=not progress, file=sys.stderr) as bar:
+        for shard, names in shards.items():
+            tensors = {}
+            for name, (shape, kind) in names:
+                if kind == "ones":
+                    tensors[f"{name}.weight"] = mx.ones(shape, mx.float16)
+                elif kind == "router":
+                    tensors[f"{name}.weight"] = mx.array(
+                        (rng.standard_normal(shape, np.float32) / math.sqrt(shape[-1])).astype(np.float16))
+                else:
+                    q = _random_quantized(rng, shape, kind, bits, group_size)
+                    tensors.update({f"{name}.{k}": mx.array(v) for k, v in q.items()})
+                bar.update(nbytes(shape, kind))
+            mx.save_safetensors(str(out / shard), tensors, metadata={"format": "mlx"})
+            del tensors
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return {"config": config, "synthetic": label}
+
+
+def write_synthetic_moe_pack(arch: str, out, *, bits: int = 4, group_size: int = MOE_GROUP_SIZE,
+                             seed: int = 0, progress: bool = True) -> Path:
+    """A flash pack of a random `bits`-bit MoE model shaped like `arch` (MOE_ARCHS).
+
+    The quantized source is written beside `out`, converted (pack.write_pack streams it layer by
+    layer) and deleted; disk needs about twice the pack's size while it runs (OLMoE-1B-7B 4-bit:
+    a ~4 GB pack, Qwen3-30B-A3B 4-bit: ~17 GB). Labelled synthetic in config and manifest.
+    """
+    out = Path(out).expanduser()
+    t0 = time.perf_counter()
+    with atomic_output_dir(out) as tmp:
+        src = tmp / "source"
+        made = write_moe_source_folder(arch, src, bits=bits, group_size=group_size, seed=seed,
+                                       progress=progress)
+        pack = tmp / "pack"
+        write_pack(src, pack, progress=progress)
+        shutil.rmtree(src)
+        label = dict(made["synthetic"], seconds_to_build=round(time.perf_counter() - t0, 1))
+        write_manifest(pack, {**read_manifest(pack).fields, "synthetic": label,
+                              "source": {"synthetic": arch}})
+        for f in pack.iterdir():
             f.rename(tmp / f.name)
         pack.rmdir()
     return out
