@@ -190,6 +190,20 @@ def test_simd_group_functions(schedule):
             assert out[i, 6] == group[(lane + 7) % 32]
 
 
+def test_integer_bit_functions():
+    """popcount and ctz (ctz(0) is the bit width, as in MSL), on uint and int."""
+    k = em.metal_kernel("bits", ["a"], ["out"], """
+uint i = thread_position_in_grid.x;
+out[3 * i] = metal::popcount(a[i]);
+out[3 * i + 1] = metal::ctz(a[i]);
+out[3 * i + 2] = uint(metal::popcount(int(a[i])));
+""")
+    a = np.array([0, 1, 6, 0x80000000, 0xFFFFFFFF, 0x00F0F000, 12345678, 40], np.uint32)
+    out = np.array(run(k, [mx.array(a)], (8, 1, 1), (8, 1, 1), [(24,)], [mx.uint32])[0]).reshape(8, 3)
+    assert out[:, 0].tolist() == [bin(int(v)).count("1") for v in a] == out[:, 2].tolist()
+    assert out[:, 1].tolist() == [32 if v == 0 else (int(v) & -int(v)).bit_length() - 1 for v in a]
+
+
 SCAN = em.metal_kernel("scan", ["a"], ["out"], """
 uint lane = thread_index_in_simdgroup;
 float v = a[thread_position_in_grid.x];

@@ -197,6 +197,14 @@ template <class T> inline T fma(T a, T b, T c) { return T(float(a) * float(b) + 
 template <class T> inline T pow(T a, T b) { return T(std::pow(float(a), float(b))); }
 template <class T> inline bool isnan(T a) { return std::isnan(float(a)); }
 template <class T> inline bool isinf(T a) { return std::isinf(float(a)); }
+// integer functions: popcount (set bits), ctz (trailing zeros; the bit width for 0, as MSL says)
+template <class T, class = std::enable_if_t<std::is_integral<T>::value>>
+inline T popcount(T a) { return T(__builtin_popcountll(static_cast<unsigned long long>(std::make_unsigned_t<T>(a)))); }
+template <class T, class = std::enable_if_t<std::is_integral<T>::value>>
+inline T ctz(T a) {
+  auto u = static_cast<unsigned long long>(std::make_unsigned_t<T>(a));
+  return u ? T(__builtin_ctzll(u)) : T(8 * sizeof(T));
+}
 template <class T, int N>
 inline T dot(vec<T, N> a, vec<T, N> b) {
   T s = T(0);

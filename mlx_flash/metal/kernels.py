@@ -78,7 +78,7 @@ _kernels: dict = {}
 
 
 def kernel(name: str, metal_kernel=None):
-    """The kernel object of `name` ("sparse_up" / "sparse_down") built by `metal_kernel`
+    """The kernel object of `name` ("sparse_up", "sparse_down", "endor_up", "endor_down") built by `metal_kernel`
     (default mx.fast.metal_kernel): built once per factory and cached."""
     factory = metal_kernel or mx.fast.metal_kernel
     key = (name, factory)
@@ -87,9 +87,13 @@ def kernel(name: str, metal_kernel=None):
             "sparse_up": ["x", "up_w", "up_scales", "up_biases", "up_bias", "gate_w", "gate_scales",
                           "gate_biases", "gate_bias", "ids", "params", "thresh"],
             "sparse_down": ["h", "w", "scales", "biases", "ids", "params"],
+            "endor_up": ["x", "enc", "bounds", "params", "thresh"],
+            "endor_down": ["h", "enc", "down_at", "params"],
         }[name]
-        _kernels[key] = factory(name=f"mlx_flash_{name}", input_names=inputs, output_names=["out"],
-                                source=_read_source(f"{name}.metal"), header=_read_source("sparse_common.metal"),
+        outputs = ["out", "down_at_out"] if name == "endor_up" else ["out"]
+        header = "endor_common.metal" if name.startswith("endor") else "sparse_common.metal"
+        _kernels[key] = factory(name=f"mlx_flash_{name}", input_names=inputs, output_names=outputs,
+                                source=_read_source(f"{name}.metal"), header=_read_source(header),
                                 ensure_row_contiguous=True)
     return _kernels[key]
 
