@@ -70,3 +70,58 @@ def test_modes_and_predictors_bit_identical(packs, arch):
             np.testing.assert_array_equal(g, w, err_msg=f"{mode} {kw}")
     store = model.moe_store
     assert store.host_syncs > 0 and store.bytes_read > 0
+
+
+def _mixed_bits(n_layers, seed=0):
+    """Widths 2/3/4/8 per (layer, expert), every width present in every layer."""
+    rng = np.random.default_rng(seed)
+    return {layer: rng.permutation([2, 3, 4, 8, 4, 2])[:E].tolist() for layer in range(n_layers)}
+
+
+@pytest.fixture(scope="module")
+def mixed_packs(tmp_path_factory):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"{arch}mixed")
+            src = write_tiny_moe(root / "src", arch, experts=E)
+            bits = _mixed_bits(3)
+            write_pack(src, root / "pack", progress=False, expert_bits=bits, group_size=32)
+            made[arch] = (src, root / "pack", bits)
+        return made[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_mixed_widths_bit_identical_to_resident_model_every_cache_size(mixed_packs, arch):
+    src, pack, bits = mixed_packs(arch)
+    ref = build_moe_model(pack, FlashConfig(mode="dense"))
+    want = _generate_logits(ref)
+    runs = [("hybrid", {"capacity": s, "policy": p}) for s in range(2, E + 1) for p in ("lru", "layer")]
+    runs += [("naive", {}), ("flash", {"predictor": "lookahead", "capacity": 4})]
+    for mode, kw in runs:
+        model = build_moe_model(pack, FlashConfig(mode=mode), **kw)
+        for g, w in zip(_generate_logits(model), want):
+            np.testing.assert_array_equal(g, w, err_msg=f"{arch} {mode} {kw}")
+        assert model.moe_store.mixed and model.moe_store.cache.stats.misses > 0
+    # the resident model holds expert e at its own width: the float model whose experts are
+    # quantized-dequantized at those widths gives the same logits up to float summation order
+    model, _ = load_model(src)
+    for layer, widths in bits.items():
+        switch = _switch_glu(model.layers[layer])
+        if switch is None:
+            continue
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(switch, role)
+            rows = [mx.dequantize(*mx.quantize(lin.weight[e], group_size=32, bits=b),
+                                  group_size=32, bits=b) for e, b in enumerate(widths)]
+            lin.weight = mx.stack(rows)
+    for g, w in zip(_generate_logits(model), want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * np.abs(w).max())
+
+
+def _switch_glu(layer):
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return next((m for _, m in layer.named_modules() if isinstance(m, SwitchGLU)), None)

@@ -204,3 +204,77 @@ def test_resident_file_is_checked_like_bundles(edit):
         m["resident"]["file"] = "/etc/passwd"
 
     assert_refused(edit(change), "resident.file = '/etc/passwd' must be a relative path")
+
+
+@pytest.fixture(scope="module")
+def mixed_pack(tmp_path_factory):
+    from conftest import write_tiny_moe
+
+    root = tmp_path_factory.mktemp("mixed")
+    src = write_tiny_moe(root / "src", "mixtral", experts=4, layers=2)
+    return write_pack(src, root / "pack", progress=False, group_size=32,
+                      expert_bits={0: [2, 4, 8, 4], 1: [3, 3, 3, 3]})
+
+
+def _edited(pack, tmp_path, change):
+    import shutil
+
+    out = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(pack, out)
+    m = json.loads((out / "manifest.json").read_text())
+    change(m)
+    write_metadata(out / "manifest.json", m)
+    return out
+
+
+def _set(path, value):
+    def change(m):
+        *keys, last = path
+        d = m
+        for k in keys:
+            d = d[k]
+        d[last] = value(d[last]) if callable(value) else value
+    return change
+
+
+def _group_comp(layer, group, name, key, value):
+    def change(m):
+        comp = next(c for c in m["bundles"][layer]["groups"][group]["components"] if c["name"] == name)
+        comp[key] = value
+    return change
+
+
+def _relabel_layer_bits(m, layer=1, bits=4):
+    """Every width record of a one-group layer says `bits`; its blocks stay 3-bit."""
+    b = m["bundles"][layer]
+    b["expert_bits"] = [bits] * len(b["expert_bits"])
+    b["groups"][0]["bits"] = bits
+    for c in b["groups"][0]["components"]:
+        if c.get("quantization"):
+            c["quantization"]["bits"] = bits
+
+
+@pytest.mark.parametrize("change, match", [
+    (_relabel_layer_bits, r"groups\[0\]\.components\['gate\.weight'\] shape \[.*\] is not 4-bit"),
+    (_set(("bundles", 0, "expert_bits", 1), 2), r"expert_bits\[1\] = 2, but its block is in the 4-bit group"),
+    (_set(("bundles", 0, "expert_bits", 0), 7), r"expert_bits\[0\] = 7 is not one of"),
+    (_set(("bundles", 0, "expert_bits"), [2, 4, 8]), r"expert_bits has 3 widths for 4 experts"),
+    (_set(("bundles", 1, "groups", 0, "bits"), 4), r"expert_bits\[0\] = 3, but its block is in the 4-bit"),
+    (_group_comp(0, 1, "up.weight", "quantization", {"group_size": 32, "bits": 2}),
+     r"groups\[1\]\.components\['up\.weight'\]\.quantization = .* but the group is 4-bit"),
+    (_set(("bundles", 0, "groups", 1, "experts"), [1, 0]), r"expert 0 is in two groups"),
+    (_set(("bundles", 0, "groups", 0, "offset"), 4096), r"groups\[0\]|overlap"),
+])
+def test_mixed_width_pack_whose_widths_disagree_with_its_blocks(mixed_pack, tmp_path, change, match):
+    read_manifest(mixed_pack)
+    assert_refused(_edited(mixed_pack, tmp_path, change), match)
+
+
+def test_mixed_width_blocks_differ_in_size_and_load_whole_refuses(mixed_pack):
+    m = read_manifest(mixed_pack)
+    groups = {g.bits: g for g in m.bundles[0].groups}
+    assert sorted(groups) == [2, 4, 8] and groups[4].experts == (1, 3)
+    assert groups[2].stride < groups[4].stride < groups[8].stride
+    assert all(g.stride % m.alignment == 0 for g in groups.values())
+    with pytest.raises(FlashError, match="mixed bit widths"):
+        load_pack_weights(mixed_pack)

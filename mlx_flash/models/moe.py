@@ -9,20 +9,23 @@ The router, attention, norms, embeddings and shared experts are the pack's resid
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 
 from ..errors import FlashError
 from ..config import FlashConfig, parse_memory_budget
 from ..io import FlashLoader
 from ..moe.store import ExpertStore, expert_layers
-from ..moe.switch import StreamedSwitchGLU, router_lookahead, swap_switch_glu
-from ..pack import load_pack_weights, load_resident, read_manifest
+from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead,
+                          swap_switch_glu)
+from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
 from .loader import build_model
 
 PREDICTORS = ("lookahead", "profile", "none")
 
 
 def is_moe_pack(manifest) -> bool:
-    return any(b["kind"] == "experts" for b in manifest["bundles"])
+    return any(b.kind == "experts" for b in manifest.bundles)
 
 
 def top_k_of(config) -> int:
@@ -40,14 +43,15 @@ def expert_slots(manifest, memory_budget, top_k) -> int:
     None: every expert. FlashError naming --memory-budget when fewer than top_k slots remain.
     """
     layers = expert_layers(manifest)
-    n_experts = max(e["count"] for e in layers.values())
+    n_experts = max(e.count for e in layers.values())
     budget = parse_memory_budget(memory_budget)
     if budget is None:
         return n_experts
-    resident = manifest["resident"]["length"]
-    expert_bytes = sum(e["count"] * e["stride"] for e in layers.values())
+    resident = manifest.resident.length
+    expert_bytes = sum(e.nbytes for e in layers.values())
     total = budget.bytes_for(resident + expert_bytes)
-    stride = next(iter(layers.values()))["stride"]
+    # mixed widths: the mean block (each layer's slots are split over its widths)
+    stride = -(-expert_bytes // sum(e.count for e in layers.values()))
     per_layer = max(0, total - resident) // stride // len(layers)
     if per_layer < top_k:
         raise FlashError(f"{budget.named()}: leaves {per_layer} expert slots per layer "
@@ -72,8 +76,10 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     layers = expert_layers(manifest)
     if not layers:
         raise FlashError(f"{pack}: no MoE expert blocks in the pack")
-    config = manifest["config"]
+    config = manifest.config
     top_k = top_k_of(config)
+    if cfg.mode == "dense" and any(e.groups for e in layers.values()):
+        return _dense_mixed(pack, manifest, layers)
     if cfg.mode == "dense":
         config, weights = load_pack_weights(pack)
         model = build_model(config, weights)
@@ -88,8 +94,8 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     loader = loader or FlashLoader(pack, threads=cfg.threads)
     for layer, entry in layers.items():
         n = _n_experts(config)
-        if n is not None and entry["count"] != n:
-            raise FlashError(f"{pack / entry['file']}: {entry['count']} experts in layer {layer}, "
+        if n is not None and entry.count != n:
+            raise FlashError(f"{pack / entry.file}: {entry.count} experts in layer {layer}, "
                              f"config.json says {n}")
     store = ExpertStore(loader, layers, {layer: slots for layer in layers},
                         policy=policy if cfg.mode != "naive" else "lru",
@@ -118,6 +124,28 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
             else:
                 raise FlashError(f"--predictor {predictor}: choose from {', '.join(PREDICTORS)}")
     model.moe_store = store
+    return model
+
+
+def _dense_mixed(pack, manifest, layers):
+    """Every expert resident at its own width (ResidentMixedSwitchGLU per MoE layer)."""
+    _, weights = load_resident(pack, manifest=manifest)
+    model = build_model(manifest.config, weights)
+    groups = {layer: {g.bits: (np.asarray(g.experts), read_layer_components(pack, g))
+                      for g in entry.groups} for layer, entry in layers.items()}
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    for layer, entry in layers.items():
+        found = [(parent, name, child) for _, parent in model.layers[layer].named_modules()
+                 for name, child in parent.children().items() if isinstance(child, SwitchGLU)]
+        if len(found) != 1:
+            raise FlashError(f"layer {layer}: expected one SwitchGLU, found {len(found)}")
+        parent, name, switch = found[0]
+        setattr(parent, name, ResidentMixedSwitchGLU(switch, groups[layer], entry.count))
+    # the experts are loaded already; the strict load checks that the rest is the pack's
+    weights.update((k, v) for k, v in tree_flatten(model.parameters()) if ".switches." in k)
+    _load(model, weights, pack)
+    model.moe_store = None
     return model
 
 

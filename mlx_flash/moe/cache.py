@@ -40,10 +40,13 @@ class ExpertCache:
     capacity: {layer: slots} (each layer its own partition of the bank) or an int (one pool).
     policy: one of POLICIES; "belady" needs `future`, the access trace [(layer, experts)] the
       cache will see, in order.
-    Slot ids are global: layer partitions are consecutive ranges, in `layers` order.
+    widths: experts of mixed bit widths, {layer: int array [experts] of each expert's width};
+      then capacity is {(layer, width): slots}, one partition per layer and width (a slot of a
+      width's bank holds an expert of that width only).
+    Slot ids are global: partitions are consecutive ranges, in `layers` (or `capacity`) order.
     """
 
-    def __init__(self, layers, capacity, policy="lru", future=None):
+    def __init__(self, layers, capacity, policy="lru", future=None, widths=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join(POLICIES)}")
         if policy == "belady" and future is None:
@@ -51,18 +54,20 @@ class ExpertCache:
         self.layers = list(layers)
         self.position = {layer: i for i, layer in enumerate(self.layers)}
         self.policy = policy
+        self.widths = widths
         if isinstance(capacity, int):
             self.pool_of = {layer: None for layer in self.layers}
-            self.free = {None: list(range(capacity))[::-1]}
-            self.n_slots = capacity
-        else:
+            capacity = {None: capacity}
+        elif widths is None:
             self.pool_of = {layer: layer for layer in self.layers}
-            self.free, start = {}, 0
-            for layer in self.layers:
-                n = int(capacity[layer])
-                self.free[layer] = list(range(start, start + n))[::-1]
-                start += n
-            self.n_slots = start
+            capacity = {layer: capacity[layer] for layer in self.layers}
+        # pools in `capacity`'s order; each takes the next range of slot ids
+        self.free, self.pool_start, start = {}, {}, 0
+        for pool, n in capacity.items():
+            self.free[pool] = list(range(start, start + int(n)))[::-1]
+            self.pool_start[pool] = start
+            start += int(n)
+        self.n_slots = start
         self.slot = {}            # (layer, expert) -> slot
         self.members = {p: set() for p in self.free}  # pool -> keys in it
         self.last_use, self.count = {}, {}
@@ -78,8 +83,15 @@ class ExpertCache:
                 for e in set(int(x) for x in experts):
                     self.future_positions.setdefault((layer, e), []).append(t)
 
-    def capacity_of(self, layer) -> int:
-        pool = self.pool_of[layer]
+    def pool(self, key):
+        """The partition (layer, expert) `key` lives in."""
+        if self.widths is None:
+            return self.pool_of[key[0]]
+        return (key[0], int(self.widths[key[0]][key[1]]))
+
+    def capacity_of(self, layer, expert=0) -> int:
+        """Slots of the partition holding `layer`'s `expert` (any expert with uniform widths)."""
+        pool = self.pool((layer, expert))
         return len(self.free[pool]) + len(self.members[pool])
 
     def access(self, layer, experts):
@@ -89,9 +101,14 @@ class ExpertCache:
         that produced these expert ids); this access's experts are pinned until the next one.
         """
         experts = list(dict.fromkeys(int(e) for e in experts))
-        if len(experts) > self.capacity_of(layer):
-            raise ValueError(f"layer {layer} needs {len(experts)} experts at once but has "
-                             f"{self.capacity_of(layer)} slots")
+        need = {}
+        for e in experts:
+            need[self.pool((layer, e))] = need.get(self.pool((layer, e)), 0) + 1
+        for pool, n in need.items():
+            have = len(self.free[pool]) + len(self.members[pool])
+            if n > have:
+                raise ValueError(f"layer {layer} needs {n} experts at once but has {have} slots"
+                                 + (f" of width {pool[1]}" if self.widths is not None else ""))
         self.pinned = {(layer, e) for e in experts}
         self.current_layer = layer
         slots, misses = [], []
@@ -138,7 +155,7 @@ class ExpertCache:
     def forget(self):
         """Drop every cached expert (naive mode: each layer call reads its experts again)."""
         for key, slot in self.slot.items():
-            self.free[self.pool_of[key[0]]].append(slot)
+            self.free[self.pool(key)].append(slot)
         self.slot.clear()
         self.preloaded.clear()
         for keys in self.members.values():
@@ -146,7 +163,7 @@ class ExpertCache:
 
     # -- internals ------------------------------------------------------------------------------
     def _place(self, key, keep=None) -> bool:
-        pool = self.pool_of[key[0]]
+        pool = self.pool(key)
         if self.free[pool]:
             slot = self.free[pool].pop()
         else:

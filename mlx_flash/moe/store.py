@@ -2,7 +2,8 @@
 
 One bank serves every MoE layer of the model (all expert blocks of a model have the same
 components): `bank[component]` is an mx.array [n_slots, *component shape], allocated once, and the
-loader's direct reads land in its rows zero-copy. `ExpertCache` decides which (layer, expert) owns
+loader's direct reads land in its rows zero-copy. A pack with expert-wise bit widths has one bank
+per width (its blocks differ in size), and each layer's slots are split over its widths. `ExpertCache` decides which (layer, expert) owns
 which row; predicted experts are read by one background thread while the current layer computes.
 
 Exactness: a slot is only overwritten when the cache chose it as a victim, and the cache never
@@ -20,38 +21,86 @@ from .cache import ExpertCache
 
 
 def expert_layers(manifest) -> dict:
-    """{layer: bundle entry} of a pack's MoE layers (kind "experts"), in layer order."""
-    return {b["layer"]: b for b in sorted(manifest["bundles"], key=lambda b: b["layer"])
-            if b["kind"] == "experts"}
+    """{layer: Bundle} of a pack's MoE layers (kind "experts"), in layer order."""
+    return {b.layer: b for b in sorted(manifest.bundles, key=lambda b: b.layer)
+            if b.kind == "experts"}
 
 
 def block_components(entry) -> dict:
-    """{component name ("gate.weight", "down.scales", ...): manifest component} of an expert block."""
-    return {c["name"]: c for c in entry["components"]}
+    """{component name ("gate.weight", "down.scales", ...): Component} of an expert block."""
+    return {c.name: c for c in entry.components}
+
+
+def width_groups(entry) -> dict:
+    """{width: (bundle key, expert ids np.ndarray)} of an MoE layer's Bundle: one group per bit
+    width for an "expert-bits" layer, else one (width = the weights' bits, 0 for float) holding
+    every expert under the layer's own key."""
+    if entry.groups:
+        return {g.bits: (g.key, np.asarray(g.experts, np.int64)) for g in entry.groups}
+    q = block_components(entry)["gate.weight"].quantization
+    return {q["bits"] if q else 0: (entry.key, np.arange(entry.count))}
+
+
+def split_slots(entry, slots) -> dict:
+    """{width: slots} of a layer given `slots` expert slots: each width group gets the same
+    fraction of its experts (at least one slot, at most its experts)."""
+    groups = width_groups(entry)
+    if len(groups) == 1:
+        return {w: slots for w in groups}
+    return {w: min(len(ids), max(1, round(slots * len(ids) / entry.count)))
+            for w, (_, ids) in groups.items()}
 
 
 class ExpertStore:
-    """Experts of `layers` ({layer: bundle entry}) read through `loader` into a slot bank.
+    """Experts of `layers` ({layer: Bundle}) read through `loader` into slot banks.
 
-    capacity: slots per layer ({layer: n}) or one pool (int); policy: an eviction policy of
-    `moe.cache.POLICIES`; future: the access trace for "belady". cache=False reads every chosen
-    expert each time into a scratch bank of one layer's experts (the naive mode).
+    capacity: slots per layer ({layer: n}) or one pool (int; uniform widths only); policy: an
+    eviction policy of `moe.cache.POLICIES`; future: the access trace for "belady". cache=False
+    reads every chosen expert each time into a scratch bank of one layer's experts (naive mode).
+    Experts of mixed bit widths ("expert-bits" layers) get one bank per width, each layer's slots
+    split over its widths (`split_slots`); `mixed` says so.
     """
 
     def __init__(self, loader, layers, capacity, policy="lru", future=None, cache=True):
         self.loader, self.entries = loader, dict(layers)
-        first = next(iter(self.entries.values()))
-        shapes = {n: (c["shape"], c["dtype"]) for n, c in block_components(first).items()}
-        for layer, entry in self.entries.items():
-            mine = {n: (c["shape"], c["dtype"]) for n, c in block_components(entry).items()}
-            if mine != shapes:
-                raise FlashError(f"{loader.pack}: layer {layer}'s expert blocks differ from layer "
-                                 f"{next(iter(self.entries))}'s (mixed expert shapes are not supported)")
-        self.components = block_components(first)
-        self.cache = ExpertCache(list(self.entries), capacity, policy, future)
+        self.groups = {layer: width_groups(e) for layer, e in self.entries.items()}
+        widths = sorted({w for g in self.groups.values() for w in g})
+        self.mixed = any(e.groups for e in self.entries.values())
+        if self.mixed and isinstance(capacity, int):
+            raise FlashError(f"{loader.pack}: experts of mixed widths need slots per layer")
+        self.width_of, self.local_of = {}, {}
+        for layer, groups in self.groups.items():
+            n = self.entries[layer].count
+            self.width_of[layer] = np.zeros(n, np.int64)
+            self.local_of[layer] = np.zeros(n, np.int64)
+            for w, (_, ids) in groups.items():
+                self.width_of[layer][ids] = w
+                self.local_of[layer][ids] = np.arange(len(ids))
+        # components of each width, the same in every layer (one bank per width serves them all)
+        self.components, first_key = {}, {}
+        for layer, groups in self.groups.items():
+            for w, (key, _) in groups.items():
+                mine = {c.name: (c.shape, c.dtype) for c in loader.entry(key).components}
+                if w not in self.components:
+                    self.components[w], first_key[w] = block_components(loader.entry(key)), key
+                elif mine != {n: (c.shape, c.dtype) for n, c in self.components[w].items()}:
+                    raise FlashError(f"{loader.pack}: layer {layer}'s expert blocks differ from "
+                                     f"layer {first_key[w]}'s (mixed expert shapes are not supported)")
+        if self.mixed:
+            per_layer = {layer: split_slots(self.entries[layer], capacity[layer])
+                         for layer in self.entries}
+            pools = {(layer, w): per_layer[layer].get(w, 0) for w in widths for layer in self.entries}
+            self.cache = ExpertCache(list(self.entries), pools, policy, future, widths=self.width_of)
+            self.base = {w: self.cache.pool_start[(next(iter(self.entries)), w)] for w in widths}
+            n_slots = {w: sum(pools[(layer, w)] for layer in self.entries) for w in widths}
+        else:
+            self.cache = ExpertCache(list(self.entries), capacity, policy, future)
+            self.base, n_slots = {widths[0]: 0}, {widths[0]: self.cache.n_slots}
         self.keep = cache
-        self.bank = loader.alloc(next(iter(self.entries)), self.cache.n_slots) if cache else None
-        self.scratch = None
+        self.banks = ({w: loader.alloc(first_key[w], n) for w, n in n_slots.items() if n}
+                      if cache else {})
+        self.bank = self.banks.get(widths[0]) if not self.mixed else None
+        self.scratch = {}
         self.overflow_reads = 0
         self.bytes_read = 0
         self.read_seconds = 0.0
@@ -59,19 +108,29 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="expert-preload")
         self._pending = None
 
-    def quantization(self, role):
-        """{"group_size", "bits"} of a role's weight ("gate", "up", "down"), or None (float)."""
-        return self.components[f"{role}.weight"].get("quantization")
+    def quantization(self, role, width=None):
+        """{"group_size", "bits"} of a role's weight ("gate", "up", "down") in the bank of
+        `width` (default: the only one), or None (float)."""
+        comps = self.components[width if width is not None else next(iter(self.components))]
+        return comps[f"{role}.weight"].quantization
 
     def n_experts(self, layer) -> int:
-        return self.entries[layer]["count"]
+        return self.entries[layer].count
 
     def slots_for(self, layer, ids: np.ndarray):
-        """(bank, slot of each expert id in `ids`): the missing experts are read first.
+        """(bank, slot of each expert id in `ids`) of a uniform-width pack (see `banks_for`)."""
+        lut, banks = self.banks_for(layer, ids)
+        (bank,) = banks.values()
+        return bank, lut[ids]
 
-        A call needing more distinct experts than the layer's slots (a long prompt) reads them
-        into a scratch bank of one layer's experts instead (allocated on first use), so results
-        stay exact at any cache size; the next layer's host sync has consumed it before reuse.
+    def banks_for(self, layer, ids: np.ndarray):
+        """(row of each expert id [experts] in its width's bank, {width: bank}) with the missing
+        experts of `ids` read first.
+
+        A call needing more distinct experts of a width than the layer's slots of that width (a
+        long prompt) reads them into a scratch bank of one layer's experts of that width instead
+        (allocated on first use), so results stay exact at any cache size; the next layer's host
+        sync has consumed it before reuse.
         """
         self.wait_preload()
         distinct = np.unique(ids)
@@ -80,18 +139,42 @@ class ExpertStore:
             raise FlashError(f"{self.loader.pack}: layer {layer} routed to expert {int(distinct[-1])} "
                              f"but the pack has {n}")
         lut = np.zeros(n, np.uint32)
-        if not self.keep or distinct.size > self.cache.capacity_of(layer):
-            if self.scratch is None:
-                self.scratch = self.loader.alloc(layer, n)
-            self.overflow_reads += distinct.size if self.keep else 0
-            self.cache.stats.misses += distinct.size
-            lut[distinct] = np.arange(distinct.size)
-            self._read(layer, list(zip(distinct.tolist(), range(distinct.size))), self.scratch)
-            return self.scratch, lut[ids]
-        slots, misses = self.cache.access(layer, distinct.tolist())
-        self._read(layer, misses, self.bank)
-        lut[distinct] = slots
-        return self.bank, lut[ids]
+        widths = self.width_of[layer][distinct]
+        banks, cached, scratch_reads = {}, [], []
+        for w in np.unique(widths).tolist():
+            mine = distinct[widths == w]
+            if not self.keep or mine.size > self.cache.capacity_of(layer, int(mine[0])):
+                if w not in self.scratch:
+                    key, members = self.groups[layer][w]
+                    size = max(len(g[w][1]) for g in self.groups.values() if w in g)
+                    self.scratch[w] = self.loader.alloc(key, size)
+                self.overflow_reads += mine.size if self.keep else 0
+                self.cache.stats.misses += mine.size
+                lut[mine] = np.arange(mine.size)
+                scratch_reads.append((mine, np.arange(mine.size), self.scratch[w]))
+                banks[w] = self.scratch[w]
+            else:
+                cached.append(mine)
+                banks[w] = self.banks[w]
+        misses = []
+        if cached:
+            mine = np.concatenate(cached)
+            slots, misses = self.cache.access(layer, mine.tolist())
+            lut[mine] = np.asarray(slots) - self._bases(layer, mine)
+        self._read(layer, scratch_reads + self._bank_requests(layer, misses))
+        return lut, banks
+
+    def _bases(self, layer, experts):
+        return np.array([self.base[w] for w in self.width_of[layer][experts].tolist()], np.int64)
+
+    def _bank_requests(self, layer, todo):
+        """[(experts, bank rows, bank)] of [(expert, global slot)] to read, grouped by width."""
+        if not todo:
+            return []
+        experts = np.array([e for e, _ in todo], np.int64)
+        rows = np.array([s for _, s in todo], np.int64) - self._bases(layer, experts)
+        widths = self.width_of[layer][experts]
+        return [(experts[widths == w], rows[widths == w], self.banks[w]) for w in np.unique(widths).tolist()]
 
     def preload(self, layer, experts):
         """Read `experts` of `layer` (priority order) into free or evictable slots, in the background."""
@@ -99,21 +182,25 @@ class ExpertStore:
             return
         todo = self.cache.preload(layer, experts)
         if todo:
-            self._pending = self._pool.submit(self._read, layer, todo, self.bank)
+            self._pending = self._pool.submit(self._read, layer, self._bank_requests(layer, todo))
 
     def wait_preload(self):
         if self._pending is not None:
             self._pending.result()
             self._pending = None
 
-    def _read(self, layer, todo, bank):
-        if not todo:
+    def _read(self, layer, requests):
+        """Read [(expert ids, rows, bank)] of `layer` in one loader call."""
+        if not requests:
             return
         t0 = time.perf_counter()
-        ids = np.array([e for e, _ in todo], np.int64)
-        slots = np.array([s for _, s in todo], np.int64)
-        order = np.argsort(ids)
-        stats = self.loader.read(layer, ids[order], bank, slots[order])
+        calls = []
+        for experts, rows, bank in requests:
+            w = int(self.width_of[layer][experts[0]])
+            local = self.local_of[layer][experts]
+            order = np.argsort(local)
+            calls.append((self.groups[layer][w][0], local[order], bank, rows[order]))
+        stats = self.loader.read_many(calls)
         self.bytes_read += stats.bytes_read
         self.read_seconds += time.perf_counter() - t0
 

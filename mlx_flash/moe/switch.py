@@ -37,8 +37,8 @@ class StreamedSwitchGLU(nn.Module):
         i = layers.index(layer)
         self._next_layer = layers[i + 1] if i + 1 < len(layers) else None
 
-    def _project(self, bank, role, x, idx, sorted_indices):
-        q = self._store.quantization(role)
+    def _project(self, bank, role, x, idx, sorted_indices, width=None):
+        q = self._store.quantization(role, width)
         if q is not None:
             y = mx.gather_qmm(x, bank[f"{role}.weight"], bank[f"{role}.scales"],
                               bank.get(f"{role}.biases"), rhs_indices=idx, transpose=True,
@@ -64,27 +64,86 @@ class StreamedSwitchGLU(nn.Module):
         ahead_ids = np.array(ahead, copy=False) if ahead is not None else None
         if self._on_route is not None:
             self._on_route(self._layer, ids, ahead_ids)
-        bank, slots = store.slots_for(self._layer, ids)
+        lut, banks = store.banks_for(self._layer, ids)
         if self._next_layer is not None:
             if ahead_ids is not None:
                 store.preload(self._next_layer, _by_votes(ahead_ids))
             elif self._predict_next is not None:
                 for layer, experts in self._predict_next(self._layer, np.unique(ids)):
                     store.preload(layer, experts)
-        idx = mx.array(slots, dtype=indices.dtype)
+        if not store.mixed:
+            (width, bank), = banks.items()
+            return self._switch(bank, width, x, mx.array(lut[ids], dtype=indices.dtype))
+        return by_width(x, ids, store.width_of[self._layer], lambda w, xw, rows: self._switch(
+            banks[w], w, xw, mx.array(lut[rows], dtype=indices.dtype)))
 
-        # The body of mlx-lm's SwitchGLU.__call__, on slots instead of expert ids.
+    def _switch(self, bank, width, x, idx):
+        """The body of mlx-lm's SwitchGLU.__call__, on bank slots `idx` instead of expert ids."""
+        shape = idx.shape
         x = mx.expand_dims(x, (-2, -3))
         do_sort = idx.size >= 64
         inv_order = None
         if do_sort:
             x, idx, inv_order = _gather_sort(x, idx)
-        x_up = self._project(bank, "up", x, idx, do_sort)
-        x_gate = self._project(bank, "gate", x, idx, do_sort)
-        x = self._project(bank, "down", self.activation(x_up, x_gate), idx, do_sort)
+        x_up = self._project(bank, "up", x, idx, do_sort, width)
+        x_gate = self._project(bank, "gate", x, idx, do_sort, width)
+        x = self._project(bank, "down", self.activation(x_up, x_gate), idx, do_sort, width)
         if do_sort:
-            x = mx.unflatten(x[inv_order], 0, indices.shape)
+            x = mx.unflatten(x[inv_order], 0, shape)
         return x.squeeze(-2)
+
+
+def by_width(x, ids: np.ndarray, width_of: np.ndarray, switch):
+    """SwitchGLU output [..., k, hidden] of experts of mixed widths: the (token, choice) pairs
+    grouped by their expert's width (host-side: `ids` int [..., k] are known), each group one
+    SwitchGLU call `switch(width, x rows [m, hidden], expert ids [m, 1])` -> [m, 1, hidden], the
+    rows put back in order. The resident reference and the streamed layer both run this."""
+    k = ids.shape[-1]
+    flat = ids.reshape(-1)
+    widths = width_of[flat]
+    xf = x.reshape(-1, x.shape[-1])
+    outs, order = [], []
+    for w in np.unique(widths).tolist():
+        pos = np.flatnonzero(widths == w)
+        order.append(pos)
+        outs.append(switch(w, xf[mx.array(pos // k)], flat[pos][:, None]))
+    inv = np.argsort(np.concatenate(order), kind="stable")
+    y = mx.concatenate(outs, axis=0)[mx.array(inv)]
+    return y.reshape(*ids.shape, y.shape[-1])
+
+
+class ResidentMixedSwitchGLU(nn.Module):
+    """An mlx-lm MoE layer holding every expert at its own bit width: one mlx-lm `SwitchGLU`
+    (QuantizedSwitchLinear at that width) per width group, the calls grouped by `by_width`.
+    The dense (IO-FREE) model of an "expert-bits" pack and the reference the streamed layer is
+    bit-identical to. groups: {width: (expert ids, {component name: mx.array [n, ...]})}."""
+
+    def __init__(self, switch, groups, n_experts):
+        from mlx_lm.models.switch_layers import SwitchGLU
+
+        super().__init__()
+        self.activation = switch.activation
+        self._width_of = np.zeros(n_experts, np.int64)
+        self._local = np.zeros(n_experts, np.int64)
+        self.switches = []
+        for w, (ids, comps) in sorted(groups.items()):
+            self._width_of[ids] = w
+            self._local[ids] = np.arange(len(ids))
+            out_dims, packed = comps["up.weight"].shape[1:]
+            q = {"group_size": packed * 32 // w // comps["up.scales"].shape[-1], "bits": w}
+            glu = SwitchGLU(packed * 32 // w, out_dims, len(ids), activation=switch.activation,
+                            bias="up.bias" in comps)
+            nn.quantize(glu, group_size=q["group_size"], bits=w)
+            glu.load_weights([(f"{n.split('.')[0]}_proj.{n.split('.')[1]}", a)
+                              for n, a in comps.items()], strict=True)
+            self.switches.append(glu)
+        self._index = {w: i for i, w in enumerate(sorted(groups))}
+
+    def __call__(self, x, indices):
+        mx.eval(indices)
+        ids = np.array(indices)
+        return by_width(x, ids, self._width_of, lambda w, xw, rows: self.switches[self._index[w]](
+            xw, mx.array(self._local[rows], dtype=indices.dtype)))
 
 
 def _gather_sort(x, indices):

@@ -21,6 +21,14 @@ instead: smaller, lossy, and the manifest says so in `down_requantized` and `dow
 Expert bundle e (kind "experts") = expert e's full gate, up and down matrices in the source (mlx-lm
 SwitchGLU) orientation, with their scales and biases: no transposition, no re-quantization.
 
+Expert-wise bit widths (encoding "expert-bits", written by `convert --expert-bits`): an MoE layer's
+experts are quantized at their own widths (2, 3, 4, 5, 6 or 8 bits). The layer entry records each
+expert's width in `expert_bits` [count] and holds `groups`, one per width present: a complete dense
+experts bundle record (same file; its own offset, count, stride, components, checksums) plus `bits`
+and `experts`, the expert ids its bundles hold in order. Each group's stride is a multiple of the
+alignment, so a 2-bit expert is a smaller direct-I/O block than a 4-bit one. Readers address a group
+as the bundle key (layer, bits) (`layer_bundles`).
+
 Each component starts at a multiple of 4 bytes inside its bundle (so typed views are aligned);
 `stride` is the bundle size rounded up to 4 bytes. A bundle's crc32 covers its components' bytes
 in order, padding excluded, so a reader can check exactly the bundles it read and nothing else.
@@ -54,7 +62,7 @@ FORMAT = "mlx-flash-pack"
 FORMAT_VERSION = 1       # what dense packs are written as (readable by older mlx-flash)
 ENDOR_VERSION = 2        # packs with any ENDOR-encoded tensor
 READ_VERSIONS = (FORMAT_VERSION, ENDOR_VERSION)
-ENCODINGS = ("dense", "endor")
+ENCODINGS = ("dense", "endor", "expert-bits")
 ENDOR_MIN_ZEROS = 0.25   # a resident matrix is bitmap-encoded from this fraction of exact zeros
 MANIFEST = "manifest.json"
 RESIDENT_FILE = "resident.safetensors"
@@ -179,6 +187,16 @@ class Bundle(_Record):
     encoding: str = "dense"
     neuron_order: list | None = None  # reordered packs: original neuron at each position (reorder.py)
     index: dict | None = None  # ENDOR layers: {"offset", "length", "crc32"} of the bundle offsets
+    expert_bits: tuple | None = None  # "expert-bits" layers: each expert's width (bits)
+    groups: tuple | None = None  # "expert-bits" layers: one Bundle per width (its own layout)
+    bits: int | None = None  # a width group: the bits of its experts
+    experts: tuple | None = None  # a width group: the expert id of each of its bundles
+
+    @property
+    def key(self):
+        """How `layer_bundles` and the loader address this record: the layer, or (layer, bits)
+        for a width group of an "expert-bits" layer."""
+        return self.layer if self.bits is None else (self.layer, self.bits)
 
     @property
     def row_bytes(self) -> int:
@@ -187,7 +205,10 @@ class Bundle(_Record):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole layer's bundles on disk (count x stride)."""
+        """Bytes of the whole layer's bundles on disk (count x stride; the groups' sum for an
+        "expert-bits" layer)."""
+        if self.groups:
+            return sum(g.nbytes for g in self.groups)
         return self.count * self.stride
 
     def component(self, name: str) -> Component | None:
@@ -199,10 +220,18 @@ class Bundle(_Record):
 
     @classmethod
     def from_dict(cls, d: dict) -> "Bundle":
+        if d.get("encoding") == "expert-bits":
+            # the layer as a whole: its widths and groups; the layout lives in the groups
+            groups = tuple(cls.from_dict(g) for g in d["groups"])
+            return cls(d["layer"], d["kind"], d["file"], min(g.offset for g in groups), d["count"],
+                       max(g.stride for g in groups), sum(g.length for g in groups),
+                       d["file_length"], (), None, d.get("arch"), "expert-bits",
+                       expert_bits=tuple(d["expert_bits"]), groups=groups)
         return cls(d["layer"], d["kind"], d["file"], d["offset"], d["count"], d["stride"], d["length"],
                    d["file_length"], tuple(Component.from_dict(c) for c in d["components"]),
                    d["checksums"], d.get("arch"), d.get("encoding", "dense"), d.get("neuron_order"),
-                   d.get("index"))
+                   d.get("index"), bits=d.get("bits"),
+                   experts=tuple(d["experts"]) if d.get("experts") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -278,5 +307,9 @@ def read_manifest(pack_dir) -> Manifest:
 
 
 def layer_bundles(manifest: Manifest) -> dict:
-    """Layer index -> Bundle of the manifest."""
-    return {b.layer: b for b in manifest.bundles}
+    """Layer index -> Bundle of the manifest, and (layer, bits) -> the width group of an
+    "expert-bits" layer (what a reader reads: the layer record itself has no single layout)."""
+    out = {b.layer: b for b in manifest.bundles}
+    for b in manifest.bundles:
+        out.update((g.key, g) for g in b.groups or ())
+    return out

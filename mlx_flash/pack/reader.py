@@ -190,6 +190,9 @@ def load_pack_weights(pack_dir, *, verify=True):
     manifest = read_manifest(pack)
     config, weights = load_resident(pack, manifest=manifest, verify=verify)
     for entry in manifest.bundles:
+        if entry.groups:
+            raise FlashError(f"{pack}: layer {entry.layer} holds experts of mixed bit widths, which "
+                             f"no single mlx-lm tensor holds (load it with mlx_flash.models.load)")
         comps = read_layer_components(pack, entry, verify=verify)
         by_name = {c.name: c for c in entry.components}
         for name, arr in comps.items():

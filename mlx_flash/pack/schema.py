@@ -233,10 +233,74 @@ def _check_endor_bundle(b, field, alignment, count, c: FieldCheck) -> None:
         c.fail(field, f"bundles, index and checksum table overlap or run past file_length {file_length}")
 
 
+def _check_expert_bits_bundle(b, field, alignment, c: FieldCheck) -> None:
+    """An "expert-bits" MoE layer: each expert's width in `expert_bits`, one dense width group per
+    width (validated as a bundle of its own) holding exactly the experts of that width, quantized
+    at it: the packed weight's row and the scales' row must agree with bits and group size."""
+    c.int(c.get(b, "layer", f"{field}.layer"), f"{field}.layer", 0, 1 << 20)
+    c.str(c.get(b, "kind", f"{field}.kind"), f"{field}.kind", ("experts",))
+    file = c.str(c.get(b, "file", f"{field}.file"), f"{field}.file")
+    count = c.int(c.get(b, "count", f"{field}.count"), f"{field}.count", 1, MAX_COUNT)
+    file_length = c.int(c.get(b, "file_length", f"{field}.file_length"), f"{field}.file_length")
+    widths = c.list(c.get(b, "expert_bits", f"{field}.expert_bits"), f"{field}.expert_bits")
+    if len(widths) != count:
+        c.fail(f"{field}.expert_bits", f"has {len(widths)} widths for {count} experts")
+    for e, w in enumerate(widths):
+        c.int(w, f"{field}.expert_bits[{e}]", 1, 8)
+        if w not in QUANT_BITS:
+            c.fail(f"{field}.expert_bits[{e}]", f"= {w} is not one of {QUANT_BITS}")
+    groups = c.list(c.get(b, "groups", f"{field}.groups"), f"{field}.groups")
+    if not groups:
+        c.fail(f"{field}.groups", "is empty")
+    seen, regions = set(), []
+    for j, g in enumerate(groups):
+        f = f"{field}.groups[{j}]"
+        check_bundle(g, f, alignment, c)
+        if g.get("encoding", "dense") != "dense" or g["kind"] != "experts" or g["file"] != file \
+                or g["layer"] != b["layer"]:
+            c.fail(f, f"must be a dense experts bundle of layer {b['layer']} in {file}")
+        bits = c.int(c.get(g, "bits", f"{f}.bits"), f"{f}.bits", 1, 8)
+        experts = c.list(c.get(g, "experts", f"{f}.experts"), f"{f}.experts")
+        if len(experts) != g["count"]:
+            c.fail(f"{f}.experts", f"has {len(experts)} ids for {g['count']} bundles")
+        for e in experts:
+            c.int(e, f"{f}.experts", 0, count - 1)
+            if e in seen:
+                c.fail(f"{f}.experts", f"expert {e} is in two groups")
+            seen.add(e)
+            if widths[e] != bits:
+                c.fail(f"{field}.expert_bits[{e}]", f"= {widths[e]}, but its block is in the "
+                                                    f"{bits}-bit group {j}")
+        comps = {comp["name"]: comp for comp in g["components"]}
+        for comp in g["components"]:
+            q = comp.get("quantization")
+            if not comp["name"].endswith(".weight"):
+                continue
+            if q is None or q["bits"] != bits:
+                c.fail(f"{f}.components[{comp['name']!r}].quantization",
+                       f"= {q!r:.60}, but the group is {bits}-bit")
+            scales = comps.get(comp["name"][: -len("weight")] + "scales")
+            if scales is None or scales["shape"][:-1] != comp["shape"][:-1] or \
+                    comp["shape"][-1] * 32 != scales["shape"][-1] * q["group_size"] * bits:
+                c.fail(f"{f}.components[{comp['name']!r}]",
+                       f"shape {comp['shape']} is not {bits}-bit with group size {q['group_size']} "
+                       f"for its scales {scales['shape'] if scales else None}")
+        regions += [(g["offset"], g["offset"] + g["length"]),
+                    (g["checksums"]["offset"], g["checksums"]["offset"] + g["checksums"]["length"])]
+    if len(seen) != count:
+        c.fail(f"{field}.groups", f"hold {len(seen)} of the layer's {count} experts")
+    regions.sort()
+    if any(a[1] > b_[0] for a, b_ in zip(regions, regions[1:])) or regions[-1][1] > file_length:
+        c.fail(field, f"width groups overlap or run past file_length {file_length}")
+
+
 def check_bundle(b, i, alignment, c: FieldCheck) -> None:
-    """One bundle file entry: its layout fits its stride, its regions fit its file, nothing overlaps."""
-    field = f"bundles[{i}]"
+    """One bundle file entry: its layout fits its stride, its regions fit its file, nothing overlaps.
+    i: its index in `bundles` (or the field name of a nested record)."""
+    field = i if isinstance(i, str) else f"bundles[{i}]"
     c.dict(b, field)
+    if b.get("encoding") == "expert-bits":
+        return _check_expert_bits_bundle(b, field, alignment, c)
     if b.get("encoding") == "endor":
         c.int(c.get(b, "layer", f"{field}.layer"), f"{field}.layer", 0, 1 << 20)
         c.str(c.get(b, "kind", f"{field}.kind"), f"{field}.kind", ("neurons",))

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from ..errors import FlashError
 from ..paths import atomic_dir, save_safetensors
 from .schema import write_metadata
-from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENCODINGS, ENDOR_MIN_ZEROS, ENDOR_VERSION,
+from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENDOR_MIN_ZEROS, ENDOR_VERSION,
                      FORMAT, FORMAT_VERSION, MANIFEST,
                      RESIDENT_FILE, dtype_name, find_ffn, round_up)
 
@@ -25,7 +25,8 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
-               alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense") -> Path:
+               alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
+               expert_bits=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -42,6 +43,9 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
     encoding: "dense", or "endor": FFN neuron bundles and pruned resident linears stored as a bitmap
       of their non-zeros plus the non-zeros (layout.py; with `quantize`, only the non-zeros are
       quantized and pruned zeros stay exact). Needs a float source (prune saves float16).
+    expert_bits: MoE packs only, {layer: [bits of each expert]} (2, 3, 4, 5, 6 or 8; `group_size`):
+      each expert quantized at its own width (layout.py "expert-bits"; moe/bitwidths.py chooses
+      them). Needs float experts; the rest follows `quantize`.
     Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
     on any failure the temporary directory is removed and FlashError names the file and reason.
     Returns out_dir.
@@ -53,14 +57,15 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"--quantize {quantize!r}: choose 4 or 8 bits")
     if down_bits not in (None, 4, 8, 16):
         raise FlashError(f"down_bits {down_bits!r}: choose 4, 8 or 16")
-    if encoding not in ENCODINGS:
-        raise FlashError(f"--encoding {encoding!r}: choose {' or '.join(ENCODINGS)}")
+    if encoding not in ("dense", "endor"):
+        raise FlashError(f"--encoding {encoding!r}: choose dense or endor")
     if alignment <= 0 or alignment % 512:
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     with atomic_dir(out, replace=overwrite) as tmp:
-        _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding)
+        _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
+               expert_bits)
     return out
 
 
@@ -102,7 +107,8 @@ def _should_quantize(name, arr, group_size):
             and mx.issubdtype(arr.dtype, mx.floating) and arr.shape[-1] % group_size == 0)
 
 
-def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense"):
+def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
+           expert_bits=None):
     config, weights, files = _load_source(src)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -121,6 +127,8 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     if any(info["kind"] == "experts" for info in ffn.values()):
         # MoE pack: only experts stream; dense FFN layers (deepseek's first layers) stay resident.
         ffn = {layer: info for layer, info in ffn.items() if info["kind"] == "experts"}
+    if expert_bits is not None:
+        _check_expert_bits(src, ffn, weights, expert_bits, group_size, encoding)
     if quantize:
         config["quantization"] = {"group_size": group_size, "bits": quantize}
         config["quantization_config"] = dict(config["quantization"])
@@ -152,19 +160,25 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     bundle_dir.mkdir()
     for layer, info in tqdm(ffn.items(), desc="flash pack", unit="layer", disable=not progress):
         encode = endor and info["kind"] == "neurons"
-        comps, req, err = _components(weights, config, info, None if encode else quantize, group_size,
-                                      down_bits)
+        comps, req, err = _components(weights, config, info,
+                                      None if encode or expert_bits is not None else quantize,
+                                      group_size, down_bits)
         requantized |= req
         if err is not None:
             down_errors.append(err)
         rel = f"bundles/layer_{layer:03d}.bin"
-        if encode:
+        if expert_bits is not None:
+            entry = _write_expert_bits_file(tmp / rel, comps, expert_bits[layer], group_size,
+                                            alignment, layer, info)
+        elif encode:
             entry = _write_endor_bundle_file(tmp / rel, comps, alignment, quantize, group_size)
         else:
             # An expert is one direct-I/O-aligned block: its stride is a multiple of the alignment.
             (entry,) = write_bundle_file(tmp / rel, [comps], alignment,
                                          block_align=alignment if info["kind"] == "experts" else COMPONENT_ALIGN)
             entry["encoding"] = "dense"
+        for g in entry.get("groups", ()):
+            g["file"] = rel
         bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
                         **entry})
         del comps
@@ -204,6 +218,59 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         "bundles": bundles,
     }
     write_manifest(tmp, manifest)
+
+
+def _check_expert_bits(src, ffn, weights, expert_bits, group_size, encoding):
+    """FlashError unless `expert_bits` gives a known width to every expert of every MoE layer of
+    a float source."""
+    from .schema import QUANT_BITS
+
+    if encoding != "dense" or any(info["kind"] != "experts" for info in ffn.values()):
+        raise FlashError(f"{src}: --expert-bits needs an MoE model (dense encoding)")
+    for layer, info in ffn.items():
+        w = weights[f"{info['modules']['up']}.weight"]
+        widths = expert_bits.get(layer) if isinstance(expert_bits, dict) else None
+        if widths is None or len(widths) != w.shape[0]:
+            raise FlashError(f"--expert-bits: layer {layer} needs a width for each of its "
+                             f"{w.shape[0]} experts")
+        bad = sorted({int(b) for b in widths} - set(QUANT_BITS))
+        if bad:
+            raise FlashError(f"--expert-bits: {bad[0]} bits is not one of {QUANT_BITS}")
+        if f"{info['modules']['up']}.scales" in weights or not mx.issubdtype(w.dtype, mx.floating):
+            raise FlashError(f"{src}: --expert-bits needs float experts (the source is quantized)")
+        if any(weights[f"{m}.weight"].shape[-1] % group_size for m in info["modules"].values()):
+            raise FlashError(f"--group-size {group_size}: must divide every expert input width")
+
+
+def _write_expert_bits_file(path, comps, widths, group_size, alignment, layer, info) -> dict:
+    """One MoE layer file of width groups (layout.py "expert-bits"): the float expert
+    components `comps` quantized per group of experts sharing a width, each group a region of
+    direct-I/O-aligned blocks."""
+    widths = np.asarray([int(b) for b in widths])
+    regions, members = [], []
+    for bits in sorted(set(widths.tolist())):
+        ids = np.flatnonzero(widths == bits)
+        idx = mx.array(ids)
+        region = []
+        for name, source, arr, _ in comps:
+            sub = arr[idx]
+            if name.endswith(".weight"):
+                role = name.split(".")[0]
+                q, s, b = mx.quantize(sub, group_size=group_size, bits=int(bits))
+                region += [(name, source, q, {"group_size": group_size, "bits": int(bits)}),
+                           (f"{role}.scales", source[: -len("weight")] + "scales", s, None),
+                           (f"{role}.biases", source[: -len("weight")] + "biases", b, None)]
+            else:
+                region.append((name, source, sub, None))
+        regions.append(region)
+        members.append((int(bits), ids.tolist()))
+    records = write_bundle_file(path, regions, alignment, block_align=alignment)
+    groups = [{"layer": layer, "kind": "experts", "arch": info["arch"], "file": None,
+               "encoding": "dense", "bits": bits, "experts": ids, **r}
+              for (bits, ids), r in zip(members, records)]
+    return {"encoding": "expert-bits", "count": int(len(widths)),
+            "expert_bits": widths.tolist(), "groups": groups,
+            "file_length": records[0]["file_length"]}
 
 
 def _down_summary(errors, requantized, down_bits) -> dict | None:
