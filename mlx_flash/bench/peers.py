@@ -10,7 +10,9 @@ one written from the pack. llama.cpp has no OPT architecture, so an OPT-shaped p
 llama.cpp's "gpt2" architecture with the same tensors and bytes (learned positions, pre-LayerNorm,
 biases; fused qkv; GELU instead of ReLU, which changes no cost of a dense forward pass): the
 speed of a dense run does not depend on the weights' values, and synthetic packs are random anyway.
-Other pack architectures get no llama.cpp GGUF here (--gguf FILE gives one).
+MoE packs (olmoe, qwen3_moe; 4-bit group 32 = Q4_1) are written with the very same weights.
+Both writers live in sources/gguf_export.py. Other pack architectures get no llama.cpp GGUF
+here (--gguf FILE gives one).
 """
 
 import importlib.util
@@ -23,13 +25,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..calibration.synthetic import is_synthetic
 from ..errors import FlashError
 from ..pack import load_pack_weights
 from ..paths import atomic_output_dir
-from ..sources import default_gguf_path
+from ..sources import default_gguf_path, write_moe_gguf
+from ..sources.gguf_export import write_gpt2_gguf
 
 PEERS = ("mlx-lm", "llama.cpp")
 INSTALL_HINT = "pip install '.[peers]' (or scripts/setup.sh --peers) for llama-cpp-python"
@@ -126,91 +128,6 @@ def export_mlx_folder(pack: Path, out: Path) -> Path:
     return out
 
 
-def write_gpt2_gguf(pack: Path, out: Path, tokenizer_gguf: Path) -> Path:
-    """A llama.cpp GGUF (architecture "gpt2") with the tensors of an OPT-shaped pack; the
-    tokenizer metadata comes from `tokenizer_gguf` (the embedded model's, the synthetic packs'
-    tokenizer), padded with control tokens to the pack's vocabulary size."""
-    import gguf  # optional (the test extra); only llama.cpp peers need it
-
-    config, w = load_pack_weights(pack)
-    if config.get("model_type") != "opt":
-        raise FlashError(f"{pack}: llama.cpp GGUF export is written for OPT-shaped packs only "
-                         f"(this is {config.get('model_type')}); pass --gguf FILE")
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    ctx = config["max_position_embeddings"]
-
-    def np_(a):
-        a = a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
-        return np.array(a)
-
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")
-    writer = gguf.GGUFWriter(str(tmp), "gpt2")
-    writer.add_name(f"mlx-flash synthetic export of {pack.name}")
-    writer.add_context_length(ctx)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config["ffn_dim"])
-    writer.add_block_count(layers)
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_layer_norm_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i])
-              for i in reader.fields["tokenizer.ggml.tokens"].data]
-    types = [int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
-             for i in reader.fields["tokenizer.ggml.token_type"].data]
-    merges = [bytes(reader.fields["tokenizer.ggml.merges"].parts[i])
-              for i in reader.fields["tokenizer.ggml.merges"].data]
-    for i in range(len(tokens), vocab):
-        tokens.append(f"<|synthetic_{i}|>".encode())
-        types.append(gguf.TokenType.CONTROL)
-    writer.add_tokenizer_model("gpt2")
-    if "tokenizer.ggml.pre" in reader.fields:
-        f = reader.fields["tokenizer.ggml.pre"]
-        writer.add_tokenizer_pre(bytes(f.parts[f.data[0]]).decode())
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    for key in ("bos", "eos"):
-        f = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if f is not None:
-            getattr(writer, f"add_{key}_token_id")(int(f.parts[f.data[0]][0]))
-    d = "model.decoder."
-    writer.add_tensor("token_embd.weight", np_(w[d + "embed_tokens.weight"]))
-    writer.add_tensor("position_embd.weight", np_(w[d + "embed_positions.weight"][2: 2 + ctx]))
-    writer.add_tensor("output_norm.weight", np_(w[d + "final_layer_norm.weight"]).astype(np.float32))
-    writer.add_tensor("output_norm.bias", np_(w[d + "final_layer_norm.bias"]).astype(np.float32))
-    for i in range(layers):
-        p, b = f"{d}layers.{i}.", f"blk.{i}."
-
-        def t(name):
-            return np_(w[p + name])
-
-        qkv = np.concatenate([t(f"self_attn.{n}_proj.weight") for n in "qkv"])
-        qkv_b = np.concatenate([t(f"self_attn.{n}_proj.bias") for n in "qkv"]).astype(np.float32)
-        pairs = {"attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm"}
-        for g, o in pairs.items():
-            writer.add_tensor(f"{b}{g}.weight", t(f"{o}.weight").astype(np.float32))
-            writer.add_tensor(f"{b}{g}.bias", t(f"{o}.bias").astype(np.float32))
-        writer.add_tensor(f"{b}attn_qkv.weight", qkv)
-        writer.add_tensor(f"{b}attn_qkv.bias", qkv_b)
-        writer.add_tensor(f"{b}attn_output.weight", t("self_attn.out_proj.weight"))
-        writer.add_tensor(f"{b}attn_output.bias", t("self_attn.out_proj.bias").astype(np.float32))
-        writer.add_tensor(f"{b}ffn_up.weight", t("fc1.weight"))
-        writer.add_tensor(f"{b}ffn_up.bias", t("fc1.bias").astype(np.float32))
-        writer.add_tensor(f"{b}ffn_down.weight", t("fc2.weight"))
-        writer.add_tensor(f"{b}ffn_down.bias", t("fc2.bias").astype(np.float32))
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
-
-
 # ---- running ------------------------------------------------------------------------------------
 
 def run_peers(suite, names: dict, prompts, out: Path) -> dict:
@@ -269,6 +186,12 @@ def _model_file(name, suite, out: Path):
     if info["gguf"]:
         return Path(info["gguf"]), "the source GGUF, default mmap loading"
     gguf_path = out / "peer-model.gguf"
+    if any(b.kind == "experts" for b in suite.manifest.bundles):
+        if not gguf_path.exists():
+            print(f"writing a GGUF of the MoE pack for llama.cpp: {gguf_path}", file=sys.stderr)
+            write_moe_gguf(suite.pack, gguf_path, default_gguf_path())
+        return gguf_path, ("GGUF written from the pack (same weights: 4-bit group-32 experts as "
+                           f"Q4_1, lossless), default mmap loading{synthetic}")
     if not gguf_path.exists():
         print(f"writing a GGUF of the pack for llama.cpp: {gguf_path}", file=sys.stderr)
         write_gpt2_gguf(suite.pack, gguf_path, default_gguf_path())

@@ -8,6 +8,7 @@ Every source ends up as a local mlx-lm folder (or flash pack) path: `resolve_mod
 """
 
 from .gguf_convert import convert_gguf
+from .gguf_export import write_moe_gguf
 from .resolve import default_gguf_path, is_gguf, resolve_model
 
-__all__ = ["convert_gguf", "default_gguf_path", "is_gguf", "resolve_model"]
+__all__ = ["convert_gguf", "default_gguf_path", "is_gguf", "resolve_model", "write_moe_gguf"]

@@ -197,8 +197,9 @@ _BLOCK_NAMES = {
 # GGUF architecture -> (mlx-lm model_type, HF class); MoE ones read llama.cpp's expert_* keys.
 _MODEL_TYPES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
-                "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
-_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+                "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                "olmoe": ("olmoe", "OlmoeForCausalLM")}
+_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe")
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 # llama.cpp's converter permutes llama q/k rows for its interleaved RoPE; mlx-lm (like HF) uses the
 # half-split RoPE, so those rows are put back. Qwen GGUFs use NeoX RoPE and are not permuted.
@@ -217,6 +218,20 @@ def mlx_name(gguf_name: str) -> str:
     if base not in _GLOBAL_NAMES:
         raise FlashError(f"unknown GGUF tensor {gguf_name!r}")
     return f"{_GLOBAL_NAMES[base]}.{suffix}"
+
+
+def gguf_name(mlx_name_: str) -> str:
+    """`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`: the inverse of `mlx_name`."""
+    base, _, suffix = mlx_name_.rpartition(".")
+    for gguf_base, mlx_base in _GLOBAL_NAMES.items():
+        if base == mlx_base:
+            return f"{gguf_base}.{suffix}"
+    pieces = base.split(".", 3)
+    if len(pieces) == 4 and pieces[:2] == ["model", "layers"] and pieces[2].isdigit():
+        for part, mlx_part in _BLOCK_NAMES.items():
+            if pieces[3] == mlx_part:
+                return f"blk.{pieces[2]}.{part}.{suffix}"
+    raise FlashError(f"no GGUF name for tensor {mlx_name_!r}")
 
 
 def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -327,14 +342,17 @@ def _check_config_vs_tensors(header: GGUFHeader, config: dict):
 
 
 def _moe_config(config, header, get):
-    """llama.cpp's expert_* metadata -> the mlx-lm MoE config keys (qwen2_moe, qwen3_moe)."""
+    """llama.cpp's expert_* metadata -> the mlx-lm MoE config keys (qwen2_moe, qwen3_moe, olmoe)."""
     try:
         config.update({"num_experts": int(get("expert_count")),
                        "num_experts_per_tok": int(get("expert_used_count")),
                        "moe_intermediate_size": int(get("expert_feed_forward_length"))})
     except TypeError as e:
         raise FlashError(f"{header.path}: MoE GGUF lacks an expert_* key ({e})") from None
-    if header.architecture == "qwen3moe":
+    if header.architecture == "olmoe":
+        # llama.cpp's olmoe graph keeps the softmax weights of the chosen experts (norm_w = false)
+        config["norm_topk_prob"] = False
+    elif header.architecture == "qwen3moe":
         # llama.cpp's qwen3moe graph normalises the chosen experts' weights (norm_w = true)
         config.update({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
     else:

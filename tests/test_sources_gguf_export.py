@@ -1,0 +1,67 @@
+"""GGUF export of MoE packs: lossless Q4_1 relayout, read back by MLX's own GGUF reader and by
+llama.cpp (logits compared with ours)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash.convert import main as convert_main
+from mlx_flash.errors import FlashError
+from mlx_flash.pack import load_pack_weights
+from mlx_flash.sources import default_gguf_path, write_moe_gguf
+from mlx_flash.sources.gguf import gguf_name, gguf_to_mlx, mlx_name
+from mlx_flash.sources.gguf_export import mlx_to_q4_1
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module", params=["olmoe-tiny", "qwen3-moe-tiny"])
+def moe_pack(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / request.param
+    assert convert_main(["--synthetic", request.param, "--out", str(out)]) == 0
+    return out
+
+
+def test_q4_1_blocks_hold_the_same_values():
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    q, s, b = mx.quantize(w.astype(mx.float16), group_size=32, bits=4)
+    blocks = mlx_to_q4_1(np.array(q), np.array(s), np.array(b)).reshape(3, 2, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # Q4_1: byte j = codes j, j + 16
+    ours = (d[..., None] * codes + m[..., None]).reshape(3, 64)
+    ref = np.array(mx.dequantize(q, s, b, group_size=32, bits=4).astype(mx.float32))
+    np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_gguf_names_invert_mlx_names():
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.11.ffn_gate_inp.weight", "blk.2.attn_q_norm.weight",
+                 "token_embd.scales", "output.weight", "output_norm.weight"):
+        assert gguf_name(mlx_name(name)) == name
+    with pytest.raises(FlashError, match="no GGUF name"):
+        gguf_name("model.layers.0.mlp.experts.weight")
+
+
+def test_export_is_lossless(moe_pack, tmp_path):
+    out = write_moe_gguf(moe_pack, tmp_path / "m.gguf", default_gguf_path())
+    config, weights = gguf_to_mlx(out)  # MLX's reader turns Q4_1 blocks back into affine triples
+    _, pack = load_pack_weights(moe_pack)
+    assert set(weights) == set(pack)
+    for name, ref in pack.items():
+        got = weights[name]
+        if ref.dtype != mx.uint32:
+            ref, got = ref.astype(mx.float32), got.astype(mx.float32)
+        assert np.array_equal(np.array(got), np.array(ref)), name
+    assert config["quantization"] == {"group_size": 32, "bits": 4}
+    assert config["num_experts"] == 8 and config["num_experts_per_tok"] == 2
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_export_refuses_a_lossy_quantization(tmp_path):
+    pack = tmp_path / "q8"
+    assert convert_main(["--synthetic", "olmoe-tiny", "--quantize", "8", "--out", str(pack)]) == 0
+    with pytest.raises(FlashError, match="8-bit group-32 quantization has no lossless"):
+        write_moe_gguf(pack, tmp_path / "m.gguf", default_gguf_path())
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
