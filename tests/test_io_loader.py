@@ -406,3 +406,42 @@ def test_endor_random_subsets_decode_to_the_layer_rows(tiny_llama, tmp_path, qua
             assert stats.bytes_read >= stats.bytes_useful
         with pytest.raises(FlashError, match="ENDOR-encoded"):
             loader.alloc_raw(1, 4)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_endor_read_encoded_holds_the_bundles_as_stored(tiny_llama, tmp_path, direct):
+    """read_encoded: the layer's bundles byte for byte (they decode to what read() decodes), the
+    buffer reused, each bundle's crc32 checked, a dense layer refused."""
+    from test_calibration_prune import pruned_model
+
+    from mlx_flash.pack.bitmap import decode_bundles
+    from mlx_flash.pack.reader import endor_roles
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=128)
+    pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    with FlashLoader(pack, threads=4, direct=direct, cost=COST, max_read=8192) as loader:
+        words, offsets, stats = loader.read_encoded(1)
+        entry = loader.entry(1)
+        assert stats.bytes_useful == entry.length and stats.reads > 1 and offsets[-1] - offsets[0] == entry.length
+        dest = {c.name: np.zeros((128, c.length), np.uint8) for c in entry.components}
+        decode_bundles(np.array(words).view(np.uint8), offsets[:-1], np.diff(offsets), np.arange(128),
+                       endor_roles(entry, dest))
+        want = loader.alloc(1, 128)
+        loader.read(1, np.arange(128), want)
+        for c in entry.components:
+            assert np.array_equal(dest[c.name], np.array(want[c.name]).view(np.uint8).reshape(128, -1))
+        again, offsets0, _ = loader.read_encoded(0, words)
+        e0 = loader.entry(0)
+        stored = np.fromfile(pack / e0.file, np.uint8)[e0.offset: e0.offset + e0.length]
+        assert again is words and np.array_equal(np.array(again).view(np.uint8)[offsets0[0]: offsets0[-1]], stored)
+    path = pack / entry.file
+    raw = bytearray(path.read_bytes())
+    raw[int(entry.offset) + int(offsets[5] - offsets[0]) + 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with FlashLoader(pack, threads=2, direct=direct, cost=COST) as loader:
+        with pytest.raises(FlashError, match="checksum mismatch in bundle 5"):
+            loader.read_encoded(1)
+    dense = write_pack(tiny_llama("plain"), tmp_path / "plain-pack", progress=False)
+    with FlashLoader(dense, threads=2, cost=COST) as loader:
+        with pytest.raises(FlashError, match="not ENDOR-encoded"):
+            loader.read_encoded(0)

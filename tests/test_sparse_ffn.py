@@ -284,3 +284,26 @@ def test_gpu_path_applies_the_threshold(tiny_llama, tmp_path, monkeypatch):
     err = max(mx.abs(x - y).max().item() for x, y in zip(got, want))
     effect = max(mx.abs(y - z).max().item() for y, z in zip(want, loose))
     assert err <= 0.2 * effect
+
+
+@pytest.mark.parametrize("quantize", [None, 4])
+def test_gpu_path_streams_endor_layers_through_the_decode_matvec_kernels(tiny_llama, tmp_path, monkeypatch,
+                                                                           quantize):
+    """Naive mode on an ENDOR pack on the GPU path: each layer's bundles read as stored and run by
+    endor_up / endor_down (no decoded rows): the logits of the CPU path (rows decoded by the CPU
+    kernel), up to float16 rounding; the bytes read are the encoded bytes."""
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "endor", quantize=quantize, encoding="endor", progress=False)
+    want = run_steps(build_flash_model(pack, FlashConfig("naive")))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    model = build_flash_model(pack, FlashConfig("naive"))
+    got = run_steps(model)
+    assert ran.count("endor_up") == ran.count("endor_down") == 2 * len(TOKENS)
+    assert {layer.mlp._endor_gpu for layer in model.layers} == {True}
+    encoded = sum(b["length"] for b in read_manifest(pack)["bundles"])
+    assert model.flash_stats.steps[-1].bytes_read < 1.1 * encoded + 2 * 4096
+    for x, y in zip(got, want):
+        x, y = x.astype(mx.float32), y.astype(mx.float32)
+        assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()

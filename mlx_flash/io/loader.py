@@ -344,6 +344,56 @@ class FlashLoader:
             if not f.direct:
                 files.drop_cache(f.fd, r0, n)
 
+    def read_encoded(self, layer, out=None):
+        """(words, offsets, ReadStats): the bundles of an ENDOR layer, all of them, read as stored
+        (not decoded), for kernels that decode while they compute (mlx_flash.metal.endor).
+
+        words: uint32 mx.array holding the layer's bundle bytes (`out`, a previous call's words,
+        is reused when large enough); offsets: int64 [count + 1] byte offsets of the bundles in
+        it. The worker threads read straight into it in `max_read` pieces (direct reads cover
+        the aligned range); each bundle's crc32 is checked when the loader verifies."""
+        entry = self.entry(layer)
+        f = self._file(layer, entry)
+        if entry.encoding != "endor":
+            raise FlashError(f"{f.path}: layer {layer} is not ENDOR-encoded")
+        with f.lock:
+            if f.index is None:
+                f.index = read_bundle_index(f.path, entry)
+            if self.verify and f.crc is None:
+                f.crc = read_checksum_table(f.path, entry)
+        t0 = time.perf_counter()
+        align = self.alignment if f.direct else 1
+        r0 = entry.offset // align * align
+        r1 = -(-(entry.offset + entry.length) // align) * align
+        if out is None or out.size * 4 < r1 - r0:
+            out = self._aligned_zeros((-(-(r1 - r0) // 4),), mx.uint32)
+        buf = memoryview(host_bytes(out))
+        items = [(f, r0 + p, min(self.max_read, r1 - r0 - p), p) for p in range(0, r1 - r0, self.max_read)]
+        done, error = queue.SimpleQueue(), None
+        if items:
+            self._start_workers()
+        per_task = max(1, -(-len(items) // self.threads))
+        tasks = [items[i: i + per_task] for i in range(0, len(items), per_task)]
+        for t in tasks:
+            self._tasks.put((buf, t, done, 0))
+        for _ in tasks:  # wait for every task: no worker may still write after we return
+            error = error or done.get()[1]
+        if error is not None:
+            raise error
+        offsets = f.index - r0
+        if self.verify:
+            flat = host_bytes(out)
+            for i, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+                if zlib.crc32(flat[a: b]) != f.crc[i]:
+                    raise FlashError(f"{f.path}: checksum mismatch in bundle {i} (offset {int(f.index[i])})")
+        sizes = [n for _, _, n, _ in items]
+        stats = ReadStats(bundles=entry.count, reads=len(items), bytes_useful=entry.length,
+                          bytes_read=r1 - r0, zero_copy_reads=len(items), direct=f.direct,
+                          seconds=time.perf_counter() - t0)
+        for n in sizes:
+            stats.read_sizes[n] = stats.read_sizes.get(n, 0) + 1
+        return out, offsets, stats
+
     def _prepare(self, layer, ids, dest, slots):
         entry = self.entry(layer)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

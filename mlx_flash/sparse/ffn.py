@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..cpu.ops import gather_matvec, gather_matvec_t
 from ..errors import FlashError
+from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
 from .neuron_cache import NeuronCache
 
@@ -195,6 +196,7 @@ class FlashRuntime:
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
+        self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
 
     def stream_rows(self, layer: int) -> dict:
@@ -216,6 +218,7 @@ class FlashFFN(nn.Module):
         self._n = runtime.loader.entry(layer).count
         self._all = np.arange(self._n)
         self._fused_act = None  # GPU: the kernels' act once the MLP was seen to compute it, False if not
+        self._endor_gpu = None  # GPU, ENDOR layer streamed: True once the decode-matvec kernels matched
 
     def _run(self, x, rows, n, add_down_bias=True):
         if self._fused_act is not False and metal_kernels.metal_active():
@@ -233,12 +236,7 @@ class FlashFFN(nn.Module):
         c = self._current
         up, down = _kernel_weights(rows, "up", c.quant), _kernel_weights(rows, "down_t", c.quant)
         gate = _kernel_weights(rows, "gate", c.quant) if "gate.weight" in rows else None
-        if gate is None:
-            act, threshold = "relu", c.threshold
-        elif getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
-            act, threshold = "relu_gated", max(float(getattr(self.mlp, "threshold", 0.0)), c.threshold)
-        else:
-            act, threshold = "silu", c.threshold  # the predictor's thresholded model (CurrentRows)
+        act, threshold = self._kernel_act(gate is not None)
         h = metal_kernels.sparse_up(x, up, gate, n=n, act=act, threshold=threshold)
         y = metal_kernels.sparse_down(h, down, n=n)
         if add_down_bias and c.down_bias is not None:
@@ -254,6 +252,15 @@ class FlashFFN(nn.Module):
                               f"(max {diff:.3g}); this layer keeps the MLP path", RuntimeWarning, stacklevel=2)
                 return None
         return y
+
+    def _kernel_act(self, gated: bool):
+        """(act, threshold) of the Metal kernels for this MLP (the first call checks the guess)."""
+        c = self._current
+        if not gated:
+            return "relu", c.threshold
+        if getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
+            return "relu_gated", max(float(getattr(self.mlp, "threshold", 0.0)), c.threshold)
+        return "silu", c.threshold  # the predictor's thresholded model (CurrentRows)
 
     def __call__(self, x):
         step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
@@ -280,10 +287,56 @@ class FlashFFN(nn.Module):
     def _streamed(self, x, step):
         if self._rt.prefetcher is not None:
             return self._prefetched(x, step)
+        if self._endor_gpu is not False and metal_kernels.metal_active():
+            y = self._streamed_endor(x, step)
+            if y is not None:
+                return y
         buf = self._read_stream(self._all, step)
         step.neurons_needed += self._n
         y = self._run(x, buf, self._n)
         mx.eval(y)  # the buffer is reused by the next streamed layer
+        return y
+
+    def _streamed_endor(self, x, step):
+        """A whole ENDOR layer on the GPU: its bundles read as stored, then the decode-matvec
+        kernels (mlx_flash/metal/endor.py) with no decoded row written. None when the bundles are
+        not gate/up/down ENDOR blocks of one payload, or the first call differs from the row path."""
+        entry = self._rt.loader.entry(self.layer)
+        names = [c.name for c in entry.components]
+        payloads = [c.endor for c in entry.components]
+        if (entry.encoding != "endor" or names not in (["gate.weight", "up.weight", "down_t.weight"],
+                                                       ["up.weight", "down_t.weight"])
+                or any(p != payloads[0] for p in payloads) or payloads[0] is None):
+            self._endor_gpu = False
+            return None
+        t0 = time.perf_counter()
+        self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
+        step.io_s += time.perf_counter() - t0
+        step.io_read_s += stats.seconds
+        step.bytes_read += stats.bytes_read
+        step.neurons_loaded += self._n
+        step.neurons_needed += self._n
+        act, threshold = self._kernel_act(len(names) == 3)
+        y, ok = metal_endor.endor_ffn(x, self._rt.encoded, metal_endor.word_bounds(offsets),
+                                      columns=entry.components[-2].shape[-1],
+                                      down_columns=entry.components[-1].shape[-1], payload=payloads[0],
+                                      act=act, threshold=threshold)
+        if self._current.down_bias is not None:
+            y = y + self._current.down_bias
+        mx.eval(y, ok)  # the buffer is reused by the next streamed layer
+        if not ok.all().item():
+            bad = int(mx.argmin(ok.astype(mx.int32)).item())
+            raise FlashError(f"{self._rt.loader.pack / entry.file}: bundle {bad}: its bitmaps' popcount "
+                             f"disagrees with the bytes stored (corrupt or truncated)")
+        if self._endor_gpu is None:  # first call: the row path (decoded on the CPU) must agree
+            buf = self._read_stream(self._all, step)
+            want = self._run(x, buf, self._n)
+            self._endor_gpu = mx.allclose(y, want, rtol=2e-2, atol=2e-2).item()
+            if not self._endor_gpu:
+                warnings.warn(f"layer {self.layer}: the ENDOR Metal kernels ({act}) differ from the MLP; "
+                              f"this layer keeps the decoded-row path", RuntimeWarning, stacklevel=2)
+                mx.eval(want)
+                return want
         return y
 
     def _prefetched(self, x, step):
