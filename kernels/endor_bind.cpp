@@ -18,44 +18,65 @@ namespace nb = nanobind;
 using Bytes1 = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Bytes2 = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Crcs = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 void bind_endor(nb::module_& m) {
   m.def(
-      "endor_decode",
+      "endor_check_decode",
       [](Bytes1 flat, Index starts, Index lengths, Index slots,
-         const std::vector<std::tuple<Bytes2, int64_t, int, int>>& roles, std::optional<bool> simd) {
+         const std::vector<std::tuple<Bytes2, int64_t, int, int>>& roles, std::optional<Crcs> crcs,
+         std::optional<bool> simd, bool parallel) {
         const size_t count = starts.shape(0);
         if (lengths.shape(0) != count || slots.shape(0) != count)
-          throw std::invalid_argument("endor_decode: starts, lengths and slots differ in length");
+          throw std::invalid_argument("endor_check_decode: starts, lengths and slots differ in length");
+        if (crcs.has_value() && crcs->shape(0) != count)
+          throw std::invalid_argument("endor_check_decode: one expected crc32 per bundle");
         std::vector<flash::endor::Role> rs;
         for (const auto& [dest, n, kind, group_size] : roles) {
-          if (dest.stride(1) != 1) throw std::invalid_argument("endor_decode: destination rows not contiguous");
+          if (dest.stride(1) != 1) throw std::invalid_argument("endor_check_decode: destination rows not contiguous");
           if (kind < flash::endor::kRaw || kind > flash::endor::kQuant4)
-            throw std::invalid_argument("endor_decode: unknown kind");
+            throw std::invalid_argument("endor_check_decode: unknown kind");
           if (kind >= flash::endor::kQuant8 && group_size <= 0)
-            throw std::invalid_argument("endor_decode: group_size must be positive");
+            throw std::invalid_argument("endor_check_decode: group_size must be positive");
           const int64_t size = kind == flash::endor::kFloat ? 4 : 2;
           if (kind != flash::endor::kRaw && dest.shape(1) != static_cast<size_t>(n * size))
-            throw std::invalid_argument("endor_decode: destination row size disagrees with n");
+            throw std::invalid_argument("endor_check_decode: destination row size disagrees with n");
           rs.push_back({dest.data(), static_cast<int64_t>(dest.stride(0)), n, kind, group_size});
         }
         for (size_t b = 0; b < count; ++b) {
           for (const auto& [dest, n, kind, gs] : roles) {
             if (slots.data()[b] < 0 || static_cast<size_t>(slots.data()[b]) >= dest.shape(0))
-              throw std::invalid_argument("endor_decode: slot out of range");
+              throw std::invalid_argument("endor_check_decode: slot out of range");
           }
         }
         const flash::Isa isa = !simd.has_value() ? flash::active_isa()
                                : *simd ? flash::best_isa() : flash::Isa::scalar;
-        nb::gil_scoped_release release;
-        return flash::endor::decode_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
-                                            lengths.data(), slots.data(), static_cast<int64_t>(count), rs.data(),
-                                            static_cast<int>(rs.size()), isa);
+        const uint32_t* expected = crcs.has_value() ? crcs->data() : nullptr;
+        flash::endor::BadBundle bad;
+        {
+          nb::gil_scoped_release release;
+          bad = flash::endor::decode_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
+                                             lengths.data(), slots.data(), static_cast<int64_t>(count), rs.data(),
+                                             static_cast<int>(rs.size()), isa, expected, parallel);
+        }
+        return std::make_tuple(bad.index, bad.fault);
       },
       nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("slots"), nb::arg("roles"),
-      nb::arg("simd").none() = nb::none(),
-      "Decode ENDOR bundles flat[starts[b]:starts[b]+lengths[b]] into row slots[b] of each role's "
-      "destination; roles: [(uint8 dest [rows, row bytes], n, kind, group_size)], kind 0 raw, 1 16-bit, "
-      "2 float32, 3 8-bit codes, 4 4-bit codes (see mlx_flash/pack/bitmap.py). Returns -1, or the "
-      "first bundle whose bitmaps disagree with its length.");
+      nb::arg("crcs").none() = nb::none(), nb::arg("simd").none() = nb::none(), nb::arg("parallel") = true,
+      "Check and decode ENDOR bundles flat[starts[b]:starts[b]+lengths[b]] into row slots[b] of each "
+      "role's destination; roles: [(uint8 dest [rows, row bytes], n, kind, group_size)], kind 0 raw, "
+      "1 16-bit, 2 float32, 3 8-bit codes, 4 4-bit codes (see mlx_flash/pack/bitmap.py); crcs: "
+      "uint32 expected crc32 of each bundle (checked first). One pass over the kernels' thread pool "
+      "with the GIL released. Returns (first rejected bundle or -1, fault: 0 none, 1 crc32, 2 the "
+      "bitmaps' popcount disagrees with the bundle's length).");
+  m.def(
+      "endor_crc32",
+      [](Bytes1 data, uint32_t crc, std::optional<bool> simd) {
+        const flash::Isa isa = !simd.has_value() ? flash::active_isa()
+                               : *simd ? flash::best_isa() : flash::Isa::scalar;
+        nb::gil_scoped_release release;
+        return flash::endor::crc32(crc, data.data(), static_cast<int64_t>(data.shape(0)), isa);
+      },
+      nb::arg("data"), nb::arg("crc") = 0, nb::arg("simd").none() = nb::none(),
+      "zlib.crc32(data, crc) of uint8 data with the kernels' crc32 (PCLMULQDQ on AVX2, else slicing by 8).");
 }

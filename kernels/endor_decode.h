@@ -27,13 +27,31 @@ struct Role {
   int group_size;     // quantized kinds: stored values per scale/bias
 };
 
-// Decodes bundle b (bytes flat[starts[b], starts[b] + lengths[b])) into row slots[b] of every
-// role, in role order, with `isa`'s kernels. Returns -1 when all bundles decode, else the index of
-// the first bundle whose blocks do not add up to its length (a bitmap popcount that disagrees with
-// the stored non-zeros, or a truncated bundle); rows of bundles before it are written.
-int64_t decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts,
-                       const int64_t* lengths, const int64_t* slots, int64_t count, const Role* roles,
-                       int n_roles, Isa isa);
+// Why a bundle was rejected.
+enum Fault : int {
+  kNone = 0,
+  kCrc = 1,     // its bytes' crc32 differs from the expected one (corrupt bytes)
+  kLayout = 2,  // its blocks do not add up to its length (bitmap popcount vs stored non-zeros,
+                // truncated bundle) or it lies outside `flat`
+};
+
+struct BadBundle {
+  int64_t index = -1;  // first rejected bundle (call order), -1 when every bundle decoded
+  int fault = kNone;
+};
+
+// Checks and decodes bundle b (bytes flat[starts[b], starts[b] + lengths[b])) into row slots[b] of
+// every role, in role order, with `isa`'s kernels: crc32 of the bundle against crcs[b] first (when
+// crcs is not null), then the blocks' lengths against the bundle's. Bundles are split over the
+// kernels' thread pool when `parallel`; the caller holds no lock (call with the GIL released).
+// Returns the first rejected bundle; rows of other bundles may or may not be written then.
+BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts,
+                         const int64_t* lengths, const int64_t* slots, int64_t count, const Role* roles,
+                         int n_roles, Isa isa, const uint32_t* crcs, bool parallel);
+
+// zlib's crc32 (polynomial 0xEDB88320, the value Python's zlib.crc32 gives): continue `crc` over n
+// bytes with `isa`'s kernel.
+uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa);
 
 }  // namespace flash::endor
 
@@ -43,14 +61,18 @@ int64_t decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* s
 //   endor_dequant: out[i] = float16(float32(scale[g]) * code_i + float32(bias[g])), g = i / group_size,
 //     codes of `bits` (8, or 4 two per byte low nibble first); the product is exact in float32
 //     (11-bit scale x 8-bit code), so a fused multiply-add would give the same result.
+//   endor_crc32_raw: the crc32 register (no pre/post inversion) after n more bytes: scalar slicing
+//     by 8, AVX2 file PCLMULQDQ folding.
 namespace flash::scalar {
 int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
                    int group_size, int64_t nnz, uint16_t* out);
+uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
 }  // namespace flash::scalar
 
 namespace flash::avx2 {
 int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
                    int group_size, int64_t nnz, uint16_t* out);
+uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
 }  // namespace flash::avx2

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mlx_flash.bench.__main__ import main
-from mlx_flash.pack import write_pack
+from mlx_flash.pack import read_manifest, write_pack
 
 pytest.importorskip("zstandard")
 
@@ -50,3 +50,20 @@ def test_compare_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| naive | 2.50 | 4.00 | 1.60x | 300 | 150 | 160.0 | 90.0 | 0.562 |" in out
     assert "| hybrid" not in out  # a mode without successful runs is left out
+
+
+def test_measured_run_accounts_endor_bytes_and_decode_time(tmp_path):
+    """A benchmark child on an ENDOR pack: the loader's useful bytes equal the bundles' lengths in
+    the layer index (not neurons x decoded row bytes), and the check + decode time is reported."""
+    from mlx_flash.bench.measure import generate_flash
+    from mlx_flash.convert import main as convert_main
+
+    pack = tmp_path / "opt-endor"
+    assert convert_main(["--synthetic", "opt-tiny", "--weight-sparsity", "0.5", "--encoding", "endor",
+                         "--out", str(pack)]) == 0
+    r = generate_flash(str(pack), "naive", [1, 2, 3, 4], 3, keep_steps=False)
+    a = r["accounting"]
+    row = sum(c.length for c in read_manifest(pack).bundles[0].components)
+    assert a["useful_bytes_loader"] == a["useful_bytes_expected"] > 0
+    assert a["useful_bytes_expected"] < 0.6 * a["neurons_read_loader"] * row
+    assert 0 < r["summary"]["decode_ms"] <= r["summary"]["io_ms"]

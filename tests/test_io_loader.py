@@ -21,6 +21,7 @@ from mlx_flash.io import loader as loader_module
 from mlx_flash.io.planner import load_cost
 from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_layer_components, read_manifest, write_pack
+from mlx_flash.pack.reader import read_bundle_index
 
 COST = ReadCost(latency_s=1e-4, bandwidth=1e9)  # merge gaps up to 100 kB
 
@@ -445,3 +446,56 @@ def test_endor_read_encoded_holds_the_bundles_as_stored(tiny_llama, tmp_path, di
     with FlashLoader(dense, threads=2, cost=COST) as loader:
         with pytest.raises(FlashError, match="not ENDOR-encoded"):
             loader.read_encoded(0)
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_endor_bundles_decode_as_their_reads_land(tiny_llama, tmp_path, monkeypatch):
+    """ENDOR bundles are checked and decoded batch by batch while later reads are in flight; a
+    short or failed read is redone before its bundles are decoded (its staging bytes are wiped
+    here, so decoding them early would fail the crc32 check)."""
+    import ctypes
+
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=128)
+    pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    real_read = aio.AioContext.read
+
+    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None):
+        def spoil(idx, res):
+            for k in idx[::3].tolist():
+                ctypes.memset(int(addresses[k]), 0, int(sizes[k]))
+                res[k] = -errno.EIO
+            on_done(idx, res)
+        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil)
+
+    monkeypatch.setattr(aio.AioContext, "read", flaky_read)
+    batches = []
+    real_decode = FlashLoader._decode
+    monkeypatch.setattr(FlashLoader, "_decode", lambda self, job, flat, members=None: (
+        batches.append(len(job.ids) if members is None else len(members)), real_decode(self, job, flat, members)))
+    with FlashLoader(pack, threads=4, plan=False, engine="aio") as loader:
+        ids = np.arange(0, 128, 3)
+        dest = loader.alloc(1, len(ids))
+        stats = loader.read(1, ids, dest)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        check_rows(pack, loader, 1, ids, dest, np.arange(len(ids)))
+        assert stats.reads > 4 and len(batches) > 2 and sum(batches) == len(ids)
+
+
+@pytest.mark.parametrize("engine", ["aio", "threads"])
+def test_endor_corrupt_bundle_fails_its_crc32(tiny_llama, tmp_path, engine):
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=128)
+    pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    entry = read_manifest(pack).bundles[1]
+    data = bytearray((pack / entry.file).read_bytes())
+    data[int(read_bundle_index(pack / entry.file, entry)[41]) - 1] ^= 0x10  # bundle 40's last byte
+    (pack / entry.file).write_bytes(bytes(data))
+    with FlashLoader(pack, threads=4, cost=COST, engine=engine) as loader:
+        with pytest.raises(FlashError, match=r"layer_001\.bin: checksum mismatch in bundle 40 \(offset"):
+            loader.read(1, np.arange(128), loader.alloc(1, 128))
+        with FlashLoader(pack, threads=4, cost=COST, engine=engine, verify=False) as unchecked:
+            unchecked.read(1, np.arange(128), unchecked.alloc(1, 128))  # the bundle still decodes

@@ -152,6 +152,44 @@ def test_kernel_rejects_popcount_disagreement(simd):
         eb.decode_into(flat, starts, short, np.arange(3), [(dest, 64, spec[0][1])], "t", simd=simd)
 
 
+@NEEDS_KERNEL
+@pytest.mark.parametrize("simd", [False, True], ids=["scalar", "simd"])
+def test_kernel_crc32_is_zlibs(simd):
+    import zlib
+
+    rng = np.random.default_rng(9)
+    for n in [0, 1, 15, 63, 64, 65, 127, 128, 129, 1000, 4099, 100003]:
+        data = rng.integers(0, 256, n + 3, dtype=np.uint8)[3:]  # unaligned start
+        assert eb._extension().endor_crc32(data, simd=simd) == zlib.crc32(data), n
+        assert eb._extension().endor_crc32(data[n // 3:], zlib.crc32(data[: n // 3]), simd=simd) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("use_kernel,simd", [(False, None), (True, False), (True, True)],
+                         ids=["reference", "scalar", "simd"])
+def test_check_decode_rejects_the_first_bad_crc(use_kernel, simd):
+    """Hundreds of bundles split over the thread pool: the earliest corrupt bundle is the one
+    named, as a checksum mismatch (not a popcount one), whichever thread found which."""
+    import zlib
+
+    if use_kernel and eb._extension() is None:
+        pytest.skip("mlx_flash._ext not built")
+    rng = np.random.default_rng(11)
+    spec = [(64, {"dtype": "float16"}), (40, {"bits": 4, "group_size": 8})]
+    flat, starts, lengths, _ = _bundles(rng, 700, spec, 0.5)
+    crcs = np.array([zlib.crc32(flat[s: s + n]) for s, n in zip(starts, lengths)], np.uint32)
+    dests = [np.zeros((700, 128), np.uint8), np.zeros((700, 80), np.uint8)]
+    roles = [(d, n, p) for d, (n, p) in zip(dests, spec)]
+    eb.decode_into(flat, starts, lengths, np.arange(700), roles, "t", simd=simd, use_kernel=use_kernel,
+                   crcs=crcs)
+    bad = flat.copy()
+    bad[starts[650] + 20] ^= 1
+    bad[starts[333] + lengths[333] - 1] ^= 0x80  # a payload byte: only the crc32 can tell
+    with pytest.raises(FlashError, match=r"t: checksum mismatch in bundle 333 \(offset"):
+        eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", simd=simd,
+                       use_kernel=use_kernel, crcs=crcs)
+    eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", simd=simd, use_kernel=use_kernel)
+
+
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 

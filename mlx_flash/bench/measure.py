@@ -22,12 +22,14 @@ class LoggedReads:
     """Stands in for the runtime's FlashLoader: forwards layout calls, logs every read.
 
     log rows: (step index, layer, bundles, bytes read from the device, useful bytes, reads,
-    seconds, True when the destination is a neuron cache, bundles x the pack's bytes per neuron)."""
+    seconds, True when the destination is a neuron cache, the bytes those bundles hold in the
+    pack: bundles x the bytes per neuron, or for ENDOR layers their lengths in the layer's index)."""
 
     def __init__(self, loader, stats, caches, unbundled=None, layer_map=None):
         self._loader, self._stats = loader, stats
         self._cache_dests = {id(c.rows) for c in caches.values()}
         self._unbundled, self._layer_map = unbundled, layer_map
+        self._endor_index = {}
         self.log = []
 
     def __getattr__(self, name):
@@ -42,9 +44,19 @@ class LoggedReads:
                 [(lid, ids, {c.name: dest[c.name] for c in self._unbundled.entry(lid).components},
                   slots) for lid in self._layer_map[layer]])
         self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
-                         s.reads, s.seconds, id(dest) in self._cache_dests,
-                         len(ids) * sum(c.length for c in self._loader.entry(layer).components)))
+                         s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, ids)))
         return s
+
+    def _pack_bytes(self, layer, ids) -> int:
+        entry = self._loader.entry(layer)
+        if entry.encoding != "endor":
+            return len(ids) * sum(c.length for c in entry.components)
+        if layer not in self._endor_index:
+            from mlx_flash.pack.reader import read_bundle_index
+
+            self._endor_index[layer] = read_bundle_index(self._loader.pack / entry.file, entry)
+        index, ids = self._endor_index[layer], np.asarray(ids, np.int64)
+        return int((index[ids + 1] - index[ids]).sum())
 
 
 def _empty_before_update(cache):
@@ -115,7 +127,7 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "all_bytes_stats": sum(s.bytes_read for s in stats.steps),
         "all_bytes_loader": sum(r[3] for r in reads.log),
         "useful_bytes_loader": useful,
-        "useful_bytes_expected": sum(r[8] for r in reads.log),  # neurons x the pack's row bytes
+        "useful_bytes_expected": sum(r[8] for r in reads.log),  # the bundles' bytes in the pack
         "reads": sum(r[5] for r in reads.log),
         "cache_rows_loaded": sum(c.rows_loaded - base_rows[i] for i, c in rt.caches.items()),
         "cache_rows_logged": cache_rows_logged,

@@ -52,12 +52,13 @@ class ReadStats:
     zero_copy_reads: int = 0
     bounced_reads: int = 0
     seconds: float = 0.0
+    decode_seconds: float = 0.0  # ENDOR: crc32 check + decode, part of `seconds` (overlaps reads)
     direct: bool = False
     read_sizes: dict = field(default_factory=dict)  # bytes per read -> number of reads
 
     def add(self, other: "ReadStats"):
         for k in ("bundles", "reads", "bytes_useful", "bytes_read", "zero_copy_reads",
-                  "bounced_reads", "seconds"):
+                  "bounced_reads", "seconds", "decode_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for size, n in other.read_sizes.items():
             self.read_sizes[size] = self.read_sizes.get(size, 0) + n
@@ -104,6 +105,7 @@ class _Job:
     pos: np.ndarray | None = None  # staging position of each planned read
     lengths: np.ndarray | None = None  # ENDOR layers: encoded bytes of each bundle (ids order)
     roles: list | None = None  # ENDOR layers: decode destinations (pack.reader.endor_roles)
+    decode_s: float = 0.0  # ENDOR layers: seconds spent checking + decoding (calling thread)
 
 
 class FlashLoader:
@@ -250,6 +252,7 @@ class FlashLoader:
         if error is not None:
             raise error
         stats.seconds = time.perf_counter() - t0
+        stats.decode_seconds = sum(job.decode_s for job in jobs)
         return stats
 
     def cost_engine(self) -> str:
@@ -282,12 +285,19 @@ class FlashLoader:
         pos = np.concatenate([j.pos for j in jobs])
         fds = np.concatenate([np.full(len(j.r0), j.f.fd) for j in jobs])
         left = counts.copy()
+        first_read = np.concatenate([[0], np.cumsum(counts)[:-1]])
 
         def on_done(idx, res):
             np.subtract.at(left, tags[idx], 1)
             for t in np.unique(tags[idx]).tolist():
+                job = jobs[t]
+                if job.lengths is not None:  # ENDOR: check + decode what landed, the rest in flight
+                    mine = idx[tags[idx] == t]
+                    landed = mine[res[mine] == sizes[mine]] - first_read[t]
+                    if len(landed):
+                        self._decode(job, flat, np.flatnonzero(np.isin(job.member_read, landed)))
                 if left[t] == 0:
-                    self._complete_aio(jobs[t], tags == t, res, offsets, sizes, pos, staging, flat)
+                    self._complete_aio(job, tags == t, res, offsets, sizes, pos, staging, flat)
 
         ctx.read(fds, offsets, sizes, address(flat) + pos, on_done=on_done)
 
@@ -297,7 +307,11 @@ class FlashLoader:
             n, p = int(sizes[k]), int(pos[k])
             read_full(self.files, job.f.fd, [staging[p: p + n]], int(offsets[k]), job.f.path,
                       job.f.buffered_fd)
-        self._finish(job, flat)
+        if job.lengths is None:
+            self._finish(job, flat)
+        elif len(bad):  # ENDOR bundles of the reads that landed were decoded as they landed
+            redone = bad - np.flatnonzero(mask)[0]
+            self._decode(job, flat, np.flatnonzero(np.isin(job.member_read, redone)))
 
     def _items(self, job):
         """[(file, offset, bytes, staging position or iovec list)] for a prepared request."""
@@ -526,18 +540,21 @@ class FlashLoader:
         for off, n, mat in job.targets:
             mat[job.slots] = rows[:, off: off + n]
 
-    def _decode(self, job, flat):
+    def _decode(self, job, flat, members=None):
+        """Check (crc32) and decode bundles `members` (indices into job.ids; default all) of an
+        ENDOR request from staging into their rows: one kernel pass, GIL released."""
         from ..pack.bitmap import decode_into
 
-        offs = job.pos[job.member_read] + job.starts - job.r0[job.member_read]
-        if self.verify:
-            crc32, table = zlib.crc32, job.f.crc
-            for i, (o, n) in enumerate(zip(offs.tolist(), job.lengths.tolist())):
-                if crc32(flat[o: o + n]) != table[job.ids[i]]:
-                    raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
-                                     f"(offset {int(job.starts[i])})")
-        decode_into(flat, offs, job.lengths, job.slots, job.roles, str(job.f.path), ids=job.ids,
-                    offsets=job.starts)
+        t0 = time.perf_counter()
+        m = slice(None) if members is None else members
+        reads = job.member_read[m]
+        offs = job.pos[reads] + job.starts[m] - job.r0[reads]
+        try:
+            decode_into(flat, offs, job.lengths[m], job.slots[m], job.roles, str(job.f.path),
+                        ids=job.ids[m], offsets=job.starts[m],
+                        crcs=job.f.crc[job.ids[m]] if self.verify else None)
+        finally:
+            job.decode_s += time.perf_counter() - t0
 
     def _check(self, job, rows):
         crc_table, crc32, tight = job.f.crc, zlib.crc32, job.tight

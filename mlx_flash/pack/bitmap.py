@@ -217,34 +217,49 @@ def payload_kind(payload) -> int:
 
 
 def _extension():
-    """mlx_flash._ext when it has the decode kernel (imported by name: the compiled extension sits
-    outside the package layers), else None."""
+    """mlx_flash._ext when it has the check + decode kernel (imported by name: the compiled
+    extension sits outside the package layers), else None."""
     import importlib
 
     try:
         ext = importlib.import_module("mlx_flash._ext")
     except ImportError:
         return None
-    return ext if hasattr(ext, "endor_decode") else None
+    return ext if hasattr(ext, "endor_check_decode") else None
 
 
 def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "bundles", simd=None,
-                use_kernel=True, ids=None, offsets=None):
-    """Decode bundles into their destination rows with the C++ kernel (numpy reference when the
-    extension is missing or use_kernel=False); arguments as `decode_bundles`. FlashError naming
-    `where` and the bundle (ids[b] at file offset offsets[b] when given) on a popcount / length
+                use_kernel=True, ids=None, offsets=None, crcs=None, parallel=True):
+    """Check and decode bundles into their destination rows with the C++ kernel, one pass over the
+    kernels' thread pool with the GIL released (numpy reference when the extension is missing or
+    use_kernel=False); arguments as `decode_bundles`, plus crcs: the expected zlib crc32 of each
+    bundle's bytes (checked before its decode) or None. FlashError naming `where` and the bundle
+    (ids[b] at file offset offsets[b] when given) on a crc32 mismatch or a popcount / length
     disagreement."""
     ext = _extension() if use_kernel else None
-    if ext is None:
-        return decode_bundles(flat, starts, lengths, slots, roles, where, ids)
     starts = np.ascontiguousarray(starts, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
+
+    def named(b):
+        name = b if ids is None else int(ids[b])
+        return f"bundle {name} (offset {int((starts if offsets is None else offsets)[b])})"
+
+    if ext is None:
+        if crcs is not None:
+            import zlib
+
+            for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+                if zlib.crc32(flat[s: s + n]) != int(crcs[b]):
+                    raise FlashError(f"{where}: checksum mismatch in {named(b)}")
+        return decode_bundles(flat, starts, lengths, slots, roles, where, ids)
     slots = np.ascontiguousarray(slots, np.int64)
+    if crcs is not None:
+        crcs = np.ascontiguousarray(crcs, np.uint32)
     spec = [(dest, int(n), payload_kind(p), int((p or {}).get("group_size", 0)))
             for dest, n, p in roles]
-    bad = ext.endor_decode(flat, starts, lengths, slots, spec, simd)
+    bad, fault = ext.endor_check_decode(flat, starts, lengths, slots, spec, crcs, simd, parallel)
+    if bad >= 0 and fault == 1:
+        raise FlashError(f"{where}: checksum mismatch in {named(bad)}")
     if bad >= 0:
-        name = bad if ids is None else int(ids[bad])
-        at = int((starts if offsets is None else offsets)[bad])
-        raise FlashError(f"{where}: bundle {name} (offset {at}): its bitmaps' popcount disagrees "
-                         f"with the {int(lengths[bad])} bytes stored (corrupt or truncated)")
+        raise FlashError(f"{where}: {named(bad)}: its bitmaps' popcount disagrees with the "
+                         f"{int(lengths[bad])} bytes stored (corrupt or truncated)")

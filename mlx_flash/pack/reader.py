@@ -165,13 +165,9 @@ def _read_endor_components(path, entry, data, verify):
     count = entry.count
     index = read_bundle_index(path, entry, data)
     starts, lengths = index[:-1], np.diff(index)
-    if verify:
-        table = read_checksum_table(path, entry, data)
-        for i in range(count):
-            if zlib.crc32(data[starts[i]: starts[i] + lengths[i]]) != table[i]:
-                raise FlashError(f"{path}: checksum mismatch in bundle {i} (offset {int(starts[i])})")
+    table = read_checksum_table(path, entry, data) if verify else None
     dest = {c.name: np.zeros((count, c.length), np.uint8) for c in entry.components}
-    decode_into(data, starts, lengths, np.arange(count), endor_roles(entry, dest), str(path))
+    decode_into(data, starts, lengths, np.arange(count), endor_roles(entry, dest), str(path), crcs=table)
     return {c.name: mx.array(dest[c.name]).view(mx_dtype(c.dtype)).reshape(count, *c.shape)
             for c in entry.components}
 

@@ -280,6 +280,7 @@ class FlashFFN(nn.Module):
         stats = self._rt.loader.read(self.layer, ids, buf, np.arange(len(ids)))
         step.io_s += time.perf_counter() - t0
         step.io_read_s += stats.seconds
+        step.decode_s += stats.decode_seconds
         step.bytes_read += stats.bytes_read
         step.neurons_loaded += len(ids)
         return buf
@@ -346,6 +347,7 @@ class FlashFFN(nn.Module):
         buf, slot, stats, waited = pf.take(self.layer, step)
         step.io_s += waited
         step.io_read_s += stats.seconds
+        step.decode_s += stats.decode_seconds
         step.bytes_read += stats.bytes_read
         step.neurons_loaded += self._n
         step.neurons_needed += self._n

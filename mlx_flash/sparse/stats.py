@@ -22,6 +22,7 @@ class StepStats:
     end: float | None = None
     io_s: float = 0.0  # waited for reads (prefetched reads: only the part not hidden by compute)
     io_read_s: float = 0.0  # loader time of this step's reads, hidden or not
+    decode_s: float = 0.0  # ENDOR crc32 check + decode, inside io_s / io_read_s (not extra time)
     mem_s: float = 0.0
     bytes_read: int = 0
     neurons_loaded: int = 0
@@ -66,7 +67,8 @@ class FlashStats:
     def summary(self) -> dict:
         """Per-token means over single-token (decode) steps, the prompt step(s) separately.
 
-        Keys: tokens, io_ms, mem_ms, compute_ms, total_ms, bytes_read, neurons_loaded, hit_rate,
+        Keys: tokens, io_ms, decode_ms (ENDOR check + decode, part of io_ms), mem_ms, compute_ms,
+        total_ms, bytes_read, neurons_loaded, hit_rate,
         window (mean effective window, flash only), prompt_tokens, prompt_ms, prompt_bytes_read,
         peak_memory (bytes, MLX allocator), peak_rss (bytes, whole process), budget, weights_bytes.
         """
@@ -84,6 +86,7 @@ class FlashStats:
             "tokens": len(decode),
             "io_ms": 1e3 * mean(lambda s: s.io_s),
             "io_read_ms": 1e3 * mean(lambda s: s.io_read_s),
+            "decode_ms": 1e3 * mean(lambda s: s.decode_s),
             "mem_ms": 1e3 * mean(lambda s: s.mem_s),
             "compute_ms": 1e3 * mean(lambda s: s.wall_s - s.io_s - s.mem_s),
             "total_ms": 1e3 * mean(lambda s: s.wall_s),
