@@ -7,6 +7,12 @@ sparse_up_metal + sparse_down_metal (the selected rows are read in place). MLX's
 i.e. w[rows] gathers + mx.quantized_matmul / matmul. Both run on the GPU, alternated, each timed as
 the median of --metal-repeats evaluations after a warm-up; the outputs are compared first.
 Target: ours at least 2x faster at 10-50% of rows. Elsewhere it prints that it needs a Mac.
+
+ENDOR rows: one whole streamed ENDOR layer of the same shape (50% of each row's weights pruned,
+float16 or 4-bit payloads): ours = mlx_flash.metal.endor's decode-matvec kernels on the bundles as
+stored; against (a) the MLX-op twin (decode by bitmap unpack + cumsum + gathers, then gather +
+matmul) and (b) today's CPU path's GPU half: the sparse kernels on rows already decoded (the CPU
+decode's own time, kernels/endor_decode.cpp, printed beside it).
 """
 
 import platform
@@ -87,5 +93,90 @@ def run_metal(args):
                 rows_out.append((kind, frac, select, m, o))
                 print(f"{kind:6} {frac:>5.0%} {select:6} {m:>8.3f} {o:>8.3f} {m / o:>7.2f}x {diff:>9.2g}", flush=True)
     print(f"\n{met}/{len(rows_out)} cases at >= {TARGET_SPEEDUP:.0f}x MLX's gather + matmul")
+    _run_endor(repeats)
     print(f"command: {args.command_line}")
     return 0
+
+
+ENDOR_KINDS = {"f16": {"dtype": "float16"}, "q4g64": {"bits": 4, "group_size": 64}}
+
+
+def endor_layer(payload, neurons, hidden, seed=0, sparsity=0.5):
+    """(enc uint32 mx.array, byte offsets [neurons + 1], flat uint8 numpy, decoded mx rows (gate,
+    up, down_t) float16) of a random pruned gated layer encoded by pack/bitmap.py."""
+    import mlx.core as mx
+    import numpy as np
+
+    from ..pack import bitmap
+
+    rng = np.random.default_rng(seed)
+    mats = []
+    for _ in range(3):
+        w = (rng.normal(size=(neurons, hidden)) * 0.02).astype(np.float16)
+        w[rng.random((neurons, hidden)) < sparsity] = 0
+        mats.append(w)
+    blocks = [np.concatenate([bitmap.encode_row(m[j], payload) for m in mats]) for j in range(neurons)]
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).astype(np.int64)
+    flat = np.concatenate(blocks)
+    dests = [np.zeros((neurons, 2 * hidden), np.uint8) for _ in mats]
+    bitmap.decode_into(flat, offsets[:-1], np.diff(offsets), np.arange(neurons),
+                       [(d, hidden, payload) for d in dests])
+    rows = [mx.array(d).view(mx.float16) for d in dests]
+    return mx.array(flat.view(np.uint32)), offsets, flat, rows
+
+
+def endor_calls(payload, neurons, hidden, metal_kernel=None, **run):
+    """{name: callable} of one whole-layer ENDOR FFN call: "ours" (decode-matvec kernels), "twin"
+    (MLX-op decode + gather/matmul), "decoded" (the sparse kernels over decoded rows), and
+    "cpu decode" (kernels/endor_decode.cpp into the rows), plus the layer."""
+    import mlx.core as mx
+    import numpy as np
+
+    from ..metal import endor as E
+    from ..metal import kernels as K
+    from ..pack import bitmap
+
+    enc, offsets, flat, rows = endor_layer(payload, neurons, hidden)
+    bounds = E.word_bounds(offsets)
+    x = mx.random.normal((1, hidden), key=mx.random.key(4)).astype(mx.float16)
+    kw = dict(columns=hidden, down_columns=hidden, payload=payload, threshold=0.0)
+    dests = [np.zeros((neurons, 2 * hidden), np.uint8) for _ in range(3)]
+
+    def decoded():
+        h = K.sparse_up_metal(x, K.Weights(rows[1]), K.Weights(rows[0]), n=neurons, metal_kernel=metal_kernel,
+                              **run)
+        return K.sparse_down_metal(h, K.Weights(rows[2]), n=neurons, metal_kernel=metal_kernel, **run)
+
+    def cpu_decode():  # returns an empty array: the work is done when it returns
+        bitmap.decode_into(flat, offsets[:-1], np.diff(offsets), np.arange(neurons),
+                           [(d, hidden, payload) for d in dests])
+        return mx.zeros((0,))
+
+    return {
+        "ours": lambda: E.endor_ffn_metal(x, enc, bounds, metal_kernel=metal_kernel, **kw, **run)[0],
+        "twin": lambda: E.endor_ffn_twin(x, enc, bounds, **kw)[0],
+        "decoded": decoded,
+        "cpu decode": cpu_decode,
+    }
+
+
+def _run_endor(repeats):
+    import mlx.core as mx
+
+    print(f"\nENDOR layer streamed whole (50% pruned), hidden {HIDDEN}, {NEURONS} neurons, 1 token; "
+          f"median of {repeats} runs")
+    print(f"{'kind':6} {'twin ms':>8} {'decoded':>8} {'cpu dec':>8} {'ours ms':>8} {'vs twin':>8} "
+          f"{'vs cpu+dec':>10} {'max diff':>9}")
+    for kind, payload in ENDOR_KINDS.items():
+        calls = endor_calls(payload, NEURONS, HIDDEN)
+        diff = float(mx.abs(calls["ours"]().astype(mx.float32) - calls["twin"]().astype(mx.float32)).max())
+        for _ in range(3):
+            mx.eval(calls["ours"](), calls["twin"](), calls["decoded"]())
+        best = {name: float("inf") for name in calls}
+        for _ in range(3):  # alternated, so all see the same conditions
+            for name, fn in calls.items():
+                best[name] = min(best[name], _median_ms(fn, repeats))
+        o = best["ours"]
+        print(f"{kind:6} {best['twin']:>8.3f} {best['decoded']:>8.3f} {best['cpu decode']:>8.3f} {o:>8.3f} "
+              f"{best['twin'] / o:>7.2f}x {(best['cpu decode'] + best['decoded']) / o:>9.2f}x {diff:>9.2g}",
+              flush=True)
