@@ -3,7 +3,6 @@
 #include "cpu_features.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 
 namespace flash {
@@ -20,14 +19,8 @@ bool cpu_has_avx2() {
 #endif
 }
 
-Isa initial_isa() {
-  const char* env = std::getenv("MLX_FLASH_ISA");
-  if (env && std::string(env) == "scalar") return Isa::scalar;
-  return best_isa();  // unset, "avx2" or an unknown name: the best this CPU has
-}
-
 std::atomic<int>& isa_state() {
-  static std::atomic<int> state{int(initial_isa())};
+  static std::atomic<int> state{int(best_isa())};
   return state;
 }
 

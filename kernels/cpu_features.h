@@ -25,8 +25,8 @@ const char* isa_name(Isa isa);
 // The fastest ISA this CPU runs (detected once).
 Isa best_isa();
 
-// The ISA the kernels use: best_isa(), unless MLX_FLASH_ISA=scalar (read once, at first use) or
-// set_isa() chose another. MLX_FLASH_ISA=avx2 on a CPU without AVX2 falls back to scalar.
+// The ISA the kernels use: best_isa() unless set_isa() chose another. The C++ reads no environment
+// variable: mlx_flash.cpu.ops validates MLX_FLASH_ISA and applies it with set_isa().
 Isa active_isa();
 
 // Throws std::invalid_argument when this CPU cannot run isa.

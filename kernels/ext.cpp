@@ -147,8 +147,8 @@ NB_MODULE(_ext, m) {
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the best instruction set this CPU has (True) or force the portable scalar path (False).");
   m.def("isa", [] { return std::string(flash::isa_name(flash::active_isa())); },
-        "The instruction set the kernels run now: 'avx2' or 'scalar' (MLX_FLASH_ISA=scalar forces "
-        "the scalar path from the start).");
+        "The instruction set the kernels run now: 'avx2' or 'scalar' (importing mlx_flash.cpu.ops "
+        "applies MLX_FLASH_ISA).");
   m.def("best_isa", [] { return std::string(flash::isa_name(flash::best_isa())); },
         "The fastest instruction set this CPU runs the kernels with.");
   m.def("set_isa", [](const std::string& name) { flash::set_isa(flash::parse_isa(name)); }, nb::arg("name"),
@@ -164,7 +164,16 @@ NB_MODULE(_ext, m) {
       "Test hook: float32 values rounded to dtype (float16 / bfloat16) and back, as the fused ops round "
       "their intermediates.");
   m.def("simd_active", &flash::simd_active);
-  m.def("num_threads", &flash::num_threads);
+  m.def("num_threads", &flash::num_threads, "Threads the kernels run on (the caller included).");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 1 || n > 256) throw std::invalid_argument("mlx_flash: threads must be in 1..256");
+        flash::set_num_threads(n);
+      },
+      nb::arg("n"),
+      "Threads the kernels run on (1..256); before the first kernel call, or it only caps the chunks "
+      "(importing mlx_flash.cpu.ops applies MLX_FLASH_THREADS).");
   bind_endor(m);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;
 }

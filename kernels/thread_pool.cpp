@@ -7,7 +7,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -128,10 +127,6 @@ class Pool {
 std::atomic<int> g_threads{0};  // 0: not decided yet
 
 int default_threads() {
-  if (const char* env = std::getenv("MLX_FLASH_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
-  }
   unsigned hc = std::thread::hardware_concurrency();
   return hc == 0 ? 1 : int(std::min(hc, 16u));
 }

@@ -8,7 +8,8 @@ namespace flash {
 using ChunkFn = void (*)(const void* ctx, int chunk);
 void parallel_for(int chunks, ChunkFn fn, const void* ctx);
 
-// Threads the kernels use (>= 1): MLX_FLASH_THREADS, else the hardware's (at most 16).
+// Threads the kernels use (>= 1): set_num_threads()'s, else the hardware's (at most 16). The C++
+// reads no environment variable: mlx_flash.cpu.ops validates MLX_FLASH_THREADS and applies it.
 int num_threads();
 // Only before the pool exists; later calls just cap how many chunks are used.
 void set_num_threads(int n);

@@ -46,12 +46,32 @@ def test_isa_switch():
         _ext.set_isa(BEST_ISA)
 
 
-@pytest.mark.parametrize("value,want", [("scalar", "scalar"), ("", BEST_ISA)])
-def test_environment_forces_the_scalar_path(value, want):
-    code = "import mlx.core; from mlx_flash import _ext; print(_ext.isa())"
-    env = {**os.environ, "MLX_FLASH_ISA": value}
+@pytest.mark.parametrize("name,value,want", [("MLX_FLASH_ISA", "scalar", "scalar"), ("MLX_FLASH_ISA", "", BEST_ISA),
+                                             ("MLX_FLASH_ISA", "avx2", BEST_ISA), ("MLX_FLASH_THREADS", "3", "3"),
+                                             ("MLX_FLASH_THREADS", "1", "1")])
+def test_environment_sets_isa_and_threads_through_cpu_ops(name, value, want):
+    # mlx_flash.cpu.ops is the one reader of the variables: it checks them, then applies them.
+    shown = "_ext.isa()" if name == "MLX_FLASH_ISA" else "_ext.num_threads()"
+    code = f"import mlx_flash.cpu.ops; from mlx_flash import _ext; print({shown})"
+    env = {**os.environ, name: value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == want
+
+
+def test_the_extension_itself_reads_no_environment():
+    # A direct import of _ext cannot bypass cpu.ops' check: the C++ ignores the variables.
+    code = "import mlx.core; from mlx_flash import _ext; print(_ext.isa(), _ext.num_threads())"
+    env = {**os.environ, "MLX_FLASH_ISA": "scalar", "MLX_FLASH_THREADS": "99999"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    bare = {k: v for k, v in os.environ.items() if k not in ("MLX_FLASH_ISA", "MLX_FLASH_THREADS")}
+    ref = subprocess.run([sys.executable, "-c", code], env=bare, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == BEST_ISA and out.stdout == ref.stdout
+
+
+@pytest.mark.parametrize("n", [0, -1, 257])
+def test_set_num_threads_refuses_out_of_range(n):
+    with pytest.raises(ValueError, match="1..256"):
+        _ext.set_num_threads(n)
 
 
 @pytest.mark.parametrize("quantize", [(4, 32), None], ids=["q4g32", "f16"])

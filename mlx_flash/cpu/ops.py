@@ -38,10 +38,9 @@ MAX_KERNEL_THREADS = 256
 
 
 def check_kernel_environment(environ=os.environ) -> None:
-    """FlashError naming the variable unless MLX_FLASH_ISA and MLX_FLASH_THREADS (read by the
-    kernels' C++, which would take an unknown ISA as the best one and any thread count) are unset,
-    empty or valid."""
-    isa = environ.get("MLX_FLASH_ISA", "")  # as the C++ compares it
+    """FlashError naming the variable unless MLX_FLASH_ISA and MLX_FLASH_THREADS are unset, empty or
+    valid. This module is the one reader of both: the C++ reads no environment variable."""
+    isa = environ.get("MLX_FLASH_ISA", "")
     if isa and isa not in KERNEL_ISAS:
         raise FlashError(f"MLX_FLASH_ISA={isa!r:.40}: unknown instruction set (choose from "
                          f"{', '.join(KERNEL_ISAS)}, or leave it unset for the best this CPU has)")
@@ -62,8 +61,23 @@ def _load_extension():
     return ext, None
 
 
+def apply_kernel_environment(ext, environ=os.environ) -> None:
+    """Set the kernels' instruction set and thread count from MLX_FLASH_ISA / MLX_FLASH_THREADS
+    (checked by check_kernel_environment). `avx2` on a CPU without it runs the scalar path."""
+    isa = environ.get("MLX_FLASH_ISA", "")
+    if isa == "scalar" or (isa == "avx2" and ext.best_isa() == "scalar"):
+        ext.set_isa("scalar")
+    elif isa == "avx2":
+        ext.set_isa("avx2")
+    threads = environ.get("MLX_FLASH_THREADS", "")
+    if threads:
+        ext.set_num_threads(int(threads))
+
+
 check_kernel_environment()
 _ext, EXTENSION_ERROR = _load_extension()
+if _ext is not None:
+    apply_kernel_environment(_ext)
 EXTENSION_AVAILABLE = _ext is not None
 # MLX_FLASH_KERNELS=0 in the environment starts with the kernels off (MLX's own ops everywhere),
 # e.g. `MLX_FLASH_KERNELS=0 python -m mlx_flash.generate` to compare with MLX's CPU path.
