@@ -33,3 +33,13 @@ def test_endor_bench_calls_agree():
     assert scale > 0 and ours.shape == (1, 160)
     assert mx.abs(ours - twin).max().item() <= 2e-2 * scale and mx.abs(decoded - twin).max().item() <= 2e-2 * scale
     assert calls["cpu decode"]().size == 0
+
+
+def test_moe_bench_calls_agree():
+    """gather_qmm over bank slots and quantized_matmul over the same experts stacked: same product
+    (checked here on the CPU; the bench times them on a Mac's GPU)."""
+    from mlx_flash.bench.metal import moe_calls
+
+    calls = moe_calls(experts=8, slots=6, top_k=3, hidden=128, inter=64)
+    bank, stacked = calls["bank"](), calls["stacked"]()
+    assert bank.shape == (3, 1, 64) and mx.array_equal(bank, stacked)

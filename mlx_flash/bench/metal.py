@@ -13,6 +13,10 @@ float16 or 4-bit payloads): ours = mlx_flash.metal.endor's decode-matvec kernels
 stored; against (a) the MLX-op twin (decode by bitmap unpack + cumsum + gathers, then gather +
 matmul) and (b) today's CPU path's GPU half: the sparse kernels on rows already decoded (the CPU
 decode's own time, kernels/endor_decode.cpp, printed beside it).
+
+MoE row: the expert cache's call, mx.gather_qmm over 8 of 32 slots of a 4-bit OLMoE-shaped bank,
+against mx.quantized_matmul over the same experts stacked beforehand (the bytes-read floor): a
+ratio near 1 backs docs/metal.md's finding that gather_qmm needs no kernel of ours.
 """
 
 import platform
@@ -94,6 +98,7 @@ def run_metal(args):
                 print(f"{kind:6} {frac:>5.0%} {select:6} {m:>8.3f} {o:>8.3f} {m / o:>7.2f}x {diff:>9.2g}", flush=True)
     print(f"\n{met}/{len(rows_out)} cases at >= {TARGET_SPEEDUP:.0f}x MLX's gather + matmul")
     _run_endor(repeats)
+    _run_moe(repeats)
     print(f"command: {args.command_line}")
     return 0
 
@@ -180,3 +185,45 @@ def _run_endor(repeats):
         print(f"{kind:6} {best['twin']:>8.3f} {best['decoded']:>8.3f} {best['cpu decode']:>8.3f} {o:>8.3f} "
               f"{best['twin'] / o:>7.2f}x {(best['cpu decode'] + best['decoded']) / o:>9.2f}x {diff:>9.2g}",
               flush=True)
+
+
+MOE_SHAPE = dict(experts=64, slots=32, top_k=8, hidden=2048, inter=1024)  # OLMoE-1B-7B's layer
+
+
+def moe_calls(experts=64, slots=32, top_k=8, hidden=2048, inter=1024, seed=0):
+    """{"bank": gather_qmm over top_k slots of a [slots, inter, hidden] 4-bit bank (the expert
+    cache's call), "stacked": quantized_matmul over the same experts stacked contiguously
+    beforehand (the bytes-read floor)} for one token's up projection."""
+    import mlx.core as mx
+    import numpy as np
+
+    w = (mx.random.normal((slots, inter, hidden), key=mx.random.key(seed)) * 0.02).astype(mx.float16)
+    bank, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    picked = mx.array(np.sort(np.random.default_rng(seed).choice(slots, top_k, replace=False)).astype(np.uint32))
+    stacked = [a[picked] for a in (bank, scales, biases)]
+    mx.eval(bank, scales, biases, *stacked)
+    x = mx.random.normal((top_k, 1, hidden), key=mx.random.key(seed + 1)).astype(mx.float16)
+    q = dict(transpose=True, group_size=64, bits=4)
+    return {
+        "bank": lambda: mx.gather_qmm(x, bank, scales, biases, rhs_indices=picked, **q),
+        "stacked": lambda: mx.quantized_matmul(x, *stacked, **q),
+    }
+
+
+def _run_moe(repeats):
+    import mlx.core as mx
+
+    shape = MOE_SHAPE
+    print(f"\nMoE expert cache: one token's up projection over {shape['top_k']} of {shape['slots']} bank "
+          f"slots ({shape['hidden']} -> {shape['inter']}, 4-bit g64); median of {repeats} runs")
+    calls = moe_calls(**shape)
+    diff = float(mx.abs(calls["bank"]() - calls["stacked"]()).max())
+    for _ in range(3):
+        mx.eval(calls["bank"](), calls["stacked"]())
+    best = {name: float("inf") for name in calls}
+    for _ in range(3):
+        for name, fn in calls.items():
+            best[name] = min(best[name], _median_ms(fn, repeats))
+    print(f"gather_qmm on the bank {best['bank']:.3f} ms, quantized_matmul on pre-stacked experts "
+          f"{best['stacked']:.3f} ms: ratio {best['bank'] / best['stacked']:.2f} (near 1: gather_qmm is "
+          f"enough); max diff {diff:.2g}")
