@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.metal import emulator as em
+from mlx_flash.metal import endor
 from mlx_flash.metal import kernels as K
 
 pytestmark = [
@@ -70,6 +71,8 @@ TEXT_CASES = [
     ("sparse_up q4", lambda f: K.kernel("sparse_up", f), None, "q4"),
     ("sparse_up bf16", lambda f: K.kernel("sparse_up", f), None, "bf16"),
     ("sparse_down q8", lambda f: K.kernel("sparse_down", f), None, "q8"),
+    ("endor_up q4", lambda f: K.kernel("endor_up", f), None, "q4"),
+    ("endor_down f16", lambda f: K.kernel("endor_down", f), None, "f16"),
 ]
 
 
@@ -88,10 +91,20 @@ def _ffn_case(kind, which):
     def capture(**kernel_kwargs):
         def call(inputs, **call_kwargs):
             captured["inputs"], captured["kwargs"] = inputs, call_kwargs
-            return [mx.zeros(call_kwargs["output_shapes"][0], call_kwargs["output_dtypes"][0])]
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(call_kwargs["output_shapes"],
+                                                                  call_kwargs["output_dtypes"])]
         return call
 
-    if which == "sparse_up":
+    if which.startswith("endor"):
+        payload = {"bits": 4, "group_size": 32} if kind == "q4" else {"dtype": "float16"}
+        enc, bounds = mx.zeros((300,), mx.uint32), mx.array([[0, 10], [10, 20]], mx.int32)
+        if which == "endor_up":
+            endor.endor_up_metal(mx.zeros((1, 64), mx.float16), enc, bounds, columns=64, down_columns=48,
+                                 payload=payload, metal_kernel=capture)
+        else:
+            endor.endor_down_metal(mx.zeros((1, 12), mx.float16), enc, mx.arange(12).astype(mx.int32), columns=48,
+                                   payload=payload, metal_kernel=capture)
+    elif which == "sparse_up":
         K.sparse_up_metal(mx.zeros((1, 64), mx.float16), weights, weights, n=12, metal_kernel=capture)
     else:
         K.sparse_down_metal(mx.zeros((1, 12), mx.float16), weights, rows=mx.arange(12), metal_kernel=capture)
