@@ -213,11 +213,11 @@ def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch):
     pack = make_pack(dtype="float16", quantize=(4, 32))
     real_read = aio.AioContext.read
 
-    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None):
+    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
         def spoil(idx, res):
             res[idx[::2]] = np.where(idx[::2] % 4 == 0, 512, -errno.EIO)  # short, or EIO
             on_done(idx, res)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil)
+        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil, vectored=vectored)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
     ids = [0, 3, 17, 40, 41, 42, 77, 95]

@@ -4,6 +4,8 @@ One thread keeps `depth` reads in flight with no Python work per read: the iocbs
 structured array filled in one vectorised step and completions come back as a numpy array. This
 is what lets a Python loader keep up with fio on small random reads, where a pool of Python
 threads spends more time passing the GIL around than the device spends reading.
+Reads are plain (IOCB_CMD_PREAD into one buffer) or vectored (IOCB_CMD_PREADV: one read whose
+iovecs land each piece of a block in its own destination row, zero copy).
 Only used on Linux, for files opened with O_DIRECT (native AIO on buffered files is synchronous).
 """
 
@@ -19,8 +21,10 @@ _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}  # setup, 
 IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<u4"), ("opcode", "<u2"),
                  ("reqprio", "<i2"), ("fildes", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"),
                  ("offset", "<i8"), ("reserved2", "<u8"), ("flags", "<u4"), ("resfd", "<u4")])
+IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
+PREAD, PREADV = 0, 7  # IOCB_CMD_PREAD, IOCB_CMD_PREADV
 EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
-assert IOCB.itemsize == 64 and EVENT.itemsize == 32
+assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
 
 _libc = None
 
@@ -49,9 +53,12 @@ class AioContext:
         self._events = np.zeros(depth, EVENT)
         self.min_batch = max(1, depth // 8)  # completions to wait for per call: fewer Python round trips
 
-    def read(self, fds, offsets, sizes, addresses, on_done=None) -> np.ndarray:
+    def read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None) -> np.ndarray:
         """Read sizes[i] bytes at offsets[i] of fds[i] into memory at addresses[i], all arrays.
 
+        vectored: optional bool array; where True, addresses[i] is the address of an IOVEC array
+        and sizes[i] its number of entries (the read fills them in order). The caller keeps every
+        buffer and iovec array alive until this returns.
         Returns each read's result (bytes read, or -errno); the caller retries anything short.
         on_done(indices, results) is called with each batch of finished reads while others
         are in flight (results: the array returned at the end, filled so far).
@@ -65,7 +72,9 @@ class AioContext:
         iocbs["fildes"] = fds
         iocbs["buf"] = addresses
         iocbs["nbytes"] = sizes
-        iocbs["offset"] = offsets  # opcode 0 = IOCB_CMD_PREAD
+        iocbs["offset"] = offsets
+        if vectored is not None:
+            iocbs["opcode"] = np.where(vectored, PREADV, PREAD)
         ptrs = (iocbs.ctypes.data + 64 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
         call, (_, _, getevents, submit) = _syscall(), self._nr
         ctx = ctypes.c_ulong(self._ctx.value)

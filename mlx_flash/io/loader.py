@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
 from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_read_arrays
 
+# Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
+# cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
+SCATTER_ROWS = 64
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
 CALIBRATION_MIN_BYTES = 16 << 20
 
@@ -105,7 +109,10 @@ class _Job:
     pos: np.ndarray | None = None  # staging position of each planned read
     lengths: np.ndarray | None = None  # ENDOR layers: encoded bytes of each bundle (ids order)
     roles: list | None = None  # ENDOR layers: decode destinations (pack.reader.endor_roles)
-    decode_s: float = 0.0  # ENDOR layers: seconds spent checking + decoding (calling thread)
+    decode_s: float = 0.0  # ENDOR layers: seconds spent checking + decoding (finishing thread)
+    iov: np.ndarray | None = None  # zero-copy AIO: iovecs of every read, in order (aio.IOVEC)
+    iov_counts: np.ndarray | None = None  # iovecs of each read
+    scratch: memoryview | None = None  # where gap iovecs point: kept alive while reads fly
 
 
 class FlashLoader:
@@ -135,6 +142,7 @@ class FlashLoader:
         self._workers: list[threading.Thread] = []
         self._tasks = None
         self._aio_contexts = []
+        self._finish_pool = None
         self._target_cache = {}
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
@@ -262,17 +270,52 @@ class FlashLoader:
         return "aio" if use else "threads"
 
     def _aio_ok(self, job) -> bool:
-        """Native AIO for direct reads into staging, unless a custom file layer is injected."""
-        if self.engine == "threads" or job.zero_copy or not job.f.direct or len(job.r0) == 0:
+        """Native AIO for direct reads (into staging, or vectored straight into the destination
+        rows), unless a custom file layer is injected or a read needs more than IOV_MAX iovecs."""
+        if self.engine == "threads" or not job.f.direct or len(job.r0) == 0:
             return False
         ok = aio.available() and type(self.files) is FileLayer and sys.platform != "darwin"
         if self.engine == "aio" and not ok:
             raise FlashError("engine='aio' needs Linux O_DIRECT reads and the default FileLayer")
+        if ok and job.zero_copy:
+            job.iov, job.iov_counts = self._zero_copy_iovecs(job)
+            return int(job.iov_counts.max()) <= IOV_MAX
         return ok
 
+    def _zero_copy_iovecs(self, job):
+        """(IOVEC array, iovecs per read) landing each planned read of a zero-copy job in the
+        destination rows, in file order; bytes between components or bundles (merge gaps, edges)
+        go to a scratch buffer whose contents nobody reads. Array ops only: no Python work per
+        bundle."""
+        comps = sorted(job.targets, key=lambda t: t[0])
+        offs = np.array([off for off, _, _ in comps], np.int64)
+        lens = np.array([n for _, n, _ in comps], np.int64)
+        bases = np.array([address(mat) for _, _, mat in comps], np.uint64)
+        row_bytes = np.array([mat.strides[0] for _, _, mat in comps], np.uint64)
+        seg_read = np.repeat(job.member_read, len(comps))  # segments: bundle-major, component-minor
+        seg_start = (job.starts[:, None] + offs[None, :]).reshape(-1)
+        seg_len = np.tile(lens, len(job.ids))
+        seg_addr = (bases[None, :] + job.slots.astype(np.uint64)[:, None] * row_bytes[None, :]).reshape(-1)
+        seg_end = seg_start + seg_len
+        first_of_read = np.ones(len(seg_read), bool)
+        first_of_read[1:] = seg_read[1:] != seg_read[:-1]
+        gap = seg_start - np.where(first_of_read, job.r0[seg_read], np.roll(seg_end, 1))
+        last_of_read = np.append(first_of_read[1:], True)
+        tail = np.where(last_of_read, job.r1[seg_read] - seg_end, 0)
+        job.scratch = self._scratch(int(max(gap.max(), tail.max())))
+        scratch = np.uint64(address(job.scratch))
+        lengths = np.stack([gap, seg_len, tail], axis=1).reshape(-1)  # gap, piece, tail per segment
+        addrs = np.stack([np.full(len(gap), scratch), seg_addr, np.full(len(gap), scratch)],
+                         axis=1).reshape(-1)
+        keep = lengths > 0
+        iov = np.empty(int(keep.sum()), aio.IOVEC)
+        iov["base"], iov["len"] = addrs[keep], lengths[keep]
+        return iov, np.bincount(np.repeat(seg_read, 3)[keep], minlength=len(job.r0))
+
     def _read_aio(self, jobs, staging, flat):
-        """All staging reads of `jobs` through one AIO context; each job is checked and scattered
-        as soon as its last read completes, while the device works on the rest."""
+        """All reads of `jobs` through one AIO context. Each job is checked and scattered by the
+        finishing thread as soon as its last read completes, while this thread keeps the queue
+        full (a scatter done here would leave the device idle for its duration)."""
         ctx = getattr(self._local, "aio", None)
         if ctx is None:
             ctx = self._local.aio = aio.AioContext(self.threads)
@@ -282,9 +325,16 @@ class FlashLoader:
         tags = np.repeat(np.arange(len(jobs)), counts)
         offsets = np.concatenate([j.r0 for j in jobs])
         sizes = np.concatenate([j.r1 - j.r0 for j in jobs])
-        pos = np.concatenate([j.pos for j in jobs])
         fds = np.concatenate([np.full(len(j.r0), j.f.fd) for j in jobs])
-        left = counts.copy()
+        vectored = np.repeat([j.zero_copy for j in jobs], counts)
+        pos = np.concatenate([np.zeros(len(j.r0), np.int64) if j.zero_copy else j.pos for j in jobs])
+        entries = np.concatenate([j.iov_counts if j.zero_copy else np.zeros(len(j.r0), np.int64)
+                                  for j in jobs])
+        iov = np.concatenate([j.iov for j in jobs if j.zero_copy] or [np.empty(0, aio.IOVEC)])
+        iov_first = np.concatenate([[0], np.cumsum(entries)[:-1]]).astype(np.uint64)
+        iov_addr = np.uint64(iov.ctypes.data) + np.uint64(aio.IOVEC.itemsize) * iov_first
+        staged = np.uint64(address(flat)) + pos.astype(np.uint64) if flat is not None else iov_addr
+        left, finishing = counts.copy(), []
         first_read = np.concatenate([[0], np.cumsum(counts)[:-1]])
 
         def on_done(idx, res):
@@ -295,22 +345,48 @@ class FlashLoader:
                     mine = idx[tags[idx] == t]
                     landed = mine[res[mine] == sizes[mine]] - first_read[t]
                     if len(landed):
-                        self._decode(job, flat, np.flatnonzero(np.isin(job.member_read, landed)))
+                        finishing.append(self._finisher().submit(
+                            self._decode, job, flat, np.flatnonzero(np.isin(job.member_read, landed))))
                 if left[t] == 0:
-                    self._complete_aio(job, tags == t, res, offsets, sizes, pos, staging, flat)
+                    finishing.append(self._finisher().submit(
+                        self._complete_aio, jobs[t], np.flatnonzero(tags == t), res, offsets,
+                        sizes, pos, staging, flat))
 
-        ctx.read(fds, offsets, sizes, address(flat) + pos, on_done=on_done)
+        try:
+            ctx.read(fds, offsets, np.where(vectored, entries, sizes),
+                     np.where(vectored, iov_addr, staged), on_done=on_done, vectored=vectored)
+        finally:
+            errors = [f.exception() for f in finishing]  # waits: no scatter may outlive the call
+        for e in errors:
+            if e is not None:
+                raise e
 
-    def _complete_aio(self, job, mask, res, offsets, sizes, pos, staging, flat):
-        bad = np.flatnonzero(mask & (res != sizes))
-        for k in bad.tolist():  # short read or error: redo it carefully (EINTR, retries, EOF)
-            n, p = int(sizes[k]), int(pos[k])
-            read_full(self.files, job.f.fd, [staging[p: p + n]], int(offsets[k]), job.f.path,
-                      job.f.buffered_fd)
+    def _finisher(self) -> ThreadPoolExecutor:
+        """The thread that checks and scatters finished AIO jobs (started on first use)."""
+        if self._finish_pool is None:
+            with self._lock:
+                if self._finish_pool is None:
+                    self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="flash-finish")
+        return self._finish_pool
+
+    def _complete_aio(self, job, reads, res, offsets, sizes, pos, staging, flat):
+        """Redo a finished job's short or failed reads carefully (EINTR, retries, EOF), then check
+        and scatter it (ENDOR: decode the redone reads' bundles; the rest were decoded as they
+        landed). reads: indices of its reads in the AIO arrays, in the job's read order."""
+        bounds, redone = np.append(job.first, len(job.ids)), []
+        for k, i in enumerate(reads.tolist()):
+            if res[i] == sizes[i]:
+                continue
+            r0, n = int(offsets[i]), int(sizes[i])
+            if job.zero_copy:
+                buffers = self._member_iovecs(job, r0, r0 + n, range(bounds[k], bounds[k + 1]))
+            else:
+                buffers = [staging[int(pos[i]): int(pos[i]) + n]]
+            read_full(self.files, job.f.fd, buffers, r0, job.f.path, job.f.buffered_fd)
+            redone.append(k)
         if job.lengths is None:
             self._finish(job, flat)
-        elif len(bad):  # ENDOR bundles of the reads that landed were decoded as they landed
-            redone = bad - np.flatnonzero(mask)[0]
+        elif redone:  # ENDOR bundles of the reads that landed were decoded as they landed
             self._decode(job, flat, np.flatnonzero(np.isin(job.member_read, redone)))
 
     def _items(self, job):
@@ -534,11 +610,22 @@ class FlashLoader:
         if job.lengths is not None:
             return self._decode(job, flat)
         offs = job.pos[job.member_read] + job.starts - job.r0[job.member_read]
-        rows = np.lib.stride_tricks.sliding_window_view(flat, job.stride)[offs]
         if self.verify:
-            self._check(job, rows)
+            self._check(job, flat, offs)
+        slots, stride = job.slots, job.stride
+        # runs: bundles one stride apart in staging going to consecutive rows (chunks, experts)
+        bounds = np.flatnonzero((np.diff(offs) != stride) | (np.diff(slots) != 1)) + 1
+        if len(bounds) < len(offs) // SCATTER_ROWS:  # long runs: one strided copy per run
+            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(offs)]):
+                o, s = int(offs[a]), int(slots[a])
+                for off, n, mat in job.targets:
+                    mat[s: s + b - a] = np.lib.stride_tricks.as_strided(
+                        flat[o + off:], shape=(b - a, n), strides=(stride, 1))
+            return
         for off, n, mat in job.targets:
-            mat[job.slots] = rows[:, off: off + n]
+            rows = np.lib.stride_tricks.sliding_window_view(flat, n)  # a view: row i = flat[i: i + n]
+            for a in range(0, len(offs), SCATTER_ROWS):  # blocks: the gathered rows stay in cache
+                mat[slots[a: a + SCATTER_ROWS]] = rows[offs[a: a + SCATTER_ROWS] + off]
 
     def _decode(self, job, flat, members=None):
         """Check (crc32) and decode bundles `members` (indices into job.ids; default all) of an
@@ -556,15 +643,16 @@ class FlashLoader:
         finally:
             job.decode_s += time.perf_counter() - t0
 
-    def _check(self, job, rows):
+    def _check(self, job, flat, offs):
+        """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table."""
         crc_table, crc32, tight = job.f.crc, zlib.crc32, job.tight
-        for i in range(len(rows)):
+        for i, o in enumerate(offs.tolist()):
             if tight:
-                crc = crc32(rows[i, :tight])
+                crc = crc32(flat[o: o + tight])
             else:
                 crc = 0
                 for off, n in job.pieces:
-                    crc = crc32(rows[i, off: off + n], crc)
+                    crc = crc32(flat[o + off: o + off + n], crc)
             if crc != crc_table[job.ids[i]]:
                 raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
                                  f"(offset {int(job.starts[i])})")
@@ -592,10 +680,12 @@ class FlashLoader:
             buf = self._local.staging = aligned_buffer(n)
         return buf
 
-    def _scratch(self) -> memoryview:
+    def _scratch(self, n=0) -> memoryview:
+        """This thread's page-aligned buffer for bytes a read must cover but nobody wants (at
+        least `n` bytes; grown by replacing it, so holders of the old one keep it valid)."""
         buf = getattr(self._local, "scratch", None)
-        if buf is None:
-            buf = self._local.scratch = aligned_buffer(self.max_read + 2 * self.alignment)
+        if buf is None or len(buf) < n:
+            buf = self._local.scratch = aligned_buffer(max(n, self.max_read + 2 * self.alignment))
         return buf
 
     def _file(self, layer, entry) -> _Open:
@@ -626,6 +716,9 @@ class FlashLoader:
         for w in self._workers:
             w.join()
         self._workers = []
+        if self._finish_pool is not None:
+            self._finish_pool.shutdown()
+            self._finish_pool = None
         for ctx in self._aio_contexts:
             ctx.close()
         self._aio_contexts = []
