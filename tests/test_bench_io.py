@@ -29,3 +29,42 @@ def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
         assert c["bundled"]["reads"] <= c["unbundled"]["reads"]
         assert c["bundled_planned"]["reads"] <= c["bundled"]["reads"]
     assert r["fio"] == {} and png.stat().st_size > 0 and not list(tmp_path.glob("pack.unbundled*"))
+
+
+def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    import pytest
+
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.errors import FlashError
+    from mlx_flash.pack import read_manifest, write_pack
+
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    stride = read_manifest(pack)["bundles"][0]["stride"]
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+    sizes = [bench_io.parse_size(s) for s in ("16K", "64", "1M")]
+    assert sizes == [16384, 64, 1 << 20]
+    with pytest.raises(FlashError, match="--large-sizes: '4Q' is not a size"):
+        bench_io.parse_size("4Q")
+
+    def check(rows):
+        ok, small, few = rows
+        assert ok["bundles_per_read"] == round(16384 / stride) and ok["reads"] >= 8
+        assert ok["read_bytes"] >= ok["bundles_per_read"] * stride and ok["device_gbps"] > 0
+        assert small == {"size": 64, "skipped": f"bundles are {stride} bytes"}
+        assert few["skipped"].startswith("bundle files hold fewer than")
+        return ok
+
+    if shutil.which("fio"):  # fio reads the same files at the loader's read size and depth
+        ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=True))
+        assert ok["fio_gbps"] > 0 and f"--bs={ok['read_bytes']}" in ok["fio_command"]
+        assert ok["loader_over_fio"] == ok["device_gbps"] / ok["fio_gbps"]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=True))
+    assert ok["fio"] == "fio not installed" and "fio_gbps" not in ok
+    assert bench_io.fio_throughput(bench.paths(), {4096: 1}, 2, 1 << 20) is None

@@ -9,7 +9,9 @@ is reported) and the loader reads with O_DIRECT. Measured:
   3. bundled vs unbundled: the same random neuron sets read from the pack's bundles, and from a
      matrix-major copy (gate rows, up rows, down rows in separate regions: one request each);
   4. planner on vs off on the same neuron sets;
-  5. fio --direct=1 --rw=randread on the same files, with the loader's read sizes and threads.
+  5. fio --direct=1 --rw=randread on the same files, with the loader's read sizes and threads;
+  6. large reads (64 KiB - 4 MiB, as MoE experts need): k consecutive bundles per read through
+     FlashLoader.read_many into `alloc` destinations, next to fio at the same read size and depth.
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
 device returned, including alignment edges and merged gaps).
 """
@@ -52,6 +54,10 @@ def add_arguments(parser):
     parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
     parser.add_argument("--calibrate", action="store_true",
                         help="re-measure the planner's cost model even if a profile is stored")
+    parser.add_argument("--large-sizes", default="64K,128K,256K,512K,1M,2M,4M",
+                        help="read sizes of the large-read table (bytes, K or M suffix)")
+    parser.add_argument("--large-mb", type=int, default=256,
+                        help="MB read per large-read run (at least 4 reads per slot in flight)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -71,8 +77,12 @@ class Bench:
         self.evict_methods = set()
         self.extra_paths = []
 
+    def paths(self):
+        """The pack's bundle files."""
+        return sorted({self.pack / e.file for e in self.entries.values()})
+
     def evict(self):
-        paths = [self.pack / e.file for e in self.entries.values()] + self.extra_paths
+        paths = self.paths() + self.extra_paths
         r = self.evict_fn(paths, drop_caches=self.args.drop_caches)
         self.evict_methods.add(r["method"])
         if r["residency"] and r["residency"] > 0.01:
@@ -146,6 +156,90 @@ def chunk_sweep(bench, threads_list, chunks):
     return rows
 
 
+def parse_size(text) -> int:
+    """'64K' / '4M' / '65536' -> bytes."""
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    try:
+        return int(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise FlashError(f"--large-sizes: {text!r} is not a size (bytes, or with K or M)") from None
+
+
+def large_reads(bench, sizes, depth, total_bytes, with_fio):
+    """Per read size: random runs of k consecutive bundles (k x stride ~ the size) of every bundle
+    file, read cold through FlashLoader.read_many into `alloc` destinations with `depth` reads in
+    flight, and fio at the loader's read size, depth and files; the two take turns (--repeat).
+    Sizes below one bundle are skipped. One untimed run first: steady state, where the loader's
+    staging buffer exists (its first touch costs page faults a runtime pays once)."""
+    loader_keys = {}
+    probe = FlashLoader(bench.pack, threads=depth, plan=False)
+    try:  # readable bundles (an expert-bits layer is read per width group)
+        loader_keys = {k: e for k, e in probe.bundles.items() if not getattr(e, "groups", None)}
+    finally:
+        probe.close()
+    stride = max(e.stride for e in loader_keys.values())
+    align = bench.manifest.alignment
+    rows = []
+    for size in sizes:
+        k = max(1, round(size / stride))
+        if k * stride > 2 * size:
+            rows.append({"size": size, "skipped": f"bundles are {stride} bytes"})
+            continue
+        reads = max(4 * depth, total_bytes // (k * stride))
+        sets = {}
+        for key in loader_keys:
+            count = loader_keys[key].count
+            n = min(count // k, -(-reads // len(loader_keys)))
+            if n:
+                starts = np.sort(bench.rng.choice(count // k, n, replace=False)) * k
+                sets[key] = (starts[:, None] + np.arange(k)[None, :]).reshape(-1)
+        if not sets:
+            rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
+            continue
+        max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
+        with FlashLoader(bench.pack, threads=depth, verify=False, cost=ReadCost(0.0, 1e9),
+                         max_read=max_read) as loader:
+            dests = _alloc(loader, sets)
+            warm = _read_sets(loader, sets, dests)
+            read_bytes = max(warm.read_sizes, key=warm.read_sizes.get)
+            fns = {"loader": lambda: _read_sets(loader, sets, dests)}
+            cmd = fio_command(bench.paths(), depth, {read_bytes: 1}, warm.bytes_read, "libaio") \
+                if with_fio else None
+            if cmd:
+                fns["fio"] = lambda: run_fio(cmd)
+            res = interleaved(bench, fns)
+            del dests
+        s = res["loader"]
+        row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
+               "zero_copy": s.zero_copy_reads == s.reads, "gbps": _gb(s.bytes_useful, s.seconds),
+               "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth}
+        if cmd:
+            fio = res["fio"].bw / 1e9
+            row.update(fio_gbps=fio, loader_over_fio=row["device_gbps"] / fio, fio_command=" ".join(cmd))
+        else:
+            row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
+        rows.append(row)
+    return rows
+
+
+def print_large_reads(rows, depth):
+    print(f"\nlarge reads: k consecutive bundles per read into alloc() destinations, {depth} in "
+          f"flight, vs fio --rw=randread --ioengine=libaio --iodepth={depth} --bs=<read bytes> on "
+          f"the same files, runs interleaved (device GB/s)")
+    print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
+          f"{'fio':>7} {'loader/fio':>10}")
+    for r in rows:
+        name = f"{r['size'] >> 20}M" if r["size"] >= 1 << 20 else f"{r['size'] >> 10}K"
+        if "skipped" in r:
+            print(f"{name:>6}  skipped: {r['skipped']}")
+            continue
+        fio = (f"{r['fio_gbps']:7.3f} {r['loader_over_fio']:10.0%}" if "fio_gbps" in r
+               else f"  {r['fio']}")
+        print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
+              f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {fio}")
+
+
 def sequential_ceiling(bench, block=4 << 20):
     """Plain large sequential O_DIRECT reads of every bundle file, one thread."""
     files = FileLayer()
@@ -201,19 +295,33 @@ class _FioRun:
         self.seconds = io_bytes / bw_bytes if bw_bytes else float("inf")
 
 
-def fio_command(bench, threads, read_sizes, total_bytes, engine):
-    """fio randread on the pack's bundle files with the loader's read-size mix and threads."""
+def fio_command(paths, threads, read_sizes, total_bytes, engine):
+    """fio randread on `paths` (bundle files) with a read-size mix ({bytes: reads}) and `threads`
+    reads in flight (psync: that many jobs; libaio: that queue depth); None without fio."""
     fio = shutil.which("fio")
     if fio is None:
         return None
-    files = ":".join(str(bench.pack / bench.entries[layer].file) for layer in bench.layers)
+    files = ":".join(str(p).replace(":", "\\:") for p in paths)
     total = sum(read_sizes.values())
     split = "/".join(f"{size}/{max(1, round(100 * n / total))}" for size, n in sorted(read_sizes.items()))
     jobs, depth = (threads, 1) if engine == "psync" else (1, threads)
     return [fio, "--name=flashbench", f"--filename={files}", "--direct=1", "--rw=randread",
             f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--thread",
-            "--group_reporting", f"--bssplit={split}", "--blockalign=4096", "--norandommap",
+            "--group_reporting", f"--bs={next(iter(read_sizes))}" if len(read_sizes) == 1
+            else f"--bssplit={split}", "--blockalign=4096", "--norandommap",
             f"--io_size={max(1 << 20, total_bytes // jobs)}", "--output-format=json"]
+
+
+def fio_throughput(paths, read_sizes, depth, total_bytes) -> dict | None:
+    """fio's O_DIRECT random-read throughput on `paths` with the read-size mix `read_sizes`
+    ({bytes per read: reads}) and `depth` reads in flight (libaio): {"gbps" (1e9 bytes/s),
+    "iops", "command"}; None when fio is not installed. The reference for "I/O time per token
+    vs bytes missed / fio throughput at that read size and depth"."""
+    cmd = fio_command(paths, depth, read_sizes, total_bytes, "libaio")
+    if cmd is None:
+        return None
+    r = run_fio(cmd)
+    return {"gbps": r.bw / 1e9, "iops": r.iops, "command": " ".join(cmd)}
 
 
 def run_fio(cmd):
@@ -277,7 +385,8 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
                 bench.evict()
                 probe = fns["bundled"]()  # the read-size mix fio replays
                 for engine in ("psync", "libaio"):
-                    cmd = fio_command(bench, threads, probe.read_sizes, probe.bytes_read, engine)
+                    cmd = fio_command(bench.paths(), threads, probe.read_sizes, probe.bytes_read,
+                                      engine)
                     if cmd:
                         cmds[engine] = cmd
                         fns[f"fio_{engine}"] = (lambda c=cmd: run_fio(c))
@@ -364,15 +473,17 @@ def run(args) -> int:
           f"{e0['stride']} bytes per layer")
     seq = sequential_ceiling(bench)
     sweep = chunk_sweep(bench, threads_list, chunks)
+    sizes = [parse_size(x) for x in args.large_sizes.split(",") if x.strip()]
     comparisons, fio, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}),
                                                   with_fio=not args.no_fio)
+    large = large_reads(bench, sizes, top, args.large_mb << 20, with_fio=not args.no_fio)
     main = next(r for r in comparisons if r["fraction"] == args.fraction)
     if not args.no_fio and not fio:
         print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
     result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
               "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
               "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
-              "bundled_vs_unbundled": comparisons, "fio": fio}
+              "bundled_vs_unbundled": comparisons, "fio": fio, "large_reads": large}
 
     print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
     print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
@@ -414,6 +525,7 @@ def run(args) -> int:
         for engine, f in fio.items():
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
+    print_large_reads(large, top)
     if args.json:
         tmp = Path(f"{args.json}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(result, indent=1))

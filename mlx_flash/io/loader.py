@@ -615,12 +615,11 @@ class FlashLoader:
         slots, stride = job.slots, job.stride
         # runs: bundles one stride apart in staging going to consecutive rows (chunks, experts)
         bounds = np.flatnonzero((np.diff(offs) != stride) | (np.diff(slots) != 1)) + 1
-        if len(bounds) < len(offs) // SCATTER_ROWS:  # long runs: one strided copy per run
-            for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), len(offs)]):
-                o, s = int(offs[a]), int(slots[a])
-                for off, n, mat in job.targets:
-                    mat[s: s + b - a] = np.lib.stride_tricks.as_strided(
-                        flat[o + off:], shape=(b - a, n), strides=(stride, 1))
+        if len(bounds) < len(offs) // 4:  # runs of 4+ bundles: one strided copy per run
+            starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(offs)]
+            for off, n, mat in job.targets:
+                for a, b, o, s in zip(starts, ends, offs[starts].tolist(), slots[starts].tolist()):
+                    mat[s: s + b - a] = np.ndarray((b - a, n), np.uint8, flat, o + off, (stride, 1))
             return
         for off, n, mat in job.targets:
             rows = np.lib.stride_tricks.sliding_window_view(flat, n)  # a view: row i = flat[i: i + n]
