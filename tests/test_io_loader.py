@@ -495,13 +495,14 @@ def test_endor_bundles_decode_as_their_reads_land(tiny_llama, tmp_path, monkeypa
     pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
     real_read = aio.AioContext.read
 
-    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None):
+    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
+        assert vectored is None or not vectored.any()  # ENDOR bundles are staged, then decoded
         def spoil(idx, res):
             for k in idx[::3].tolist():
                 ctypes.memset(int(addresses[k]), 0, int(sizes[k]))
                 res[k] = -errno.EIO
             on_done(idx, res)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil)
+        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil, vectored=vectored)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
     batches = []
