@@ -11,7 +11,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_manifest, write_pack
-from mlx_flash.sparse.budget import layer_bytes, resident_bytes, stream_bytes
+from mlx_flash.sparse.budget import encoded_bytes, layer_bytes, resident_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
 from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
 from test_generate import run as generate  # the CLI in a subprocess, as users run it
@@ -183,14 +183,20 @@ def test_endor_pack_runs_every_mode_like_the_dense_pack(tiny_llama, tmp_path, qu
         assert_identical(run_steps(build_flash_model(endor, FlashConfig("dense"))), dense)
     else:
         dense = run_steps(build_flash_model(endor, FlashConfig("dense")))
+    m = read_manifest(endor)  # room for 3 layers held encoded, fewer than 3 decoded
+    held_budget = resident_bytes(m) + stream_bytes(m) + sum(encoded_bytes(b, m.alignment) for b in m.bundles[:3])
     runs = {
         "naive": build_flash_model(endor, FlashConfig("naive")),
-        "hybrid": build_flash_model(endor, FlashConfig("hybrid", memory_budget=hybrid_budget(endor, 1))),
+        "hybrid": build_flash_model(endor, FlashConfig("hybrid", memory_budget=held_budget)),
         "flash": build_flash_model(endor, FlashConfig("flash", window=2),
                                    predictors={i: all_neurons(96) for i in range(4)},
                                    capacity={i: 96 for i in range(4)}),
     }
-    assert runs["hybrid"].flash_stats.plan.resident_layers == [0]
+    plan = runs["hybrid"].flash_stats.plan
+    assert plan.encoded_layers and len(plan.resident_layers) + len(plan.encoded_layers) == 3
+    assert plan.weights <= plan.budget
     for mode, model in runs.items():
         assert_identical(run_steps(model), dense)
     assert runs["naive"].flash_stats.summary()["bytes_read"] > 0
+    held = runs["hybrid"].flash_stats.summary()
+    assert held["decode_ms"] > 0 and held["bytes_read"] < runs["naive"].flash_stats.summary()["bytes_read"]

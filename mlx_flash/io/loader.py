@@ -484,6 +484,22 @@ class FlashLoader:
             stats.read_sizes[n] = stats.read_sizes.get(n, 0) + 1
         return out, offsets, stats
 
+    def decode_encoded(self, layer, words, offsets, dest) -> float:
+        """Decode every bundle of an ENDOR layer held as stored (`read_encoded`'s words and
+        offsets) into `dest` (from `alloc`): one kernel pass over the thread pool, no crc32 check
+        (read_encoded checked the bytes). Returns the seconds it took."""
+        from ..pack.bitmap import decode_into
+
+        t0 = time.perf_counter()
+        entry = self.entry(layer)
+        targets, rows, _ = self._targets(entry, dest)
+        if rows < entry.count:
+            raise FlashError(f"{self.pack}: layer {layer} decodes into {entry.count} rows, dest has {rows}")
+        roles = endor_roles(entry, {c.name: mat for c, (_, _, mat) in zip(entry.components, targets)})
+        decode_into(host_bytes(words), offsets[:-1], np.diff(offsets), np.arange(entry.count), roles,
+                    str(self.pack / entry.file))
+        return time.perf_counter() - t0
+
     def _prepare(self, layer, ids, dest, slots):
         entry = self.entry(layer)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -70,12 +70,15 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     for entry in manifest.bundles:
         layer = entry.layer
         kind = ("resident" if layer in plan.resident_layers
+                else "encoded" if layer in plan.encoded_layers
                 else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                 else "streamed")
         _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
         if kind == "resident":
             runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
             cache.load(range(entry.count), step=0)
+        elif kind == "encoded":
+            runtime.held[layer] = loader.read_encoded(layer)[:2]
         elif kind == "sparse":
             runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
     if plan.streamed_layers and plan.prefetch:

@@ -3,7 +3,10 @@
 What stays in memory per mode:
     dense   resident tensors + every layer's FFN
     naive   resident tensors + one streaming buffer (one layer's neurons) + loader staging
-    hybrid  naive + as many whole layers' FFNs as fit (no streaming buffer when all fit)
+    hybrid  naive + as many whole layers' FFNs as fit (no streaming buffer when all fit decoded);
+            ENDOR layers count their encoded bytes: as many layers as fit are held encoded (and
+            decoded into the streaming buffer each time they run), then as many of those as the
+            room left allows are held decoded instead (no decode per token)
     flash   naive + predictors + one neuron cache per layer (`capacity` rows each)
 The streaming buffer holds one layer's neurons while they are used (naive / hybrid layers, and in
 flash mode the predicted neurons that did not fit in a layer's cache); the staging area is the
@@ -40,6 +43,17 @@ def layer_bytes(entry) -> int:
     return entry.count * row_bytes(entry)
 
 
+def encoded_bytes(entry, alignment=4096) -> int:
+    """In-memory bytes of one layer's whole FFN held as stored (ENDOR: the `alignment`-rounded
+    range of its encoded bundles that FlashLoader.read_encoded reads, plus their int64 offsets);
+    a dense layer's decoded bytes."""
+    if entry.encoding != "endor":
+        return layer_bytes(entry)
+    r0 = entry.offset // alignment * alignment
+    r1 = -(-(entry.offset + entry.length) // alignment) * alignment
+    return r1 - r0 + 8 * (entry.count + 1)
+
+
 def resident_bytes(manifest) -> int:
     """In-memory bytes of the resident tensors (ENDOR-encoded ones count decoded)."""
     res = manifest.resident
@@ -74,11 +88,13 @@ class MemoryPlan:
     predictors: int = 0
     stream: int = 0
     resident_layers: list = field(default_factory=list)
+    encoded_layers: list = field(default_factory=list)  # hybrid: whole FFNs held ENDOR-encoded
     capacity: dict = field(default_factory=dict)
     streamed_layers: list = field(default_factory=list)  # flash: whole layers, prefetched
     expected_read_s: float | None = None  # flash plans: the cost model's read seconds per token
     prefetch: bool = False  # flash: streamed layers are read ahead into a ring of two buffers
     layer_bytes: dict = field(default_factory=dict)
+    encoded_bytes: dict = field(default_factory=dict)
     row_bytes: dict = field(default_factory=dict)
     budget_param: str = "budget"  # what the caller called the budget (errors name it)
 
@@ -91,6 +107,7 @@ class MemoryPlan:
         """Bytes of weights held in memory under this plan."""
         return (self.resident + self.predictors + self.stream
                 + sum(self.layer_bytes[i] for i in self.resident_layers)
+                + sum(self.encoded_bytes[i] for i in self.encoded_layers)
                 + sum(self.capacity[i] * self.row_bytes[i] for i in self.capacity))
 
     def describe(self) -> str:
@@ -99,8 +116,10 @@ class MemoryPlan:
             parts.append(f"predictors {fmt_bytes(self.predictors)}")
         if self.stream:
             parts.append(f"streaming buffer {fmt_bytes(self.stream)}")
-        if self.resident_layers:
-            parts.append(f"{len(self.resident_layers)}/{len(self.layer_bytes)} layer FFNs resident")
+        if self.resident_layers or self.encoded_layers:
+            held = len(self.resident_layers) + len(self.encoded_layers)
+            parts.append(f"{held}/{len(self.layer_bytes)} layer FFNs resident"
+                         + (f" ({len(self.encoded_layers)} ENDOR-encoded)" if self.encoded_layers else ""))
         if self.streamed_layers:
             parts.append(f"{len(self.streamed_layers)} streamed whole"
                          + (" with prefetch" if self.prefetch else ""))
@@ -176,6 +195,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     plan = MemoryPlan(mode, resolve_budget(budget, manifest), pack_bytes(manifest),
                       resident_bytes(manifest), budget_param=budget_param(budget),
                       layer_bytes={i: layer_bytes(b) for i, b in bundles.items()},
+                      encoded_bytes={i: encoded_bytes(b, manifest.alignment) for i, b in bundles.items()},
                       row_bytes={i: row_bytes(b) for i, b in bundles.items()})
     everything = plan.resident + sum(plan.layer_bytes.values())
     if mode == "dense" or (mode == "hybrid" and (plan.budget is None or plan.budget >= everything)):
@@ -188,11 +208,19 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     _check_minimum(plan, "streaming one layer at a time")
     room = None if plan.budget is None else plan.budget - plan.weights
     if mode == "hybrid":
+        held = []  # as many layers as fit in their smallest in-memory form (ENDOR: encoded)
         for i in sorted(bundles):
-            if plan.layer_bytes[i] > room:
+            if plan.encoded_bytes[i] > room:
                 break
-            plan.resident_layers.append(i)
-            room -= plan.layer_bytes[i]
+            held.append(i)
+            room -= plan.encoded_bytes[i]
+        for i in held:  # then decoded, while the room left allows: no decode per token
+            extra = plan.layer_bytes[i] - plan.encoded_bytes[i]
+            if extra <= room:
+                plan.resident_layers.append(i)
+                room -= extra
+            else:
+                plan.encoded_layers.append(i)
     elif mode == "flash":
         full = {i: b.count for i, b in bundles.items()}
         want = {i: min(full[i], int(requested_capacity.get(i, full[i]))) for i in full} \

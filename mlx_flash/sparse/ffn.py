@@ -10,6 +10,8 @@ subset's contribution. `check_mlp_shape` verifies this on each MLP class before 
 
 How a layer gets its rows (`FlashFFN.kind`):
     resident  all neurons, loaded once in neuron order (dense mode, hybrid's resident layers)
+    encoded   all neurons held ENDOR-encoded as stored (hybrid, when the budget holds more layers
+              encoded than decoded), decoded into the shared streaming buffer at every call
     streamed  all neurons, read into the shared streaming buffer at every call (naive, hybrid);
               in flash mode (layers the plan streams whole) read ahead by a `StreamPrefetcher`
     sparse    predicted neurons through a NeuronCache (flash); those that do not fit in the cache
@@ -196,6 +198,7 @@ class FlashRuntime:
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
+        self.held: dict[int, tuple] = {}  # encoded layers: (uint32 words, int64 bundle offsets)
         self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
 
@@ -272,7 +275,23 @@ class FlashFFN(nn.Module):
             return self._run(x, self._rt.caches[self.layer].rows, self._n)
         if self.kind == "streamed":
             return self._streamed(x, step)
+        if self.kind == "encoded":
+            return self._encoded(x, step)
         return self._sparse(x, step)
+
+    def _encoded(self, x, step):
+        """A layer held ENDOR-encoded: decoded into the streaming buffer (counted as I/O: it is
+        what stands in for the read), then run like a streamed layer."""
+        buf = self._rt.stream_rows(self.layer)
+        words, offsets = self._rt.held[self.layer]
+        seconds = self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
+        step.io_s += seconds
+        step.decode_s += seconds
+        step.neurons_needed += self._n
+        step.hits += self._n
+        y = self._run(x, buf, self._n)
+        mx.eval(y)  # the buffer is reused by the next streamed or encoded layer
+        return y
 
     def _read_stream(self, ids, step):
         buf = self._rt.stream_rows(self.layer)
