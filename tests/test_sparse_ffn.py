@@ -307,3 +307,10 @@ def test_gpu_path_streams_endor_layers_through_the_decode_matvec_kernels(tiny_ll
     for x, y in zip(got, want):
         x, y = x.astype(mx.float32), y.astype(mx.float32)
         assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()
+    loader, encoded_reads = model.flash_runtime.loader, []
+    read_encoded = loader.read_encoded
+    monkeypatch.setattr(loader, "read_encoded", lambda *a: encoded_reads.append(a) or read_encoded(*a))
+    mx.eval(model(mx.array([list(range(20))])))  # more tokens than the kernels take: decoded rows
+    assert not encoded_reads
+    mx.eval(model(mx.array([[3]])))
+    assert len(encoded_reads) == 2

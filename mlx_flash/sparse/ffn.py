@@ -307,7 +307,8 @@ class FlashFFN(nn.Module):
     def _streamed(self, x, step):
         if self._rt.prefetcher is not None:
             return self._prefetched(x, step)
-        if self._endor_gpu is not False and metal_kernels.metal_active():
+        if (self._endor_gpu is not False and metal_kernels.metal_active()
+                and x.size // x.shape[-1] <= metal_kernels.MAX_METAL_TOKENS):  # prefill: decoded rows
             y = self._streamed_endor(x, step)
             if y is not None:
                 return y
