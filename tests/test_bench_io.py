@@ -68,3 +68,30 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=True))
     assert ok["fio"] == "fio not installed" and "fio_gbps" not in ok
     assert bench_io.fio_throughput(bench.paths(), {4096: 1}, 2, 1 << 20) is None
+
+
+def test_expert_fio_reference(tiny_llama, tmp_path, monkeypatch):
+    import shutil
+
+    import pytest
+
+    from conftest import write_tiny_moe
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.errors import FlashError
+    from mlx_flash.pack import read_manifest, write_pack
+
+    pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", layers=2), tmp_path / "moe.pack",
+                      progress=False)
+    experts = [b for b in read_manifest(pack).bundles if b.kind == "experts"]
+    assert len(experts) == 2 and len({(b.stride, b.count) for b in experts}) == 1
+    if shutil.which("fio"):  # one read per expert block, at the depth asked for, on both files
+        ref = bench_io.expert_fio_reference(pack, depth=3, total_bytes=1 << 20)
+        assert ref["read_sizes"] == {experts[0].stride: 2 * experts[0].count} and ref["depth"] == 3
+        assert ref["gbps"] > 0 and f"--bs={experts[0].stride}" in ref["command"]
+        assert "--iodepth=3" in ref["command"] and all(b.file in ref["command"] for b in experts)
+        assert bench_io.fio_ms(2e9, ref) == pytest.approx(2e3 / ref["gbps"])
+    dense = write_pack(tiny_llama("src"), tmp_path / "dense.pack", progress=False)
+    with pytest.raises(FlashError, match="no expert bundles"):
+        bench_io.expert_fio_reference(dense, depth=3)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert bench_io.expert_fio_reference(pack, depth=3) is None

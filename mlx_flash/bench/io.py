@@ -324,6 +324,32 @@ def fio_throughput(paths, read_sizes, depth, total_bytes) -> dict | None:
     return {"gbps": r.bw / 1e9, "iops": r.iops, "command": " ".join(cmd)}
 
 
+def expert_fio_reference(pack, depth, total_bytes=256 << 20) -> dict | None:
+    """fio's O_DIRECT random-read throughput on a MoE pack's expert bundle files, at its expert
+    block sizes (one read per block, as the expert store reads them; mixed widths weighted by
+    their expert counts) with `depth` reads in flight: {"gbps", "read_sizes" {bytes: experts},
+    "depth", "command"}; None without fio. A MoE report prints its I/O ms per token next to
+    `fio_ms(bytes missed per token, reference)`, with `depth` = the reads its loader calls had
+    in flight (misses per layer call)."""
+    manifest = read_manifest(pack)
+    sizes, paths = {}, set()
+    for b in manifest.bundles:
+        if b.kind != "experts":
+            continue
+        paths.add(Path(pack) / b.file)
+        for g in b.groups or (b,):
+            sizes[g.stride] = sizes.get(g.stride, 0) + g.count
+    if not sizes:
+        raise FlashError(f"{pack}: no expert bundles (not a MoE pack)")
+    ref = fio_throughput(sorted(paths), sizes, max(1, int(depth)), total_bytes)
+    return None if ref is None else {**ref, "read_sizes": sizes, "depth": max(1, int(depth))}
+
+
+def fio_ms(nbytes, reference) -> float:
+    """Milliseconds fio needs for `nbytes` at a reference's throughput (expert_fio_reference)."""
+    return nbytes / (reference["gbps"] * 1e9) * 1e3
+
+
 def run_fio(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
