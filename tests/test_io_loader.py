@@ -534,3 +534,13 @@ def test_endor_corrupt_bundle_fails_its_crc32(tiny_llama, tmp_path, engine):
             loader.read(1, np.arange(128), loader.alloc(1, 128))
         with FlashLoader(pack, threads=4, cost=COST, engine=engine, verify=False) as unchecked:
             unchecked.read(1, np.arange(128), unchecked.alloc(1, 128))  # the bundle still decodes
+
+
+def test_crc32_equals_zlib():
+    import zlib
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 4096, 100_003):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert loader_module.crc32(data) == zlib.crc32(data)
+        assert loader_module.crc32(data[n // 3:], 12345) == zlib.crc32(data[n // 3:], 12345)
