@@ -314,3 +314,29 @@ def test_gpu_path_streams_endor_layers_through_the_decode_matvec_kernels(tiny_ll
     assert not encoded_reads
     mx.eval(model(mx.array([[3]])))
     assert len(encoded_reads) == 2
+
+
+def test_gpu_path_runs_held_encoded_endor_layers_on_the_kernels(tiny_llama, tmp_path, monkeypatch):
+    """Hybrid with ENDOR layers held encoded in memory: on the GPU the decode-matvec kernels read
+    the held bundles (no per-token decode); the logits of the CPU path up to float16 rounding."""
+    from test_calibration_prune import pruned_model
+
+    from mlx_flash.sparse.budget import encoded_bytes, resident_bytes, stream_bytes
+
+    src, _ = pruned_model(tiny_llama, tmp_path, layers=4, intermediate=96)
+    pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    m = read_manifest(pack)  # room for 3 layers held encoded, fewer than 3 decoded
+    config = FlashConfig("hybrid", memory_budget=resident_bytes(m) + stream_bytes(m)
+                         + sum(encoded_bytes(b, m.alignment) for b in m.bundles[:3]))
+    want = run_steps(build_flash_model(pack, config))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    model = build_flash_model(pack, config)
+    held = model.flash_stats.plan.encoded_layers
+    assert held, model.flash_stats.plan.describe()
+    got = run_steps(model)
+    assert [layer.mlp.kind for layer in model.layers] == ["encoded"] * len(held) + ["streamed"] * (4 - len(held))
+    assert ran.count("endor_up") == 4 * len(TOKENS)  # held and streamed layers; the 6-token prompt too
+    assert model.flash_stats.steps[-1].decode_s == 0
+    for x, y in zip(got, want):
+        x, y = x.astype(mx.float32), y.astype(mx.float32)
+        assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()

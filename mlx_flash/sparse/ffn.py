@@ -281,9 +281,20 @@ class FlashFFN(nn.Module):
 
     def _encoded(self, x, step):
         """A layer held ENDOR-encoded: decoded into the streaming buffer (counted as I/O: it is
-        what stands in for the read), then run like a streamed layer."""
-        buf = self._rt.stream_rows(self.layer)
+        what stands in for the read), then run like a streamed layer; on the GPU the decode-matvec
+        kernels read the held bundles instead (no decode)."""
         words, offsets = self._rt.held[self.layer]
+        if self._endor_on_gpu(x):
+            step.neurons_needed += self._n
+            step.hits += self._n
+
+            def decoded():
+                buf = self._rt.stream_rows(self.layer)
+                self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
+                return buf
+
+            return self._endor_kernels(x, words, offsets, decoded)
+        buf = self._rt.stream_rows(self.layer)
         seconds = self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
         step.io_s += seconds
         step.decode_s += seconds
@@ -307,51 +318,57 @@ class FlashFFN(nn.Module):
     def _streamed(self, x, step):
         if self._rt.prefetcher is not None:
             return self._prefetched(x, step)
-        if (self._endor_gpu is not False and metal_kernels.metal_active()
-                and x.size // x.shape[-1] <= metal_kernels.MAX_METAL_TOKENS):  # prefill: decoded rows
-            y = self._streamed_endor(x, step)
-            if y is not None:
-                return y
+        if self._endor_on_gpu(x):
+            t0 = time.perf_counter()
+            self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
+            step.io_s += time.perf_counter() - t0
+            step.io_read_s += stats.seconds
+            step.bytes_read += stats.bytes_read
+            step.neurons_loaded += self._n
+            step.neurons_needed += self._n
+            return self._endor_kernels(x, self._rt.encoded, offsets,
+                                       lambda: self._read_stream(self._all, step))
         buf = self._read_stream(self._all, step)
         step.neurons_needed += self._n
         y = self._run(x, buf, self._n)
         mx.eval(y)  # the buffer is reused by the next streamed layer
         return y
 
-    def _streamed_endor(self, x, step):
-        """A whole ENDOR layer on the GPU: its bundles read as stored, then the decode-matvec
-        kernels (mlx_flash/metal/endor.py) with no decoded row written. None when the bundles are
-        not gate/up/down ENDOR blocks of one payload, or the first call differs from the row path."""
+    def _endor_on_gpu(self, x) -> bool:
+        """True when this call runs the ENDOR decode-matvec kernels (mlx_flash/metal/endor.py):
+        on the GPU, at most 16 tokens (prefill keeps the decoded rows), bundles of gate/up/down
+        (or up/down) ENDOR blocks of one payload, and the first call agreed with the row path."""
+        if (self._endor_gpu is False or not metal_kernels.metal_active()
+                or x.size // x.shape[-1] > metal_kernels.MAX_METAL_TOKENS):
+            return False
         entry = self._rt.loader.entry(self.layer)
         names = [c.name for c in entry.components]
         payloads = [c.endor for c in entry.components]
         if (entry.encoding != "endor" or names not in (["gate.weight", "up.weight", "down_t.weight"],
                                                        ["up.weight", "down_t.weight"])
-                or any(p != payloads[0] for p in payloads) or payloads[0] is None):
+                or payloads[0] is None or any(p != payloads[0] for p in payloads)):
             self._endor_gpu = False
-            return None
-        t0 = time.perf_counter()
-        self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
-        step.io_s += time.perf_counter() - t0
-        step.io_read_s += stats.seconds
-        step.bytes_read += stats.bytes_read
-        step.neurons_loaded += self._n
-        step.neurons_needed += self._n
-        act, threshold = self._kernel_act(len(names) == 3)
-        y, ok = metal_endor.endor_ffn(x, self._rt.encoded, metal_endor.word_bounds(offsets),
+        return self._endor_gpu is not False
+
+    def _endor_kernels(self, x, words, offsets, decoded_rows):
+        """The FFN of this ENDOR layer on the decode-matvec kernels, from its bundles as stored
+        (`words`, byte `offsets`): no decoded row is written. decoded_rows(): the layer's rows
+        decoded on the CPU, for the first call's comparison with the row path (kept if they differ)."""
+        entry = self._rt.loader.entry(self.layer)
+        act, threshold = self._kernel_act(len(entry.components) == 3)
+        y, ok = metal_endor.endor_ffn(x, words, metal_endor.word_bounds(offsets),
                                       columns=entry.components[-2].shape[-1],
-                                      down_columns=entry.components[-1].shape[-1], payload=payloads[0],
+                                      down_columns=entry.components[-1].shape[-1], payload=entry.components[0].endor,
                                       act=act, threshold=threshold)
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
-        mx.eval(y, ok)  # the buffer is reused by the next streamed layer
+        mx.eval(y, ok)  # the words may be a buffer the next layer reuses
         if not ok.all().item():
             bad = int(mx.argmin(ok.astype(mx.int32)).item())
             raise FlashError(f"{self._rt.loader.pack / entry.file}: bundle {bad}: its bitmaps' popcount "
                              f"disagrees with the bytes stored (corrupt or truncated)")
         if self._endor_gpu is None:  # first call: the row path (decoded on the CPU) must agree
-            buf = self._read_stream(self._all, step)
-            want = self._run(x, buf, self._n)
+            want = self._run(x, decoded_rows(), self._n)
             self._endor_gpu = mx.allclose(y, want, rtol=2e-2, atol=2e-2).item()
             if not self._endor_gpu:
                 warnings.warn(f"layer {self.layer}: the ENDOR Metal kernels ({act}) differ from the MLP; "
