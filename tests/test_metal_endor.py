@@ -3,7 +3,7 @@
 Bundles are encoded by mlx_flash/pack/bitmap.py (the format) and the reference decodes them with its
 numpy decoder. On Linux the kernels run through the Metal emulator under each schedule; on a Mac
 with Metal they run on the GPU. Seeded bugs (an inclusive prefix sum where the exclusive one
-belongs, a missing barrier) show that the checks catch them.
+belongs, a missing barrier, a bitmap bound off by one) show that the checks catch them.
 """
 
 import sys
@@ -259,3 +259,17 @@ def test_seeded_missing_barrier_in_endor_down_is_caught():
         except AssertionError:
             failures += 1
     assert failures > 0
+
+
+@emulated
+def test_seeded_off_by_one_bitmap_bound_in_endor_up_is_caught():
+    """One bitmap word too many (<= for <): the payload's first word read as bitmap bits, its
+    "columns" past the row's end (x of the next token, or past x: the guard page)."""
+    payload = PAYLOADS["q8g64"]
+    enc, offsets, decoded = bundles(payload)
+    x = x_for(payload)
+    _, t, _ = reference_h(x, decoded, "silu")
+    factory = mutated("uint word = i < words ?", "uint word = i <= words ?", where="header")
+    with pytest.raises(em.KernelFault, match="out-of-bounds read: .* buffer `x`"):
+        E.endor_up_metal(x, enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN, payload=payload,
+                         threshold=t, metal_kernel=factory, schedule="forward")
