@@ -67,3 +67,38 @@ def test_measured_run_accounts_endor_bytes_and_decode_time(tmp_path):
     assert a["useful_bytes_loader"] == a["useful_bytes_expected"] > 0
     assert a["useful_bytes_expected"] < 0.6 * a["neurons_read_loader"] * row
     assert 0 < r["summary"]["decode_ms"] <= r["summary"]["io_ms"]
+
+
+def test_bench_run_encoding_rows(tmp_path, capsys):
+    """bench run --encoding: each mode on the dense and the ENDOR pack of one model, same budget
+    in bytes, bytes accounted on both; the ENDOR table lists them."""
+    from mlx_flash.convert import main as convert_main
+
+    packs = {}
+    for name, extra in (("dense", []), ("endor", ["--encoding", "endor"])):
+        packs[name] = tmp_path / name
+        assert convert_main(["--synthetic", "opt-tiny", "--weight-sparsity", "0.5", "--sparsity", "0.9",
+                             "--out", str(packs[name]), *extra]) == 0
+    text = tmp_path / "t.txt"
+    text.write_text("Pruned weights are streamed as a bitmap and their non-zeros. " * 30)
+    from mlx_flash.sparse.budget import layer_bytes, resident_bytes, stream_bytes
+
+    m = read_manifest(packs["dense"])
+    budget = resident_bytes(m) + stream_bytes(m) + layer_bytes(m.bundles[0]) // 2
+    out = tmp_path / "run"
+    assert main(["run", "--model", str(packs["dense"]), "--encoding", str(packs["endor"]),
+                 "--modes", "naive", "--memory-budget", str(budget), "--repeats", "1",
+                 "--prompt-tokens", "8", "--gen-tokens", "2", "--peers", "none", "--text", str(text),
+                 "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert set(r["modes"]) == {"naive", "naive+endor"}
+    assert all(row["accounting_ok"] for row in r["modes"].values())
+    assert r["modes"]["naive+endor"]["budget_bytes"] == r["modes"]["naive"]["budget_bytes"]
+    rows = {row["mode"]: row for row in r["encoding"]["rows"]}
+    assert rows["naive"]["ok"] and 0.5 < rows["naive"]["bytes_ratio"] < 0.65
+    assert rows["naive"]["endor_decode_ms"] > 0
+    assert "## ENDOR rows" in (out / "report.md").read_text() and "| naive |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", str(packs["dense"]), "--encoding", str(packs["dense"]), "--peers", "none",
+              "--text", str(text), "--out", str(out)])
+    assert e.value.code == 2 and "no ENDOR-encoded layers" in capsys.readouterr().err

@@ -64,6 +64,10 @@ def add_arguments(parser):
                         help="run every child inside a cgroup memory cap (Linux, root)")
     parser.add_argument("--cap-bytes", help="cap size (default: budget + measured process "
                         "baseline + KV cache)")
+    parser.add_argument("--encoding", metavar="ENDOR_PACK",
+                        help="the same pruned model converted with --encoding endor: every mode "
+                        "also runs on it (rows MODE+endor) at the same budget in bytes (resolved "
+                        "against --model) under the same cap, alternated with the --model rows")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="cold runs per row (mean, std)")
@@ -294,18 +298,19 @@ class Suite:
         return rec
 
     def flash_run(self, group, label, mode, prompt, *, budget=None, window=None, gen_tokens=None,
-                  repeat=0, **kw):
+                  repeat=0, pack=None, **kw):
         budget = self.args.memory_budget if budget is None else budget
 
         # dense holds every weight whatever the budget; its cap is the same as every mode's,
         # so under a cap below the model size it is reported as not fitting
         weights_budget = None if mode == "dense" else budget
         budget_bytes = resolve_budget(parse_memory_budget(budget, "--memory-budget"), self.manifest)
-        kwargs = {"pack": str(self.pack), "mode": mode, "prompt": prompt["ids"],
+        kwargs = {"pack": str(pack or self.pack), "mode": mode, "prompt": prompt["ids"],
                   "gen_tokens": gen_tokens or self.args.gen_tokens, "budget": weights_budget,
                   "window": window or self.args.window, "threads": self.args.threads, **kw}
         return self.child(group, label, "mlx_flash.bench.measure:generate_flash", kwargs,
                           budget_bytes=budget_bytes, repeat=repeat,
+                          paths=[pack] + self.extra_paths if pack else None,
                           extra={"mode": mode, "memory_budget": budget,
                                  "budget_bytes": budget_bytes,
                                  "prompt_source": prompt["source"]})
@@ -333,8 +338,8 @@ def aggregate(records) -> dict:
     if not ok:
         return row
     summaries = [r["value"]["summary"] for r in ok]
-    for key in ("total_ms", "io_ms", "mem_ms", "compute_ms", "bytes_read", "neurons_loaded",
-                "hit_rate", "window", "prompt_ms", "peak_memory", "peak_rss"):
+    for key in ("total_ms", "io_ms", "io_read_ms", "decode_ms", "mem_ms", "compute_ms", "bytes_read",
+                "neurons_loaded", "hit_rate", "window", "prompt_ms", "peak_memory", "peak_rss"):
         row[key], row[key + "_std"] = mean_std([s.get(key) for s in summaries])
     row["plan_weights_bytes"] = ok[0]["value"].get("plan_weights_bytes")
     row["plan"] = ok[0]["value"].get("plan")
@@ -384,6 +389,10 @@ def run(args) -> int:
     suite = Suite(args, model_info)
     suite.out = out
     suite.sweeps()
+    endor_pack = check_encoding_pack(args.encoding, suite) if args.encoding else None
+    # the ENDOR rows get the --model rows' budget in bytes (a fraction would resolve against
+    # the smaller ENDOR pack)
+    endor_budget = str(suite.budget_bytes) if endor_pack else None
 
     synthetic = is_synthetic(suite.pack)
     files = text_sources(args.text)
@@ -409,6 +418,9 @@ def run(args) -> int:
     for rep in range(args.repeats):  # repeats outermost: background load hits every mode alike
         for mode in modes:
             suite.flash_run("modes", mode, mode, prompts[rep], repeat=rep)
+            if endor_pack:
+                suite.flash_run("modes", f"{mode}+endor", mode, prompts[rep], repeat=rep,
+                                pack=endor_pack, budget=endor_budget)
     # 2. Table 2 ablation: the two unbundled rows (naive/hybrid/flash rows come from step 1)
     unbundled = None
     if args.ablation:
@@ -467,16 +479,77 @@ def run(args) -> int:
         "peers": peer_results,
         "runs": suite.runs,
     }
+    if endor_pack:
+        result["encoding"] = {"pack": str(endor_pack), "budget_bytes": suite.budget_bytes,
+                              "rows": encoding_rows(result["modes"], modes)}
     result["table2"] = report.table2_rows(result)
     result["table3"] = report.table3_rows(result)
     result["speedups"] = report.speedups(result)
     result["plots"] = report.plots(result, out)
     report.write_json(out / "results.json", result)
-    report.write_text(out / "report.md", report.markdown(result))
+    endor_table = encoding_markdown(result) if endor_pack else ""
+    report.write_text(out / "report.md", report.markdown(result) + endor_table)
     (out / "runs.partial.json").unlink(missing_ok=True)
-    print(report.summary(result))
+    print(report.summary(result) + endor_table)
     print(f"\nresults: {out / 'results.json'}\nreport:  {out / 'report.md'}")
     return 0
+
+
+def check_encoding_pack(value, suite) -> Path:
+    """The --encoding pack: ENDOR-encoded, with the --model pack's layers and neurons."""
+    pack = Path(value).expanduser()
+    if not is_flash_pack(pack):
+        raise FlashError(f"--encoding {pack}: not a flash pack")
+    manifest = read_manifest(pack)
+    if not any(b.encoding == "endor" for b in manifest.bundles):
+        raise FlashError(f"--encoding {pack}: no ENDOR-encoded layers (convert with --encoding endor)")
+    if [(b.layer, b.count) for b in manifest.bundles] != [(b.layer, b.count) for b in suite.manifest.bundles]:
+        raise FlashError(f"--encoding {pack}: its layers or neurons differ from --model {suite.pack}")
+    return pack
+
+
+def encoding_rows(mode_rows: dict, modes) -> list:
+    """Each mode on the --model pack vs the ENDOR pack: tokens/s, speedup, per-token ms and bytes."""
+    rows = []
+    for mode in modes:
+        d, e = mode_rows.get(mode), mode_rows.get(f"{mode}+endor")
+        if not d or not e or not d.get("ok_runs") or not e.get("ok_runs"):
+            rows.append({"mode": mode, "ok": False})
+            continue
+        rows.append({
+            "mode": mode, "ok": True, "dense_tps": 1e3 / d["total_ms"], "endor_tps": 1e3 / e["total_ms"],
+            "speedup": d["total_ms"] / e["total_ms"],
+            **{f"{side}_{k}": r.get(k) for side, r in (("dense", d), ("endor", e))
+               for k in ("io_ms", "io_read_ms", "decode_ms", "compute_ms", "bytes_read", "plan")},
+            "bytes_ratio": e["bytes_read"] / d["bytes_read"] if d.get("bytes_read") else None,
+            # decode time / the I/O time ENDOR saves before decoding (as if no decode overlapped
+            # a read: I/O ms includes the check + decode)
+            "decode_over_saved_read": (e["decode_ms"] / (d["io_ms"] - (e["io_ms"] - e["decode_ms"]))
+                                       if e.get("decode_ms") is not None
+                                       and d["io_ms"] > e["io_ms"] - e["decode_ms"] else None),
+        })
+    return rows
+
+
+def encoding_markdown(result) -> str:
+    """The ENDOR table (--encoding): each mode on the dense pack vs the ENDOR pack."""
+    enc = result["encoding"]
+    lines = ["", "", f"## ENDOR rows (--encoding {enc['pack']}, same budget {enc['budget_bytes'] / 1e6:.1f} MB "
+             "and cap)", "", "| mode | dense tok/s | ENDOR tok/s | speedup | I/O ms dense / ENDOR | "
+             "decode ms (in I/O) | compute ms dense / ENDOR | MB read/token dense / ENDOR | decode / "
+             "read saved | ENDOR plan |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in enc["rows"]:
+        if not r["ok"]:
+            lines.append(f"| {r['mode']} | no successful run on both packs |||||||||")
+            continue
+        dec = r["decode_over_saved_read"]
+        lines.append(
+            f"| {r['mode']} | {r['dense_tps']:.2f} | {r['endor_tps']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['dense_io_ms']:.0f} / {r['endor_io_ms']:.0f} | {r['endor_decode_ms']:.1f} | "
+            f"{r['dense_compute_ms']:.0f} / {r['endor_compute_ms']:.0f} | "
+            f"{r['dense_bytes_read'] / 1e6:.1f} / {r['endor_bytes_read'] / 1e6:.1f} | "
+            + (f"{dec:.0%}" if dec is not None else "n/a") + f" | {r['endor_plan']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _command(args) -> str:
