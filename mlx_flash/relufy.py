@@ -3,6 +3,7 @@
     python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
         [--activation relu|fatrelu:T|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
         [--checkpoint-every 50] [--resume] [--max-minutes M] [--eval-text FILE ...]
+        [--layerwise-tokens 8192] [--layerwise-ridge 1e-3]
     python -m mlx_flash.relufy --curve DIR --eval-text FILE [FILE ...] [--markdown OUT] [--json OUT]
 
 SRC defaults to the embedded SmolLM2-135M-Instruct. The output folder DIR is a model folder
@@ -38,6 +39,13 @@ def build_parser():
     p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
                    help="with --activation fatrelu: each layer's threshold silences this fraction of its "
                         "gate values on the first training sequences (e.g. 0.85)")
+    p.add_argument("--layerwise-tokens", type=int, default=8192, metavar="N",
+                   help="before end-to-end training, refit each layer's down projection in closed form "
+                        "on N training tokens so the layer reproduces the original model's residual "
+                        "stream (layer-wise distillation, minutes; 0: off; default 8192)")
+    p.add_argument("--layerwise-ridge", type=float, default=1e-3, metavar="R",
+                   help="ridge of the layer-wise least squares, relative to the mean hidden energy "
+                        "(default 1e-3)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in all (default 200)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--sequence-length", type=int, default=256, help="tokens per sequence (default 256)")
@@ -93,9 +101,11 @@ def _main(argv):
     for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                              ("--sequence-length", args.sequence_length, 2),
                              ("--checkpoint-every", args.checkpoint_every, 0), ("--warmup", args.warmup, 0),
-                             ("--eval-tokens", args.eval_tokens, 2)):
+                             ("--eval-tokens", args.eval_tokens, 2), ("--layerwise-tokens", args.layerwise_tokens, 0)):
         if value < low:
             raise FlashError(f"{flag} {value}: must be at least {low}")
+    if not args.layerwise_ridge > 0:
+        raise FlashError(f"--layerwise-ridge {args.layerwise_ridge}: must be > 0")
     if not args.lr > 0 or args.distill < 0:
         raise FlashError(f"--lr {args.lr} / --distill {args.distill}: the rate must be > 0, the weight >= 0")
     R.parse_activation(args.activation)
@@ -114,7 +124,8 @@ def _main(argv):
                       warmup=args.warmup, distill=args.distill, checkpoint_every=args.checkpoint_every,
                       resume=args.resume, seed=args.seed, max_minutes=args.max_minutes,
                       max_train_tokens=args.max_train_tokens, eval_files=eval_files,
-                      eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity, progress=not args.quiet, log=log)
+                      eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity,
+                      layerwise_tokens=args.layerwise_tokens, layerwise_ridge=args.layerwise_ridge, progress=not args.quiet, log=log)
     after = report.get("after")
     summary = f"Wrote {args.out}: {report['steps']} steps, {report['tokens_trained']} tokens, " \
               f"{report['seconds'] / 60:.1f} min"

@@ -81,6 +81,20 @@ def test_gate_threshold_mask_is_the_thresholded_model(llama_pack, text):
         assert np.array_equal(np.array(p(x)), np.array(want))
 
 
+def test_calibrate_prices_the_held_out_predictions_for_the_memory_plan(llama_pack, text):
+    from mlx_flash.sparse.predictor import sparse_read_fraction
+
+    doc = fit.calibrate(llama_pack, [text], kind="gate-threshold", target_sparsity=0.5, max_window=3,
+                        progress=False)
+    fraction = sparse_read_fraction(llama_pack, window=2)
+    for key, entry in doc["layers"].items():
+        read = entry["stats"]["read_s"]
+        assert len(read["window_s"]) == 3 and read["whole_s"] > 0 and read["window_s"][0] > 0
+        assert fraction[int(key)] == pytest.approx(read["window_s"][1] / read["whole_s"])
+    assert sparse_read_fraction(llama_pack, window=9)[0] == pytest.approx(
+        doc["layers"]["0"]["stats"]["read_s"]["window_s"][2] / doc["layers"]["0"]["stats"]["read_s"]["whole_s"])
+
+
 def test_low_rank_gate_full_rank_estimates_the_gate(llama_pack, text):
     """At full rank the gate estimate is the gate itself, so recall 1 needs no over-prediction."""
     doc = fit.calibrate(llama_pack, [text], kind="low-rank-gate", rank=64, recall=1.0,

@@ -190,3 +190,49 @@ def test_low_rank_gate_keeps_its_recall_on_a_fatrelu_model(src, texts, tmp_path)
                     progress=False)
     recalls = [e["stats"]["recall"] for e in doc["layers"].values()]
     assert min(recalls) > 0.9, recalls
+
+
+def test_layerwise_fit_solves_each_layers_ridge_least_squares_toward_the_teacher(src, texts):
+    from mlx_flash.models import load_tokenizer
+
+    teacher, config = R.load_float32(src)
+    seqs = R.text_sequences(texts, load_tokenizer(src), 32, 256)
+    thresholds = R.gate_thresholds(teacher, seqs[:2], 0.8)
+    student = R.build_model(R.relufied_config(config, "fatrelu", thresholds),
+                            dict(tree_flatten(teacher.parameters())))
+    tokens = mx.array(seqs)
+    before = float(mx.mean(mx.square(student.model(tokens) - teacher.model(tokens))).item())
+    fit = R.fit_layerwise(teacher, student, seqs, ridge=1e-3, progress=False)
+    # layer 1 by hand: its input is the fitted student's layer 0 output; target = the teacher's
+    # residual stream after layer 1 - the student's after layer 1's attention
+    e = student.model.embed_tokens(tokens)
+    s_in, t_in = student.layers[0](e, "causal"), teacher.layers[0](e, "causal")
+    block = student.layers[1]
+    mid = s_in + block.self_attn(block.input_layernorm(s_in), "causal")
+    x = block.post_attention_layernorm(mid)
+    g, u = np.array(block.mlp.gate_proj(x)), np.array(block.mlp.up_proj(x))
+    h = (np.where(g > thresholds[1], g, 0) * u).reshape(-1, g.shape[-1]).astype(np.float64)
+    target = np.array(teacher.layers[1](t_in, "causal") - mid).reshape(h.shape[0], -1).astype(np.float64)
+    gram = h.T @ h
+    want = np.linalg.solve(gram + 1e-3 * np.mean(np.diag(gram)) * np.eye(len(gram)), h.T @ target).T
+    got = np.array(block.mlp.down_proj.weight)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert fit["tokens"] == seqs.size and len(fit["relative_error"]) == len(student.layers)
+    after = float(mx.mean(mx.square(student.model(tokens) - teacher.model(tokens))).item())
+    assert after < 0.5 * before, (before, after)
+    # gate, up and thresholds untouched: the sparsity is the swap's
+    np.testing.assert_array_equal(np.array(student.layers[1].mlp.gate_proj.weight),
+                                  np.array(teacher.layers[1].mlp.gate_proj.weight))
+
+
+def test_relufy_layerwise_fit_is_checkpoint_step_0_and_counts_its_tokens(src, texts, tmp_path):
+    kw = dict(activation="fatrelu", target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,
+              layerwise_tokens=64, progress=False, log=lambda *a: None)
+    report = R.relufy(src, texts[:1], tmp_path / "run", steps=1, **kw)
+    ckpts = R.checkpoint_dirs(tmp_path / "run")
+    assert [d.name for d in ckpts] == ["step-000000", "step-000001"]
+    state = json.loads((ckpts[0] / R.TRAINER_JSON).read_text())
+    assert state["layerwise"]["tokens"] == 64 and state["tokens_trained"] == 64
+    assert report["tokens_trained"] == 64 + 32 and report["seconds"] >= state["seconds"] > 0
+    rows = R.curve(tmp_path / "run", [texts[1]], eval_tokens=64, seq_len=32, original=src, progress=False)
+    assert "| layer-wise fit | 64 |" in R.format_curve(rows)

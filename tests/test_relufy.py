@@ -37,9 +37,13 @@ def test_cli_writes_a_folder_that_loads_generates_and_converts(src, texts, tmp_p
     assert config["model_type"] == "relu_llama" and config["hidden_act"] == "fatrelu"
     assert config["activation_threshold"] == 0.01 and "quantization" not in config
     report = json.loads((out / "relufication.json").read_text())
-    assert report["steps"] == 3 and report["tokens_trained"] == 3 * 32
+    # the default recipe: the layer-wise fit (all of this small text) is checkpoint step 0
+    fitted = json.loads((out / "checkpoints" / "step-000000" / "trainer.json").read_text())["layerwise"]
+    assert 0 < fitted["tokens"] <= 8192 and fitted["tokens"] % 32 == 0
+    assert report["steps"] == 3 and report["tokens_trained"] == fitted["tokens"] + 3 * 32
     assert 0 < report["after"]["sparsity"] <= 1 and report["before"]["original"]["sparsity"] is None
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert report["before"]["layerwise"]["ppl"] > 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000002", "step-000003"]
 
     model, tokenizer = mlx_flash.load(str(out))
     assert type(model.layers[0].mlp).__module__ == "mlx_flash.models.relu_llama"
@@ -60,10 +64,12 @@ def test_curve_measures_every_checkpoint(src, texts, tmp_path, capsys):
     assert relufy.main(["--curve", str(out), "--eval-text", texts[2], "--sequence-length", "32",
                         "--eval-tokens", "64", "--json", str(tmp_path / "c.json"), "--quiet"]) == 0
     table = capsys.readouterr().out
-    assert "original (SiLU)" in table and "step 2" in table
+    assert "original (SiLU)" in table and "swapped, untrained" in table and "layer-wise fit" in table
+    assert "step 2" in table
     rows = json.loads((tmp_path / "c.json").read_text())
-    assert [r["step"] for r in rows] == ["original", 0, 1, 2]
-    assert [r["tokens_trained"] for r in rows] == [0, 0, 32, 64]
+    assert [r["step"] for r in rows] == ["original", "swapped", 0, 1, 2]
+    fitted = rows[2]["tokens_trained"]
+    assert fitted > 0 and [r["tokens_trained"] for r in rows] == [0, 0, fitted, fitted + 32, fitted + 64]
     assert rows[0]["ppl_ratio"] == 1.0 and rows[0]["sparsity"] is None
     assert all(0 < r["sparsity"] < 1 for r in rows[1:])
 

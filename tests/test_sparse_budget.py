@@ -86,3 +86,35 @@ def test_without_prefetch_the_plan_is_hybrids_plan():
     plan = plan_memory(m, "flash", tight, predictor_bytes={i: 50_000 for i in range(6)},
                        density={i: 0.98 for i in range(6)}, read_cost=bytes_cost(m, lambda f: 1.0))
     assert not plan.prefetch and plan.streamed_layers == list(range(6)) and plan.weights <= tight
+
+
+def test_measured_sparse_read_fraction_overrides_the_random_neuron_price():
+    m = fake_manifest()
+    lb = layer_bytes(m["bundles"][0])
+    budget = m["resident"]["length"] + prefetch_bytes(m) + 2 * lb + lb // 2
+    cost = bytes_cost(m, lambda f: 1.0 if f > 0.1 else f)  # random sets of 15% read the whole layer
+    kw = dict(predictor_bytes={i: 50_000 for i in range(6)}, density={i: 0.15 for i in range(6)},
+              read_cost=cost)
+    assert plan_memory(m, "flash", budget, **kw).capacity == {}
+    # calibration measured that its real (clustered, cached) predictions read 8% of the layer's cost
+    plan = plan_memory(m, "flash", budget, sparse_read_fraction={i: 0.08 for i in range(6)}, **kw)
+    assert len(plan.capacity) + len(plan.resident_layers) == 6 and len(plan.capacity) >= 3
+    assert plan.expected_read_s == pytest.approx(len(plan.capacity) * 0.08 * lb / 1e9)
+    assert plan.weights <= budget
+
+
+def test_measured_read_seconds_reads_only_what_the_window_has_not_seen():
+    from types import SimpleNamespace
+
+    from mlx_flash.sparse.budget import measured_read_seconds
+
+    entry = SimpleNamespace(offset=0, stride=4096, count=100)
+    loader = SimpleNamespace(entry=lambda layer: entry, cost=None, plan=True, alignment=4096, max_read=1 << 20)
+    masks = np.zeros((4, 100), bool)
+    masks[0, :10] = masks[1, :10] = masks[2, 10:20] = True
+    masks[3, 5:15] = True
+    got = measured_read_seconds(loader, 0, masks, max_window=3)
+    per = 4096 / 1e9  # no cost model: one aligned read per neuron at 1 GB/s
+    assert got["whole_s"] == pytest.approx(100 * per)
+    # window 1: every token reads its own; 2: token 1 repeats token 0, token 3 half of token 2; 3: token 3 saw all
+    assert got["window_s"] == pytest.approx([10 * per, 6.25 * per, 5 * per])

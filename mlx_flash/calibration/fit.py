@@ -29,6 +29,8 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
+from ..io import FlashLoader
+from ..sparse.budget import measured_read_seconds
 from ..sparse.predictor import KINDS, LOW_RANK, LayerPredictor, read_predictors_json, save_predictors
 from .dense_pass import MAX_WINDOW, CalibrationData, collect_inputs
 
@@ -248,8 +250,11 @@ def check_kind(kind: str, gated: bool, activation: str):
 
 
 def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, target_sparsity,
-                    rank, prob_threshold, epochs, max_window, seed, recall=DEFAULTS["recall"]):
-    """(predictors.json entry, low-rank factors or None) for one layer; x = its FFN inputs."""
+                    rank, prob_threshold, epochs, max_window, seed, recall=DEFAULTS["recall"],
+                    loader=None):
+    """(predictors.json entry, low-rank factors or None) for one layer; x = its FFN inputs.
+    loader: the pack's FlashLoader; with it stats.read_s holds what the held-out predictions
+    read per token (sparse.budget.measured_read_seconds), for the memory plan."""
     abs_act = layer_activations(ffn, x, dtype)
     n = abs_act.shape[1]
     threshold = sparsity_threshold(abs_act[:n_train], target_sparsity)
@@ -270,6 +275,8 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     predicted = predict_masks(pred, x[n_train:], dtype)
     stats = prediction_stats(active[n_train:], predicted)
     stats["train_active"] = float(active[:n_train].mean())
+    if loader is not None:
+        stats["read_s"] = measured_read_seconds(loader, layer, predicted, max_window)
     entry = {"kind": kind, "n_neurons": n, "rank": pred.rank, "threshold": threshold,
              "prob_threshold": prob_threshold, "cut": cut, "activation": ffn.activation, "stats": stats,
              "capacity": window_capacity(predicted, max_window)}
@@ -350,15 +357,21 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
         + (f", recall {st['recall']:g}" if kind == "low-rank-gate" else ""))
     layers, factors = {}, {}
     t0 = time.perf_counter()
-    for i in tqdm(sorted(data.ffns), desc=f"{kind} predictors", unit="layer", disable=not progress):
-        entry, f = calibrate_layer(i, data.ffns[i], data.xs[i], data.dtype, data.n_train, kind=kind,
-                                   target_sparsity=st["target_sparsity"],
-                                   rank=st["rank_per_layer"].get(i, st["rank"]),
-                                   prob_threshold=st["prob_threshold"], epochs=st["epochs"],
-                                   max_window=st["max_window"], seed=seed, recall=st["recall"])
-        layers[i] = entry
-        if f is not None:
-            factors[i] = f
+    loader = FlashLoader(out_pack or data.pack) if Path(out_pack or data.pack).is_dir() else None
+    try:
+        for i in tqdm(sorted(data.ffns), desc=f"{kind} predictors", unit="layer", disable=not progress):
+            entry, f = calibrate_layer(i, data.ffns[i], data.xs[i], data.dtype, data.n_train, kind=kind,
+                                       target_sparsity=st["target_sparsity"],
+                                       rank=st["rank_per_layer"].get(i, st["rank"]),
+                                       prob_threshold=st["prob_threshold"], epochs=st["epochs"],
+                                       max_window=st["max_window"], seed=seed, recall=st["recall"],
+                                       loader=loader)
+            layers[i] = entry
+            if f is not None:
+                factors[i] = f
+    finally:
+        if loader is not None:
+            loader.close()
     calib = {k: v for k, v in st.items() if k != "rank_per_layer"}
     calib.update(rank_per_layer={str(k): v for k, v in sorted(st["rank_per_layer"].items())},
                  tokens=n_tok, train_tokens=data.n_train, holdout_tokens=n_tok - data.n_train,

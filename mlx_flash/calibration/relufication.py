@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..paths import fsync_file
-from ..models.relu_llama import ACTIVATIONS, ActiveFractions
+from ..models.relu_llama import ACTIVATIONS, ActiveFractions, gated_hidden
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
 CHECKPOINTS = "checkpoints"
@@ -232,6 +232,69 @@ def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
             "sparsity": float(np.mean(per_layer)) if relu else None, "sparsity_per_layer": per_layer}
 
 
+# ---- layer-wise fit ----------------------------------------------------------------------------------
+
+def fit_layerwise(teacher, student, sequences: np.ndarray, *, ridge: float = 1e-3, batch_size: int = 16,
+                  progress: bool = True) -> dict:
+    """Layer-wise distillation of the swapped model before end-to-end training (in place, float32).
+
+    Layers in order, both models run on `sequences` (int32 [n, L], n x L tokens). At layer l the
+    student's FFN input x comes from the student's own residual stream (the layers before l
+    already fitted) and its down projection is refit in closed form, by ridge least squares
+        down = argmin_W  sum over tokens |W h(x) - (r_teacher - m_student)|^2 + lambda |W|^2
+    where h(x) is the student's ReLU-family hidden vector (gate / up / threshold unchanged, so the
+    sparsity is the swap's), m_student the student's residual stream after layer l's attention and
+    r_teacher the teacher's residual stream after layer l: the refit FFN also corrects the
+    drift the earlier layers left. lambda = ridge x the mean diagonal of sum h h^T.
+    Cost: one forward pass of both models plus a [hidden x hidden] solve per layer.
+    Returns {"tokens", "seconds", "relative_error" [per layer: mean |r_s - r_t|^2 / mean |r_t|^2
+    after the fit]}."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    tokens = mx.array(sequences)
+    t_layers, s_layers = teacher.model.layers, student.model.layers
+    h_t = h_s = teacher.model.embed_tokens(tokens)
+    mx.eval(h_t)
+    errors = []
+    for layer in tqdm(range(len(s_layers)), desc="layer-wise fit", unit="layer", disable=not progress):
+        t_block, s_block = t_layers[layer], s_layers[layer]
+        mlp = s_block.mlp
+        n_hidden = mlp.down_proj.weight.shape[1]
+        bias = "bias" in mlp.down_proj
+        gram = mx.zeros((n_hidden + bias, n_hidden + bias))
+        cross = mx.zeros((n_hidden + bias, mlp.down_proj.weight.shape[0]))
+        next_t, mid_s = [], []
+        for s in range(0, len(sequences), batch_size):
+            r_t = t_block(h_t[s: s + batch_size], "causal")
+            m_s = h_s[s: s + batch_size]
+            m_s = m_s + s_block.self_attn(s_block.input_layernorm(m_s), "causal")
+            x = s_block.post_attention_layernorm(m_s)
+            h = gated_hidden(mlp.gate_proj(x), mlp.up_proj(x), mlp.hidden_act, mlp.threshold)
+            h = h.reshape(-1, n_hidden)
+            if bias:
+                h = mx.concatenate([h, mx.ones((h.shape[0], 1), h.dtype)], axis=1)
+            gram = gram + h.T @ h
+            cross = cross + h.T @ (r_t - m_s).reshape(h.shape[0], -1)
+            mx.eval(gram, cross, r_t, m_s)
+            next_t.append(r_t)
+            mid_s.append(m_s)
+        lam = ridge * mx.mean(mx.diagonal(gram))
+        w = mx.linalg.solve(gram + lam * mx.eye(gram.shape[0]), cross, stream=mx.cpu)
+        mlp.down_proj.weight = w[:n_hidden].T
+        if bias:
+            mlp.down_proj.bias = w[n_hidden]
+        mx.eval(mlp.parameters())
+        h_t = mx.concatenate(next_t)
+        m_s = mx.concatenate(mid_s)
+        h_s = mx.concatenate([m_s[s: s + batch_size] + mlp(s_block.post_attention_layernorm(m_s[s: s + batch_size]))
+                              for s in range(0, len(sequences), batch_size)])
+        mx.eval(h_s, h_t)
+        errors.append(float(mx.mean(mx.square(h_s - h_t)).item() / mx.mean(mx.square(h_t)).item()))
+    return {"tokens": int(np.asarray(sequences).size), "seconds": time.perf_counter() - t0,
+            "relative_error": errors}
+
+
 # ---- files -------------------------------------------------------------------------------------------
 
 def write_json(path: Path, obj):
@@ -371,13 +434,17 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
 def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
            seq_len=SEQ_LEN, lr=5e-5, warmup=10, distill=0.0, checkpoint_every=50, resume=False,
            seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
-           target_sparsity=None, threshold_sequences=4, progress=True, log=print) -> dict:
+           target_sparsity=None, threshold_sequences=4, layerwise_tokens=0, layerwise_ridge=1e-3,
+           progress=True, log=print) -> dict:
     """Swap src's gate activation for `activation` and fine-tune it for `steps` AdamW steps of
     batch_size x seq_len tokens on train_files; write checkpoints and the final model to `out`.
 
     target_sparsity: with activation "fatrelu" (no threshold), per-layer thresholds from
     gate_thresholds on the first `threshold_sequences` training sequences (fixed for the run).
     max_minutes: stop early (after the step that crosses it), checkpoint, and write the model.
+    layerwise_tokens: before the first step, fit_layerwise on this many training tokens (whole
+    sequences of a seeded draw; 0: off); its minutes count in the run's time and its tokens in
+    tokens_trained, and the fitted model is checkpoint step 0.
     eval_files: held-out text measured (perplexity, sparsity; eval_tokens tokens) before training
     and on the final model, recorded in relufication.json.
     Returns the report dict written to out/relufication.json.
@@ -436,6 +503,18 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
                   "swapped": measure(model, eval_seqs)}
         log(f"held-out before training: original ppl {before['original']['ppl']:.3f}, swapped ppl "
             f"{before['swapped']['ppl']:.3f}, sparsity {100 * before['swapped']['sparsity']:.1f}%")
+    if layerwise_tokens and not resume:
+        count = max(1, min(len(sequences), layerwise_tokens // seq_len))
+        chosen = np.sort(np.random.default_rng(seed).permutation(len(sequences))[:count])
+        fit = fit_layerwise(teacher if teacher is not None else load_float32(src)[0], model, sequences[chosen],
+                            ridge=layerwise_ridge, progress=progress)
+        state.update(tokens_trained=fit["tokens"], seconds=fit["seconds"],
+                     layerwise={**fit, "ridge": layerwise_ridge})
+        save_checkpoint(out, model, optimizer, config, src, state)
+        if eval_seqs is not None:
+            before["layerwise"] = measure(model, eval_seqs)
+            log(f"held-out after the layer-wise fit ({fit['tokens']} tokens, {fit['seconds'] / 60:.1f} min): "
+                f"ppl {before['layerwise']['ppl']:.3f}, sparsity {100 * before['layerwise']['sparsity']:.1f}%")
     t_start, t_run = time.perf_counter(), state["seconds"]
     deadline = None if max_minutes is None else t_start + 60 * max_minutes
     last_saved = state["step"]
@@ -480,8 +559,9 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
 
 def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=None, progress=True) -> list:
     """Rows {step, tokens_trained, seconds, ppl, ppl_ratio, sparsity, sparsity_per_layer} of every
-    checkpoint of a run measured on the held-out eval_files, plus the original model (step 0,
-    no ReLU) and the swapped model before training when `original` (the source folder) is given."""
+    checkpoint of a run (step 0: the layer-wise fit) measured on the held-out eval_files, plus the
+    original model (step "original", no ReLU) and the swapped model before training (step
+    "swapped") when `original` (the source folder) is given."""
     from ..models import load_tokenizer
 
     out = Path(out)
@@ -501,7 +581,7 @@ def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=
         from mlx.utils import tree_flatten
 
         swapped = build_model(cfg, dict(tree_flatten(teacher.parameters())))
-        rows.append({"step": 0, "tokens_trained": 0, "seconds": 0.0, **measure(swapped, seqs)})
+        rows.append({"step": "swapped", "tokens_trained": 0, "seconds": 0.0, **measure(swapped, seqs)})
         del teacher, swapped
     for ckpt in ckpts:
         state = json.loads((ckpt / TRAINER_JSON).read_text())
@@ -528,8 +608,8 @@ def format_curve(rows) -> str:
         sp = "-" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%"
         mm = "-" if r["sparsity_per_layer"] is None else \
             f"{100 * min(r['sparsity_per_layer']):.0f}% / {100 * max(r['sparsity_per_layer']):.0f}%"
-        name = "original (SiLU)" if r["step"] == "original" else \
-            ("swapped, untrained" if r["step"] == 0 else f"step {r['step']}")
+        name = {"original": "original (SiLU)", "swapped": "swapped, untrained",
+                0: "layer-wise fit"}.get(r["step"], f"step {r['step']}")
         lines.append(f"| {name} | {r['tokens_trained']} | {r['seconds'] / 60:.1f} | {r['ppl']:.3f} | "
                      f"{ratio} | {sp} | {mm} |")
     return "\n".join(lines)

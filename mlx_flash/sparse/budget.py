@@ -145,6 +145,42 @@ def budget_param(budget) -> str:
     return budget.param if isinstance(budget, MemoryBudget) else "budget"
 
 
+def set_read_seconds(loader, layer: int, ids) -> float:
+    """Seconds to read the neurons `ids` (sorted neuron indices in the pack's order) of `layer` as
+    the loader would: its planner's merged, aligned reads, each priced by its cost model (without
+    one: bytes / 1 GB/s)."""
+    entry = loader.entry(layer)
+    ids = np.asarray(ids, np.int64)
+    if len(ids) == 0:
+        return 0.0
+    cost = loader.cost if getattr(loader, "plan", True) else None
+    r0, r1, _ = plan_read_arrays(entry.offset + ids * entry.stride, entry.stride, align=loader.alignment,
+                                 cost=cost, max_read=loader.max_read)
+    return float(np.sum((cost or ReadCost(0.0, 1e9)).seconds(r1 - r0)))
+
+
+def measured_read_seconds(loader, layer: int, predicted: np.ndarray, max_window: int,
+                          tokens: int = 64) -> dict:
+    """What a sparse layer reads per token, priced on real predictions: `predicted` bool
+    [consecutive tokens, n_neurons] (the predictor's masks in the pack's order, e.g. calibration's
+    held-out tokens). With a neuron cache of window w, token t reads the neurons predicted for t
+    and for none of the w - 1 tokens before it. Returns {"window_s": [mean seconds per token for
+    w = 1..max_window over the last `tokens` tokens], "whole_s": seconds to read the whole layer},
+    both from set_read_seconds (the same planner and cost model)."""
+    predicted = np.asarray(predicted, bool)
+    n_tok = len(predicted)
+    first = max(0, n_tok - tokens)
+    window_s = []
+    for w in range(1, max_window + 1):
+        secs = []
+        for t in range(first, n_tok):
+            seen = predicted[max(0, t - w + 1): t].any(axis=0)
+            secs.append(set_read_seconds(loader, layer, np.flatnonzero(predicted[t] & ~seen)))
+        window_s.append(float(np.mean(secs)) if secs else 0.0)
+    whole = set_read_seconds(loader, layer, np.arange(loader.entry(layer).count))
+    return {"window_s": window_s, "whole_s": whole}
+
+
 def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
     """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
     planner's merged, aligned requests, each priced by its cost model: the measured read-cost
@@ -173,20 +209,25 @@ def prefetch_bytes(manifest) -> int:
 
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
-                density=None, read_cost=None, prefetch=True) -> MemoryPlan:
+                density=None, read_cost=None, prefetch=True, sparse_read_fraction=None) -> MemoryPlan:
     """Split `budget` (MemoryBudget, bytes or None) for `mode`; FlashError if it is below the minimum.
 
     requested_capacity: {layer: rows} for flash (calibrated Req_i for the window); without it the
     budget left after the fixed parts is spread evenly over the layers.
     Flash with a budget, `density` ({layer: predicted fraction of neurons per token}) and
     `read_cost` (callable(layer, neurons per token) -> expected read seconds) plans each layer
-    (module docstring); predictor_bytes is then {layer: bytes}.
+    (module docstring); predictor_bytes is then {layer: bytes}. sparse_read_fraction: {layer:
+    measured seconds a sparse layer reads per token / seconds to read it whole} (calibration's
+    measured_read_seconds on real predictions, neuron cache included); where given, a sparse
+    layer's cost is that fraction of read_cost(layer, all neurons) instead of read_cost of
+    `density` random neurons.
     """
     limit = resolve_budget(budget, manifest)
     if mode == "flash" and density is not None and read_cost is not None and limit is not None \
             and limit < resident_bytes(manifest) + sum(layer_bytes(b) for b in manifest.bundles):
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
-                                 requested_capacity, prefetch=prefetch)
+                                 requested_capacity, prefetch=prefetch,
+                                 sparse_read_fraction=sparse_read_fraction)
     # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
     # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
     if isinstance(predictor_bytes, dict):
@@ -238,7 +279,8 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
 
 
 def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, read_cost,
-                      requested_capacity=None, units=4096, prefetch=True) -> MemoryPlan:
+                      requested_capacity=None, units=4096, prefetch=True,
+                      sparse_read_fraction=None) -> MemoryPlan:
     """The per-layer flash plan (module docstring): a multiple-choice knapsack over the layers
     (options resident / sparse / streamed, memory in `units` steps) minimising expected read
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
@@ -256,9 +298,11 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         base.expected_read_s = 0.0
         return base
     full = {i: b.count for i, b in bundles.items()}
-    cost = {i: {"streamed": float(read_cost(i, full[i])),
-                "sparse": float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))}
-            for i in layers}
+    measured = sparse_read_fraction or {}
+    cost = {i: {"streamed": float(read_cost(i, full[i]))} for i in layers}
+    for i in layers:
+        cost[i]["sparse"] = float(measured[i]) * cost[i]["streamed"] if i in measured \
+            else float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))
     found = []
     # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
     # ahead and sparse layers need their own streaming buffer; without it (also the fallback when

@@ -343,6 +343,24 @@ def predicted_density(pack_dir) -> dict | None:
     return out
 
 
+def sparse_read_fraction(pack_dir, window: int) -> dict | None:
+    """{layer: seconds a sparse layer reads per token / seconds to read it whole} from the read
+    costs calibration measured on its held-out predictions (stats.read_s: budget.
+    measured_read_seconds; windows beyond the measured ones use the largest), for the layers that
+    have them; None when the pack has no predictors or none has measured reads."""
+    doc = read_predictors_json(pack_dir)
+    if doc is None:
+        return None
+    out = {}
+    for key, entry in doc["layers"].items():
+        read = (entry.get("stats") or {}).get("read_s")
+        if not isinstance(read, dict) or not read.get("window_s") or not read.get("whole_s"):
+            continue
+        per_window = read["window_s"]
+        out[int(key)] = float(per_window[min(window, len(per_window)) - 1]) / float(read["whole_s"])
+    return out or None
+
+
 def calibrated_capacity(pack_dir, window: int) -> dict:
     """{layer: Req_i}: neuron rows that hold the union of predicted-active neurons over the last
     `window` tokens (the calibration text's 99th percentile, windows 1..max_window measured).
