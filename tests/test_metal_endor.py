@@ -6,28 +6,19 @@ with Metal they run on the GPU. Seeded bugs (an inclusive prefix sum where the e
 belongs, a missing barrier, a bitmap bound off by one) show that the checks catch them.
 """
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
+
+from metal_checks import BACKENDS, as_f64, check_close, emulated, mutated, needs_backend, schedules_caught
+from metal_checks import run_kernel as run
 
 from mlx_flash.errors import FlashError
 from mlx_flash.metal import emulator as em
 from mlx_flash.metal import endor as E
 from mlx_flash.pack import bitmap as B
 
-ON_MAC = sys.platform == "darwin" and mx.metal.is_available()
-if ON_MAC:
-    BACKENDS = ["metal"]
-elif sys.platform != "darwin" and em.compiler() is not None:
-    BACKENDS = list(em.SCHEDULES)
-else:
-    BACKENDS = []
-pytestmark = pytest.mark.skipif(not BACKENDS, reason="needs Apple Silicon (Metal) or, on Linux, g++ for the "
-                                                     "Metal emulator")
-emulated = pytest.mark.skipif(sys.platform == "darwin" or em.compiler() is None,
-                              reason="seeded bugs run in the Linux emulator (needs g++)")
+pytestmark = needs_backend
 
 COUNT, HIDDEN, DOWN, TOKENS = 37, 100, 1100, 3  # neurons, x width (not a multiple of 32), two down chunks
 PAYLOADS = {
@@ -64,30 +55,6 @@ def bundles(payload, gated=True, count=COUNT, seed=0):
                      [(d, m.shape[1], payload) for d, m in zip(dests, mats)])
     decoded = [as_f64(mx.array(d).view(E.decoded_dtype(payload))) for d in dests]
     return mx.array(flat.view(np.uint32)), offsets, decoded
-
-
-def as_f64(a):
-    return np.array(a.astype(mx.float32), np.float64)
-
-
-def tolerance(dtype):
-    return {mx.float16: 2e-3, mx.bfloat16: 1.6e-2}.get(dtype, 1e-5)
-
-
-def check_close(got, want, dtype, skip=None, scale=1.0):
-    got = as_f64(got)
-    assert got.shape == want.shape
-    if skip is not None:
-        got, want = got[~skip], want[~skip]
-    bound = tolerance(dtype) * scale * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
-    err = float(np.abs(got - want).max()) if want.size else 0.0
-    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
-
-
-def run(fn, backend, *args, metal_kernel=None, **kwargs):
-    if backend == "metal":
-        return fn(*args, **kwargs)
-    return fn(*args, metal_kernel=metal_kernel or em.metal_kernel, schedule=backend, seed=7, **kwargs)
 
 
 def reference_h(x, decoded, act):
@@ -204,13 +171,14 @@ def test_endor_ffn_runs_the_twin_off_the_gpu_and_checks_alignment():
 # Seeded bugs: each mutation of a kernel source must fail the checks above
 
 
-def mutated(old, new, where="source"):
-    def factory(**kw):
-        assert old in kw[where], f"mutation target not found: {old!r}"
-        kw[where] = kw[where].replace(old, new)
-        return em.metal_kernel(**kw)
-
-    return factory
+def down_case(payload):
+    """(enc, down_at, h [TOKENS, COUNT] float16 with exact zeros, float64 y reference) for endor_down."""
+    enc, offsets, decoded = bundles(payload)
+    h = mx.array(np.linspace(-1, 1, COUNT * TOKENS).reshape(TOKENS, COUNT).astype(np.float16))
+    h = mx.where(mx.abs(h) < 0.2, mx.zeros((), h.dtype), h)
+    _, down_at = E.endor_up_metal(x_for(payload), enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN,
+                                  payload=payload, metal_kernel=em.metal_kernel)
+    return enc, down_at, h, as_f64(h) @ decoded[-1]
 
 
 @emulated
@@ -232,33 +200,21 @@ def test_seeded_inclusive_prefix_in_endor_up_is_caught():
 def test_seeded_wrong_prefix_in_endor_down_is_caught():
     """The earlier chunks' values left out of a lane's first stored value: wrong y past column 1024."""
     payload = PAYLOADS["f16"]
-    enc, offsets, decoded = bundles(payload)
-    h = mx.array(np.linspace(-1, 1, COUNT * TOKENS).reshape(TOKENS, COUNT).astype(np.float16))
-    _, down_at = E.endor_up_metal(x_for(payload), enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN,
-                                  payload=payload, metal_kernel=em.metal_kernel)
+    enc, down_at, h, y_ref = down_case(payload)
     factory = mutated("uint v = before + metal::simd_prefix_exclusive_sum", "uint v = metal::simd_prefix_exclusive_sum")
     y = E.endor_down_metal(h, enc, down_at, columns=DOWN, payload=payload, metal_kernel=factory, schedule="forward")
     with pytest.raises(AssertionError, match="max error"):
-        check_close(y, as_f64(h) @ decoded[-1], mx.float16)
+        check_close(y, y_ref, mx.float16)
 
 
 @emulated
 def test_seeded_missing_barrier_in_endor_down_is_caught():
     payload = PAYLOADS["q4g128"]
-    enc, offsets, decoded = bundles(payload)
-    h = mx.array(np.linspace(-1, 1, COUNT * TOKENS).reshape(TOKENS, COUNT).astype(np.float16))
-    _, down_at = E.endor_up_metal(x_for(payload), enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN,
-                                  payload=payload, metal_kernel=em.metal_kernel)
+    enc, down_at, h, y_ref = down_case(payload)
     factory = mutated("metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);", "")
-    failures = 0
-    for schedule in em.SCHEDULES:
-        y = E.endor_down_metal(h, enc, down_at, columns=DOWN, payload=payload, metal_kernel=factory,
-                               schedule=schedule)
-        try:
-            check_close(y, as_f64(h) @ decoded[-1], mx.float16)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert schedules_caught(lambda schedule: E.endor_down_metal(h, enc, down_at, columns=DOWN, payload=payload,
+                                                               metal_kernel=factory, schedule=schedule),
+                            y_ref, mx.float16) > 0
 
 
 @emulated

@@ -5,26 +5,17 @@ shuffled); on a Mac with Metal they run on the GPU. Seeded bugs (a missing barri
 bound, a wrong index) show that these tests catch what they should.
 """
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from metal_checks import (BACKENDS, as_f64, check_close, emulated, mutated, needs_backend, run_kernel,
+                          schedules_caught, tolerance)
+
 from mlx_flash.metal import emulator as em
 from mlx_flash.metal import kernels as K
 
-ON_MAC = sys.platform == "darwin" and mx.metal.is_available()
-if ON_MAC:
-    BACKENDS = ["metal"]
-elif sys.platform != "darwin" and em.compiler() is not None:
-    BACKENDS = list(em.SCHEDULES)
-else:
-    BACKENDS = []
-pytestmark = pytest.mark.skipif(not BACKENDS, reason="needs Apple Silicon (Metal) or, on Linux, g++ for the "
-                                                     "Metal emulator")
-emulated = pytest.mark.skipif(sys.platform == "darwin" or em.compiler() is None,
-                              reason="seeded bugs run in the Linux emulator (needs g++)")
+pytestmark = needs_backend
 
 CAPACITY, HIDDEN, TOKENS = 70, 128, 8  # neuron-cache rows, model width, tokens per call
 FORMATS = {  # name: (bits, group_size, dtype of weights or scales)
@@ -51,27 +42,12 @@ def make_weights(fmt, seed, columns=HIDDEN, bias=False, rows=CAPACITY):
     return K.Weights(q, s, z, bias=b, bits=bits, group_size=group_size), np.array(dense, np.float64)
 
 
-def as_f64(a):
-    return np.array(a.astype(mx.float32), np.float64)
-
-
-def run_kernel(fn, backend, *args, metal_kernel=None, **kwargs):
-    """fn (sparse_up_metal / sparse_down_metal) on the backend: the GPU, or the emulator under a schedule."""
-    if backend == "metal":
-        return fn(*args, **kwargs)
-    return fn(*args, metal_kernel=metal_kernel or em.metal_kernel, schedule=backend, seed=7, **kwargs)
-
-
 def rows_of(sel):
     return np.arange(sel["n"]) if "n" in sel else sel["rows"]
 
 
 def mx_sel(sel):
     return {k: (mx.array(v) if k == "rows" else v) for k, v in sel.items()}
-
-
-def tolerance(dtype):
-    return 2e-3 if dtype == mx.float16 else 1.6e-2  # one rounding of the output (and x) to 16 bits
 
 
 def up_case(fmt, act, sel, tokens=TOKENS, bias=False):
@@ -96,16 +72,6 @@ def up_case(fmt, act, sel, tokens=TOKENS, bias=False):
     # 16-bit rounding (of the output, or of everything in the twin) may put these on either side
     near = margin < 4 * tolerance(dtype) * max(1.0, float(np.abs(a).max()) if a.size else 1.0)
     return x, up, gate, threshold, h, near
-
-
-def check_close(got, want, dtype, skip=None, scale=1.0):
-    got = as_f64(got)
-    assert got.shape == want.shape
-    if skip is not None:
-        got, want = got[~skip], want[~skip]
-    bound = tolerance(dtype) * scale * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
-    err = float(np.abs(got - want).max()) if want.size else 0.0
-    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -219,17 +185,6 @@ def test_dispatch_runs_the_twin_off_the_gpu():
 # Seeded bugs: each mutation of a kernel source must fail the checks above
 
 
-def mutated(old, new, where="source"):
-    """A metal_kernel factory that builds the emulated kernel from a source with `old` -> `new`."""
-
-    def factory(**kw):
-        assert old in kw[where], f"mutation target not found: {old!r}"
-        kw[where] = kw[where].replace(old, new)
-        return em.metal_kernel(**kw)
-
-    return factory
-
-
 @emulated
 def test_seeded_missing_barrier_in_sparse_down_is_caught():
     h = mx.array(np.linspace(-1, 1, CAPACITY * TOKENS).reshape(TOKENS, CAPACITY).astype(np.float32)).astype(
@@ -237,14 +192,8 @@ def test_seeded_missing_barrier_in_sparse_down_is_caught():
     down, down64 = make_weights("q4g64", 3, columns=HIDDEN * 2)
     y_ref = as_f64(h) @ down64
     factory = mutated("metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);", "")
-    failures = 0
-    for schedule in em.SCHEDULES:
-        y = K.sparse_down_metal(h, down, n=CAPACITY, metal_kernel=factory, schedule=schedule)
-        try:
-            check_close(y, y_ref, mx.float16)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert schedules_caught(lambda schedule: K.sparse_down_metal(h, down, n=CAPACITY, metal_kernel=factory,
+                                                                schedule=schedule), y_ref, mx.float16) > 0
 
 
 @emulated
