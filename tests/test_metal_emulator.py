@@ -102,8 +102,8 @@ def _ffn_case(kind, which):
             endor.endor_up_metal(mx.zeros((1, 64), mx.float16), enc, bounds, columns=64, down_columns=48,
                                  payload=payload, metal_kernel=capture)
         else:
-            endor.endor_down_metal(mx.zeros((1, 12), mx.float16), enc, mx.arange(12).astype(mx.int32), columns=48,
-                                   payload=payload, metal_kernel=capture)
+            endor.endor_down_metal(mx.zeros((1, 12), mx.float16), enc, mx.arange(12).astype(mx.int32),
+                                   mx.zeros((12, 2), mx.int32), columns=48, payload=payload, metal_kernel=capture)
     elif which == "sparse_up":
         K.sparse_up_metal(mx.zeros((1, 64), mx.float16), weights, weights, n=12, metal_kernel=capture)
     else:

@@ -76,6 +76,15 @@ def x_for(payload):
     return (mx.random.normal((TOKENS, HIDDEN), key=mx.random.key(5))).astype(dtype)
 
 
+def down_prefix_of(enc, down_at):
+    """numpy's down_prefix: values stored before each 1024-column chunk of each down block, then all."""
+    raw = np.array(enc).view(np.uint8)
+    bits = np.stack([np.unpackbits(raw[4 * a: 4 * a + B.bitmap_nbytes(DOWN)], bitorder="little", count=DOWN)
+                     for a in down_at.tolist()]).astype(np.int64)
+    edges = list(range(0, DOWN, E.DOWN_COLUMNS)) + [DOWN]
+    return np.stack([bits[:, :e].sum(axis=1) for e in edges], axis=1)
+
+
 def check_ffn(payload, act, backend):
     gated = act != "relu"
     enc, offsets, decoded = bundles(payload, gated)
@@ -83,12 +92,13 @@ def check_ffn(payload, act, backend):
     bounds = E.word_bounds(offsets)
     h_ref, t, near = reference_h(x, decoded, act)
     kw = dict(columns=HIDDEN, down_columns=DOWN, payload=payload, act=act, threshold=t)
-    h, down_at = run(E.endor_up_metal, backend, x, enc, bounds, **kw)
+    h, down_at, prefix = run(E.endor_up_metal, backend, x, enc, bounds, **kw)
     out_dtype = h.dtype
     check_close(h, h_ref, out_dtype, skip=near)
     at = np.array(down_at)
     assert (at >= 0).all() and (at < offsets[1:] // 4).all() and (at > offsets[:-1] // 4).all()
-    y = run(E.endor_down_metal, backend, h, enc, down_at, columns=DOWN, payload=payload)
+    assert np.array_equal(np.array(prefix), down_prefix_of(enc, at))
+    y = run(E.endor_down_metal, backend, h, enc, down_at, prefix, columns=DOWN, payload=payload)
     check_close(y, as_f64(h) @ decoded[-1], out_dtype)
     y_twin, ok = E.endor_ffn_twin(x, enc, bounds, **kw)
     assert np.array(ok).all()
@@ -139,11 +149,11 @@ def test_endor_bundles_that_disagree_with_their_bitmaps_are_flagged(backend):
             assert not bad[j]
         except FlashError:
             assert bad[j]
-    h, down_at = run(E.endor_up_metal, backend, x, enc, bounds, **kw)
+    h, down_at, prefix = run(E.endor_up_metal, backend, x, enc, bounds, **kw)
     assert (np.array(down_at) < 0).tolist() == bad.tolist()
     h_ref[:, bad] = 0
     check_close(h, h_ref, h.dtype, skip=near)
-    y = run(E.endor_down_metal, backend, h, enc, down_at, columns=DOWN, payload=payload)
+    y = run(E.endor_down_metal, backend, h, enc, down_at, prefix, columns=DOWN, payload=payload)
     check_close(y, as_f64(h) @ decoded[-1], h.dtype)
     y_twin, ok = E.endor_ffn_twin(x, enc, bounds, **kw)
     assert (~np.array(ok)).tolist() == bad.tolist()
@@ -172,13 +182,13 @@ def test_endor_ffn_runs_the_twin_off_the_gpu_and_checks_alignment():
 
 
 def down_case(payload):
-    """(enc, down_at, h [TOKENS, COUNT] float16 with exact zeros, float64 y reference) for endor_down."""
+    """(enc, (down_at, down_prefix), h [TOKENS, COUNT] float16 with exact zeros, float64 y reference)."""
     enc, offsets, decoded = bundles(payload)
     h = mx.array(np.linspace(-1, 1, COUNT * TOKENS).reshape(TOKENS, COUNT).astype(np.float16))
     h = mx.where(mx.abs(h) < 0.2, mx.zeros((), h.dtype), h)
-    _, down_at = E.endor_up_metal(x_for(payload), enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN,
-                                  payload=payload, metal_kernel=em.metal_kernel)
-    return enc, down_at, h, as_f64(h) @ decoded[-1]
+    _, down_at, prefix = E.endor_up_metal(x_for(payload), enc, E.word_bounds(offsets), columns=HIDDEN,
+                                          down_columns=DOWN, payload=payload, metal_kernel=em.metal_kernel)
+    return enc, (down_at, prefix), h, as_f64(h) @ decoded[-1]
 
 
 @emulated
@@ -190,8 +200,8 @@ def test_seeded_inclusive_prefix_in_endor_up_is_caught():
     h_ref, t, near = reference_h(x, decoded, "silu")
     factory = mutated("uint v = done + metal::simd_prefix_exclusive_sum(pc);",
                       "uint v = done + metal::simd_prefix_inclusive_sum(pc);", where="header")
-    h, _ = E.endor_up_metal(x, enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN, payload=payload,
-                            threshold=t, metal_kernel=factory, schedule="forward")
+    h, _, _ = E.endor_up_metal(x, enc, E.word_bounds(offsets), columns=HIDDEN, down_columns=DOWN, payload=payload,
+                               threshold=t, metal_kernel=factory, schedule="forward")
     with pytest.raises(AssertionError, match="max error"):
         check_close(h, h_ref, h.dtype, skip=near)
 
@@ -200,9 +210,9 @@ def test_seeded_inclusive_prefix_in_endor_up_is_caught():
 def test_seeded_wrong_prefix_in_endor_down_is_caught():
     """The earlier chunks' values left out of a lane's first stored value: wrong y past column 1024."""
     payload = PAYLOADS["f16"]
-    enc, down_at, h, y_ref = down_case(payload)
+    enc, down, h, y_ref = down_case(payload)
     factory = mutated("uint v = before + metal::simd_prefix_exclusive_sum", "uint v = metal::simd_prefix_exclusive_sum")
-    y = E.endor_down_metal(h, enc, down_at, columns=DOWN, payload=payload, metal_kernel=factory, schedule="forward")
+    y = E.endor_down_metal(h, enc, *down, columns=DOWN, payload=payload, metal_kernel=factory, schedule="forward")
     with pytest.raises(AssertionError, match="max error"):
         check_close(y, y_ref, mx.float16)
 
@@ -210,9 +220,9 @@ def test_seeded_wrong_prefix_in_endor_down_is_caught():
 @emulated
 def test_seeded_missing_barrier_in_endor_down_is_caught():
     payload = PAYLOADS["q4g128"]
-    enc, down_at, h, y_ref = down_case(payload)
+    enc, down, h, y_ref = down_case(payload)
     factory = mutated("metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);", "")
-    assert schedules_caught(lambda schedule: E.endor_down_metal(h, enc, down_at, columns=DOWN, payload=payload,
+    assert schedules_caught(lambda schedule: E.endor_down_metal(h, enc, *down, columns=DOWN, payload=payload,
                                                                metal_kernel=factory, schedule=schedule),
                             y_ref, mx.float16) > 0
 

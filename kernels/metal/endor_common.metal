@@ -23,19 +23,14 @@ inline uint endor_bitmap_word(PE enc, uint at, uint n, uint i) {
   return left >= 32 ? w : (w & ((1u << left) - 1u));
 }
 
-// Stored values of the block (every lane gets the SIMD group's total); `before` = those stored
-// in bitmap words < first_word.
+// Stored values of the block (every lane gets the SIMD group's total).
 template <typename PE>
-inline uint endor_count(PE enc, uint at, uint n, uint first_word, uint lane, thread uint& before) {
+inline uint endor_count(PE enc, uint at, uint n, uint lane) {
   uint words = (n + 31) / 32;
   uint total = 0;
-  uint earlier = 0;
   for (uint i = lane; i < words; i += 32) {
-    uint c = metal::popcount(endor_bitmap_word(enc, at, n, i));
-    total += c;
-    earlier += i < first_word ? c : 0u;
+    total += metal::popcount(endor_bitmap_word(enc, at, n, i));
   }
-  before = metal::simd_sum(earlier);
   return metal::simd_sum(total);
 }
 
@@ -104,8 +99,7 @@ inline float endor_lane_dot(PE enc, PX x, thread uint& at, uint end, uint n, uin
     ok = false;
     return 0.0f;
   }
-  uint unused;
-  uint nnz = endor_count(enc, at, n, 0, lane, unused);
+  uint nnz = endor_count(enc, at, n, lane);
   uint p = at + words;
   uint next = p + EndorPayload<FMT>::words(nnz, group_size);
   if (next > end) {

@@ -2,9 +2,9 @@
 // endor_common.metal): y[m, :] = sum_j h[m, j] * down_j, down_j the D-element down block of bundle
 // j at word down_at[j] (from endor_up; -1: a bad bundle, skipped), decoded while it is added.
 // Threadgroup (32, NSG) owns 1024 columns: lane l of every SIMD group owns bitmap word
-// 32 * chunk + l (columns 32 * (32 chunk + l) ..+ 31), whose first stored value is the popcount of
-// the row's earlier words (simd_sum) plus the prefix sum of this chunk's popcounts
-// (simd_prefix_exclusive_sum). SIMD group s adds rows s, s + NSG, ... of its split into its own
+// 32 * chunk + l (columns 32 * (32 chunk + l) ..+ 31), whose first stored value is the values of
+// the earlier chunks (down_prefix[j, chunk], from endor_up) plus the prefix sum of this chunk's
+// popcounts (simd_prefix_exclusive_sum). SIMD group s adds rows s, s + NSG, ... of its split into its own
 // 1024 sums in threadgroup memory; after the barrier the NSG sums of each column are added. Rows
 // with h == 0 are not read. Splits as in sparse_down: out[m, split, :] float32, summed by the caller.
 // Template: FMT, NSG. params: [count, D, group_size, splits].
@@ -20,6 +20,7 @@ uint m = threadgroup_position_in_grid.z / splits;
 uint split = threadgroup_position_in_grid.z % splits;
 uint chunk = threadgroup_position_in_grid.x;
 uint words = (D + 31) / 32;
+uint chunks = (words + 31) / 32;
 uint i = chunk * 32 + lane;
 threadgroup float* sums = partial + s * 1024 + lane * 32;  // this lane's 32 columns
 for (uint b = 0; b < 32; b++) {
@@ -31,8 +32,8 @@ for (uint j = split * NSG + s; j < count; j += NSG * splits) {
   if (hv == 0.0f || at < 0) {
     continue;  // a masked neuron (or a bad bundle): its block is not read
   }
-  uint before;
-  uint nnz = endor_count(enc, uint(at), D, chunk * 32, lane, before);
+  uint before = uint(down_prefix[j * (chunks + 1) + chunk]);
+  uint nnz = uint(down_prefix[j * (chunks + 1) + chunks]);
   uint p = uint(at) + words;
   uint word = i < words ? endor_bitmap_word(enc, uint(at), D, i) : 0u;
   uint v = before + metal::simd_prefix_exclusive_sum(metal::popcount(word));

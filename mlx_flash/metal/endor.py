@@ -8,8 +8,10 @@ values). The kernels read the bundles as they were read from the file and never 
     endor_up(x, enc, bounds, ...)   h [M, count]: gate/up blocks decoded while multiplied by x,
                                     fused with the activation and threshold mask (as sparse_up);
                                     also down_at [count]: each bundle's down block (-1: bad bundle)
-    endor_down(h, enc, down_at)     y [M, D] = sum_j h_j * down_j, down blocks decoded while added;
-                                    rows with h_j == 0 are not read
+                                    and down_prefix [count, chunks + 1]: its values stored before
+                                    each 1024-column chunk (so endor_down reads each bitmap once)
+    endor_down(h, enc, down_at, down_prefix)  y [M, D] = sum_j h_j * down_j, down blocks decoded
+                                    while added; rows with h_j == 0 are not read
 
 Why decode-matvec and not a decode kernel: token generation on an Apple GPU is memory-bound (an M1
 moves 68 GB/s and computes about 2.6 TFLOPS: ~75 flops per float16 weight read), and the few
@@ -70,29 +72,33 @@ def _out_dtype(x_dtype, payload):
 
 def endor_up_metal(x, enc, bounds, *, columns: int, down_columns: int, payload: dict, act="silu",
                    threshold=0.0, metal_kernel=None, **run):
-    """(h [..., count], down_at int32 [count]) on the endor_up kernel (or through `metal_kernel`,
-    e.g. the emulator, with `run` options). columns: K (x's width); down_columns: D."""
+    """(h [..., count], down_at int32 [count], down_prefix int32 [count, chunks + 1]) on the
+    endor_up kernel (or through `metal_kernel`, e.g. the emulator, with `run` options).
+    columns: K (x's width); down_columns: D; chunks = ceil(D / 1024)."""
     if act not in K.ACTS:
         raise ValueError(f"act {act!r}: expected one of {K.ACTS}")
     count = int(bounds.shape[0])
     out_dtype = _out_dtype(x.dtype, payload)
     lead = x.shape[:-1]
+    chunks = -(-down_columns // DOWN_COLUMNS)
     if count == 0:
-        return mx.zeros((*lead, 0), out_dtype), mx.zeros((0,), mx.int32)
+        return mx.zeros((*lead, 0), out_dtype), mx.zeros((0,), mx.int32), mx.zeros((0, chunks + 1), mx.int32)
     x2 = x.reshape(-1, columns)
     M = x2.shape[0]
     inputs = [x2, enc, bounds.astype(mx.int32).reshape(-1),
               K._params(count, columns, down_columns, _group_size(payload)),
               mx.full((K.SMALL,), threshold, mx.float32)]
-    h, down_at = K.kernel("endor_up", metal_kernel)(
+    h, down_at, down_prefix = K.kernel("endor_up", metal_kernel)(
         inputs=inputs, template=[("T", out_dtype), ("FMT", payload_format(payload)), ("ACT", K.ACTS.index(act))],
         grid=(32 * count, M, 1), threadgroup=(32 * K.UP_ROWS_PER_THREADGROUP, 1, 1),
-        output_shapes=[(M, count), (count,)], output_dtypes=[out_dtype, mx.int32], **run)
-    return h.reshape(*lead, count), down_at
+        output_shapes=[(M, count), (count,), (count, chunks + 1)], output_dtypes=[out_dtype, mx.int32, mx.int32],
+        **run)
+    return h.reshape(*lead, count), down_at, down_prefix
 
 
-def endor_down_metal(h, enc, down_at, *, columns: int, payload: dict, metal_kernel=None, **run):
-    """y [..., D] (D = columns) on the endor_down kernel (or through `metal_kernel`, with `run`)."""
+def endor_down_metal(h, enc, down_at, down_prefix, *, columns: int, payload: dict, metal_kernel=None, **run):
+    """y [..., D] (D = columns) on the endor_down kernel (or through `metal_kernel`, with `run`);
+    down_at, down_prefix: endor_up's."""
     count = int(down_at.shape[0])
     out_dtype = _out_dtype(h.dtype, payload)
     lead = h.shape[:-1]
@@ -101,7 +107,8 @@ def endor_down_metal(h, enc, down_at, *, columns: int, payload: dict, metal_kern
     M = h.size // count
     chunks = -(-columns // DOWN_COLUMNS)
     splits = max(1, min(-(-K.DOWN_TARGET_THREADGROUPS // chunks), count // (4 * DOWN_SIMD_GROUPS), 64))
-    inputs = [h.reshape(M, count), enc, down_at, K._params(count, columns, _group_size(payload), splits)]
+    inputs = [h.reshape(M, count), enc, down_at, down_prefix.reshape(-1),
+              K._params(count, columns, _group_size(payload), splits)]
     partial = K.kernel("endor_down", metal_kernel)(
         inputs=inputs, template=[("FMT", payload_format(payload)), ("NSG", DOWN_SIMD_GROUPS)],
         grid=(32 * chunks, DOWN_SIMD_GROUPS, M * splits), threadgroup=(32, DOWN_SIMD_GROUPS, 1),
@@ -112,9 +119,11 @@ def endor_down_metal(h, enc, down_at, *, columns: int, payload: dict, metal_kern
 def endor_ffn_metal(x, enc, bounds, *, columns, down_columns, payload, act="silu", threshold=0.0,
                     metal_kernel=None, **run):
     """(y [..., D], ok bool [count]: bundles whose blocks add up to their length) on the kernels."""
-    h, down_at = endor_up_metal(x, enc, bounds, columns=columns, down_columns=down_columns, payload=payload,
-                                act=act, threshold=threshold, metal_kernel=metal_kernel, **run)
-    y = endor_down_metal(h, enc, down_at, columns=down_columns, payload=payload, metal_kernel=metal_kernel, **run)
+    h, down_at, down_prefix = endor_up_metal(x, enc, bounds, columns=columns, down_columns=down_columns,
+                                             payload=payload, act=act, threshold=threshold,
+                                             metal_kernel=metal_kernel, **run)
+    y = endor_down_metal(h, enc, down_at, down_prefix, columns=down_columns, payload=payload,
+                         metal_kernel=metal_kernel, **run)
     return y, down_at >= 0
 
 

@@ -88,9 +88,9 @@ def kernel(name: str, metal_kernel=None):
                           "gate_biases", "gate_bias", "ids", "params", "thresh"],
             "sparse_down": ["h", "w", "scales", "biases", "ids", "params"],
             "endor_up": ["x", "enc", "bounds", "params", "thresh"],
-            "endor_down": ["h", "enc", "down_at", "params"],
+            "endor_down": ["h", "enc", "down_at", "down_prefix", "params"],
         }[name]
-        outputs = ["out", "down_at_out"] if name == "endor_up" else ["out"]
+        outputs = ["out", "down_at_out", "down_prefix_out"] if name == "endor_up" else ["out"]
         header = "endor_common.metal" if name.startswith("endor") else "sparse_common.metal"
         _kernels[key] = factory(name=f"mlx_flash_{name}", input_names=inputs, output_names=outputs,
                                 source=_read_source(f"{name}.metal"), header=_read_source(header),
