@@ -544,3 +544,30 @@ def test_crc32_equals_zlib():
         data = rng.integers(0, 256, n, dtype=np.uint8)
         assert loader_module.crc32(data) == zlib.crc32(data)
         assert loader_module.crc32(data[n // 3:], 12345) == zlib.crc32(data[n // 3:], 12345)
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_expert_blocks_are_zero_copy_vectored_reads_into_the_slot_bank(tmp_path, monkeypatch):
+    # float32 experts of 64 x 64: every component is 16 KiB, so a block lands in the bank's rows
+    # in place: one vectored AIO read per run of neighbouring experts, none through staging
+    from conftest import write_tiny_moe
+
+    pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", hidden=64, expert_ffn=64,
+                                     experts=8, layers=1), tmp_path / "moe.pack", progress=False)
+    layer = next(b.layer for b in read_manifest(pack).bundles if b.kind == "experts")
+    real_read, calls = aio.AioContext.read, []
+
+    def spy(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
+        calls.append(vectored)
+        return real_read(self, fds, offsets, sizes, addresses, on_done=on_done, vectored=vectored)
+
+    monkeypatch.setattr(aio.AioContext, "read", spy)
+    monkeypatch.setattr(FileLayer, "preadv", lambda *a: pytest.fail("a read left AIO"))
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        bank = loader.alloc(layer, 5)
+        stats = loader.read(layer, [6, 1, 2, 4], bank, [0, 4, 2, 3])
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.reads == 3 and stats.zero_copy_reads == 3  # experts 1-2 touch: one read
+        assert len(calls) == 1 and calls[0].all()
+        check_rows(pack, loader, layer, [6, 1, 2, 4], bank, [0, 4, 2, 3])
