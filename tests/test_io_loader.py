@@ -571,3 +571,21 @@ def test_expert_blocks_are_zero_copy_vectored_reads_into_the_slot_bank(tmp_path,
         assert stats.reads == 3 and stats.zero_copy_reads == 3  # experts 1-2 touch: one read
         assert len(calls) == 1 and calls[0].all()
         check_rows(pack, loader, layer, [6, 1, 2, 4], bank, [0, 4, 2, 3])
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_zero_copy_rows_are_checked_as_their_reads_land(make_pack):
+    pack = make_pack(**ALIGNED)
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 7 * entry["stride"] + 5000] ^= 0x01  # bundle 7's up row
+    path.write_bytes(bytes(data))
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        dest = loader.alloc(0, 4)
+        stats = loader.read(0, [2, 4, 9, 12], dest)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.zero_copy_reads == stats.reads == 4
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+            loader.read(0, [1, 7, 13], dest)

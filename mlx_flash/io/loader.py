@@ -25,6 +25,9 @@ from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_read
 # Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
 # cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
 SCATTER_ROWS = 64
+# Threads checking (crc32, GIL released in the kernels' version), decoding and scattering landed
+# reads: two cores' worth, so checks keep up with the device.
+FINISH_THREADS = 2
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
 CALIBRATION_MIN_BYTES = 16 << 20
 
@@ -356,13 +359,16 @@ class FlashLoader:
         def on_done(idx, res):
             np.subtract.at(left, tags[idx], 1)
             for t in np.unique(tags[idx]).tolist():
-                job = jobs[t]
-                if job.lengths is not None:  # ENDOR: check + decode what landed, the rest in flight
-                    mine = idx[tags[idx] == t]
-                    landed = mine[res[mine] == sizes[mine]] - first_read[t]
-                    if len(landed):
-                        finishing.append(self._finisher().submit(
-                            self._decode, job, flat, np.flatnonzero(np.isin(job.member_read, landed))))
+                job, pool = jobs[t], self._finisher()
+                mine = idx[tags[idx] == t]
+                landed = mine[res[mine] == sizes[mine]] - first_read[t]
+                if len(landed) and job.lengths is not None:  # ENDOR: check + decode what landed
+                    members = np.flatnonzero(np.isin(job.member_read, landed))
+                    finishing.append(pool.submit(self._decode, job, flat, members))
+                elif len(landed) and job.zero_copy and self.verify:  # crc32 what landed, split
+                    for part in np.array_split(landed, min(len(landed), FINISH_THREADS)):
+                        members = np.flatnonzero(np.isin(job.member_read, part))
+                        finishing.append(pool.submit(self._check_rows, job, members))
                 if left[t] == 0:
                     finishing.append(self._finisher().submit(
                         self._complete_aio, jobs[t], np.flatnonzero(tags == t), res, offsets,
@@ -378,17 +384,18 @@ class FlashLoader:
                 raise e
 
     def _finisher(self) -> ThreadPoolExecutor:
-        """The thread that checks and scatters finished AIO jobs (started on first use)."""
+        """The threads that check and scatter what AIO reads landed (started on first use)."""
         if self._finish_pool is None:
             with self._lock:
                 if self._finish_pool is None:
-                    self._finish_pool = ThreadPoolExecutor(1, thread_name_prefix="flash-finish")
+                    self._finish_pool = ThreadPoolExecutor(FINISH_THREADS,
+                                                           thread_name_prefix="flash-finish")
         return self._finish_pool
 
     def _complete_aio(self, job, reads, res, offsets, sizes, pos, staging, flat):
         """Redo a finished job's short or failed reads carefully (EINTR, retries, EOF), then check
-        and scatter it (ENDOR: decode the redone reads' bundles; the rest were decoded as they
-        landed). reads: indices of its reads in the AIO arrays, in the job's read order."""
+        and scatter it (ENDOR, zero copy: decode / check the redone reads' bundles; the others
+        were decoded / checked as they landed). reads: indices of its reads in the AIO arrays, in the job's read order."""
         bounds, redone = np.append(job.first, len(job.ids)), []
         for k, i in enumerate(reads.tolist()):
             if res[i] == sizes[i]:
@@ -400,10 +407,15 @@ class FlashLoader:
                 buffers = [staging[int(pos[i]): int(pos[i]) + n]]
             read_full(self.files, job.f.fd, buffers, r0, job.f.path, job.f.buffered_fd)
             redone.append(k)
-        if job.lengths is None:
+        redone_members = np.flatnonzero(np.isin(job.member_read, redone))
+        if job.lengths is not None:  # ENDOR: bundles of the reads that landed were decoded then
+            if redone:
+                self._decode(job, flat, redone_members)
+        elif job.zero_copy:  # rows of the reads that landed were checked then
+            if self.verify and redone:
+                self._check_rows(job, redone_members)
+        else:
             self._finish(job, flat)
-        elif redone:  # ENDOR bundles of the reads that landed were decoded as they landed
-            self._decode(job, flat, np.flatnonzero(np.isin(job.member_read, redone)))
 
     def _items(self, job):
         """[(file, offset, bytes, staging position or iovec list)] for a prepared request."""
@@ -672,7 +684,8 @@ class FlashLoader:
                         ids=job.ids[m], offsets=job.starts[m],
                         crcs=job.f.crc[job.ids[m]] if self.verify else None)
         finally:
-            job.decode_s += time.perf_counter() - t0
+            with self._lock:  # finishing threads decode batches of one request at once
+                job.decode_s += time.perf_counter() - t0
 
     def _check(self, job, flat, offs):
         """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table."""
