@@ -95,3 +95,36 @@ def test_expert_fio_reference(tiny_llama, tmp_path, monkeypatch):
         bench_io.expert_fio_reference(dense, depth=3)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert bench_io.expert_fio_reference(pack, depth=3) is None
+
+
+def test_expert_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    import pytest
+
+    from conftest import write_tiny_moe
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.pack import read_manifest, write_pack
+
+    def bench_of(pack):
+        parser = argparse.ArgumentParser()
+        bench_io.add_arguments(parser)
+        return bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+
+    pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", layers=2, top_k=2),
+                      tmp_path / "moe.pack", progress=False)
+    stride = next(b.stride for b in read_manifest(pack).bundles if b.kind == "experts")
+    bench = bench_of(pack)
+    if shutil.which("fio"):
+        row = bench_io.expert_reads(bench, 1 << 20, with_fio=True)
+        assert row["top_k"] == 2 and row["block_bytes"] == stride and row["calls"] >= 4
+        assert row["ms_per_call"] > 0 and row["device_gbps"] > 0
+        assert row["fio_ms_per_call"] == pytest.approx(2 * stride / row["fio_gbps"] / 1e6)
+        assert row["over_fio"] == pytest.approx(row["ms_per_call"] / row["fio_ms_per_call"])
+        assert f"--bs={stride}" in row["fio_command"] and "--iodepth=2" in row["fio_command"]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    row = bench_io.expert_reads(bench, 1 << 20, with_fio=True)
+    assert row["fio"] == "fio not installed" and "over_fio" not in row
+    dense = write_pack(tiny_llama("src"), tmp_path / "dense.pack", progress=False)
+    assert bench_io.expert_reads(bench_of(dense), 1 << 20, with_fio=False) is None

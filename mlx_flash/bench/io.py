@@ -223,6 +223,73 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
     return rows
 
 
+class _Calls:
+    """Sequential loader calls timed as one run, shaped like ReadStats (seconds, bytes_read)."""
+    def __init__(self, seconds, bytes_read):
+        self.seconds, self.bytes_read = seconds, bytes_read
+
+
+def expert_reads(bench, total_bytes, with_fio):
+    """MoE packs: the expert store's read pattern, cold. Each call reads top_k random experts of
+    one MoE layer (one read per expert block) into a slot bank, calls one after another through
+    the layers; fio reads the same files at bs = the block size with iodepth = top_k. Returns
+    {"top_k", "block_bytes", "calls", "ms_per_call", "device_gbps", fio: "fio_ms_per_call",
+    "over_fio" = ms_per_call / fio_ms_per_call (the issue's target: <= 1.3)} or None (no
+    uniform-width expert layers)."""
+    from ..models.moe import top_k_of
+
+    experts = {b.layer: b for b in bench.manifest.bundles if b.kind == "experts" and not b.groups}
+    if not experts:
+        return None
+    top_k = top_k_of(bench.manifest.config)
+    stride = max(e.stride for e in experts.values())
+    calls = max(2 * len(experts), total_bytes // (top_k * stride))
+    layers = [list(experts)[i % len(experts)] for i in range(calls)]
+    picks = [np.sort(bench.rng.choice(experts[key].count, top_k, replace=False)) for key in layers]
+    with FlashLoader(bench.pack, threads=max(32, top_k), cost=ReadCost(0.0, 1e9)) as loader:
+        bank = loader.alloc(layers[0], top_k)
+        slots = np.arange(top_k)
+
+        def run_calls():
+            t0, nbytes = time.perf_counter(), 0
+            for key, ids in zip(layers, picks):
+                nbytes += loader.read(key, ids, bank, slots).bytes_read
+            return _Calls(time.perf_counter() - t0, nbytes)
+
+        run_calls()  # untimed: opens the files, reads the checksum tables
+        fns = {"loader": run_calls}
+        ref_cmd = fio_command(bench.paths(), top_k, {stride: 1}, calls * top_k * stride, "libaio") \
+            if with_fio else None
+        if ref_cmd:
+            fns["fio"] = lambda: run_fio(ref_cmd)
+        res = interleaved(bench, fns)
+    s = res["loader"]
+    row = {"top_k": top_k, "block_bytes": stride, "calls": calls, "verify": True,
+           "ms_per_call": 1e3 * s.seconds / calls, "device_gbps": _gb(s.bytes_read, s.seconds)}
+    if ref_cmd:
+        fio_gbps = res["fio"].bw / 1e9
+        row.update(fio_gbps=fio_gbps, fio_ms_per_call=top_k * stride / fio_gbps / 1e6,
+                   fio_command=" ".join(ref_cmd))
+        row["over_fio"] = row["ms_per_call"] / row["fio_ms_per_call"]
+    else:
+        row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
+    return row
+
+
+def print_expert_reads(row):
+    print(f"\nexpert reads as the MoE store issues them: {row['top_k']} random experts of one "
+          f"layer per call ({row['block_bytes']}-byte blocks, one read each, crc32 checked), "
+          f"{row['calls']} calls in sequence, cold")
+    if "fio_gbps" in row:
+        print(f"  loader {row['ms_per_call']:.2f} ms per call ({row['device_gbps']:.3f} GB/s); fio "
+              f"--bs={row['block_bytes']} --iodepth={row['top_k']}: {row['fio_gbps']:.3f} GB/s -> "
+              f"{row['fio_ms_per_call']:.2f} ms for the same bytes; loader / fio time = "
+              f"{row['over_fio']:.2f}x")
+    else:
+        print(f"  loader {row['ms_per_call']:.2f} ms per call ({row['device_gbps']:.3f} GB/s); "
+              f"{row['fio']}")
+
+
 def print_large_reads(rows, depth):
     print(f"\nlarge reads: k consecutive bundles per read into alloc() destinations, {depth} in "
           f"flight, vs fio --rw=randread --ioengine=libaio --iodepth={depth} --bs=<read bytes> on "
@@ -503,13 +570,15 @@ def run(args) -> int:
     comparisons, fio, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}),
                                                   with_fio=not args.no_fio)
     large = large_reads(bench, sizes, top, args.large_mb << 20, with_fio=not args.no_fio)
+    moe = expert_reads(bench, args.large_mb << 20, with_fio=not args.no_fio)
     main = next(r for r in comparisons if r["fraction"] == args.fraction)
     if not args.no_fio and not fio:
         print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
     result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
               "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
               "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
-              "bundled_vs_unbundled": comparisons, "fio": fio, "large_reads": large}
+              "bundled_vs_unbundled": comparisons, "fio": fio, "large_reads": large,
+              "expert_reads": moe}
 
     print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
     print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
@@ -552,6 +621,8 @@ def run(args) -> int:
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
     print_large_reads(large, top)
+    if moe:
+        print_expert_reads(moe)
     if args.json:
         tmp = Path(f"{args.json}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(result, indent=1))
