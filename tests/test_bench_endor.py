@@ -25,6 +25,9 @@ def test_table_and_json(tiny_llama, tmp_path, capsys):
         assert t["dense"]["bytes"] == 2 * 256 * 3 * 64 * 2  # float16 gate, up, down rows
         assert 0.5 < r["summary"]["endor_bytes_ratio"] < 0.6
         assert t["endor"]["decode_ms"] > 0 and t["zstd"]["decode_ms"] > 0
+        if extra:  # the runtime's path too: the loader reads the same bytes as the plain reads
+            assert t["endor-loader"]["decode_ms"] > 0 and t["dense-loader"]["decode_ms"] == 0
+            assert t["endor-loader"]["bytes"] >= t["endor"]["bytes"] and r["summary"]["loader_speedup"] > 0
     assert "| all | endor |" in capsys.readouterr().out
     assert not list(endor.glob(".endor-bench-*"))  # scratch files removed
 

@@ -15,6 +15,10 @@ whole bundle region, then decoded into dense rows:
     endor  the ENDOR layer file's bundle region, decoded by the C++ kernel (mlx_flash/endor)
     zstd   the dense bytes compressed with zstandard (level --zstd-level) in a scratch file,
            decompressed with zstandard (one thread)
+    with --dense, also the runtime's own path, cold, through FlashLoader (native AIO direct
+    reads, crc32 checks, ENDOR bundles checked + decoded as their reads land):
+    dense-loader / endor-loader  one whole-layer read into decoded rows; decode ms = the part of
+           the wall time spent in the check + decode pass (overlapped with the reads in flight)
 Reported: bytes read, read ms, decode ms, their sum, bytes and total time relative to dense,
 and decode time as a fraction of the read time ENDOR saves. Timings are medians over repeats.
 """
@@ -127,20 +131,26 @@ def layer_formats(pack: Path, entry, dense_pack, scratch: Path, level: int) -> d
     return formats, dest
 
 
-def measure_layer(entry, index, formats, dest, repeats, drop_caches) -> dict:
-    """{format: {"bytes", "read_ms", "decode_ms", "total_ms"}} medians over cold repeats."""
+def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=None) -> dict:
+    """{format: {"bytes", "read_ms", "decode_ms", "total_ms"}} medians over cold repeats.
+    loaders: {"dense-loader": FlashLoader, "endor-loader": FlashLoader} to time the runtime path."""
     import zstandard
 
     from ..pack.bitmap import decode_into
     from ..pack.reader import endor_roles
 
     roles = endor_roles(entry, dest)
-    order = ["dense", "endor", "zstd"]
+    order = ["dense", "endor", "zstd"] + sorted(loaders or {})
     times = {f: {"read": [], "decode": []} for f in order}
     nbytes = {}
     dctx = zstandard.ZstdDecompressor()
     for r in range(repeats):
-        for f in order[r % 3:] + order[: r % 3]:
+        for f in order[r % len(order):] + order[: r % len(order)]:
+            if f in (loaders or {}):
+                nbytes[f], read_s, decode_s = _loader_read(loaders[f], entry.layer, drop_caches)
+                times[f]["read"].append(read_s - decode_s)
+                times[f]["decode"].append(decode_s)
+                continue
             path, start, length = formats[f][:3]
             view, read_s, read_bytes, _ = _cold_read(path, start, length, drop_caches)
             nbytes[f] = length
@@ -161,6 +171,17 @@ def measure_layer(entry, index, formats, dest, repeats, drop_caches) -> dict:
         dec = statistics.median(times[f]["decode"]) * 1e3
         out[f] = {"bytes": nbytes[f], "read_ms": read, "decode_ms": dec, "total_ms": read + dec}
     return out
+
+
+def _loader_read(loader, layer, drop_caches) -> tuple:
+    """(bytes read, wall seconds, check + decode seconds) of one cold whole-layer loader.read."""
+    from ..io import evict
+
+    entry = loader.entry(layer)
+    evict([loader.pack / entry.file], drop_caches=drop_caches)
+    dest = loader.alloc(layer, entry.count)
+    stats = loader.read(layer, np.arange(entry.count), dest)
+    return stats.bytes_read, stats.seconds, stats.decode_seconds
 
 
 def compare_runs(dense_dir, endor_dir) -> str:
@@ -221,22 +242,30 @@ def run(args) -> int:
         layers = [endor_layers[round(j * (len(endor_layers) - 1) / max(k - 1, 1))] for j in range(k)]
     rows = {}
     scratch_root = Path(tempfile.mkdtemp(prefix=".endor-bench-", dir=pack))
+    loaders = {}
+    if dense is not None:
+        from ..io import FlashLoader
+
+        loaders = {"dense-loader": FlashLoader(dense), "endor-loader": FlashLoader(pack)}
+    names = ["dense", "endor", "zstd"] + sorted(loaders)
     try:
         for layer in layers:
             entry = bundles[layer]
             index = read_bundle_index(pack / entry.file, entry)
             formats, dest = layer_formats(pack, entry, dense, scratch_root, args.zstd_level)
-            rows[layer] = measure_layer(entry, index, formats, dest, args.repeats, args.drop_caches)
+            rows[layer] = measure_layer(entry, index, formats, dest, args.repeats, args.drop_caches, loaders)
             r = rows[layer]
             print(f"layer {layer:3d}: " + "  ".join(
                 f"{f} {r[f]['bytes'] / 1e6:.2f} MB {r[f]['read_ms']:.2f}+{r[f]['decode_ms']:.2f} ms"
-                for f in ("dense", "endor", "zstd")), file=sys.stderr)
+                for f in names), file=sys.stderr)
     finally:
         import shutil
 
+        for loader in loaders.values():
+            loader.close()
         shutil.rmtree(scratch_root, ignore_errors=True)
     total = {f: {k: sum(rows[i][f][k] for i in layers) for k in ("bytes", "read_ms", "decode_ms", "total_ms")}
-             for f in ("dense", "endor", "zstd")}
+             for f in names}
     saved_read = total["dense"]["read_ms"] - total["endor"]["read_ms"]
     summary = {
         "endor_bytes_ratio": total["endor"]["bytes"] / total["dense"]["bytes"],
@@ -246,6 +275,8 @@ def run(args) -> int:
         "endor_vs_zstd": total["zstd"]["total_ms"] / total["endor"]["total_ms"],
         "decode_over_saved_read": (total["endor"]["decode_ms"] / saved_read) if saved_read > 0 else None,
     }
+    if loaders:
+        summary["loader_speedup"] = total["dense-loader"]["total_ms"] / total["endor-loader"]["total_ms"]
     result = {"command": args.command_line, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "pack": str(pack), "dense": str(dense) if dense else "decoded scratch copy",
               "kernel": _extension() is not None, "repeats": args.repeats, "layers": rows,
@@ -263,7 +294,7 @@ def markdown(result) -> str:
              "|---|---|---|---|---|---|---|---|"]
     items = list(result["layers"].items()) + [("all", result["total"])]
     for layer, r in items:
-        for f in ("dense", "endor", "zstd"):
+        for f in [f for f in ("dense", "endor", "zstd", "dense-loader", "endor-loader") if f in r]:
             x = r[f]
             lines.append(f"| {layer} | {f} | {x['bytes'] / 1e6:.3f} | {x['read_ms']:.2f} | "
                          f"{x['decode_ms']:.2f} | {x['total_ms']:.2f} | "
@@ -276,4 +307,7 @@ def markdown(result) -> str:
                   f"of dense bytes, {s['zstd_speedup']:.2f}x dense; ENDOR decode = "
                   + (f"{dec:.1%} of the read time it saves" if dec is not None else
                      "n/a (no read time saved)")]
+    if "loader_speedup" in s:
+        lines.append(f"Through FlashLoader (the runtime's path, check + decode overlapped with the reads): "
+                     f"ENDOR {s['loader_speedup']:.2f}x dense")
     return "\n".join(lines)
