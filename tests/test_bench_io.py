@@ -6,6 +6,8 @@ from mlx_flash.bench.__main__ import main
 
 
 def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
+    import pytest
+
     from mlx_flash.io import ReadCost
     from mlx_flash.io.planner import save_cost
     from mlx_flash.pack import read_manifest, write_pack
@@ -29,6 +31,20 @@ def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
         assert c["bundled"]["reads"] <= c["unbundled"]["reads"]
         assert c["bundled_planned"]["reads"] <= c["bundled"]["reads"]
     assert r["fio"] == {} and png.stat().st_size > 0 and not list(tmp_path.glob("pack.unbundled*"))
+    assert r["parts"] == ["sweep", "compare", "large", "experts"] and r["expert_reads"] is None
+    assert {row["size"] for row in r["large_reads"]} == {64 << 10, 128 << 10, 256 << 10, 512 << 10,
+                                                        1 << 20, 2 << 20, 4 << 20}
+    # one section only: no sweep, no unbundled copy, no plot
+    out2, png2 = tmp_path / "io2.json", tmp_path / "io2.png"
+    assert main(["io", "--pack", str(pack), "--threads", "2", "--repeat", "1", "--no-fio",
+                 "--parts", "large", "--large-sizes", "8K", "--large-mb", "1", "--json", str(out2),
+                 "--plot", str(png2)]) == 0
+    r2 = json.loads(out2.read_text())
+    assert r2["parts"] == ["large"] and "chunk_sweep" not in r2 and not png2.exists()
+    assert r2["large_reads"][0]["fio"] == "skipped (--no-fio)"
+    with pytest.raises(SystemExit) as bad:
+        main(["io", "--pack", str(pack), "--parts", "large,fast"])
+    assert bad.value.code == 2
 
 
 def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Cold-cache read throughput of the flash loader (the paper's Figure 2b) on one pack.
 
-    python -m mlx_flash.bench io --pack PACK [--json FILE] [--plot FILE]
+    python -m mlx_flash.bench io --pack PACK [--json FILE] [--plot FILE] [--parts large,experts]
 
 Every timed run starts cold: the pack's pages are evicted first (mlx_flash.io.evict; the method
 is reported) and the loader reads with O_DIRECT. Measured:
@@ -11,7 +11,10 @@ is reported) and the loader reads with O_DIRECT. Measured:
   4. planner on vs off on the same neuron sets;
   5. fio --direct=1 --rw=randread on the same files, with the loader's read sizes and threads;
   6. large reads (64 KiB - 4 MiB, as MoE experts need): k consecutive bundles per read through
-     FlashLoader.read_many into `alloc` destinations, next to fio at the same read size and depth.
+     FlashLoader.read_many into `alloc` destinations, next to fio at the same read size and depth;
+  7. MoE packs: expert reads as the store issues them (top_k experts of one layer per call), next
+     to fio at the block size with top_k in flight.
+--parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7).
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
 device returned, including alignment edges and merged gaps).
 """
@@ -58,6 +61,10 @@ def add_arguments(parser):
                         help="read sizes of the large-read table (bytes, K or M suffix)")
     parser.add_argument("--large-mb", type=int, default=256,
                         help="MB read per large-read run (at least 4 reads per slot in flight)")
+    parser.add_argument("--parts", default="sweep,compare,large,experts",
+                        help="what to measure: sweep (chunk sweep + sequential ceiling), compare "
+                        "(bundled vs unbundled, planner, fio on the loader's read mix), large "
+                        "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -554,35 +561,8 @@ def plot(result, path):
     return str(path)
 
 
-def run(args) -> int:
-    bench = Bench(args)
-    threads_list = [int(t) for t in args.threads.split(",")]
-    chunks = [int(c) for c in args.chunks.split(",")]
-    if any(b.kind != "neurons" for b in bench.manifest.bundles):
-        print("note: expert layers are measured as bundles like neurons", file=sys.stderr)
-    top = max(threads_list)
-    e0 = bench.entries[bench.layers[0]]
-    print(f"pack {bench.pack}: {len(bench.layers)} bundle files, {e0['count']} bundles of "
-          f"{e0['stride']} bytes per layer")
-    seq = sequential_ceiling(bench)
-    sweep = chunk_sweep(bench, threads_list, chunks)
-    sizes = [parse_size(x) for x in args.large_sizes.split(",") if x.strip()]
-    comparisons, fio, cost = bundled_vs_unbundled(bench, top, sorted({0.05, args.fraction, 0.25}),
-                                                  with_fio=not args.no_fio)
-    large = large_reads(bench, sizes, top, args.large_mb << 20, with_fio=not args.no_fio)
-    moe = expert_reads(bench, args.large_mb << 20, with_fio=not args.no_fio)
-    main = next(r for r in comparisons if r["fraction"] == args.fraction)
-    if not args.no_fio and not fio:
-        print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
-    result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
-              "evict_method": ", ".join(sorted(bench.evict_methods)), "fraction": args.fraction,
-              "sequential": seq, "chunk_sweep": sweep, "cost_model": cost,
-              "bundled_vs_unbundled": comparisons, "fio": fio, "large_reads": large,
-              "expert_reads": moe}
-
-    print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
-    print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
-          f"median of {args.repeat}; GB/s = 1e9 useful bytes/s")
+def print_sweep(result, args, threads_list, chunks, stride):
+    seq, sweep = result["sequential"], result["chunk_sweep"]
     print(f"\nsequential O_DIRECT read of the bundle files (4 MiB reads, 1 thread): "
           f"{seq['gbps']:.2f} GB/s")
     print(f"\nchunk sweep (GB/s useful, {args.sweep_fraction:.0%} of each layer per run), rows: "
@@ -590,7 +570,12 @@ def run(args) -> int:
     print(f"{'chunk':>16} " + " ".join(f"{t:>7}" for t in threads_list))
     for k in chunks:
         vals = {r["threads"]: r["gbps"] for r in sweep if r["chunk_bundles"] == k}
-        print(f"{k:>5} ({k * e0['stride']:>8}) " + " ".join(f"{vals[t]:7.3f}" for t in threads_list))
+        print(f"{k:>5} ({k * stride:>8}) " + " ".join(f"{vals[t]:7.3f}" for t in threads_list))
+
+
+def print_compare(result, args, top):
+    cost, comparisons, fio = result["cost_model"], result["bundled_vs_unbundled"], result["fio"]
+    main = next(r for r in comparisons if r["fraction"] == args.fraction)
     print(f"\ncost model ({top} threads): latency {cost['latency_us']:.1f} us, bandwidth "
           f"{cost['bandwidth_gbps']:.2f} GB/s -> merge gaps up to {cost['merge_gap_bytes']} bytes")
     if cost.get("curve"):
@@ -620,15 +605,58 @@ def run(args) -> int:
         for engine, f in fio.items():
             print(f"  fio {engine:<7}: {f['device_gbps']:.3f} ({f['iops']:.0f} IOPS) -> loader = "
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
-    print_large_reads(large, top)
-    if moe:
-        print_expert_reads(moe)
+
+
+PARTS = ("sweep", "compare", "large", "experts")
+
+
+def run(args) -> int:
+    bench = Bench(args)
+    threads_list = [int(t) for t in args.threads.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+    sizes = [parse_size(x) for x in args.large_sizes.split(",") if x.strip()]
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        raise FlashError(f"--parts: {args.parts!r}: choose from {', '.join(PARTS)}")
+    if "compare" in parts and any(b.kind != "neurons" for b in bench.manifest.bundles):
+        print("note: expert layers are measured as bundles like neurons", file=sys.stderr)
+    top, with_fio = max(threads_list), not args.no_fio
+    e0 = bench.entries[bench.layers[0]]
+    print(f"pack {bench.pack}: {len(bench.layers)} bundle files, {e0['count']} bundles of "
+          f"{e0['stride']} bytes per layer")
+    result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
+              "fraction": args.fraction, "parts": parts}
+    if "sweep" in parts:
+        result["sequential"] = sequential_ceiling(bench)
+        result["chunk_sweep"] = chunk_sweep(bench, threads_list, chunks)
+    if "compare" in parts:
+        result["bundled_vs_unbundled"], result["fio"], result["cost_model"] = bundled_vs_unbundled(
+            bench, top, sorted({0.05, args.fraction, 0.25}), with_fio=with_fio)
+        if with_fio and not result["fio"]:
+            print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
+    if "large" in parts:
+        result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio)
+    if "experts" in parts:
+        result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio)
+    result["evict_method"] = ", ".join(sorted(bench.evict_methods))
+
+    print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
+    print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
+          f"median of {args.repeat}; GB/s = 1e9 useful bytes/s")
+    if "sweep" in parts:
+        print_sweep(result, args, threads_list, chunks, e0["stride"])
+    if "compare" in parts:
+        print_compare(result, args, top)
+    if "large" in parts:
+        print_large_reads(result["large_reads"], top)
+    if result.get("expert_reads"):
+        print_expert_reads(result["expert_reads"])
     if args.json:
         tmp = Path(f"{args.json}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, args.json)
         print(f"\nresults: {args.json}")
-    if (args.plot or "").lower() != "none":
+    if "sweep" in parts and (args.plot or "").lower() != "none":
         path = args.plot or (Path(args.json).with_suffix(".png") if args.json else Path("io_bench.png"))
         if out := plot(result, path):
             print(f"plot: {out}")
