@@ -211,11 +211,9 @@ def test_read_errors_are_flash_errors(make_pack, files, match):
 ALIGNED = dict(dtype="float32", hidden=1024, intermediate=16, layers=2, vocab=16)  # 4096-byte rows
 
 
-@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
-def test_zero_copy_reads_are_vectored_aio_into_component_rows(make_pack, monkeypatch):
-    # gate, up and down rows of 4096 bytes: every component row is direct-I/O aligned, so each read
-    # is one IOCB_CMD_PREADV whose iovecs land the rows in place (merge gaps go to scratch)
-    pack = make_pack(**ALIGNED)
+def aio_only(monkeypatch) -> list:
+    """Fail any read that leaves native AIO; returns the list each AIO call's vectored flags
+    are appended to."""
     real_read, calls = aio.AioContext.read, []
 
     def spy(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
@@ -224,6 +222,15 @@ def test_zero_copy_reads_are_vectored_aio_into_component_rows(make_pack, monkeyp
 
     monkeypatch.setattr(aio.AioContext, "read", spy)
     monkeypatch.setattr(FileLayer, "preadv", lambda *a: pytest.fail("a read left AIO"))
+    return calls
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_zero_copy_reads_are_vectored_aio_into_component_rows(make_pack, monkeypatch):
+    # gate, up and down rows of 4096 bytes: every component row is direct-I/O aligned, so each read
+    # is one IOCB_CMD_PREADV whose iovecs land the rows in place (merge gaps go to scratch)
+    pack = make_pack(**ALIGNED)
+    calls = aio_only(monkeypatch)
     ids, slots = [1, 2, 3, 9, 15, 0], [7, 0, 3, 12, 5, 9]
     with FlashLoader(pack, threads=4, cost=COST, engine="aio") as loader:
         dest = loader.alloc(0, 16)
@@ -555,14 +562,7 @@ def test_expert_blocks_are_zero_copy_vectored_reads_into_the_slot_bank(tmp_path,
     pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", hidden=64, expert_ffn=64,
                                      experts=8, layers=1), tmp_path / "moe.pack", progress=False)
     layer = next(b.layer for b in read_manifest(pack).bundles if b.kind == "experts")
-    real_read, calls = aio.AioContext.read, []
-
-    def spy(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
-        calls.append(vectored)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=on_done, vectored=vectored)
-
-    monkeypatch.setattr(aio.AioContext, "read", spy)
-    monkeypatch.setattr(FileLayer, "preadv", lambda *a: pytest.fail("a read left AIO"))
+    calls = aio_only(monkeypatch)
     with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
         bank = loader.alloc(layer, 5)
         stats = loader.read(layer, [6, 1, 2, 4], bank, [0, 4, 2, 3])

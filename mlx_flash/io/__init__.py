@@ -19,8 +19,10 @@ a multiple of 4 KiB) the read is zero copy too, otherwise it lands in a per-thre
 mmap bounce buffer and each component row is memcpy'd out (one copy, at memory bandwidth).
 
 Reads: the planner (planner.py) turns requested bundles into aligned reads, merging neighbours
-when the measured cost model says so; reads are spread over a thread pool (os.preadv releases the
-GIL); short reads and EINTR are retried; EOF, EIO and crc32 mismatches raise FlashError with the
+when the measured cost model says so; on Linux one thread keeps them in flight with native AIO
+(aio.py; zero-copy reads are vectored straight into the rows) while finishing threads check and
+scatter what landed, elsewhere a thread pool issues them (os.preadv releases the GIL); short
+reads and EINTR are retried; EOF, EIO and crc32 mismatches raise FlashError with the
 file and offset. Page-cache eviction and residency: cache.py.
 """
 
