@@ -26,6 +26,29 @@ def down_report(down: dict) -> str:
     return f"down projection: {down['storage']}: {err}"
 
 
+def _choose_expert_bits(model_dir, args) -> dict:
+    """{layer: [bits per expert]} measured on --calib-text (calibration/expert_bits.py)."""
+    from collections import Counter
+
+    from .calibration.dense_pass import text_tokens
+    from .calibration.expert_bits import choose_expert_bits
+    from .models import load_model, load_tokenizer
+    from .moe.bitwidths import WIDTHS, mean_bits
+
+    if not WIDTHS[0] <= args.expert_bits <= WIDTHS[-1]:
+        raise FlashError(f"--expert-bits {args.expert_bits:g}: must be within {WIDTHS[0]}..{WIDTHS[-1]}")
+    model, _ = load_model(model_dir, lazy=False)
+    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.calib_tokens,
+                         flag="--calib-text")
+    group_size = args.group_size or 64
+    bits, _ = choose_expert_bits(model, tokens, args.expert_bits, group_size)
+    counts = Counter(b for widths in bits.values() for b in widths)
+    print(f"expert bits on {len(tokens)} calibration tokens: mean {mean_bits(bits):.3f} "
+          f"(+{32 / group_size:.2f} for scales and biases); experts per width "
+          + ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts)), file=sys.stderr)
+    return bits
+
+
 def _main(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mlx_flash.convert",
@@ -63,6 +86,15 @@ def _main(argv):
                              "of their non-zeros plus the non-zeros (float source, e.g. from "
                              "python -m mlx_flash.prune); with --quantize only the non-zeros are "
                              "quantized, pruned zeros stay exact")
+    parser.add_argument("--expert-bits", type=float, default=None, metavar="AVG",
+                        help="pack, float MoE sources: quantize each expert at 2, 3, 4 or 8 bits, "
+                             "chosen on --calib-text so the mean is AVG bits per expert weight "
+                             "(the experts whose quantization error costs most get the wide "
+                             "widths); non-expert weights follow --quantize. See docs/moe.md")
+    parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
+                        help="--expert-bits: calibration text files (never the text you evaluate on)")
+    parser.add_argument("--calib-tokens", type=int, default=2048,
+                        help="--expert-bits: calibration tokens (default 2048)")
     parser.add_argument("--sparsity", type=float, default=0.95,
                         help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
     parser.add_argument("--weight-sparsity", type=float, default=0.0,
@@ -73,6 +105,11 @@ def _main(argv):
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
+    if args.expert_bits is not None and (args.synthetic or args.format != "pack"):
+        raise FlashError("--expert-bits: only when converting a model (--model) to a pack")
+    if args.expert_bits is not None and not args.calib_text:
+        raise FlashError("--expert-bits: needs --calib-text FILE... (each expert's importance is "
+                         "measured on text)")
     if args.synthetic:
         if args.format != "pack":
             raise FlashError("--synthetic: only with --format pack")
@@ -96,8 +133,11 @@ def _main(argv):
             raise FlashError(f"--model {src}: --format mlx converts GGUF files; this is not one")
         convert_gguf(src, out)
     else:
-        write_pack(resolve_model(args.model), out, dtype=args.dtype, quantize=args.quantize,
-                   group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding)
+        model_dir = resolve_model(args.model)
+        expert_bits = _choose_expert_bits(model_dir, args) if args.expert_bits is not None else None
+        write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
+                   group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
+                   expert_bits=expert_bits)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

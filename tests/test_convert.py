@@ -73,3 +73,32 @@ def test_bad_source_exit_2_one_line(bad, embedded_gguf, tmp_path, capsys):
     assert err.startswith("error: ") and str(src) in err and len(err.splitlines()) == 1
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == (
         [] if bad == "missing" else [src.name])
+
+
+def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embedded_model_dir, text,
+                                                                          tmp_path, capsys):
+    import shutil
+
+    from conftest import write_tiny_moe
+
+    from mlx_flash.pack import read_manifest
+
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4, layers=2, vocab=49152)
+    for f in embedded_model_dir.glob("tokenizer*"):
+        shutil.copy2(f, src / f.name)
+    args = ["--model", str(src), "--group-size", "32", "--calib-text", str(text)]
+    assert main(args + ["--expert-bits", "3", "--out", str(tmp_path / "p")]) == 0
+    m = read_manifest(tmp_path / "p")
+    widths = [b for entry in m.bundles for b in entry.expert_bits]
+    assert len(widths) == 8 and sum(widths) <= 24 and set(widths) <= {2, 3, 4, 8}
+    assert "expert bits on" in capsys.readouterr().err
+    for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
+                      (["--expert-bits", "3", "--group-size", "128"], "--group-size 128")):
+        with pytest.raises(SystemExit) as e:
+            main(args + bad + ["--out", str(tmp_path / "q")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2
+        assert flag in err and len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(src), "--expert-bits", "3", "--out", str(tmp_path / "q")])
+    assert e.value.code == 2 and "--calib-text" in capsys.readouterr().err

@@ -125,3 +125,21 @@ def _switch_glu(layer):
     from mlx_lm.models.switch_layers import SwitchGLU
 
     return next((m for _, m in layer.named_modules() if isinstance(m, SwitchGLU)), None)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_top1_bit_identical_at_every_cache_size_from_one(tmp_path, arch):
+    """One slot per layer holds a decode step's expert: sizes 1..E, uniform and mixed widths."""
+    src = write_tiny_moe(tmp_path / "src", arch, quantize=(4, 32), experts=E, top_k=1)
+    ref, _ = load_model(src)
+    float_src = write_tiny_moe(tmp_path / "fsrc", arch, experts=E, top_k=1)
+    cases = [(write_pack(src, tmp_path / "pack", progress=False), _generate_logits(ref))]
+    mixed = write_pack(float_src, tmp_path / "mixed", progress=False, group_size=32,
+                       expert_bits=_mixed_bits(3, seed=1))
+    cases.append((mixed, _generate_logits(build_moe_model(mixed, FlashConfig(mode="dense")))))
+    for pack, want in cases:
+        for slots in range(1, E + 1):
+            model = build_moe_model(pack, FlashConfig(mode="hybrid"), capacity=slots, policy="lru")
+            for g, w in zip(_generate_logits(model), want):
+                np.testing.assert_array_equal(g, w, err_msg=f"{arch} {pack.name} slots={slots}")
+            assert model.moe_store.cache.capacity_of(0) >= 1

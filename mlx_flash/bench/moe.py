@@ -35,6 +35,11 @@ def add_arguments(p):
     p.add_argument("--ppl-k", type=int, nargs="*", default=None,
                    help="also report held-out perplexity of a moefied model at these top-k, next "
                         "to its dense source (config's derived_from)")
+    p.add_argument("--ppl-packs", nargs="+", default=None, metavar="PACK",
+                   help="also report held-out perplexity on --text of these MoE packs (every expert "
+                        "resident: the logits the streamed runtime computes, bit for bit) and their "
+                        "mean expert bits, each as a ratio to the first (e.g. an all-4-bit pack, "
+                        "then convert --expert-bits ones)")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -101,6 +106,26 @@ def runtime_rows(pack, tokens, n_steps, slots, width):
                      "hit_rate": store.cache.stats.hit_rate if store and store.keep else None})
         if store:
             store.close()
+    return rows
+
+
+def pack_perplexity(packs, tokens):
+    """[{"pack", "ppl", "expert_bits": mean bits per expert weight, "tokens"}] of MoE packs."""
+    from ..config import FlashConfig
+    from ..models.moe import build_moe_model
+    from ..moe.quality import held_out_perplexity
+    from ..moe.store import expert_widths
+    from ..pack import read_manifest
+
+    rows = []
+    for pack in packs:
+        widths = [b for bits in expert_widths(read_manifest(pack)).values() for b in bits]
+        r = held_out_perplexity([build_moe_model(pack, FlashConfig(mode="dense"))], tokens)
+        rows.append({"pack": str(pack), "ppl": r["ppl"][0], "tokens": r["tokens"],
+                     "expert_bits": float(np.mean(widths))})
+        print(f"held-out perplexity ({r['tokens']} tokens) {pack}: {rows[-1]['ppl']:.3f} at "
+              f"{rows[-1]['expert_bits']:.3f} bits per expert weight "
+              f"(x{rows[-1]['ppl'] / rows[0]['ppl']:.4f} vs {rows[0]['pack']})", flush=True)
     return rows
 
 
@@ -183,6 +208,8 @@ def run(args):
         result["runtime"] = rt
     if args.ppl_k:
         result["perplexity"] = moefied_perplexity(args.model, config, text, args.ppl_k)
+    if args.ppl_packs:
+        result["pack_perplexity"] = pack_perplexity(args.ppl_packs, text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -41,6 +41,17 @@ def width_groups(entry) -> dict:
     return {q["bits"] if q else 0: (entry.key, np.arange(entry.count))}
 
 
+def expert_widths(manifest) -> dict:
+    """{layer: [bits of each expert]} of a pack's MoE layers (16 for float experts)."""
+    out = {}
+    for layer, entry in expert_layers(manifest).items():
+        bits = np.zeros(entry.count, np.int64)
+        for w, (_, ids) in width_groups(entry).items():
+            bits[ids] = w or 16
+        out[layer] = bits.tolist()
+    return out
+
+
 def split_slots(entry, slots) -> dict:
     """{width: slots} of a layer given `slots` expert slots: each width group gets the same
     fraction of its experts (at least one slot, at most its experts)."""
