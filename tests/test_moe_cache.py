@@ -55,3 +55,23 @@ def test_belady_is_the_bound_for_every_policy():
     t = [(0, [0]), (0, [1]), (0, [2]), (0, [0]), (0, [1])]
     assert simulate(t, [0], {0: 2}, "belady").hits == 1
     assert simulate(t, [0], {0: 2}, "lru").hits == 0
+
+
+def test_layer_capacities_give_slots_where_routing_spreads():
+    from mlx_flash.moe.cache import layer_capacities
+
+    rng = random.Random(1)
+    trace = []
+    for _ in range(300):
+        trace.append((0, [rng.choice([0, 1])]))               # layer 0 keeps choosing 2 experts
+        trace.append((1, [rng.randrange(6)]))                 # layer 1 spreads over 6
+        trace.append((2, rng.sample(range(4), 2)))            # layer 2 over 4, two at a time
+    cap = layer_capacities(trace, [0, 1, 2], 12, "lru", min_slots=2)
+    assert cap == {0: 2, 1: 6, 2: 4}
+    equal = simulate(trace, [0, 1, 2], {0: 4, 1: 4, 2: 4}, "lru").hit_rate
+    assert simulate(trace, [0, 1, 2], cap, "lru").hit_rate > equal + 0.08
+    small = layer_capacities(trace, [0, 1, 2], 8, "lfu", min_slots=2)
+    assert sum(small.values()) <= 8 and min(small.values()) >= 2
+    assert simulate(trace, [0, 1, 2], small, "lfu").hits >= max(
+        simulate(trace, [0, 1, 2], {0: a, 1: b, 2: 8 - a - b}, "lfu").hits
+        for a in range(2, 5) for b in range(2, 5) if 8 - a - b >= 2)

@@ -214,3 +214,52 @@ def simulate(trace, layers, capacity, policy, preload=None):
             for next_layer, predicted in preload(step, layer, experts):
                 cache.preload(next_layer, predicted)
     return cache.stats
+
+
+def hit_curves(trace, layers, policy, sizes) -> dict:
+    """{layer: [hits at each slot count in `sizes`]} of replaying each layer's accesses of `trace`
+    alone: per-layer partitions never interact (the layer-aware policy's distance is the same for
+    every expert of one layer, so it too decides within a partition alone)."""
+    curves = {}
+    for layer in layers:
+        mine = [a for a in trace if a[0] == layer]
+        curves[layer] = [simulate(mine, [layer], {layer: n}, policy).hits for n in sizes]
+    return curves
+
+
+def layer_capacities(trace, layers, total_slots, policy="lfu", min_slots=1, max_slots=None) -> dict:
+    """{layer: slots} summing to at most `total_slots` that maximise the hits of `trace` [(layer, experts)]
+    (a calibration routing trace), each layer within min_slots..max_slots: layers whose routing
+    spreads over more experts get more slots than layers that keep choosing a few.
+
+    Exact for the replayed trace: each layer's hit count at every size is measured (`hit_curves`)
+    and the split is a knapsack over layers (dynamic programming, layers x total_slots x sizes).
+    """
+    layers = list(layers)
+    hi = max_slots or max(len(set(e for a in trace if a[0] == layer for e in a[1])) for layer in layers)
+    if total_slots < min_slots * len(layers):
+        raise ValueError(f"{total_slots} slots cannot give {len(layers)} layers {min_slots} each")
+    sizes = list(range(min_slots, hi + 1))
+    curves = hit_curves(trace, layers, policy, sizes)
+    budget = min(total_slots, hi * len(layers))
+    # best[j][b]: most hits of the first j layers with b slots; choice[j][b]: layer j-1's size
+    neg = float("-inf")
+    best = [[neg] * (budget + 1) for _ in range(len(layers) + 1)]
+    choice = [[0] * (budget + 1) for _ in range(len(layers) + 1)]
+    best[0][0] = 0
+    for j, layer in enumerate(layers):
+        for b in range(budget + 1):
+            if best[j][b] == neg:
+                continue
+            for i, n in enumerate(sizes):
+                if b + n > budget:
+                    break
+                v = best[j][b] + curves[layer][i]
+                if v > best[j + 1][b + n]:
+                    best[j + 1][b + n], choice[j + 1][b + n] = v, n
+    b = max(range(budget + 1), key=lambda x: (best[-1][x], -x))
+    out = {}
+    for j in range(len(layers), 0, -1):
+        out[layers[j - 1]] = choice[j][b]
+        b -= choice[j][b]
+    return {layer: out[layer] for layer in layers}
