@@ -1,6 +1,7 @@
 """bench run end to end on a tiny synthetic pack (speed is never asserted here)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -80,6 +81,16 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Table 3" in report and "| flash |" in report
     assert "Byte accounting" in report and "equal the bytes the loader read" in report
+    # the flash row's I/O reference: fio at its decode read sizes (whole bytes, 4 KiB units)
+    sizes = {int(k): v for k, v in acc["decode_read_sizes"].items()}
+    assert sizes and all(k % 4096 == 0 for k in sizes) and acc["decode_reads_per_call"] >= 1
+    flash_row = result["modes"]["flash"]
+    assert "fio" not in result["modes"]["naive"]
+    if shutil.which("fio"):
+        assert {int(k): v for k, v in flash_row["read_sizes"].items()} == sizes and flash_row["fio"]["gbps"] > 0
+        assert flash_row["fio_ms"] == pytest.approx(flash_row["bytes_read"] / (flash_row["fio"]["gbps"] * 1e9) * 1e3)
+        assert flash_row["io_over_fio"] == pytest.approx(flash_row["io_ms"] / flash_row["fio_ms"])
+        assert "I/O vs fio" in report and "--rw=randread" in flash_row["fio"]["command"]
 
 
 @pytest.mark.slow

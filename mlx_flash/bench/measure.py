@@ -121,7 +121,17 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
     cache_rows_logged = sum(r[2] for r in reads.log if r[7])
     io_s = sum(r[6] for r in reads.log)
     useful = sum(r[4] for r in reads.log)
+    decode_steps = {i for i, _ in decode}
+    read_sizes, decode_calls = {}, 0
+    for step, _, _, nbytes, _, n_reads, *_ in reads.log:
+        if step in decode_steps and n_reads:
+            # a call's reads at their mean size, in 4 KiB units (the fio reference's block sizes)
+            size = -(-nbytes // n_reads // 4096) * 4096
+            read_sizes[size] = read_sizes.get(size, 0) + n_reads
+            decode_calls += 1
     accounting = {
+        "decode_read_sizes": {str(k): v for k, v in sorted(read_sizes.items())},
+        "decode_reads_per_call": sum(read_sizes.values()) / decode_calls if decode_calls else 0.0,
         "decode_bytes_stats": sum(s.bytes_read for _, s in decode),
         "decode_bytes_loader": sum(logged.get(i, 0) for i, _ in decode),
         "all_bytes_stats": sum(s.bytes_read for s in stats.steps),

@@ -352,12 +352,51 @@ def aggregate(records) -> dict:
     row["throughput_gbps"] = (row["bytes_read"] / (statistics.fmean(io) / 1e3) / 1e9
                               if io and statistics.fmean(io) > 0 else None)
     acc = [r["value"]["accounting"] for r in ok]
+    sizes = {}
+    for a in acc:
+        for size, n in (a.get("decode_read_sizes") or {}).items():
+            sizes[int(size)] = sizes.get(int(size), 0) + n
+    row["read_sizes"] = sizes
+    row["reads_per_call"], _ = mean_std([a.get("decode_reads_per_call") for a in acc])
     row["accounting_ok"] = all(
         a["decode_bytes_stats"] == a["decode_bytes_loader"] and a["all_bytes_stats"] == a["all_bytes_loader"]
         and a["cache_rows_loaded"] == a["cache_rows_logged"]
         and a["neurons_loaded_stats"] == a["neurons_read_loader"]
         and a["useful_bytes_loader"] == a["useful_bytes_expected"] for a in acc)
     return row
+
+
+def add_fio_reference(row, bundle_paths, threads, total_bytes=64 << 20):
+    """A flash row's I/O reference: fio's O_DIRECT random-read throughput on the pack's bundle
+    files at the row's decode read sizes (bench.io.fio_throughput) with as many reads in flight as
+    its loader calls had (mean reads per call, at most `threads`); row["fio_ms"] = bytes read per
+    token / that throughput, row["io_over_fio"] = the row's I/O ms / fio_ms. Nothing without fio
+    or without reads."""
+    from .io import fio_throughput
+
+    if not row.get("read_sizes") or not row.get("bytes_read"):
+        return
+    depth = max(1, min(int(threads), round(row.get("reads_per_call") or 1)))
+    ref = fio_throughput(bundle_paths, row["read_sizes"], depth, total_bytes)
+    if ref is None:
+        row["fio"] = "fio not installed"
+        return
+    row["fio"] = {**ref, "depth": depth}
+    row["fio_ms"] = row["bytes_read"] / (ref["gbps"] * 1e9) * 1e3
+    row["io_over_fio"] = row["io_ms"] / row["fio_ms"] if row["fio_ms"] > 0 else None
+
+
+def fio_lines(result) -> str:
+    """One line per flash row with a fio reference: I/O ms per token vs fio's ms for its bytes."""
+    lines = []
+    for group in ("modes", "ablation"):
+        for label, row in result[group].items():
+            if isinstance(row.get("fio"), dict):
+                lines.append(f"- {group} {label}: I/O {row['io_ms']:.1f} ms/token vs fio {row['fio_ms']:.1f} ms "
+                             f"for its {row['bytes_read'] / 1e6:.2f} MB at its read sizes, depth "
+                             f"{row['fio']['depth']} ({row['fio']['gbps']:.3f} GB/s): "
+                             f"{row['io_over_fio']:.2f}x (`{row['fio']['command']}`)")
+    return ("\n\nI/O vs fio (flash rows; target <= 1.2x):\n" + "\n".join(lines)) if lines else ""
 
 
 def rows_by_label(runs, group) -> dict:
@@ -482,12 +521,17 @@ def run(args) -> int:
     if endor_pack:
         result["encoding"] = {"pack": str(endor_pack), "budget_bytes": suite.budget_bytes,
                               "rows": encoding_rows(result["modes"], modes)}
+    paths = [suite.pack / b.file for b in suite.manifest.bundles]
+    for group in ("modes", "ablation"):
+        for row in result[group].values():
+            if row.get("mode") == "flash":
+                add_fio_reference(row, paths, args.threads)
     result["table2"] = report.table2_rows(result)
     result["table3"] = report.table3_rows(result)
     result["speedups"] = report.speedups(result)
     result["plots"] = report.plots(result, out)
     report.write_json(out / "results.json", result)
-    endor_table = encoding_markdown(result) if endor_pack else ""
+    endor_table = (encoding_markdown(result) if endor_pack else "") + fio_lines(result)
     report.write_text(out / "report.md", report.markdown(result) + endor_table)
     (out / "runs.partial.json").unlink(missing_ok=True)
     print(report.summary(result) + endor_table)
