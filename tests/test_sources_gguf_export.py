@@ -36,6 +36,14 @@ def test_q4_1_blocks_hold_the_same_values():
     np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3)
 
 
+def test_q4_1_takes_float32_scales_only_when_they_are_float16_values():
+    q = np.zeros((1, 4), np.uint32)
+    exact = mlx_to_q4_1(q, np.array([[0.5]], np.float32), np.array([[-1.25]], np.float32))
+    assert exact[0, :2].view(np.float16)[0] == 0.5
+    with pytest.raises(FlashError, match="float16 cannot represent"):
+        mlx_to_q4_1(q, np.array([[1 / 3]], np.float32), np.array([[0.0]], np.float32))
+
+
 def test_gguf_names_invert_mlx_names():
     for name in ("blk.0.ffn_gate_exps.weight", "blk.11.ffn_gate_inp.weight", "blk.2.attn_q_norm.weight",
                  "token_embd.scales", "output.weight", "output_norm.weight"):

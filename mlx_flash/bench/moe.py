@@ -214,3 +214,318 @@ def run(args):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return 0
+
+
+# ---- bench run on MoE packs (EdgeMoE's baselines, Figure 16 ablation, Figure 13 on the run) ------
+
+def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capacity=None,
+                 policy="layer", predictor="lookahead", preload_width=None, record=False,
+                 temp=0.0, **_) -> dict:
+    """A `bench run` child on an MoE pack: load `pack` in `mode`, generate greedily, measure.
+
+    Returns JSON-ready figures: `summary` per decode token (total_ms, io_ms = time the token
+    waited for expert reads: foreground reads + waits on the background preload, compute_ms
+    the rest, bytes_read = device bytes the token waited for (the read planner may cover the
+    gap between two nearby experts), preload_bytes read in the background, useful_bytes = the
+    expert blocks asked for (both), hit_rate, host_syncs) and for the run (prompt_ms,
+    tokens, peak_memory from MLX, peak_rss in bytes), `plan_weights_bytes` (resident + slot bank
+    + scratch bank), load seconds, and with `record` the decode routing [(layer, experts)].
+    """
+    import resource
+    import sys
+    import threading
+
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..config import FlashConfig
+    from ..models import load_tokenizer
+    from ..models.moe import build_moe_model
+    from ..moe.switch import StreamedSwitchGLU
+    from ..pack import read_manifest
+
+    t0 = time.perf_counter()
+    model = build_moe_model(pack, FlashConfig(mode=mode, memory_budget=budget, threads=threads),
+                            policy=policy, predictor=predictor, preload_width=preload_width,
+                            capacity=capacity)
+    tokenizer = load_tokenizer(Path(pack))
+    load_s = time.perf_counter() - t0
+    store = model.moe_store
+    counters = {"fg_s": 0.0, "wait_s": 0.0, "fg_bytes": 0, "bg_bytes": 0, "useful": 0}
+    main_thread = threading.get_ident()
+    if store is not None:
+        loader_read, wait = store.loader.read_many, store.wait_preload
+
+        def timed_read(calls):
+            t = time.perf_counter()
+            stats = loader_read(calls)
+            if threading.get_ident() == main_thread:
+                counters["fg_s"] += time.perf_counter() - t
+                counters["fg_bytes"] += stats.bytes_read
+            else:
+                counters["bg_bytes"] += stats.bytes_read
+            counters["useful"] += stats.bytes_useful
+            return stats
+
+        def timed_wait():
+            t = time.perf_counter()
+            wait()
+            counters["wait_s"] += time.perf_counter() - t
+
+        store.loader.read_many, store.wait_preload = timed_read, timed_wait
+    routes = []
+    if record and store is not None:
+        for module in (m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)):
+            module._on_route = lambda layer, ids, _ahead: routes.append((layer, ids.copy()))
+
+    def snapshot():
+        s = store
+        return {"t": time.perf_counter(), "io_s": counters["fg_s"] + counters["wait_s"],
+                "bytes": counters["fg_bytes"], "preload_bytes": counters["bg_bytes"],
+                "useful": counters["useful"],
+                "hits": s.cache.stats.hits if s and s.keep else 0,
+                "misses": s.cache.stats.misses if s and s.keep else 0,
+                "syncs": s.host_syncs if s else 0, "routes": len(routes)}
+
+    marks, t1 = [], time.perf_counter()
+    for _ in stream_generate(model, tokenizer, list(prompt), max_tokens=gen_tokens,
+                             sampler=make_sampler(temp=temp)):
+        marks.append(snapshot())
+    if store is not None:
+        store.close()
+    first, last = marks[0], marks[-1]
+    n = max(1, len(marks) - 1)
+
+    def per_token(key):
+        return (last[key] - first[key]) / n
+
+    total_ms = 1e3 * per_token("t")
+    io_ms = 1e3 * per_token("io_s")
+    accesses = (last["hits"] - first["hits"]) + (last["misses"] - first["misses"])
+    summary = {"total_ms": total_ms, "io_ms": io_ms, "compute_ms": total_ms - io_ms,
+               "bytes_read": per_token("bytes"), "preload_bytes": per_token("preload_bytes"),
+               "useful_bytes": per_token("useful"),
+               "hit_rate": (last["hits"] - first["hits"]) / accesses if accesses else None,
+               "host_syncs": per_token("syncs"), "prompt_ms": 1e3 * (first["t"] - t1),
+               "tokens": len(marks), "peak_memory": mx.get_peak_memory(),
+               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+               * (1 if sys.platform == "darwin" else 1024)}
+    manifest = read_manifest(pack)
+    weights = manifest.resident.length
+    if store is None:
+        weights += sum(b.count * b.stride for b in manifest.bundles)
+    else:  # slot banks + scratch banks (naive mode's, or a long prompt's, one-layer bank)
+        weights += sum(a.nbytes for bank in [*store.banks.values(), *store.scratch.values()]
+                       for a in bank.values())
+    out = {"mode": mode, "budget": budget, "capacity": capacity, "policy": policy,
+           "predictor": predictor if mode == "flash" else None, "load_s": load_s,
+           "summary": summary, "plan_weights_bytes": weights,
+           "slots_per_layer": (store.cache.capacity_of(next(iter(store.entries)))
+                               if store is not None and store.keep else None)}
+    if record:
+        out["routes"] = [(int(layer), ids.reshape(-1).tolist()) for layer, ids in routes[first["routes"]:]]
+    return out
+
+
+def is_moe(manifest) -> bool:
+    return any(b.kind == "experts" for b in manifest.bundles)
+
+
+def suite_rows(args, pack, manifest) -> list:
+    """[(label, pack, mode, kwargs)]: EdgeMoE's baselines and the Figure 16 ablation rows."""
+    from ..models.moe import top_k_of
+    from ..pack import read_manifest
+
+    top_k = top_k_of(manifest.config)
+    q = manifest.config.get("quantization") or {}
+    bits = f"{q['bits']}-bit" if q else "float"
+    rows = [("IO-FREE (dense: every expert resident)", pack, "dense", {"budget": None})]
+    if args.io_exp_pack:
+        exp = read_manifest(Path(args.io_exp_pack).expanduser())
+        eq = exp.config.get("quantization") or {}
+        rows.append((f"IO-EXP (naive: experts read on demand, {eq.get('bits', 16)}-bit)",
+                     args.io_exp_pack, "naive", {"budget": None}))
+    rows += [
+        (f"IO-QEXP (naive: experts read on demand, {bits})", pack, "naive",
+         {"budget": None, "record": True}),
+        ("cache only (hybrid: expert cache, no preload)", pack, "hybrid",
+         {"policy": args.moe_policy}),
+        (f"preload only (flash, {2 * top_k} slots: this and the predicted experts)", pack,
+         "flash", {"budget": None, "capacity": 2 * top_k, "policy": args.moe_policy}),
+        ("ours (flash: expert cache + preload)", pack, "flash", {"policy": args.moe_policy}),
+    ]
+    return rows
+
+
+def aggregate_moe(records) -> dict:
+    """Mean/std over the repeats of one row."""
+    import statistics
+
+    ok = [r for r in records if r["ok"]]
+    row = {"label": records[0]["label"], "runs": len(records), "ok_runs": len(ok),
+           "errors": sorted({str(r["error"]).splitlines()[-1][:200] for r in records if not r["ok"]}),
+           "oom_killed": any(r.get("oom_killed") for r in records),
+           "peak_bytes": max((r["peak_bytes"] or 0 for r in records), default=None),
+           "cap_bytes": records[0]["cap_bytes"], "pack": records[0]["kwargs"]["pack"],
+           "mode": records[0]["kwargs"]["mode"]}
+    if not ok:
+        return row
+    for key in ("total_ms", "io_ms", "compute_ms", "bytes_read", "preload_bytes", "hit_rate",
+                "host_syncs", "prompt_ms", "peak_memory", "peak_rss"):
+        vals = [r["value"]["summary"][key] for r in ok if r["value"]["summary"][key] is not None]
+        row[key] = statistics.fmean(vals) if vals else None
+        row[key + "_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    row["tok_s"] = 1e3 / row["total_ms"] if row["total_ms"] else None
+    row["tokens"] = ok[0]["value"]["summary"]["tokens"]
+    row["plan_weights_bytes"] = ok[0]["value"]["plan_weights_bytes"]
+    row["slots_per_layer"] = ok[0]["value"]["slots_per_layer"]
+    row["load_s"] = statistics.fmean(r["value"]["load_s"] for r in ok)
+    return row
+
+
+def hit_rate_vs_slots(routes, n_experts, top_k, measured=None) -> list:
+    """EdgeMoE Figure 13 on a recorded decode trace [(layer, experts)]: per-layer slots -> hit
+    rate of LRU, LFU, the layer-aware policy and Belady's optimum (no preload)."""
+    from ..moe.cache import simulate
+
+    layers = sorted({layer for layer, _ in routes})
+    points = sorted({top_k, *(max(top_k, n_experts * f // 8) for f in (1, 2, 4, 6)), n_experts})
+    rows = []
+    for slots in points:
+        cap = {layer: slots for layer in layers}
+        rows.append({"slots": slots, **{p: simulate(routes, layers, cap, p).hit_rate
+                                        for p in ("lru", "lfu", "layer", "belady")}})
+    return rows
+
+
+def run_suite(suite, args, prompts, peer_names, out, command, machine, packages) -> int:
+    """`bench run` on an MoE pack: every row cold, in a fresh child, under the same cap.
+    machine, packages: bench run's machine_info() and package_versions()."""
+    import os
+
+    from ..models.moe import _n_experts, top_k_of
+    from . import peers as peer_mod
+    from .report import write_json, write_text
+
+    manifest = suite.manifest
+    config = manifest.config
+    top_k, n_experts = top_k_of(config), _n_experts(config)
+    rows = suite_rows(args, suite.pack, manifest)
+    for rep in range(args.repeats):  # repeats outermost: background load hits every row alike
+        for label, pack, mode, kw in rows:
+            if kw.get("record") and rep:
+                kw = {k: v for k, v in kw.items() if k != "record"}
+            kwargs = {"pack": str(pack), "mode": mode, "prompt": prompts[rep]["ids"],
+                      "gen_tokens": args.gen_tokens, "budget": args.memory_budget,
+                      "threads": args.threads, **kw}
+            suite.child("moe", label, "mlx_flash.bench.moe:generate_moe", kwargs,
+                        budget_bytes=suite.budget_bytes, paths=[pack], repeat=rep)
+    peer_results = peer_mod.run_peers(suite, peer_names, prompts, out)
+    table = [aggregate_moe([r for r in suite.runs if r["group"] == "moe" and r["label"] == label])
+             for label, *_ in rows]
+    routes = next((r["value"]["routes"] for r in suite.runs
+                   if r["ok"] and r["value"] and "routes" in r["value"]), None)
+    fig13 = hit_rate_vs_slots(routes, n_experts, top_k) if routes else []
+    expert_bytes = sum(b.count * b.stride for b in manifest.bundles)
+    result = {
+        "command": command, "cwd": os.getcwd(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine, "packages": packages,
+        "model": {"pack": str(suite.pack), "pack_bytes": suite.pack_bytes,
+                  "resident_bytes": manifest.resident.length, "expert_bytes": expert_bytes,
+                  "moe_layers": len(manifest.bundles), "experts": n_experts, "top_k": top_k,
+                  "synthetic": manifest.synthetic, "io_exp_pack": args.io_exp_pack},
+        "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+                     "repeats": args.repeats, "threads": args.threads,
+                     "memory_budget": args.memory_budget, "budget_bytes": suite.budget_bytes,
+                     "policy": args.moe_policy,
+                     "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
+                     "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
+                     "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
+        "rows": table, "peers": peer_results, "hit_rate_vs_slots": fig13,
+        "runs": [{k: v for k, v in r.items() if k != "value"} | {"value": _without_routes(r["value"])}
+                 for r in suite.runs],
+    }
+    result["speedups"] = moe_speedups(table, peer_results)
+    write_json(out / "results.json", result)
+    text = moe_markdown(result)
+    write_text(out / "report.md", text)
+    (out / "runs.partial.json").unlink(missing_ok=True)
+    print(text)
+    print(f"\nresults: {out / 'results.json'}\nreport:  {out / 'report.md'}")
+    return 0
+
+
+def _without_routes(value):
+    if not isinstance(value, dict) or "routes" not in value:
+        return value
+    return {k: v for k, v in value.items() if k != "routes"} | {"routes": f"{len(value['routes'])} accesses"}
+
+
+def moe_speedups(table, peers) -> dict:
+    """ours' tokens/s over each baseline's (None where a row did not run)."""
+    by = {r["label"].split(" (")[0]: r for r in table}
+    ours = by.get("ours", {}).get("total_ms")
+    out = {}
+    if not ours:
+        return out
+    for name, row in by.items():
+        if name != "ours" and row.get("total_ms"):
+            out[name] = row["total_ms"] / ours
+    for name, res in peers.items():
+        if res.get("ok") and res.get("total_ms"):
+            out[name] = res["total_ms"] / ours
+    return out
+
+
+def moe_markdown(result) -> str:
+    m, p = result["model"], result["protocol"]
+    syn = m["synthetic"]
+    gb = 1e9
+    lines = [f"# bench run on an MoE pack: {m['pack']}",
+             "",
+             (f"**SYNTHETIC weights ({syn['arch']}): random, for speed only; random routers route "
+              f"uniformly, so hit rates are the uniform-routing floor.**" if syn else "Real weights."),
+             f"Pack {m['pack_bytes'] / gb:.3f} GB: resident {m['resident_bytes'] / gb:.3f} GB, experts "
+             f"{m['expert_bytes'] / gb:.3f} GB ({m['moe_layers']} MoE layers x {m['experts']} experts, "
+             f"top-{m['top_k']}). Budget {p['memory_budget']} = {p['budget_bytes'] / gb:.3f} GB; cap "
+             + (f"{p['cap']['cap_bytes'] / gb:.3f} GB (cgroup v1, budget + measured process baseline "
+                f"+ KV cache)" if p["cap"].get("used") else f"none ({p['cap'].get('reason')})")
+             + f"; eviction before each run: {', '.join(p['eviction']) or '-'}.",
+             f"Prompt {p['prompt_tokens']} tokens, {p['gen_tokens']} generated (greedy), "
+             f"{p['repeats']} cold run(s) per row, policy {p['policy']}, {p['threads']} reads in flight.",
+             f"Machine: {result['machine'].get('cpu', '?')}, {result['machine']['cpus']} cores, load "
+             f"{result['machine']['load_average']} (shared machine: compare rows, not absolute figures).",
+             f"Command: `{result['command']}`", "",
+             "| row | tok/s | ms/token | I/O ms/token | MB read/token | preload MB/token | hit rate "
+             "| host syncs/token | peak GB (cap) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if not r.get("total_ms"):
+            why = "OOM-killed under the cap" if r.get("oom_killed") else "; ".join(r["errors"])[:120]
+            lines.append(f"| {r['label']} | did not run: {why} | | | | | | | "
+                         f"{(r['peak_bytes'] or 0) / gb:.2f} |")
+            continue
+        hr = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
+        lines.append(f"| {r['label']} | {r['tok_s']:.2f} | {r['total_ms']:.0f} ± {r['total_ms_std']:.0f} "
+                     f"| {r['io_ms']:.0f} | {r['bytes_read'] / 1e6:.1f} | {r['preload_bytes'] / 1e6:.1f} "
+                     f"| {hr} | {r['host_syncs']:.0f} | {(r['peak_bytes'] or 0) / gb:.2f} |")
+    for name, res in result["peers"].items():
+        if res.get("ok"):
+            lines.append(f"| {name} ({res['note']}) | {1e3 / res['total_ms']:.2f} | "
+                         f"{res['total_ms']:.0f} ± {res['total_ms_std']:.0f} | - | - | - | - | - | "
+                         f"{(res['peak_bytes'] or 0) / gb:.2f} |")
+        else:
+            lines.append(f"| {name} | {res['status']}: {str(res.get('error'))[:120]} | | | | | | | |")
+    if result["speedups"]:
+        lines += ["", "ours vs each row (ms/token ratio): " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in result["speedups"].items())]
+    if result["hit_rate_vs_slots"]:
+        lines += ["", "Hit rate vs per-layer cache size on the decode routing recorded in the "
+                  "IO-QEXP run (no preload; EdgeMoE Figure 13):", "",
+                  "| slots/layer | LRU | LFU | layer-aware | Belady |", "|---|---|---|---|---|"]
+        for r in result["hit_rate_vs_slots"]:
+            lines.append(f"| {r['slots']} | {r['lru']:.3f} | {r['lfu']:.3f} | {r['layer']:.3f} | "
+                         f"{r['belady']:.3f} |")
+    return "\n".join(lines) + "\n"

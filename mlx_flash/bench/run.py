@@ -41,6 +41,7 @@ from ..paths import flash_home
 from ..sources import default_gguf_path, is_gguf, resolve_model
 from ..sparse.budget import pack_bytes, resolve_budget
 from ..sparse.predictor import read_predictors_json
+from . import moe as moe_bench
 from . import peers as peer_mod
 from . import report
 from .cap import cgroup_status, run_capped
@@ -89,6 +90,11 @@ def add_arguments(parser):
                         help="tokens generated per budget/window sweep point")
     parser.add_argument("--peers", default="auto",
                         help="mlx-lm,llama.cpp, 'auto' (those installed) or 'none'")
+    parser.add_argument("--io-exp-pack", help="MoE packs: the same model with wider experts (8-bit "
+                        "or float16) for EdgeMoE's IO-EXP row (naive reads of those experts); the "
+                        "--model pack's naive row is IO-QEXP")
+    parser.add_argument("--moe-policy", default="layer", choices=("lru", "lfu", "layer"),
+                        help="MoE packs: expert-cache eviction policy (default: EdgeMoE's layer-aware)")
     parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "
                         "source GGUF, or one written from the pack)")
     parser.add_argument("--drop-caches", action="store_true",
@@ -221,9 +227,13 @@ class Suite:
         upper bound of the KV cache for the longest run (float32)."""
 
         kwargs = {"pack": str(self.pack), "mode": "naive", "prompt": prompt["ids"][:8],
-                  "gen_tokens": 4, "threads": self.args.threads, "keep_steps": False}
-        r = run_capped("mlx_flash.bench.measure:generate_flash", kwargs, use_cgroup=False,
-                       timeout=self.args.timeout)
+                  "gen_tokens": 4, "threads": self.args.threads}
+        if moe_bench.is_moe(self.manifest):
+            function = "mlx_flash.bench.moe:generate_moe"
+        else:
+            function = "mlx_flash.bench.measure:generate_flash"
+            kwargs["keep_steps"] = False
+        r = run_capped(function, kwargs, use_cgroup=False, timeout=self.args.timeout)
         if not r.ok:
             raise FlashError(f"{self.pack}: the baseline run (naive, uncapped) failed: {r.error}")
         v = r.value
@@ -440,13 +450,16 @@ def run(args) -> int:
     prompts = make_prompts(tokenizer, files, n_prompts, args.prompt_tokens)
     if suite.cap["used"]:
         suite.measure_baseline(prompts[0])
+    command = _command(args)
+    if moe_bench.is_moe(suite.manifest):  # EdgeMoE's rows; --modes, --ablation, --sweeps are for FFN packs
+        return moe_bench.run_suite(suite, args, prompts, peer_names, out, command, machine_info(),
+                                   package_versions())
     if "flash" in modes or args.ablation or suite.sweeps():
 
         if read_predictors_json(suite.pack) is None:
             raise FlashError(f"{suite.pack}: --mode flash (and --ablation/--sweeps) need predictors; "
                              f"run python -m mlx_flash.calibrate --model {suite.pack}, or drop flash "
                              f"from --modes")
-    command = _command(args)
     print(f"pack {suite.pack} ({suite.pack_bytes / 1e9:.3f} GB"
           + (", SYNTHETIC: random weights, speed only" if synthetic else "")
           + f"), budget {suite.budget_bytes / 1e9:.3f} GB, cap: "

@@ -4,8 +4,8 @@ OPT-shaped packs become llama.cpp's "gpt2" (write_gpt2_gguf: llama.cpp has no OP
 GELU for ReLU, which changes no cost of a dense pass).
 
 MoE packs of mlx-lm's olmoe and qwen3_moe become llama.cpp's "olmoe" / "qwen3moe" with the same
-weights. MLX affine 4-bit quantization with group size 32 and float16 scales and biases is exactly
-llama.cpp's Q4_1 block (per 32 weights: d = scale, m = bias, 16 bytes of 4-bit codes, value
+weights. MLX affine 4-bit quantization with group size 32 and float16 scales and biases (or
+float32 ones holding float16 values, as synthetic packs store them) is exactly llama.cpp's Q4_1 block (per 32 weights: d = scale, m = bias, 16 bytes of 4-bit codes, value
 = d * code + m), so those tensors are re-laid-out, not re-quantized: the export is lossless
 (synthetic MoE packs use group size 32 for this). Float16 tensors stay F16; norms are written F32
 (what llama.cpp's converters write). Other quantizations are refused with a one-line error.
@@ -34,8 +34,7 @@ def mlx_to_q4_1(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> n
     weight: uint32 [..., out, in/8] (MLX packs code j of a word at bits 4j, so byte k of a group
     holds codes 2k (low nibble) and 2k+1); Q4_1 byte j holds codes j (low) and j+16 (high).
     """
-    if scales.dtype != np.float16 or biases.dtype != np.float16:
-        raise FlashError(f"Q4_1 export needs float16 scales and biases, not {scales.dtype}")
+    scales, biases = _exact_float16(scales), _exact_float16(biases)
     lead = weight.shape[:-1]
     groups = scales.shape[-1]
     raw = np.ascontiguousarray(weight).view(np.uint8).reshape(*lead, groups, 16)
@@ -46,6 +45,15 @@ def mlx_to_q4_1(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> n
     blocks[..., 2:4] = biases[..., None].view(np.uint8)
     blocks[..., 4:] = qs
     return blocks.reshape(*lead, groups * 20)
+
+
+def _exact_float16(a: np.ndarray) -> np.ndarray:
+    """`a` as float16, refusing values float16 cannot hold exactly (the export must be lossless)."""
+    h = a.astype(np.float16)
+    if a.dtype != np.float16 and not np.array_equal(h.astype(a.dtype), a):
+        raise FlashError("GGUF export: a float tensor holds values float16 cannot represent "
+                         "(Q4_1's d and m and the F16 tensors are float16; the export would be lossy)")
+    return h
 
 
 def add_tokenizer(writer, tokenizer_gguf: Path, vocab_size: int) -> None:
@@ -101,7 +109,7 @@ def _gguf_array(name, tensors: dict, base: str):
             gguf.GGMLQuantizationType.Q4_1
     if w.ndim == 1:  # norms: llama.cpp's converters write them float32
         return w.astype(np.float32), None
-    return w.astype(np.float16), None
+    return _exact_float16(w), None
 
 
 def _numpy(arr) -> np.ndarray:

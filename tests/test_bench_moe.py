@@ -1,0 +1,85 @@
+"""bench run on MoE packs (EdgeMoE's rows) and its child: byte, sync and routing accounting
+checked against what the runtime must do (speed is never asserted here)."""
+
+import json
+
+import pytest
+
+from mlx_flash.bench.__main__ import main as bench_main
+from mlx_flash.bench.moe import generate_moe, hit_rate_vs_slots
+from mlx_flash.convert import main as convert_main
+from mlx_flash.pack import read_manifest
+
+PROMPT = [1, 2, 3, 400, 5000, 17, 9, 33]
+
+
+@pytest.fixture(scope="module")
+def moe_pack(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_moe") / "olmoe-tiny"
+    assert convert_main(["--synthetic", "olmoe-tiny", "--out", str(out)]) == 0
+    return out
+
+
+def test_naive_reads_top_k_experts_per_layer_per_token(moe_pack):
+    m = read_manifest(moe_pack)
+    stride, layers = m.bundles[0].stride, len(m.bundles)
+    top_k = m.config["num_experts_per_tok"]
+    r = generate_moe(str(moe_pack), "naive", PROMPT, 6, record=True)
+    s = r["summary"]
+    block = sum(c.length for c in m.bundles[0].components)  # one expert's bytes in a bank
+    # one decode token routes to exactly top_k distinct experts per layer, each read whole; the
+    # planner may cover the gap between two of them (never more than the layer's blocks)
+    assert s["useful_bytes"] == top_k * block * layers
+    assert top_k * block * layers <= s["bytes_read"] <= m.bundles[0].count * stride * layers
+    assert s["host_syncs"] == layers and s["preload_bytes"] == 0 and s["hit_rate"] is None
+    assert s["tokens"] == 6 and s["total_ms"] > 0 and 0 <= s["io_ms"] <= s["total_ms"]
+    # the decode routing: (layer, top_k experts) per layer per decode step after the first token
+    assert len(r["routes"]) >= 5 * layers
+    assert all(len(set(e)) == top_k for _, e in r["routes"])
+    assert r["plan_weights_bytes"] == m.resident.length + m.bundles[0].count * block
+
+
+def test_cache_of_every_expert_reads_each_expert_once(moe_pack):
+    m = read_manifest(moe_pack)
+    n, stride, layers = m.bundles[0].count, m.bundles[0].stride, len(m.bundles)
+    ref = generate_moe(str(moe_pack), "naive", PROMPT, 8, record=True)
+    r = generate_moe(str(moe_pack), "hybrid", PROMPT, 8, capacity=n, record=True)
+    assert r["routes"] == ref["routes"]  # same tokens, same routing: results do not depend on mode
+    s = r["summary"]
+    assert r["slots_per_layer"] == n and 0 < s["hit_rate"] <= 1
+    # nothing is evicted, so no expert is read twice: decode reads at most every block once
+    assert s["bytes_read"] * (s["tokens"] - 1) <= n * layers * stride
+    assert s["bytes_read"] < ref["summary"]["bytes_read"]
+    block = sum(c.length for c in m.bundles[0].components)
+    assert r["plan_weights_bytes"] == m.resident.length + n * layers * block
+
+
+def test_hit_rate_vs_slots_on_a_known_trace():
+    # one layer, 4 experts, top-1: a cyclic trace defeats LRU, Belady keeps what comes back first
+    routes = [(0, [e]) for e in [0, 1, 2, 0, 1, 2, 0, 1, 2]]
+    rows = {r["slots"]: r for r in hit_rate_vs_slots(routes, 4, 1)}
+    assert rows[2]["lru"] == 0.0 and rows[2]["belady"] == pytest.approx(3 / 9)
+    assert rows[4]["lru"] == rows[4]["belady"] == pytest.approx(6 / 9)  # compulsory misses only
+
+
+@pytest.mark.slow
+def test_bench_run_moe_rows(moe_pack, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Experts are read from flash into a cache of slots; the router picks them. " * 40)
+    out = tmp_path / "bench"
+    m = read_manifest(moe_pack)  # resident + 4 of each layer's 8 experts
+    budget = str(m.resident.length + 4 * len(m.bundles) * m.bundles[0].stride)
+    assert bench_main(["run", "--model", str(moe_pack), "--memory-budget", budget,
+                       "--prompt-tokens", "8", "--gen-tokens", "4", "--repeats", "1",
+                       "--peers", "none", "--text", str(text), "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["label"].split(" (")[0]: r for r in result["rows"]}
+    assert list(rows) == ["IO-FREE", "IO-QEXP", "cache only", "preload only", "ours"]
+    assert all(r["ok_runs"] == 1 for r in rows.values())
+    assert rows["IO-FREE"]["bytes_read"] == 0 and rows["IO-QEXP"]["hit_rate"] is None
+    assert rows["ours"]["slots_per_layer"] == 4 and rows["cache only"]["slots_per_layer"] == 4
+    assert set(result["speedups"]) == {"IO-FREE", "IO-QEXP", "cache only", "preload only"}
+    assert result["model"]["synthetic"]["arch"] == "olmoe-tiny"
+    assert result["hit_rate_vs_slots"][-1]["slots"] == 8
+    report = (out / "report.md").read_text()
+    assert "SYNTHETIC" in report and "Belady" in report and "bench run" in report
