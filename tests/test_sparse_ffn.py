@@ -340,3 +340,35 @@ def test_gpu_path_runs_held_encoded_endor_layers_on_the_kernels(tiny_llama, tmp_
     for x, y in zip(got, want):
         x, y = x.astype(mx.float32), y.astype(mx.float32)
         assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()
+
+
+def test_gpu_path_prefetches_endor_layers_as_stored(tiny_llama, tmp_path, monkeypatch):
+    """Flash mode streaming whole ENDOR layers through the prefetch ring: on the GPU the ring holds
+    the bundles as stored and the decode-matvec kernels run on them (no decode); the prompt (at
+    most 16 tokens here) too; the logits of the CPU path up to float16 rounding."""
+    from test_calibration_prune import pruned_model
+
+    from mlx_flash.sparse.budget import resident_bytes
+
+    src, _ = pruned_model(tiny_llama, tmp_path, layers=3, intermediate=96)
+    pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    entry = {"kind": "all", "n_neurons": 96, "rank": 0, "threshold": 0.0, "prob_threshold": 0.5,
+             "stats": {"predicted": 1.0}, "capacity": [96] * 8}
+    save_predictors(pack, {"activation": "silu"}, {i: dict(entry) for i in range(3)}, {})
+    m = read_manifest(pack)
+    config = FlashConfig("flash", memory_budget=resident_bytes(m) + prefetch_bytes(m))
+    want = run_steps(build_flash_model(pack, config))
+    ran = gpu_path_through_the_emulator(monkeypatch)
+    model = build_flash_model(pack, config)
+    assert model.flash_stats.plan.streamed_layers == [0, 1, 2], model.flash_stats.plan.describe()
+    assert model.flash_runtime.prefetcher is not None, model.flash_stats.plan.describe()
+    got = run_steps(model)
+    pf = model.flash_runtime.prefetcher
+    assert pf.encoded and ran.count("endor_up") == 3 * len(TOKENS)
+    assert sum(s.decode_s for s in model.flash_stats.steps[1:]) == 0  # the first call also decodes, to compare
+    for x, y in zip(got, want):
+        x, y = x.astype(mx.float32), y.astype(mx.float32)
+        assert mx.abs(x - y).max().item() <= 0.02 * mx.abs(y).max().item()
+    mx.eval(model(mx.array([list(range(20))])))  # more than 16 tokens: decoded by the CPU from the ring
+    assert ran.count("endor_up") == 3 * len(TOKENS)
+    pf.close()

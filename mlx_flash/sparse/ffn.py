@@ -113,6 +113,16 @@ def _kernel_weights(rows: dict, role: str, quant: dict):
                                  rows.get(f"{role}.bias"), q.get("bits"), q.get("group_size", 64))
 
 
+def endor_kernel_bundles(entry) -> bool:
+    """True when a layer's bundles are what the ENDOR decode-matvec kernels take: gate/up/down (or
+    up/down) ENDOR blocks of one payload, nothing else in the bundle."""
+    names = [c.name for c in entry.components]
+    payloads = [c.endor for c in entry.components]
+    return (entry.encoding == "endor" and names in (["gate.weight", "up.weight", "down_t.weight"],
+                                                    ["up.weight", "down_t.weight"])
+            and payloads[0] is not None and all(p == payloads[0] for p in payloads))
+
+
 def layout_key(entry) -> tuple:
     """Bundle layout of a layer: layers with equal keys can share streaming buffers."""
     return (entry.count,) + tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
@@ -127,6 +137,9 @@ class StreamPrefetcher:
     reused only after the FFN that used it has been evaluated. Reads go through `runtime.loader`
     (whatever wraps it at the time) and are counted when the FFN consumes them, so per-step bytes
     stay exact; the step's I/O time is the time the forward pass waited for a read.
+
+    On the GPU, ENDOR layers the decode-matvec kernels take are read as stored (`encoded`: each
+    slot is (uint32 words, bundle byte offsets) from FlashLoader.read_encoded, not decoded rows).
     """
 
     def __init__(self, runtime, layers, slots=2):
@@ -134,11 +147,16 @@ class StreamPrefetcher:
         loader = runtime.loader
         if len({layout_key(loader.entry(i)) for i in self.order}) != 1:
             raise FlashError("prefetch: the streamed layers have different bundle layouts")
-        self.buffers = [loader.alloc(self.order[0], loader.entry(self.order[0]).count)
-                        for _ in range(slots)]
-        for i in self.order:  # resolve destination views here, not in the reader thread
-            for buf in self.buffers:
-                loader._targets(loader.entry(i), buf)
+        self.encoded = metal_kernels.metal_active() and all(endor_kernel_bundles(loader.entry(i))
+                                                             for i in self.order)
+        if self.encoded:
+            self.buffers = [(None, None)] * slots
+        else:
+            self.buffers = [loader.alloc(self.order[0], loader.entry(self.order[0]).count)
+                            for _ in range(slots)]
+            for i in self.order:  # resolve destination views here, not in the reader thread
+                for buf in self.buffers:
+                    loader._targets(loader.entry(i), buf)
         self.free = list(range(slots))
         self.pending = {}  # layer -> (slot, future) for the current step
         self.step, self.cursor = None, 0  # step: the StepStats of the pass being scheduled
@@ -155,9 +173,17 @@ class StreamPrefetcher:
             layer = self.order[self.cursor]
             self.cursor += 1
             slot = self.free.pop(0)
-            n = self.rt.loader.entry(layer).count
-            fut = self._pool.submit(self.rt.loader.read, layer, np.arange(n), self.buffers[slot])
+            fut = self._pool.submit(self._read, layer, slot)
             self.pending[layer] = (slot, fut)
+
+    def _read(self, layer, slot):
+        """ReadStats of reading all of `layer` into `slot` (decoded rows, or stored bundles)."""
+        loader = self.rt.loader
+        if not self.encoded:
+            return loader.read(layer, np.arange(loader.entry(layer).count), self.buffers[slot])
+        words, offsets, stats = loader.read_encoded(layer, self.buffers[slot][0])
+        self.buffers[slot] = (words, offsets)
+        return stats
 
     def ready(self, layer: int) -> bool:
         """True when `layer`'s read is done (or was never scheduled)."""
@@ -165,7 +191,7 @@ class StreamPrefetcher:
         return fut is None or fut.done()
 
     def take(self, layer: int, step):
-        """(rows, slot, ReadStats, seconds waited) of `layer` for forward pass `step`."""
+        """(rows or (words, offsets), slot, ReadStats, seconds waited) of `layer` for pass `step`."""
         self.pump(step)
         if layer not in self.pending:  # not scheduled (layer order unusual): read it now
             if not self.free:
@@ -173,11 +199,7 @@ class StreamPrefetcher:
             self.pending[layer] = (self.free.pop(0), None)
         slot, fut = self.pending.pop(layer)
         t0 = time.perf_counter()
-        if fut is None:
-            n = self.rt.loader.entry(layer).count
-            stats = self.rt.loader.read(layer, np.arange(n), self.buffers[slot])
-        else:
-            stats = fut.result()
+        stats = self._read(layer, slot) if fut is None else fut.result()
         return self.buffers[slot], slot, stats, time.perf_counter() - t0
 
     def release(self, slot: int, step):
@@ -283,26 +305,9 @@ class FlashFFN(nn.Module):
         """A layer held ENDOR-encoded: decoded into the streaming buffer (counted as I/O: it is
         what stands in for the read), then run like a streamed layer; on the GPU the decode-matvec
         kernels read the held bundles instead (no decode)."""
-        words, offsets = self._rt.held[self.layer]
-        if self._endor_on_gpu(x):
-            step.neurons_needed += self._n
-            step.hits += self._n
-
-            def decoded():
-                buf = self._rt.stream_rows(self.layer)
-                self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
-                return buf
-
-            return self._endor_kernels(x, words, offsets, decoded)
-        buf = self._rt.stream_rows(self.layer)
-        seconds = self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
-        step.io_s += seconds
-        step.decode_s += seconds
         step.neurons_needed += self._n
         step.hits += self._n
-        y = self._run(x, buf, self._n)
-        mx.eval(y)  # the buffer is reused by the next streamed or encoded layer
-        return y
+        return self._from_encoded(x, step, *self._rt.held[self.layer])
 
     def _read_stream(self, ids, step):
         buf = self._rt.stream_rows(self.layer)
@@ -334,6 +339,24 @@ class FlashFFN(nn.Module):
         mx.eval(y)  # the buffer is reused by the next streamed layer
         return y
 
+    def _from_encoded(self, x, step, words, offsets):
+        """This layer from its bundles as stored: the decode-matvec kernels on the GPU, else (more
+        than 16 tokens, or the kernels do not take it) decoded into the streaming buffer by the CPU
+        kernel (counted as I/O and decode time) and the row path."""
+
+        def decoded():
+            buf = self._rt.stream_rows(self.layer)
+            seconds = self._rt.loader.decode_encoded(self.layer, words, offsets, buf)
+            step.io_s += seconds
+            step.decode_s += seconds
+            return buf
+
+        if self._endor_on_gpu(x):
+            return self._endor_kernels(x, words, offsets, decoded)
+        y = self._run(x, decoded(), self._n)
+        mx.eval(y)  # the streaming buffer is reused by the next layer
+        return y
+
     def _endor_on_gpu(self, x) -> bool:
         """True when this call runs the ENDOR decode-matvec kernels (mlx_flash/metal/endor.py):
         on the GPU, at most 16 tokens (prefill keeps the decoded rows), bundles of gate/up/down
@@ -341,12 +364,7 @@ class FlashFFN(nn.Module):
         if (self._endor_gpu is False or not metal_kernels.metal_active()
                 or x.size // x.shape[-1] > metal_kernels.MAX_METAL_TOKENS):
             return False
-        entry = self._rt.loader.entry(self.layer)
-        names = [c.name for c in entry.components]
-        payloads = [c.endor for c in entry.components]
-        if (entry.encoding != "endor" or names not in (["gate.weight", "up.weight", "down_t.weight"],
-                                                       ["up.weight", "down_t.weight"])
-                or payloads[0] is None or any(p != payloads[0] for p in payloads)):
+        if not endor_kernel_bundles(self._rt.loader.entry(self.layer)):
             self._endor_gpu = False
         return self._endor_gpu is not False
 
@@ -389,7 +407,10 @@ class FlashFFN(nn.Module):
         step.neurons_loaded += self._n
         step.neurons_needed += self._n
         try:
-            y = self._run(x, buf, self._n)
+            if pf.encoded:
+                y = self._from_encoded(x, step, *buf)
+            else:
+                y = self._run(x, buf, self._n)
             mx.eval(y)  # the slot is refilled as soon as it is released
         finally:
             pf.release(slot, step)
