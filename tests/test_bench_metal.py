@@ -40,6 +40,6 @@ def test_moe_bench_calls_agree():
     (checked here on the CPU; the bench times them on a Mac's GPU)."""
     from mlx_flash.bench.metal import moe_calls
 
-    calls = moe_calls(experts=8, slots=6, top_k=3, hidden=128, inter=64)
+    calls = moe_calls(slots=6, top_k=3, hidden=128, inter=64)
     bank, stacked = calls["bank"](), calls["stacked"]()
     assert bank.shape == (3, 1, 64) and mx.array_equal(bank, stacked)

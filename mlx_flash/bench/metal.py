@@ -187,10 +187,10 @@ def _run_endor(repeats):
               flush=True)
 
 
-MOE_SHAPE = dict(experts=64, slots=32, top_k=8, hidden=2048, inter=1024)  # OLMoE-1B-7B's layer
+MOE_SHAPE = dict(slots=32, top_k=8, hidden=2048, inter=1024)  # OLMoE-1B-7B's expert shape
 
 
-def moe_calls(experts=64, slots=32, top_k=8, hidden=2048, inter=1024, seed=0):
+def moe_calls(slots=32, top_k=8, hidden=2048, inter=1024, seed=0):
     """{"bank": gather_qmm over top_k slots of a [slots, inter, hidden] 4-bit bank (the expert
     cache's call), "stacked": quantized_matmul over the same experts stacked contiguously
     beforehand (the bytes-read floor)} for one token's up projection."""

@@ -145,10 +145,12 @@ def _halves(enc, half_index):
 def decode_block_twin(enc, at, n: int, payload: dict):
     """(rows [count, n] decoded, next word [count]) of the blocks at words `at` (int64 [count])."""
     last = enc.shape[0] - 1
+    index = mx.int32 if 2 * enc.shape[0] < 2**31 else mx.int64  # half-word positions must fit
+    at = at.astype(index)
     nbw = -(-n // 32)
     words = enc[mx.clip(at[:, None] + mx.arange(nbw), 0, last)]
     bits = ((words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(at.shape[0], nbw * 32)[:, :n]
-    bits = bits.astype(mx.int64)
+    bits = bits.astype(index)
     nnz = bits.sum(axis=1)
     v = mx.cumsum(bits, axis=1) - bits  # index of each stored element among the stored values
     p = at + nbw
