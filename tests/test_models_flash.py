@@ -198,5 +198,6 @@ def test_endor_pack_runs_every_mode_like_the_dense_pack(tiny_llama, tmp_path, qu
     for mode, model in runs.items():
         assert_identical(run_steps(model), dense)
     assert runs["naive"].flash_stats.summary()["bytes_read"] > 0
+    assert sum(s.decode_s for s in runs["flash"].flash_stats.steps) > 0  # neuron-cache loads decode
     held = runs["hybrid"].flash_stats.summary()
     assert held["decode_ms"] > 0 and held["bytes_read"] < runs["naive"].flash_stats.summary()["bytes_read"]

@@ -423,6 +423,7 @@ class FlashFFN(nn.Module):
         upd = cache.update(active, len(self._rt.stats.steps), self._rt.window)
         step.io_s += upd.io_s
         step.io_read_s += upd.io_s
+        step.decode_s += upd.decode_s
         step.mem_s += upd.mem_s
         step.bytes_read += upd.bytes_read
         step.neurons_loaded += upd.loaded

@@ -29,6 +29,7 @@ class CacheUpdate:
     overflow: np.ndarray = None  # needed neurons that did not fit (the caller streams them)
     window: int = 0  # effective window after the update (tokens)
     io_s: float = 0.0
+    decode_s: float = 0.0  # ENDOR: check + decode of the loaded bundles (part of io_s)
     mem_s: float = 0.0
     bytes_read: int = 0
 
@@ -123,7 +124,7 @@ class NeuronCache:
         t1 = time.perf_counter()
         if len(fit):
             stats = self.load(fit, step)
-            out.loaded, out.bytes_read = len(fit), stats.bytes_read
+            out.loaded, out.bytes_read, out.decode_s = len(fit), stats.bytes_read, stats.decode_seconds
         t2 = time.perf_counter()
         live = self.last_active[: self.num_used]
         out.window = int(step - live.min() + 1) if self.num_used else 0
