@@ -34,7 +34,8 @@ import numpy as np
 from ..errors import FlashError
 from ..io import FlashLoader, ReadCost, evict, load_cost
 from ..io.loader import measure_cost
-from ..io.files import FileLayer, aligned_buffer, read_full
+from ..io import aio
+from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
 
 
@@ -211,6 +212,9 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
             warm = _read_sets(loader, sets, dests)
             read_bytes = max(warm.read_sizes, key=warm.read_sizes.get)
             fns = {"loader": lambda: _read_sets(loader, sets, dests)}
+            if aio.available():  # the engine alone, into a ring as small as fio's buffers
+                fns["aio_ring"] = lambda: aio_ring(bench.paths(), read_bytes, warm.reads, depth,
+                                                   bench.rng)
             cmd = fio_command(bench.paths(), depth, {read_bytes: 1}, warm.bytes_read, "libaio") \
                 if with_fio else None
             if cmd:
@@ -221,6 +225,8 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
                "zero_copy": s.zero_copy_reads == s.reads, "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth}
+        if "aio_ring" in res:
+            row["aio_ring_gbps"] = _gb(res["aio_ring"].bytes_read, res["aio_ring"].seconds)
         if cmd:
             fio = res["fio"].bw / 1e9
             row.update(fio_gbps=fio, loader_over_fio=row["device_gbps"] / fio, fio_command=" ".join(cmd))
@@ -228,6 +234,28 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
             row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
         rows.append(row)
     return rows
+
+
+def aio_ring(paths, read_bytes, reads, depth, rng):
+    """`reads` random O_DIRECT reads of `read_bytes` (4 KiB-aligned offsets) over `paths` by
+    io/aio.py alone, into `depth` buffers reused in turn (fio's buffer footprint): what the AIO
+    engine does with no loader around it. Timed like ReadStats (seconds, bytes_read)."""
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+    ctx = aio.AioContext(depth)
+    try:
+        span = np.array([os.fstat(fd).st_size - read_bytes for fd in fds]) // 4096
+        which = rng.integers(0, len(fds), reads)
+        offsets = (rng.random(reads) * span[which]).astype(np.int64) * 4096
+        ring = aligned_buffer(depth * read_bytes)
+        addresses = address(ring) + (np.arange(reads) % depth) * read_bytes
+        t0 = time.perf_counter()
+        res = ctx.read(np.array(fds)[which], offsets, np.full(reads, read_bytes), addresses)
+        seconds = time.perf_counter() - t0
+    finally:
+        ctx.close()
+        for fd in fds:
+            os.close(fd)
+    return _Calls(seconds, int(res[res > 0].sum()))
 
 
 class _Calls:
@@ -301,8 +329,10 @@ def print_large_reads(rows, depth):
     print(f"\nlarge reads: k consecutive bundles per read into alloc() destinations, {depth} in "
           f"flight, vs fio --rw=randread --ioengine=libaio --iodepth={depth} --bs=<read bytes> on "
           f"the same files, runs interleaved (device GB/s)")
+    print("(aio ring: io/aio.py alone, the same number of reads of that size, into a ring of "
+          f"{depth} buffers as fio does; the loader lands its reads in the destinations)")
     print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
-          f"{'fio':>7} {'loader/fio':>10}")
+          f"{'aio ring':>8} {'fio':>7} {'loader/fio':>10}")
     for r in rows:
         name = f"{r['size'] >> 20}M" if r["size"] >= 1 << 20 else f"{r['size'] >> 10}K"
         if "skipped" in r:
@@ -310,8 +340,9 @@ def print_large_reads(rows, depth):
             continue
         fio = (f"{r['fio_gbps']:7.3f} {r['loader_over_fio']:10.0%}" if "fio_gbps" in r
                else f"  {r['fio']}")
+        ring = f"{r['aio_ring_gbps']:8.3f}" if "aio_ring_gbps" in r else f"{'-':>8}"
         print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
-              f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {fio}")
+              f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} {fio}")
 
 
 def sequential_ceiling(bench, block=4 << 20):
