@@ -143,3 +143,30 @@ def test_top1_bit_identical_at_every_cache_size_from_one(tmp_path, arch):
             for g, w in zip(_generate_logits(model), want):
                 np.testing.assert_array_equal(g, w, err_msg=f"{arch} {pack.name} slots={slots}")
             assert model.moe_store.cache.capacity_of(0) >= 1
+
+
+def test_kernel_path_matches_gather_qmm_and_is_the_same_in_every_mode(tmp_path):
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.convert import main as convert_main
+    from mlx_flash.cpu import ops
+    from mlx_flash.models.moe import build_moe_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not ops.kernels_active():
+        pytest.skip("CPU kernels not built")
+    pack = tmp_path / "olmoe-tiny"
+    assert convert_main(["--synthetic", "olmoe-tiny", "--out", str(pack)]) == 0
+    tokens = [1, 2, 3, 400, 5000, 17]
+
+    def decode(mode, **kw):
+        model = build_moe_model(pack, FlashConfig(mode=mode), **kw)
+        cache = make_prompt_cache(model)
+        out = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in tokens]
+        return np.stack(out)
+
+    ref = decode("dense")  # mlx-lm's SwitchGLU (gather_qmm)
+    naive = decode("naive", kernels=True)
+    assert np.linalg.norm(naive - ref) / np.linalg.norm(ref) < 1e-4  # summation order only
+    assert not np.array_equal(naive, decode("naive"))  # the kernels did run
+    for kw in ({"capacity": 2}, {"capacity": 8}):
+        assert np.array_equal(decode("flash", kernels=True, **kw), naive)

@@ -220,7 +220,7 @@ def run(args):
 
 def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capacity=None,
                  policy="layer", predictor="lookahead", preload_width=None, record=False,
-                 temp=0.0, **_) -> dict:
+                 temp=0.0, kernels=False, **_) -> dict:
     """A `bench run` child on an MoE pack: load `pack` in `mode`, generate greedily, measure.
 
     Returns JSON-ready figures: `summary` per decode token (total_ms, io_ms = time the token
@@ -230,6 +230,8 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     expert blocks asked for (both), hit_rate, host_syncs) and for the run (prompt_ms,
     tokens, peak_memory from MLX, peak_rss in bytes), `plan_weights_bytes` (resident + slot bank
     + scratch bank), load seconds, and with `record` the decode routing [(layer, experts)].
+    kernels: one token's experts through the CPU kernels (models.moe); dense mode then holds
+    every expert in a slot bank read at load (the same compute path as the streamed rows).
     """
     import resource
     import sys
@@ -246,9 +248,18 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     from ..pack import read_manifest
 
     t0 = time.perf_counter()
+    resident_bank = kernels and mode == "dense"
+    if resident_bank:  # IO-FREE on the kernel path: a slot for every expert, all read at load
+        n_experts = max(b.count for b in read_manifest(pack).bundles)
+        mode, capacity = "hybrid", n_experts
     model = build_moe_model(pack, FlashConfig(mode=mode, memory_budget=budget, threads=threads),
                             policy=policy, predictor=predictor, preload_width=preload_width,
-                            capacity=capacity)
+                            capacity=capacity, kernels=kernels)
+    if resident_bank:
+        for layer in model.moe_store.entries:
+            model.moe_store.preload(layer, list(range(n_experts)))
+            model.moe_store.wait_preload()
+        mode = "dense"
     tokenizer = load_tokenizer(Path(pack))
     load_s = time.perf_counter() - t0
     store = model.moe_store
@@ -420,7 +431,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
                 kw = {k: v for k, v in kw.items() if k != "record"}
             kwargs = {"pack": str(pack), "mode": mode, "prompt": prompts[rep]["ids"],
                       "gen_tokens": args.gen_tokens, "budget": args.memory_budget,
-                      "threads": args.threads, **kw}
+                      "threads": args.threads, "kernels": args.moe_kernels, **kw}
             budget = suite.pack_bytes if mode == "dense" else suite.budget_bytes
             suite.child("moe", label, "mlx_flash.bench.moe:generate_moe", kwargs,
                         budget_bytes=budget, paths=[pack], repeat=rep)
@@ -442,7 +453,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
         "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                      "repeats": args.repeats, "threads": args.threads,
                      "memory_budget": args.memory_budget, "budget_bytes": suite.budget_bytes,
-                     "policy": args.moe_policy,
+                     "policy": args.moe_policy, "moe_kernels": args.moe_kernels,
                      "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
                      "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
                      "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
@@ -497,7 +508,8 @@ def moe_markdown(result) -> str:
                 f"+ KV cache)" if p["cap"].get("used") else f"none ({p['cap'].get('reason')})")
              + f"; eviction before each run: {', '.join(p['eviction']) or '-'}.",
              f"Prompt {p['prompt_tokens']} tokens, {p['gen_tokens']} generated (greedy), "
-             f"{p['repeats']} cold run(s) per row, policy {p['policy']}, {p['threads']} reads in flight.",
+             f"{p['repeats']} cold run(s) per row, policy {p['policy']}, {p['threads']} reads in flight, "
+             f"expert products: {'CPU kernels' if p['moe_kernels'] else 'MLX gather_qmm'}.",
              f"Machine: {result['machine'].get('cpu', '?')}, {result['machine']['cpus']} cores, load "
              f"{result['machine']['load_average']} (shared machine: compare rows, not absolute figures).",
              f"Command: `{result['command']}`", "",

@@ -93,6 +93,10 @@ def add_arguments(parser):
     parser.add_argument("--io-exp-pack", help="MoE packs: the same model with wider experts (8-bit "
                         "or float16) for EdgeMoE's IO-EXP row (naive reads of those experts); the "
                         "--model pack's naive row is IO-QEXP")
+    parser.add_argument("--moe-kernels", action="store_true",
+                        help="MoE packs: decode tokens' experts through the CPU kernels (every row, "
+                        "IO-FREE included; equal up to float summation order) instead of MLX's "
+                        "gather_qmm")
     parser.add_argument("--moe-policy", default="layer", choices=("lru", "lfu", "layer"),
                         help="MoE packs: expert-cache eviction policy (default: EdgeMoE's layer-aware)")
     parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "

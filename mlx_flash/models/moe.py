@@ -61,13 +61,16 @@ def expert_slots(manifest, memory_budget, top_k) -> int:
 
 
 def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="lookahead",
-                    preload_width=None, capacity=None, future=None, profile=None, loader=None):
+                    preload_width=None, capacity=None, future=None, profile=None, loader=None,
+                    kernels=False):
     """The mlx-lm model of an MoE pack with experts per `flash_config.mode` (no tokenizer).
 
     policy: eviction policy (moe.cache.POLICIES). predictor: "lookahead" (next router on this
     layer's input), "profile" (`profile`, a moe.predict.RoutingProfile) or "none"; flash mode only.
     preload_width: experts preloaded per layer (default top_k; at most slots - top_k).
     capacity: slots per layer instead of the budget's. future: access trace for policy "belady".
+    kernels: streamed layers run one token's experts through the CPU kernels (moe.switch; equal
+    up to float summation order, not bit for bit).
     The ExpertStore is `model.moe_store` (None in dense mode).
     """
     pack = Path(pack_dir)
@@ -104,7 +107,7 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
 
     def make(layer, switch, block):
         blocks[layer] = block
-        return StreamedSwitchGLU(store, layer, switch.activation)
+        return StreamedSwitchGLU(store, layer, switch.activation, kernels=kernels)
 
     swapped = swap_switch_glu(model, store, make)
     _load(model, weights, pack)

@@ -14,7 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cpu import ops
 from ..errors import FlashError
+
+KERNEL_MAX_CHOICES = 16  # the kernel path serves one token's top-k experts (decode)
 
 
 class StreamedSwitchGLU(nn.Module):
@@ -26,11 +29,15 @@ class StreamedSwitchGLU(nn.Module):
     predict_next: optional callable(layer, experts at this layer) -> [(layer, [experts])] to
       preload (the statistical profile).
     on_route: optional callable(layer, ids np.ndarray, lookahead np.ndarray|None) (recording).
+    kernels: one token's experts through the CPU kernels (faster on CPU; equal to mlx-lm's
+      SwitchGLU up to float summation order instead of bit for bit).
     """
 
-    def __init__(self, store, layer, activation, *, lookahead=None, predict_next=None, on_route=None):
+    def __init__(self, store, layer, activation, *, lookahead=None, predict_next=None, on_route=None,
+                 kernels=False):
         super().__init__()
         self._store, self._layer, self.activation = store, layer, activation
+        self.kernels = kernels
         self._lookahead, self._predict_next, self._on_route = lookahead, predict_next, on_route
         self._next_layer = None
         layers = list(store.entries)
@@ -79,6 +86,8 @@ class StreamedSwitchGLU(nn.Module):
 
     def _switch(self, bank, width, x, idx):
         """The body of mlx-lm's SwitchGLU.__call__, on bank slots `idx` instead of expert ids."""
+        if self.kernels and idx.size <= KERNEL_MAX_CHOICES and self._kernel_ok(bank, width, x):
+            return self._switch_kernels(bank, width, x, idx)
         shape = idx.shape
         x = mx.expand_dims(x, (-2, -3))
         do_sort = idx.size >= 64
@@ -91,6 +100,31 @@ class StreamedSwitchGLU(nn.Module):
         if do_sort:
             x = mx.unflatten(x[inv_order], 0, shape)
         return x.squeeze(-2)
+
+
+    def _kernel_ok(self, bank, width, x) -> bool:
+        q = self._store.quantization("up", width)
+        return (q is not None and "up.bias" not in bank and x.size == x.shape[-1]
+                and ops.use_kernel(x) and ops.quant_ok(bank["up.weight"][0], bank["up.scales"][0],
+                                                       bank["up.biases"][0], q["group_size"], q["bits"]))
+
+    def _switch_kernels(self, bank, width, x, idx):
+        """One token: each chosen expert's three projections as the CPU kernels' quantized
+        matvecs on its bank slot (MLX's gather_qmm on CPU: ~10-25x slower per expert; equal up
+        to float summation order, not bit-identical, so only with `kernels` on)."""
+        q = {role: self._store.quantization(role, width) for role in ("up", "gate", "down")}
+        xs = x.reshape(1, x.shape[-1])
+
+        def project(role, v, slot):
+            return ops.quantized_matvec(v, bank[f"{role}.weight"][slot], bank[f"{role}.scales"][slot],
+                                        bank[f"{role}.biases"][slot], q[role]["group_size"],
+                                        q[role]["bits"])
+
+        outs = []
+        for slot in np.array(idx).reshape(-1).tolist():
+            h = self.activation(project("up", xs, slot), project("gate", xs, slot))
+            outs.append(project("down", h, slot))
+        return mx.concatenate(outs, axis=0).reshape(*idx.shape, -1)
 
 
 def by_width(x, ids: np.ndarray, width_of: np.ndarray, switch):
