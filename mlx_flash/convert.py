@@ -26,27 +26,37 @@ def down_report(down: dict) -> str:
     return f"down projection: {down['storage']}: {err}"
 
 
-def _choose_expert_bits(model_dir, args) -> dict:
-    """{layer: [bits per expert]} measured on --calib-text (calibration/expert_bits.py)."""
+def _calibrate_moe(model_dir, args) -> tuple:
+    """({layer: [bits per expert]} or None, routing statistics) measured on --calib-text
+    (calibration/expert_bits.py)."""
     from collections import Counter
 
     from .calibration.dense_pass import text_tokens
-    from .calibration.expert_bits import choose_expert_bits
+    from .calibration.expert_bits import choose_expert_bits, routing_statistics, switch_glus
     from .models import load_model, load_tokenizer
     from .moe.bitwidths import WIDTHS, mean_bits
 
-    if not WIDTHS[0] <= args.expert_bits <= WIDTHS[-1]:
+    if args.expert_bits is not None and not WIDTHS[0] <= args.expert_bits <= WIDTHS[-1]:
         raise FlashError(f"--expert-bits {args.expert_bits:g}: must be within {WIDTHS[0]}..{WIDTHS[-1]}")
-    model, _ = load_model(model_dir, lazy=False)
+    model, config = load_model(model_dir, lazy=False)
+    found = switch_glus(model)
+    if not found:
+        raise FlashError(f"--calib-text: only for MoE models ({model_dir} has no mlx-lm SwitchGLU)")
     tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.calib_tokens,
                          flag="--calib-text")
-    group_size = args.group_size or 64
-    bits, _ = choose_expert_bits(model, tokens, args.expert_bits, group_size)
-    counts = Counter(b for widths in bits.values() for b in widths)
-    print(f"expert bits on {len(tokens)} calibration tokens: mean {mean_bits(bits):.3f} "
-          f"(+{32 / group_size:.2f} for scales and biases); experts per width "
-          + ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts)), file=sys.stderr)
-    return bits
+    bits = None
+    if args.expert_bits is not None:
+        group_size = args.group_size or 64
+        bits, _ = choose_expert_bits(model, tokens, args.expert_bits, group_size)
+        counts = Counter(b for widths in bits.values() for b in widths)
+        print(f"expert bits on {len(tokens)} calibration tokens: mean {mean_bits(bits):.3f} "
+              f"(+{32 / group_size:.2f} for scales and biases); experts per width "
+              + ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts)), file=sys.stderr)
+    n_experts = next(iter(found.values()))[2].up_proj.weight.shape[0]
+    k = config.get("num_experts_per_tok")
+    if not k:
+        raise FlashError(f"{model_dir}/config.json: no num_experts_per_tok")
+    return bits, routing_statistics(model, tokens, int(k), n_experts)
 
 
 def _main(argv):
@@ -92,9 +102,11 @@ def _main(argv):
                              "(the experts whose quantization error costs most get the wide "
                              "widths); non-expert weights follow --quantize. See docs/moe.md")
     parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
-                        help="--expert-bits: calibration text files (never the text you evaluate on)")
+                        help="MoE models: calibration text files (never the text you evaluate on): "
+                             "the routing statistics that split --memory-budget's expert slots "
+                             "over layers, and --expert-bits' measurements")
     parser.add_argument("--calib-tokens", type=int, default=2048,
-                        help="--expert-bits: calibration tokens (default 2048)")
+                        help="--calib-text: calibration tokens (default 2048)")
     parser.add_argument("--sparsity", type=float, default=0.95,
                         help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
     parser.add_argument("--weight-sparsity", type=float, default=0.0,
@@ -105,8 +117,9 @@ def _main(argv):
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
-    if args.expert_bits is not None and (args.synthetic or args.format != "pack"):
-        raise FlashError("--expert-bits: only when converting a model (--model) to a pack")
+    for flag, value in (("--expert-bits", args.expert_bits), ("--calib-text", args.calib_text)):
+        if value is not None and (args.synthetic or args.format != "pack"):
+            raise FlashError(f"{flag}: only when converting a model (--model) to a pack")
     if args.expert_bits is not None and not args.calib_text:
         raise FlashError("--expert-bits: needs --calib-text FILE... (each expert's importance is "
                          "measured on text)")
@@ -134,10 +147,12 @@ def _main(argv):
         convert_gguf(src, out)
     else:
         model_dir = resolve_model(args.model)
-        expert_bits = _choose_expert_bits(model_dir, args) if args.expert_bits is not None else None
+        expert_bits = routing = None
+        if args.calib_text:
+            expert_bits, routing = _calibrate_moe(model_dir, args)
         write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
-                   expert_bits=expert_bits)
+                   expert_bits=expert_bits, moe_routing=routing)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

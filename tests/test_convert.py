@@ -91,6 +91,8 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     m = read_manifest(tmp_path / "p")
     widths = [b for entry in m.bundles for b in entry.expert_bits]
     assert len(widths) == 8 and sum(widths) <= 24 and set(widths) <= {2, 3, 4, 8}
+    routing = m.get("moe_routing")  # calibration routing statistics for the per-layer slots
+    assert routing["sizes"] == [2, 3, 4] and set(routing["hits"]) == {"0", "1"}
     assert "expert bits on" in capsys.readouterr().err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
                       (["--expert-bits", "3", "--group-size", "128"], "--group-size 128")):

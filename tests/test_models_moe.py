@@ -87,3 +87,36 @@ def test_generate_cli_runs_an_moe_pack_from_flash(tmp_path, embedded_model_dir):
                            capture_output=True, text=True)
         assert r.returncode == code, r.stderr
     assert "--memory-budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_budget_slots_split_over_layers_by_calibration_routing(tmp_path):
+    from mlx_flash.models.moe import layer_slots
+
+    src = write_tiny_moe(tmp_path / "src", "qwen2_moe", quantize=(4, 32), experts=8)
+    # layer 0 hits nothing more beyond 2 slots; layers 1 and 2 gain up to 8 and 5
+    hits = {0: [5, 90, 90, 90, 90, 90, 90, 90], 1: [1, 10, 20, 30, 40, 50, 60, 70],
+            2: [1, 10, 30, 50, 70, 70, 70, 70]}
+    pack = write_pack(src, tmp_path / "pack", progress=False,
+                      moe_routing={"policy": "lfu", "sizes": list(range(1, 9)), "hits": hits,
+                                   "tokens": 100})
+    m = read_manifest(pack)
+    assert layer_slots(m, 4, 2) == {0: 2, 1: 5, 2: 5}
+    assert layer_slots(m, 8, 2) == {0: 8, 1: 8, 2: 8}
+    budget = m["resident"]["length"] + 4 * m["bundles"][0]["stride"] * 3
+    model = build_moe_model(pack, FlashConfig(mode="hybrid", memory_budget=budget))
+    assert [model.moe_store.cache.capacity_of(layer) for layer in range(3)] == [2, 5, 5]
+    ref = build_moe_model(pack, FlashConfig(mode="dense"))
+    tokens = mx.array([[3, 17, 42, 5, 99, 64, 1, 7]])
+    for t in range(1, 8):
+        np.testing.assert_array_equal(np.array(model(tokens[:, :t])), np.array(ref(tokens[:, :t])))
+
+
+def test_bad_routing_statistics_fail_in_one_line(tmp_path):
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4)
+    for routing, match in (({"policy": "lfu", "sizes": [1, 2, 9], "hits": {}}, r"sizes\[2\] = 9"),
+                           ({"policy": "lfu", "sizes": [1, 2], "hits": {"0": [1, 2]}},
+                            r"one entry per MoE layer")):
+        with pytest.raises(FlashError, match=match) as e:
+            write_pack(src, tmp_path / "bad", progress=False, moe_routing=routing, overwrite=True)
+            read_manifest(tmp_path / "bad")
+        assert "\n" not in str(e.value)

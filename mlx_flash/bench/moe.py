@@ -74,6 +74,28 @@ def hit_rate_table(trace, n_experts, top_k, width, profile):
     return rows, scores
 
 
+def capacity_rows(calib_trace, trace, top_k, n_experts):
+    """Rows {"slots", "policy", "equal", "calibrated", "min", "max"}: held-out hit rate of the
+    best policy with `slots` per layer in every layer vs the same total split by the calibration
+    trace's per-layer hit curves (moe.cache.layer_capacities)."""
+    from ..moe.cache import hit_curves, simulate, split_slots_by_curves
+
+    layers, accesses, calib = trace.layers, trace.accesses(), calib_trace.accesses()
+    sizes = list(range(top_k, n_experts + 1))
+    rows, curves = [], {}
+    for slots in range(top_k, n_experts):
+        equal = {layer: slots for layer in layers}
+        policy = max(("lru", "lfu"), key=lambda p: simulate(accesses, layers, equal, p).hits)
+        if policy not in curves:
+            curves[policy] = hit_curves(calib, layers, policy, sizes)
+        cap = split_slots_by_curves(curves[policy], sizes, slots * len(layers))
+        rows.append({"slots": slots, "policy": policy,
+                     "equal": simulate(accesses, layers, equal, policy).hit_rate,
+                     "calibrated": simulate(accesses, layers, cap, policy).hit_rate,
+                     "min": min(cap.values()), "max": max(cap.values()), "capacity": cap})
+    return rows
+
+
 def runtime_rows(pack, tokens, n_steps, slots, width):
     """Per mode: tokens/s, bytes read / token, host syncs / token, hit rate, exact vs dense."""
     import mlx.core as mx
@@ -172,7 +194,8 @@ def run(args):
     if set(map(str, args.calib_text)) & set(map(str, args.text)):
         raise FlashError("--text: held-out text must not repeat a --calib-text file")
     t0 = time.perf_counter()
-    profile = RoutingProfile(record_routing(model, calib, width), n_experts)
+    calib_trace = record_routing(model, calib, width)
+    profile = RoutingProfile(calib_trace, n_experts)
     trace = record_routing(model, text, width)
     rows, scores = hit_rate_table(trace, n_experts, top_k, width, profile)
     print(f"# MoE expert cache on real routing: {args.model} ({n_experts} experts, top-{top_k}, "
@@ -193,7 +216,14 @@ def run(args):
         best = max(half[p] for p in ("lru", "lfu", "layer"))
         print(f"half the experts cached ({half['slots']}/layer): best policy {best:.3f}, "
               f"Belady {half['belady']:.3f} (gap {half['belady'] - best:.3f})")
-    result = {"command": args.command_line, "rows": rows,
+    caps = capacity_rows(calib_trace, trace, top_k, n_experts)
+    print("| slots/layer (total = x MoE layers) | policy | hit rate, equal split | hit rate, split by "
+          "calibration routing | calibrated slots min..max |")
+    print("|---|---|---|---|---|")
+    for r in caps:
+        print(f"| {r['slots']} | {r['policy']} | {r['equal']:.3f} | {r['calibrated']:.3f} | "
+              f"{r['min']}..{r['max']} |")
+    result = {"command": args.command_line, "rows": rows, "capacity": caps,
               "predictors": {k: {"recall": v[0], "precision": v[1]} for k, v in scores.items()}}
     if args.pack:
         rt = runtime_rows(args.pack, text, args.decode_tokens, max(top_k, n_experts // 2), width)

@@ -1,6 +1,10 @@
-"""Expert-wise bit widths from calibration text (EdgeMoE 3.2): run the float MoE model over the
-text, record each MoE layer's SwitchGLU input and routing, measure every expert's quantization
-error at each width (moe/bitwidths.py) and assign widths under an average-bits target.
+"""MoE calibration on text: expert-wise bit widths (EdgeMoE 3.2) and routing statistics.
+
+Widths: run the float MoE model over the text, record each MoE layer's SwitchGLU input and
+routing, measure every expert's quantization error at each width (moe/bitwidths.py) and assign
+widths under an average-bits target. Routing statistics (`routing_statistics`): each MoE layer's
+expert-cache hits at every slot count on the text, from which the runtime splits a memory budget's
+slots over layers (models/moe.py layer_slots).
 
 `validate_importance` checks the proxy against EdgeMoE's own measure (narrow one expert, measure
 the loss change) on a sample of experts.
@@ -151,3 +155,19 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
     c = np.corrcoef(ra, rb)[0, 1]
     return float(c) if math.isfinite(c) else 0.0
+
+
+ROUTING_POLICY = "lfu"  # the best per-layer policy at half the experts on the derived model
+
+
+def routing_statistics(model, tokens, top_k, n_experts) -> dict:
+    """The pack's `moe_routing`: {"policy", "sizes": top_k..n_experts, "hits": {layer: [hits of the
+    layer's accesses at each size]}, "tokens"} of `model`'s routing over `tokens` in decode order."""
+    from ..moe.cache import hit_curves
+    from ..moe.predict import record_routing
+
+    trace = record_routing(model, tokens, top_k)
+    sizes = list(range(top_k, n_experts + 1))
+    curves = hit_curves(trace.accesses(), trace.layers, ROUTING_POLICY, sizes)
+    return {"policy": ROUTING_POLICY, "sizes": sizes, "tokens": int(trace.experts.shape[0]),
+            "hits": {layer: curve for layer, curve in curves.items()}}

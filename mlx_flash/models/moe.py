@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from ..errors import FlashError
 from ..config import FlashConfig, parse_memory_budget
 from ..io import FlashLoader
+from ..moe.cache import split_slots_by_curves
 from ..moe.store import ExpertStore, expert_layers
 from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead,
                           swap_switch_glu)
@@ -60,6 +61,20 @@ def expert_slots(manifest, memory_budget, top_k) -> int:
     return min(per_layer, n_experts)
 
 
+def layer_slots(manifest, per_layer, top_k) -> dict:
+    """{layer: slots} for `per_layer` slots per MoE layer on average: split by the pack's
+    calibration routing statistics (`moe_routing`: each layer's hits at each size, written by
+    convert --calib-text) so that layers whose routing spreads get more, else equal."""
+    layers = expert_layers(manifest)
+    routing = manifest.get("moe_routing")
+    if not routing or per_layer >= max(e.count for e in layers.values()):
+        return {layer: per_layer for layer in layers}
+    sizes = [n for n in routing["sizes"] if n >= top_k]
+    skip = len(routing["sizes"]) - len(sizes)
+    curves = {layer: routing["hits"][str(layer)][skip:] for layer in layers}
+    return split_slots_by_curves(curves, sizes, per_layer * len(layers))
+
+
 def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="lookahead",
                     preload_width=None, capacity=None, future=None, profile=None, loader=None,
                     kernels=False):
@@ -68,7 +83,9 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     policy: eviction policy (moe.cache.POLICIES). predictor: "lookahead" (next router on this
     layer's input), "profile" (`profile`, a moe.predict.RoutingProfile) or "none"; flash mode only.
     preload_width: experts preloaded per layer (default top_k; at most slots - top_k).
-    capacity: slots per layer instead of the budget's. future: access trace for policy "belady".
+    capacity: slots per layer (int, or {layer: slots}) instead of the budget's. Without it a pack
+      with calibration routing statistics splits the budget's slots over layers by them
+      (`layer_slots`). future: access trace for policy "belady".
     kernels: streamed layers run one token's experts through the CPU kernels (moe.switch; equal
     up to float summation order, not bit for bit).
     The ExpertStore is `model.moe_store` (None in dense mode).
@@ -89,9 +106,12 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         _load(model, weights, pack)
         model.moe_store = None
         return model
-    slots = capacity if capacity is not None else expert_slots(manifest, cfg.memory_budget, top_k)
+    if capacity is None:
+        capacity = layer_slots(manifest, expert_slots(manifest, cfg.memory_budget, top_k), top_k)
+    caps = capacity if isinstance(capacity, dict) else {layer: capacity for layer in layers}
+    slots = min(caps.values())
     if slots < top_k:
-        raise FlashError(f"{pack}: {slots} expert slots per layer; each token needs {top_k}")
+        raise FlashError(f"{pack}: {slots} expert slots in a layer; each token needs {top_k}")
     _, weights = load_resident(pack, manifest=manifest)
     model = build_model(config, weights)
     loader = loader or FlashLoader(pack, threads=cfg.threads)
@@ -100,7 +120,7 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         if n is not None and entry.count != n:
             raise FlashError(f"{pack / entry.file}: {entry.count} experts in layer {layer}, "
                              f"config.json says {n}")
-    store = ExpertStore(loader, layers, {layer: slots for layer in layers},
+    store = ExpertStore(loader, layers, caps,
                         policy=policy if cfg.mode != "naive" else "lru",
                         future=future, cache=cfg.mode != "naive")
     blocks = {}

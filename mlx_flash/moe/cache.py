@@ -228,20 +228,24 @@ def hit_curves(trace, layers, policy, sizes) -> dict:
 
 
 def layer_capacities(trace, layers, total_slots, policy="lfu", min_slots=1, max_slots=None) -> dict:
-    """{layer: slots} summing to at most `total_slots` that maximise the hits of `trace` [(layer, experts)]
-    (a calibration routing trace), each layer within min_slots..max_slots: layers whose routing
-    spreads over more experts get more slots than layers that keep choosing a few.
-
-    Exact for the replayed trace: each layer's hit count at every size is measured (`hit_curves`)
-    and the split is a knapsack over layers (dynamic programming, layers x total_slots x sizes).
-    """
+    """{layer: slots} summing to at most `total_slots` that maximise the hits of `trace`
+    [(layer, experts)] (a calibration routing trace), each layer within min_slots..max_slots:
+    layers whose routing spreads over more experts get more slots than layers that keep choosing
+    a few. Exact for the replayed trace (`hit_curves`, then `split_slots_by_curves`)."""
     layers = list(layers)
     hi = max_slots or max(len(set(e for a in trace if a[0] == layer for e in a[1])) for layer in layers)
-    if total_slots < min_slots * len(layers):
-        raise ValueError(f"{total_slots} slots cannot give {len(layers)} layers {min_slots} each")
-    sizes = list(range(min_slots, hi + 1))
-    curves = hit_curves(trace, layers, policy, sizes)
-    budget = min(total_slots, hi * len(layers))
+    sizes = list(range(min_slots, max(hi, min_slots) + 1))
+    return split_slots_by_curves(hit_curves(trace, layers, policy, sizes), sizes, total_slots)
+
+
+def split_slots_by_curves(curves, sizes, total_slots) -> dict:
+    """{layer: slots} from `sizes` maximising the summed hits `curves` {layer: [hits at each size]}
+    with at most `total_slots` in all (the fewest slots among equally good splits): a knapsack
+    over layers by dynamic programming (layers x total_slots x sizes)."""
+    layers = list(curves)
+    if total_slots < sizes[0] * len(layers):
+        raise ValueError(f"{total_slots} slots cannot give {len(layers)} layers {sizes[0]} each")
+    budget = min(total_slots, sizes[-1] * len(layers))
     # best[j][b]: most hits of the first j layers with b slots; choice[j][b]: layer j-1's size
     neg = float("-inf")
     best = [[neg] * (budget + 1) for _ in range(len(layers) + 1)]

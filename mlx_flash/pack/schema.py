@@ -425,12 +425,38 @@ def validate_manifest(manifest, path) -> dict:
                 c.fail(f"bundles[{i}].count", f"= {b['count']}, but the config's "
                                               f"{'/'.join(k for k in keys if k in config)} says "
                                               f"{sorted(widths)[0]}")
+    if manifest.get("moe_routing") is not None:
+        _check_moe_routing(manifest["moe_routing"], bundles, c)
     if config is not None and isinstance(config.get("num_hidden_layers"), int):
         beyond = sorted(x for x in layers if x >= config["num_hidden_layers"])
         if beyond:
             c.fail("bundles", f"layer {beyond[0]} is beyond config.num_hidden_layers "
                               f"{config['num_hidden_layers']}")
     return manifest
+
+
+def _check_moe_routing(r, bundles, c: FieldCheck):
+    """Calibration routing statistics: increasing slot counts within the expert count, and for
+    every MoE layer a non-negative hit count per size."""
+    c.dict(r, "moe_routing")
+    c.str(c.get(r, "policy", "moe_routing.policy"), "moe_routing.policy", ("lru", "lfu", "layer"))
+    experts = {b["layer"]: b["count"] for b in bundles if b["kind"] == "experts"}
+    sizes = c.list(c.get(r, "sizes", "moe_routing.sizes"), "moe_routing.sizes")
+    if not sizes:
+        c.fail("moe_routing.sizes", "is empty")
+    for k, n in enumerate(sizes):
+        c.int(n, f"moe_routing.sizes[{k}]", 1, max(experts.values(), default=1))
+        if k and n <= sizes[k - 1]:
+            c.fail("moe_routing.sizes", "must increase")
+    hits = c.dict(c.get(r, "hits", "moe_routing.hits"), "moe_routing.hits")
+    if set(hits) != {str(layer) for layer in experts}:
+        c.fail("moe_routing.hits", f"must have one entry per MoE layer {sorted(experts)}")
+    for layer, h in hits.items():
+        c.list(h, f"moe_routing.hits[{layer}]")
+        if len(h) != len(sizes):
+            c.fail(f"moe_routing.hits[{layer}]", f"has {len(h)} counts for {len(sizes)} sizes")
+        for k, v in enumerate(h):
+            c.int(v, f"moe_routing.hits[{layer}][{k}]", 0, 1 << 40)
 
 
 def _check_memory_length(res, length, c: FieldCheck):

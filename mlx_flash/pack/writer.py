@@ -26,7 +26,7 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
-               expert_bits=None) -> Path:
+               expert_bits=None, moe_routing=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -46,6 +46,8 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
     expert_bits: MoE packs only, {layer: [bits of each expert]} (2, 3, 4, 5, 6 or 8; `group_size`):
       each expert quantized at its own width (layout.py "expert-bits"; moe/bitwidths.py chooses
       them). Needs float experts; the rest follows `quantize`.
+    moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
+      slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
     Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
     on any failure the temporary directory is removed and FlashError names the file and reason.
     Returns out_dir.
@@ -65,7 +67,7 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
-               expert_bits)
+               expert_bits, moe_routing)
     return out
 
 
@@ -108,7 +110,7 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
-           expert_bits=None):
+           expert_bits=None, moe_routing=None):
     config, weights, files = _load_source(src)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -217,6 +219,9 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
                          _decoded_extra(resident, k, e) for k, e in resident_endor.items())},
         "bundles": bundles,
     }
+    if moe_routing is not None:
+        manifest["moe_routing"] = {**moe_routing, "hits": {str(k): [int(h) for h in v]
+                                                           for k, v in moe_routing["hits"].items()}}
     write_manifest(tmp, manifest)
 
 
