@@ -118,3 +118,23 @@ def test_measured_read_seconds_reads_only_what_the_window_has_not_seen():
     assert got["whole_s"] == pytest.approx(100 * per)
     # window 1: every token reads its own; 2: token 1 repeats token 0, token 3 half of token 2; 3: token 3 saw all
     assert got["window_s"] == pytest.approx([10 * per, 6.25 * per, 5 * per])
+
+
+def test_hybrid_holds_endor_layers_encoded_then_decoded_as_room_allows():
+    """ENDOR layers count their encoded bytes (the aligned range read_encoded holds + offsets):
+    as many layers as fit encoded are held, then decoded while the room left allows."""
+    from dataclasses import replace
+
+    from mlx_flash.sparse.budget import encoded_bytes, resident_bytes
+
+    m = fake_manifest(layers=6)
+    endor = tuple(replace(b, encoding="endor", offset=4096, length=560_000) for b in m.bundles)
+    m = replace(m, bundles=endor)
+    enc, dec = encoded_bytes(endor[0], 4096), layer_bytes(endor[0])
+    assert enc == 137 * 4096 + 4096 + 8 * 1001 and enc < dec  # pages 1..137 + slack + offsets
+    fixed = resident_bytes(m) + stream_bytes(m)
+    plan = plan_memory(m, "hybrid", fixed + 4 * enc + (dec - enc))  # 4 encoded, one of them decoded
+    assert plan.resident_layers == [0] and plan.encoded_layers == [1, 2, 3]
+    assert plan.weights <= plan.budget and "4/6 layer FFNs resident (3 ENDOR-encoded)" in plan.describe()
+    plan = plan_memory(m, "hybrid", fixed + 5 * enc)  # exactly 5 encoded, no room to decode one
+    assert plan.resident_layers == [] and plan.encoded_layers == [0, 1, 2, 3, 4]

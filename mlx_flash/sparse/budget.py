@@ -45,13 +45,13 @@ def layer_bytes(entry) -> int:
 
 def encoded_bytes(entry, alignment=4096) -> int:
     """In-memory bytes of one layer's whole FFN held as stored (ENDOR: the `alignment`-rounded
-    range of its encoded bundles that FlashLoader.read_encoded reads, plus their int64 offsets);
-    a dense layer's decoded bytes."""
+    range of its encoded bundles that FlashLoader.read_encoded reads, in a buffer allocated one
+    `alignment` larger to start aligned, plus their int64 offsets); a dense layer's decoded bytes."""
     if entry.encoding != "endor":
         return layer_bytes(entry)
     r0 = entry.offset // alignment * alignment
     r1 = -(-(entry.offset + entry.length) // alignment) * alignment
-    return r1 - r0 + 8 * (entry.count + 1)
+    return r1 - r0 + alignment + 8 * (entry.count + 1)
 
 
 def resident_bytes(manifest) -> int:
