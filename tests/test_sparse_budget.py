@@ -96,10 +96,20 @@ def test_measured_sparse_read_fraction_overrides_the_random_neuron_price():
     kw = dict(predictor_bytes={i: 50_000 for i in range(6)}, density={i: 0.15 for i in range(6)},
               read_cost=cost)
     assert plan_memory(m, "flash", budget, **kw).capacity == {}
-    # calibration measured that its real (clustered, cached) predictions read 8% of the layer's cost
-    plan = plan_memory(m, "flash", budget, sparse_read_fraction={i: 0.08 for i in range(6)}, **kw)
+    # calibration measured that its real (clustered) predictions read 8% of the layer's cost with
+    # a cache of the window's 100 rows, 50% without one
+    plan = plan_memory(m, "flash", budget, sparse_read_fraction={i: (0.08, 0.5) for i in range(6)},
+                       requested_capacity={i: 100 for i in range(6)}, **kw)
     assert len(plan.capacity) + len(plan.resident_layers) == 6 and len(plan.capacity) >= 3
+    assert set(plan.capacity.values()) == {100}  # the rows the cheap price needs, paid for
     assert plan.expected_read_s == pytest.approx(len(plan.capacity) * 0.08 * lb / 1e9)
+    assert plan.weights <= budget
+    # a cache as large as the layer costs more than keeping the layer: sparse layers run uncached
+    plan = plan_memory(m, "flash", budget, sparse_read_fraction={i: (0.08, 0.5) for i in range(6)},
+                       requested_capacity={i: 1000 for i in range(6)}, **kw)
+    n_sparse, n_streamed = len(plan.capacity), len(plan.streamed_layers)
+    assert n_sparse >= 1 and all(rows < 1000 for rows in plan.capacity.values())
+    assert plan.expected_read_s == pytest.approx((n_sparse * 0.5 + n_streamed) * lb / 1e9)
     assert plan.weights <= budget
 
 

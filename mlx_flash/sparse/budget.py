@@ -217,9 +217,11 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     Flash with a budget, `density` ({layer: predicted fraction of neurons per token}) and
     `read_cost` (callable(layer, neurons per token) -> expected read seconds) plans each layer
     (module docstring); predictor_bytes is then {layer: bytes}. sparse_read_fraction: {layer:
-    measured seconds a sparse layer reads per token / seconds to read it whole} (calibration's
-    measured_read_seconds on real predictions, neuron cache included); where given, a sparse
-    layer's cost is that fraction of read_cost(layer, all neurons) instead of read_cost of
+    (with, without a neuron cache): measured seconds a sparse layer reads per token / seconds to
+    read it whole} (calibration's measured_read_seconds on real predictions; "with" holds for a
+    cache of requested_capacity rows, the window's); where given, a layer can run sparse with its
+    cache (the option's memory counts the rows) or without (a token reads all its predictions),
+    each priced at its fraction of read_cost(layer, all neurons), instead of read_cost of
     `density` random neurons.
     """
     limit = resolve_budget(budget, manifest)
@@ -299,10 +301,13 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         return base
     full = {i: b.count for i, b in bundles.items()}
     measured = sparse_read_fraction or {}
+    want = {i: min(full[i], int((requested_capacity or full).get(i, full[i]))) for i in layers}
     cost = {i: {"streamed": float(read_cost(i, full[i]))} for i in layers}
     for i in layers:
-        cost[i]["sparse"] = float(measured[i]) * cost[i]["streamed"] if i in measured \
-            else float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))
+        if i in measured:  # (with a neuron cache of want[i] rows, without one)
+            cost[i]["sparse"], cost[i]["sparse-uncached"] = (float(f) * cost[i]["streamed"] for f in measured[i])
+        else:
+            cost[i]["sparse"] = float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))
     found = []
     # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
     # ahead and sparse layers need their own streaming buffer; without it (also the fallback when
@@ -318,8 +323,14 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         options = {}
         for i in layers:
             opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0), ("streamed", 0, cost[i]["streamed"])]
-            if allow_sparse and cost[i]["sparse"] < cost[i]["streamed"]:  # else it saves nothing
-                opts.append(("sparse", -(-int(predictor_bytes.get(i, 0)) // unit), cost[i]["sparse"]))
+            pred = int(predictor_bytes.get(i, 0))
+            # a measured price holds with the window's cache rows, so the option pays for them;
+            # without a cache a sparse layer reads each token's predictions whole
+            sparse_opts = [("sparse", pred + want[i] * base.row_bytes[i]), ("sparse-uncached", pred)] \
+                if i in measured else [("sparse", pred)]
+            for name, nbytes in sparse_opts:
+                if allow_sparse and cost[i][name] < cost[i]["streamed"]:  # else it saves nothing
+                    opts.append((name, -(-nbytes // unit), cost[i][name]))
             options[i] = opts
         choice = _knapsack(options, room // unit, np)
         if choice is None:
@@ -348,9 +359,9 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     groups = {}
     for i in layers:
         sig = (base.layer_bytes[i], int(predictor_bytes.get(i, 0)), round(cost[i]["streamed"], 9),
-               round(cost[i]["sparse"], 9))
+               round(cost[i]["sparse"], 9), round(cost[i].get("sparse-uncached", 0.0), 9))
         groups.setdefault(sig, []).append(i)
-    rank = {"resident": 0, "sparse": 1, "streamed": 2}
+    rank = {"resident": 0, "sparse": 1, "sparse-uncached": 2, "streamed": 3}
     for members in groups.values():
         for i, name in zip(members, sorted((choice[i] for i in members), key=rank.get)):
             choice[i] = name
@@ -360,14 +371,17 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     plan.expected_read_s = total
     plan.resident_layers = [i for i in layers if choice[i] == "resident"]
     plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]
-    sparse = [i for i in layers if choice[i] == "sparse"]
+    sparse = [i for i in layers if choice[i] in ("sparse", "sparse-uncached")]
     plan.predictors = sum(int(predictor_bytes.get(i, 0)) for i in sparse)
-    left = plan.budget - plan.weights
-    want = {i: min(full[i], int((requested_capacity or full).get(i, full[i]))) for i in sparse}
-    want_bytes = sum(want[i] * plan.row_bytes[i] for i in want)
-    if want_bytes > left:
-        scale = max(0.0, left / want_bytes)
-        want = {i: int(want[i] * scale) for i in want}
+    # layers whose option paid for their cache rows get them; the rest share what is left
+    paid = {i: want[i] for i in sparse if choice[i] == "sparse" and i in measured}
+    rest = {i: want[i] for i in sparse if i not in paid}
+    left = plan.budget - plan.weights - sum(paid[i] * plan.row_bytes[i] for i in paid)
+    rest_bytes = sum(rest[i] * plan.row_bytes[i] for i in rest)
+    if rest_bytes > left:
+        scale = max(0.0, left / rest_bytes)
+        rest = {i: int(rest[i] * scale) for i in rest}
+    want = {**paid, **rest}
     plan.capacity = want
     _check_minimum(plan, "per-layer flash plan")
     return plan

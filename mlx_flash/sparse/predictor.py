@@ -344,10 +344,11 @@ def predicted_density(pack_dir) -> dict | None:
 
 
 def sparse_read_fraction(pack_dir, window: int) -> dict | None:
-    """{layer: seconds a sparse layer reads per token / seconds to read it whole} from the read
-    costs calibration measured on its held-out predictions (stats.read_s: budget.
-    measured_read_seconds; windows beyond the measured ones use the largest), for the layers that
-    have them; None when the pack has no predictors or none has measured reads."""
+    """{layer: (with a neuron cache of `window` tokens, without a cache): seconds a sparse layer
+    reads per token / seconds to read it whole}, from the read costs calibration measured on its
+    held-out predictions (stats.read_s: budget.measured_read_seconds; windows beyond the measured
+    ones use the largest), for the layers that have them; None when the pack has no predictors
+    or none has measured reads."""
     doc = read_predictors_json(pack_dir)
     if doc is None:
         return None
@@ -357,7 +358,8 @@ def sparse_read_fraction(pack_dir, window: int) -> dict | None:
         if not isinstance(read, dict) or not read.get("window_s") or not read.get("whole_s"):
             continue
         per_window = read["window_s"]
-        out[int(key)] = float(per_window[min(window, len(per_window)) - 1]) / float(read["whole_s"])
+        whole = float(read["whole_s"])
+        out[int(key)] = (float(per_window[min(window, len(per_window)) - 1]) / whole, float(per_window[0]) / whole)
     return out or None
 
 
