@@ -40,6 +40,11 @@ def add_arguments(p):
                         "resident: the logits the streamed runtime computes, bit for bit) and their "
                         "mean expert bits, each as a ratio to the first (e.g. an all-4-bit pack, "
                         "then convert --expert-bits ones)")
+    p.add_argument("--importance-samples", type=int, default=0, metavar="N",
+                   help="also check convert --expert-bits' importance proxy against EdgeMoE's "
+                        "measure (one expert at 2 bits, loss change on --calib-text) on N random "
+                        "experts: Spearman rank correlation (group size --group-size)")
+    p.add_argument("--group-size", type=int, default=32, help="--importance-samples' group size")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -238,6 +243,16 @@ def run(args):
         result["runtime"] = rt
     if args.ppl_k:
         result["perplexity"] = moefied_perplexity(args.model, config, text, args.ppl_k)
+    if args.importance_samples:
+        from ..calibration.expert_bits import measure_errors, validate_importance
+
+        errors = measure_errors(model, calib[:2048], args.group_size, progress=False)
+        check = validate_importance(model, calib[:1024], errors, args.group_size,
+                                    samples=args.importance_samples)
+        print(f"importance proxy vs loss change (one expert at 2 bits, {len(check['pairs'])} "
+              f"experts, 1024 calibration tokens, base loss {check['base_loss']:.3f} nats): "
+              f"Spearman {check['spearman']:.3f} ({check['seconds']:.0f} s)", flush=True)
+        result["importance"] = check
     if args.ppl_packs:
         result["pack_perplexity"] = pack_perplexity(args.ppl_packs, text)
     if args.json:
