@@ -83,3 +83,11 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
     assert result["hit_rate_vs_slots"][-1]["slots"] == 8
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Belady" in report and "bench run" in report
+
+
+def test_prompt_chunks_fit_the_slots_so_no_scratch_bank_is_needed(moe_pack):
+    m = read_manifest(moe_pack)
+    block, layers = sum(c.length for c in m.bundles[0].components), len(m.bundles)
+    # 16 prompt tokens x top-2 would route to all 8 experts of a layer: more than 4 slots
+    r = generate_moe(str(moe_pack), "hybrid", list(range(100, 116)), 3, capacity=4)
+    assert r["plan_weights_bytes"] == m.resident.length + 4 * layers * block

@@ -411,7 +411,7 @@ def write_synthetic_moe_pack(arch: str, out, *, bits: int = 4, group_size: int =
 
     The quantized source is written beside `out`, converted (pack.write_pack streams it layer by
     layer) and deleted; disk needs about twice the pack's size while it runs (OLMoE-1B-7B 4-bit:
-    a ~4 GB pack, Qwen3-30B-A3B 4-bit: ~17 GB). Labelled synthetic in config and manifest.
+    a 5.2 GB pack, Qwen3-30B-A3B 4-bit: ~23 GB; float32 scales). Labelled synthetic in config and manifest.
     """
     out = Path(out).expanduser()
     t0 = time.perf_counter()
