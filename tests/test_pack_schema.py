@@ -278,3 +278,14 @@ def test_mixed_width_blocks_differ_in_size_and_load_whole_refuses(mixed_pack):
     assert all(g.stride % m.alignment == 0 for g in groups.values())
     with pytest.raises(FlashError, match="mixed bit widths"):
         load_pack_weights(mixed_pack)
+
+
+def test_unknown_expert_width_exits_2_in_one_line_from_the_cli(mixed_pack, tmp_path):
+    import subprocess
+    import sys
+
+    bad = _edited(mixed_pack, tmp_path, _set(("bundles", 0, "expert_bits", 2), 7))
+    r = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--model", str(bad),
+                        "--prompt", "hi", "--max-tokens", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "expert_bits[2] = 7 is not one of" in r.stderr
