@@ -5,7 +5,11 @@ Importance proxy: the squared error an expert's quantization puts into the layer
 over the calibration tokens routed to it (each weighted by its router weight squared when known;
 calibration passes 1, the router weights being applied outside mlx-lm's SwitchGLU),
 
-    err[e, b] = sum_t  w_te^2 * || expert_e^b(x_t) - expert_e(x_t) ||^2
+    err[e, b] = sum_t  w_te^2 * || expert_e^b(x_t) - expert_e(x_t) ||^2  /  sum_t,e w_te^2 || expert_e(x_t) ||^2
+
+relative to the energy of the layer's expert outputs: activations grow with depth, and the raw
+error ranked late layers' experts first while the loss is, if anything, more sensitive to early
+ones (measured on the derived model: Spearman -0.27 raw against the loss change).
 
 so an expert that is rarely chosen, or whose weights quantize well, is cheap to narrow. EdgeMoE
 measures importance by narrowing one expert and measuring the loss change; that costs a forward
@@ -44,6 +48,7 @@ def quantization_errors(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, exp
     """
     n = experts["up"].shape[0]
     err = np.zeros((n, len(widths)))
+    energy = 0.0
     for e in range(n):
         rows, col = np.nonzero(ids == e)
         if rows.size == 0:
@@ -52,11 +57,12 @@ def quantization_errors(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, exp
         w2 = mx.array(weights[rows, col].astype(np.float32) ** 2)
         mats = {r: experts[r][e].astype(mx.float32) for r in ("gate", "up", "down")}
         ref = expert_output(xe, mats["gate"], mats["up"], mats["down"], activation)
+        energy += float(mx.sum(w2 * mx.sum(ref * ref, axis=-1)))
         for j, b in enumerate(widths):
             qm = {r: quantize_dequantize(m, b, group_size) for r, m in mats.items()}
             y = expert_output(xe, qm["gate"], qm["up"], qm["down"], activation)
             err[e, j] = float(mx.sum(w2 * mx.sum((y - ref) ** 2, axis=-1)))
-    return err
+    return err / max(energy, 1e-30)
 
 
 def assign_widths(errors: dict, target_bits: float, sizes: dict = None, widths=WIDTHS) -> dict:
