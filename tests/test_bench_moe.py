@@ -91,3 +91,9 @@ def test_prompt_chunks_fit_the_slots_so_no_scratch_bank_is_needed(moe_pack):
     # 16 prompt tokens x top-2 would route to all 8 experts of a layer: more than 4 slots
     r = generate_moe(str(moe_pack), "hybrid", list(range(100, 116)), 3, capacity=4)
     assert r["plan_weights_bytes"] == m.resident.length + 4 * layers * block
+
+
+def test_sampled_decode_is_seeded(moe_pack):
+    runs = [generate_moe(str(moe_pack), "naive", PROMPT, 6, record=True, temp=1.0, seed=s)["routes"]
+            for s in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -265,7 +265,7 @@ def run(args):
 
 def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capacity=None,
                  policy="layer", predictor="lookahead", preload_width=None, record=False,
-                 temp=0.0, kernels=False, **_) -> dict:
+                 temp=0.0, seed=0, kernels=False, **_) -> dict:
     """A `bench run` child on an MoE pack: load `pack` in `mode`, generate greedily, measure.
 
     Returns JSON-ready figures: `summary` per decode token (total_ms, io_ms = time the token
@@ -351,6 +351,7 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     if store is not None and store.keep:
         chunk = max(1, store.cache.capacity_of(next(iter(store.entries)))
                     // top_k_of(read_manifest(pack).config))
+    mx.random.seed(seed)
     marks, t1 = [], time.perf_counter()
     for _ in stream_generate(model, tokenizer, list(prompt), max_tokens=gen_tokens,
                              sampler=make_sampler(temp=temp), prefill_step_size=chunk):
@@ -483,7 +484,8 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
                 kw = {k: v for k, v in kw.items() if k != "record"}
             kwargs = {"pack": str(pack), "mode": mode, "prompt": prompts[rep]["ids"],
                       "gen_tokens": args.gen_tokens, "budget": args.memory_budget,
-                      "threads": args.threads, "kernels": args.moe_kernels, **kw}
+                      "threads": args.threads, "kernels": args.moe_kernels, "temp": args.temp,
+                      "seed": rep, **kw}
             budget = suite.pack_bytes if mode == "dense" else suite.budget_bytes
             suite.child("moe", label, "mlx_flash.bench.moe:generate_moe", kwargs,
                         budget_bytes=budget, paths=[pack], repeat=rep)
@@ -505,7 +507,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
         "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                      "repeats": args.repeats, "threads": args.threads,
                      "memory_budget": args.memory_budget, "budget_bytes": suite.budget_bytes,
-                     "policy": args.moe_policy, "moe_kernels": args.moe_kernels,
+                     "policy": args.moe_policy, "moe_kernels": args.moe_kernels, "temp": args.temp,
                      "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
                      "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
                      "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
@@ -559,7 +561,8 @@ def moe_markdown(result) -> str:
              + (f"{p['cap']['cap_bytes'] / gb:.3f} GB (cgroup v1, budget + measured process baseline "
                 f"+ KV cache)" if p["cap"].get("used") else f"none ({p['cap'].get('reason')})")
              + f"; eviction before each run: {', '.join(p['eviction']) or '-'}.",
-             f"Prompt {p['prompt_tokens']} tokens, {p['gen_tokens']} generated (greedy), "
+             f"Prompt {p['prompt_tokens']} tokens, {p['gen_tokens']} generated "
+             f"({'sampled at temperature ' + str(p['temp']) if p['temp'] else 'greedy'}), "
              f"{p['repeats']} cold run(s) per row, policy {p['policy']}, {p['threads']} reads in flight, "
              f"expert products: {'CPU kernels' if p['moe_kernels'] else 'MLX gather_qmm'}.",
              f"Machine: {result['machine'].get('cpu', '?')}, {result['machine']['cpus']} cores, load "

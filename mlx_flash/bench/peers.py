@@ -94,17 +94,18 @@ def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
             "peak_memory": mx.get_peak_memory()}
 
 
-def generate_llama_cpp(gguf, prompt, gen_tokens, threads=None) -> dict:
-    """llama.cpp through llama-cpp-python, default loading (mmap), greedy; ms per decode token
-    from the time between successive tokens."""
+def generate_llama_cpp(gguf, prompt, gen_tokens, threads=None, temp=0.0, seed=0) -> dict:
+    """llama.cpp through llama-cpp-python, default loading (mmap), greedy (or sampled at `temp`);
+    ms per decode token from the time between successive tokens."""
     from llama_cpp import Llama  # optional peer (pip install '.[peers]'); available() checks it
 
     t0 = time.perf_counter()
     llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_tokens + 16,
-                n_threads=threads or os.cpu_count(), verbose=False)
+                n_threads=threads or os.cpu_count(), verbose=False, seed=seed)
     load_s = time.perf_counter() - t0
     stamps, t1 = [], time.perf_counter()
-    for tok in llm.generate(list(prompt), top_k=1, top_p=1.0, temp=0.0, reset=True):
+    sampling = {"top_k": 1, "temp": 0.0} if not temp else {"top_k": 0, "temp": temp}
+    for tok in llm.generate(list(prompt), top_p=1.0, reset=True, **sampling):
         stamps.append(time.perf_counter())
         if len(stamps) >= gen_tokens:
             break
@@ -152,6 +153,8 @@ def run_peers(suite, names: dict, prompts, out: Path) -> dict:
                 fn, kw = "mlx_flash.bench.peers:generate_llama_cpp", {"gguf": str(path),
                                                                      "threads": os.cpu_count()}
             kw.update(prompt=prompts[rep]["ids"], gen_tokens=suite.args.gen_tokens)
+            if getattr(suite.args, "temp", 0.0) and name == "llama.cpp":
+                kw.update(temp=suite.args.temp, seed=rep)
             recs.append(suite.child("peers", name, fn, kw, budget_bytes=suite.budget_bytes,
                                     paths=[path], repeat=rep))
         ok = [r for r in recs if r["ok"]]

@@ -97,6 +97,10 @@ def add_arguments(parser):
                         help="MoE packs: decode tokens' experts through the CPU kernels (every row, "
                         "IO-FREE included; equal up to float summation order) instead of MLX's "
                         "gather_qmm")
+    parser.add_argument("--temp", type=float, default=0.0,
+                        help="MoE packs: sample generated tokens at this temperature (ours and "
+                        "llama.cpp; default greedy). A synthetic model's greedy output repeats "
+                        "tokens, so its routing repeats and flatters every expert cache")
     parser.add_argument("--moe-policy", default="layer", choices=("lru", "lfu", "layer"),
                         help="MoE packs: expert-cache eviction policy (default: EdgeMoE's layer-aware)")
     parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "
