@@ -553,8 +553,9 @@ def moe_markdown(result) -> str:
     gb = 1e9
     lines = [f"# bench run on an MoE pack: {m['pack']}",
              "",
-             (f"**SYNTHETIC weights ({syn['arch']}): random, for speed only; random routers route "
-              f"uniformly, so hit rates are the uniform-routing floor.**" if syn else "Real weights."),
+             (f"**SYNTHETIC weights ({syn['arch']}): random, for speed only; random routers, so "
+              f"hit rates describe this random model's routing, not a trained model's.**"
+              if syn else "Real weights."),
              f"Pack {m['pack_bytes'] / gb:.3f} GB: resident {m['resident_bytes'] / gb:.3f} GB, experts "
              f"{m['expert_bytes'] / gb:.3f} GB ({m['moe_layers']} MoE layers x {m['experts']} experts, "
              f"top-{m['top_k']}). Budget {p['memory_budget']} = {p['budget_bytes'] / gb:.3f} GB; cap "
