@@ -88,6 +88,7 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
     assert "fio" not in result["modes"]["naive"]
     if shutil.which("fio"):
         assert {int(k): v for k, v in flash_row["read_sizes"].items()} == sizes and flash_row["fio"]["gbps"] > 0
+        assert flash_row["fio"]["gbps"] == sorted(flash_row["fio"]["gbps_runs"])[1]  # median of 3
         assert flash_row["fio_ms"] == pytest.approx(flash_row["bytes_read"] / (flash_row["fio"]["gbps"] * 1e9) * 1e3)
         assert flash_row["io_over_fio"] == pytest.approx(flash_row["io_ms"] / flash_row["fio_ms"])
         assert "I/O vs fio" in report and "--rw=randread" in flash_row["fio"]["command"]
