@@ -1,5 +1,7 @@
 """Running a model step by step as generation does, for the flash-mode tests."""
 
+import os
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -26,3 +28,17 @@ def all_neurons(n):
 def assert_identical(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.dtype == y.dtype and mx.array_equal(x, y).item(), f"step {i}: max diff {mx.abs(x - y).max()}"
+
+
+def open_files_under(folder) -> list[str]:
+    """Paths under `folder` this process holds open (Linux: /proc/self/fd)."""
+    root = os.path.realpath(folder) + os.sep
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed while listing
+        if target.startswith(root):
+            paths.append(target)
+    return paths

@@ -1,6 +1,10 @@
 """Flash packs run per mode (models/flash.py): exactness against dense, predictors, budgets,
 statistics, and the generate CLI's flash flags."""
 
+import gc
+import os
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import encoded_bytes, layer_bytes, resident_bytes, stream_bytes
 from mlx_flash.sparse.predictor import save_predictors
-from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
+from flash_runs import TOKENS, all_neurons, assert_identical, open_files_under, run_steps
 from test_generate import run as generate  # the CLI in a subprocess, as users run it
 
 def hybrid_budget(pack, resident_layers):
@@ -201,3 +205,23 @@ def test_endor_pack_runs_every_mode_like_the_dense_pack(tiny_llama, tmp_path, qu
     assert sum(s.decode_s for s in runs["flash"].flash_stats.steps) > 0  # neuron-cache loads decode
     held = runs["hybrid"].flash_stats.summary()
     assert held["decode_ms"] > 0 and held["bytes_read"] < runs["naive"].flash_stats.summary()["bytes_read"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc (Linux)")
+@pytest.mark.parametrize("mode", ["naive", "hybrid", "flash"])
+def test_a_dropped_model_closes_its_pack_files_and_reader_threads(tiny_llama, tmp_path, mode):
+    # Each model owns its loader: a suite or a notebook that builds many models must not keep
+    # every loader's reader threads and open bundle files (the suite ran out of file descriptors).
+    pack = write_pack(tiny_llama("src", layers=2, intermediate=96), tmp_path / "pack", progress=False)
+    before = set(threading.enumerate())
+    extra = ({"predictors": {i: all_neurons(96) for i in range(2)}, "capacity": {0: 30, 1: 50}}
+             if mode == "flash" else {})
+    cfg = FlashConfig(mode, memory_budget=hybrid_budget(pack, 1)) if mode == "hybrid" else FlashConfig(mode)
+    model = build_flash_model(pack, cfg, **extra)
+    run_steps(model)
+    started = set(threading.enumerate()) - before
+    assert open_files_under(pack) and started  # open and running while the model lives
+    del model
+    gc.collect()
+    assert open_files_under(pack) == []
+    assert not [t.name for t in started if t.is_alive()]

@@ -1,13 +1,17 @@
 """models/moe.py: MoE packs load per mode; bad input fails with one line naming the cause."""
 
+import gc
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import write_tiny_moe
+from flash_runs import open_files_under
 
 from mlx_flash.errors import FlashError
 from mlx_flash.config import FlashConfig
@@ -120,3 +124,17 @@ def test_bad_routing_statistics_fail_in_one_line(tmp_path):
             write_pack(src, tmp_path / "bad", progress=False, moe_routing=routing, overwrite=True)
             read_manifest(tmp_path / "bad")
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc (Linux)")
+def test_a_dropped_moe_model_closes_its_expert_files_and_threads(moe_pack):
+    before = set(threading.enumerate())
+    model = build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=0.75))
+    model(mx.array([[1, 2, 3, 4]]))
+    mx.eval(model(mx.array([[5]])))
+    started = set(threading.enumerate()) - before
+    assert open_files_under(moe_pack) and started
+    del model
+    gc.collect()
+    assert open_files_under(moe_pack) == []
+    assert not [t.name for t in started if t.is_alive()]

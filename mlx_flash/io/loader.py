@@ -755,10 +755,13 @@ class FlashLoader:
             return self._open_files[layer]
 
     def close(self):
+        """Stop the reader threads, release the AIO contexts and close the pack's files (the
+        model that owns this loader calls it when it is garbage-collected). Idempotent."""
         for _ in self._workers:
             self._tasks.put(None)
         for w in self._workers:
-            w.join()
+            if w is not threading.current_thread():  # a finalizer may run on a reader thread
+                w.join()
         self._workers = []
         if self._finish_pool is not None:
             self._finish_pool.shutdown()

@@ -7,6 +7,7 @@ loses its projections; OPT's swap point `layer.mlp` gets a down(relu(up x)) modu
 Statistics: `model.flash_stats` (sparse.stats.FlashStats).
 """
 
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,53 +48,59 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     if any(b.kind != "neurons" for b in manifest.bundles):
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     loader = FlashLoader(pack, threads=cfg.threads)
-    read_cost = measured = None
-    if cfg.mode == "flash":
-        if predictors is None:
-            predictors = pack_predictors(pack)
-            density = density if density is not None else predicted_density(pack)
-            measured = sparse_read_fraction(pack, cfg.window)
-        capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
-        read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
-    plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
-                       predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
-                       if cfg.mode == "flash" else 0,
-                       requested_capacity=capacity, density=density, read_cost=read_cost,
-                       prefetch=prefetch, sparse_read_fraction=measured)
-    # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
-    thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
-    if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
-        predictors = {i: p for i, p in predictors.items() if i in plan.capacity}  # only sparse layers
-    config, weights = load_resident(pack, manifest=manifest)
-    model = build_model(config, weights)
-    stats = FlashStats(plan)
-    runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
-    checked = set()
-    for entry in manifest.bundles:
-        layer = entry.layer
-        kind = ("resident" if layer in plan.resident_layers
-                else "encoded" if layer in plan.encoded_layers
-                else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
-                else "streamed")
-        _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
-        if kind == "resident":
-            runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
-            cache.load(range(entry.count), step=0)
-        elif kind == "encoded":
-            runtime.held[layer] = loader.read_encoded(layer)[:2]
-        elif kind == "sparse":
-            runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
-    if plan.streamed_layers and plan.prefetch:
-        runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
     try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
-    mx.eval(model.parameters())
-    patch_layers(model)
-    model.flash_stats = stats
-    model.flash_runtime = runtime
-    stats.reset()
+        read_cost = measured = None
+        if cfg.mode == "flash":
+            if predictors is None:
+                predictors = pack_predictors(pack)
+                density = density if density is not None else predicted_density(pack)
+                measured = sparse_read_fraction(pack, cfg.window)
+            capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
+            read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
+        plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
+                           predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
+                           if cfg.mode == "flash" else 0,
+                           requested_capacity=capacity, density=density, read_cost=read_cost,
+                           prefetch=prefetch, sparse_read_fraction=measured)
+        # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
+        thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
+        if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
+            predictors = {i: p for i, p in predictors.items() if i in plan.capacity}  # only sparse layers
+        config, weights = load_resident(pack, manifest=manifest)
+        model = build_model(config, weights)
+        stats = FlashStats(plan)
+        runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
+        checked = set()
+        for entry in manifest.bundles:
+            layer = entry.layer
+            kind = ("resident" if layer in plan.resident_layers
+                    else "encoded" if layer in plan.encoded_layers
+                    else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
+                    else "streamed")
+            _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
+            if kind == "resident":
+                runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
+                cache.load(range(entry.count), step=0)
+            elif kind == "encoded":
+                runtime.held[layer] = loader.read_encoded(layer)[:2]
+            elif kind == "sparse":
+                runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
+        if plan.streamed_layers and plan.prefetch:
+            runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
+        try:
+            model.load_weights(list(weights.items()), strict=True)
+        except ValueError as e:
+            raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
+        mx.eval(model.parameters())
+        patch_layers(model)
+        model.flash_stats = stats
+        model.flash_runtime = runtime
+        stats.reset()
+    except BaseException:
+        loader.close()  # no half-built model keeps reader threads and open files
+        raise
+    # The model owns the loader: its threads, AIO contexts and files go when the model does.
+    weakref.finalize(model, runtime.close)
     return model
 
 

@@ -6,6 +6,7 @@ predicted preloading of the next layer's experts (EdgeMoE 3.3).
 The router, attention, norms, embeddings and shared experts are the pack's resident tensors.
 """
 
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -114,12 +115,13 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         raise FlashError(f"{pack}: {slots} expert slots in a layer; each token needs {top_k}")
     _, weights = load_resident(pack, manifest=manifest)
     model = build_model(config, weights)
-    loader = loader or FlashLoader(pack, threads=cfg.threads)
     for layer, entry in layers.items():
         n = _n_experts(config)
         if n is not None and entry.count != n:
             raise FlashError(f"{pack / entry.file}: {entry.count} experts in layer {layer}, "
                              f"config.json says {n}")
+    owned = loader is None  # a loader made here is closed with the model; a given one is the caller's
+    loader = loader or FlashLoader(pack, threads=cfg.threads)
     store = ExpertStore(loader, layers, caps,
                         policy=policy if cfg.mode != "naive" else "lru",
                         future=future, cache=cfg.mode != "naive")
@@ -147,7 +149,15 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
             else:
                 raise FlashError(f"--predictor {predictor}: choose from {', '.join(PREDICTORS)}")
     model.moe_store = store
+    # The model owns its store (preload thread) and, when made here, the loader's threads and files.
+    weakref.finalize(model, _close_streams, store, loader if owned else None)
     return model
+
+
+def _close_streams(store, loader):
+    store.close()
+    if loader is not None:
+        loader.close()
 
 
 def _dense_mixed(pack, manifest, layers):

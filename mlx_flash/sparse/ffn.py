@@ -224,6 +224,13 @@ class FlashRuntime:
         self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
 
+    def close(self):
+        """Stop the prefetcher and close the loader (threads, AIO contexts, open files)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        self.loader.close()
+
     def stream_rows(self, layer: int) -> dict:
         entry = self.loader.entry(layer)
         key = tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
