@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..pack.layout import Bundle, layer_bundles, mx_dtype, read_manifest
-from ..pack.reader import endor_roles, read_bundle_index, read_checksum_table
+from ..pack.reader import bundle_crc32, endor_roles, read_bundle_index, read_checksum_table
 from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full
@@ -691,12 +691,7 @@ class FlashLoader:
         """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table."""
         crc_table, tight = job.f.crc, job.tight
         for i, o in enumerate(offs.tolist()):
-            if tight:
-                crc = crc32(flat[o: o + tight])
-            else:
-                crc = 0
-                for off, n in job.pieces:
-                    crc = crc32(flat[o + off: o + off + n], crc)
+            crc = crc32(flat[o: o + tight]) if tight else bundle_crc32(flat[o:], job.pieces, crc32)
             if crc != crc_table[job.ids[i]]:
                 raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
                                  f"(offset {int(job.starts[i])})")
@@ -706,9 +701,7 @@ class FlashLoader:
         for m in members:
             slot, crc = int(job.slots[m]), 0
             if job.raw:
-                row = job.targets[0][2][slot]
-                for off, n in job.pieces:
-                    crc = crc32(row[off: off + n], crc)
+                crc = bundle_crc32(job.targets[0][2][slot], job.pieces, crc32)
             else:
                 for off, n, mat in job.targets:
                     crc = crc32(mat[slot, :n], crc)

@@ -123,6 +123,16 @@ def endor_kernel_bundles(entry) -> bool:
             and payloads[0] is not None and all(p == payloads[0] for p in payloads))
 
 
+def _count_read(step, stats, waited_s: float, neurons: int):
+    """Add one whole read to a step's counters: `waited_s` the forward pass waited for it (I/O
+    time), its ReadStats (read and decode seconds, bytes) and the `neurons` it loaded."""
+    step.io_s += waited_s
+    step.io_read_s += stats.seconds
+    step.decode_s += stats.decode_seconds
+    step.bytes_read += stats.bytes_read
+    step.neurons_loaded += neurons
+
+
 def layout_key(entry) -> tuple:
     """Bundle layout of a layer: layers with equal keys can share streaming buffers."""
     return (entry.count,) + tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
@@ -320,11 +330,7 @@ class FlashFFN(nn.Module):
         buf = self._rt.stream_rows(self.layer)
         t0 = time.perf_counter()
         stats = self._rt.loader.read(self.layer, ids, buf, np.arange(len(ids)))
-        step.io_s += time.perf_counter() - t0
-        step.io_read_s += stats.seconds
-        step.decode_s += stats.decode_seconds
-        step.bytes_read += stats.bytes_read
-        step.neurons_loaded += len(ids)
+        _count_read(step, stats, time.perf_counter() - t0, len(ids))
         return buf
 
     def _streamed(self, x, step):
@@ -333,10 +339,7 @@ class FlashFFN(nn.Module):
         if self._endor_on_gpu(x):
             t0 = time.perf_counter()
             self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
-            step.io_s += time.perf_counter() - t0
-            step.io_read_s += stats.seconds
-            step.bytes_read += stats.bytes_read
-            step.neurons_loaded += self._n
+            _count_read(step, stats, time.perf_counter() - t0, self._n)
             step.neurons_needed += self._n
             return self._endor_kernels(x, self._rt.encoded, offsets,
                                        lambda: self._read_stream(self._all, step))
@@ -407,11 +410,7 @@ class FlashFFN(nn.Module):
         if not pf.ready(self.layer):
             mx.async_eval(x)  # compute what leads up to this layer while its read finishes
         buf, slot, stats, waited = pf.take(self.layer, step)
-        step.io_s += waited
-        step.io_read_s += stats.seconds
-        step.decode_s += stats.decode_seconds
-        step.bytes_read += stats.bytes_read
-        step.neurons_loaded += self._n
+        _count_read(step, stats, waited, self._n)
         step.neurons_needed += self._n
         try:
             if pf.encoded:
