@@ -19,6 +19,17 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if FLASH_X86
+  static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("vpclmulqdq");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 std::atomic<int>& isa_state() {
   static std::atomic<int> state{int(best_isa())};
   return state;
@@ -26,9 +37,9 @@ std::atomic<int>& isa_state() {
 
 }  // namespace
 
-const char* isa_name(Isa isa) { return isa == Isa::avx2 ? "avx2" : "scalar"; }
+const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar"; }
 
-Isa best_isa() { return cpu_has_avx2() ? Isa::avx2 : Isa::scalar; }
+Isa best_isa() { return cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::scalar; }
 
 Isa active_isa() { return Isa(isa_state().load(std::memory_order_relaxed)); }
 
@@ -41,7 +52,8 @@ void set_isa(Isa isa) {
 Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::scalar;
   if (name == "avx2") return Isa::avx2;
-  throw std::invalid_argument("mlx_flash: unknown instruction set '" + name + "' (scalar, avx2)");
+  if (name == "avx512") return Isa::avx512;
+  throw std::invalid_argument("mlx_flash: unknown instruction set '" + name + "' (scalar, avx2, avx512)");
 }
 
 std::vector<std::string> cpu_features() {
@@ -51,6 +63,10 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("fma")) out.push_back("fma");
   if (__builtin_cpu_supports("f16c")) out.push_back("f16c");
   if (__builtin_cpu_supports("avx512f")) out.push_back("avx512f");
+  if (__builtin_cpu_supports("avx512bw")) out.push_back("avx512bw");
+  if (__builtin_cpu_supports("avx512vl")) out.push_back("avx512vl");
+  if (__builtin_cpu_supports("avx512vbmi2")) out.push_back("avx512vbmi2");
+  if (__builtin_cpu_supports("vpclmulqdq")) out.push_back("vpclmulqdq");
 #endif
   return out;
 }

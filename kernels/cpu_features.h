@@ -1,6 +1,7 @@
 // CPU feature detection and the one run-time choice of instruction set for every kernel.
 // Kernels ask active_isa() once per call and run that ISA's functions (same names per ISA, in
-// namespaces flash::scalar and flash::avx2); nothing else in the kernels tests CPU features.
+// namespaces flash::scalar, flash::avx2 and flash::avx512); nothing else in the kernels tests CPU
+// features. ISAs are ordered: a kernel with no avx512 version runs its avx2 one (isa >= avx2).
 #pragma once
 
 #include <string>
@@ -17,8 +18,9 @@
 
 namespace flash {
 
-// Instruction sets with kernels of their own, slowest first.
-enum class Isa : int { scalar = 0, avx2 = 1 };
+// Instruction sets with kernels of their own, slowest first; each includes the ones before it.
+// avx512 = AVX-512 F/BW/VL + VBMI2 (vpexpandw) + VPCLMULQDQ on top of avx2 (Intel Ice Lake and later, AMD Zen 4).
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 
 const char* isa_name(Isa isa);
 
@@ -32,10 +34,11 @@ Isa active_isa();
 // Throws std::invalid_argument when this CPU cannot run isa.
 void set_isa(Isa isa);
 
-// Parses "scalar" / "avx2"; throws std::invalid_argument for other names.
+// Parses "scalar" / "avx2" / "avx512"; throws std::invalid_argument for other names.
 Isa parse_isa(const std::string& name);
 
-// Names of the detected features the kernels care about (e.g. "avx2", "fma", "f16c", "avx512f").
+// Names of the detected features the kernels care about (e.g. "avx2", "fma", "f16c", "avx512f",
+// "avx512vbmi2").
 std::vector<std::string> cpu_features();
 
 // The older switch: true = best_isa(), false = scalar.

@@ -2,11 +2,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -20,12 +22,25 @@ using Bytes2 = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Crcs = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+namespace {
+
+// The ISA named (ValueError when unknown or when this CPU cannot run it), else the active one.
+flash::Isa chosen_isa(const std::optional<std::string>& name) {
+  if (!name.has_value()) return flash::active_isa();
+  const flash::Isa isa = flash::parse_isa(*name);
+  if (int(isa) > int(flash::best_isa()))
+    throw std::invalid_argument("mlx_flash: this CPU cannot run the " + *name + " kernels");
+  return isa;
+}
+
+}  // namespace
+
 void bind_endor(nb::module_& m) {
   m.def(
       "endor_check_decode",
       [](Bytes1 flat, Index starts, Index lengths, Index slots,
          const std::vector<std::tuple<Bytes2, int64_t, int, int>>& roles, std::optional<Crcs> crcs,
-         std::optional<bool> simd, bool parallel) {
+         const std::optional<std::string>& isa_name, bool parallel) {
         const size_t count = starts.shape(0);
         if (lengths.shape(0) != count || slots.shape(0) != count)
           throw std::invalid_argument("endor_check_decode: starts, lengths and slots differ in length");
@@ -49,8 +64,7 @@ void bind_endor(nb::module_& m) {
               throw std::invalid_argument("endor_check_decode: slot out of range");
           }
         }
-        const flash::Isa isa = !simd.has_value() ? flash::active_isa()
-                               : *simd ? flash::best_isa() : flash::Isa::scalar;
+        const flash::Isa isa = chosen_isa(isa_name);
         const uint32_t* expected = crcs.has_value() ? crcs->data() : nullptr;
         flash::endor::BadBundle bad;
         {
@@ -62,21 +76,21 @@ void bind_endor(nb::module_& m) {
         return std::make_tuple(bad.index, bad.fault);
       },
       nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("slots"), nb::arg("roles"),
-      nb::arg("crcs").none() = nb::none(), nb::arg("simd").none() = nb::none(), nb::arg("parallel") = true,
+      nb::arg("crcs").none() = nb::none(), nb::arg("isa").none() = nb::none(), nb::arg("parallel") = true,
       "Check and decode ENDOR bundles flat[starts[b]:starts[b]+lengths[b]] into row slots[b] of each "
       "role's destination; roles: [(uint8 dest [rows, row bytes], n, kind, group_size)], kind 0 raw, "
       "1 16-bit, 2 float32, 3 8-bit codes, 4 4-bit codes (see mlx_flash/pack/bitmap.py); crcs: "
-      "uint32 expected crc32 of each bundle (checked first). One pass over the kernels' thread pool "
+      "uint32 expected crc32 of each bundle (checked first); isa: 'scalar', 'avx2' or 'avx512' (default "
+      "the kernels' active one). One pass over the kernels' thread pool "
       "with the GIL released. Returns (first rejected bundle or -1, fault: 0 none, 1 crc32, 2 the "
       "bitmaps' popcount disagrees with the bundle's length).");
   m.def(
       "endor_crc32",
-      [](Bytes1 data, uint32_t crc, std::optional<bool> simd) {
-        const flash::Isa isa = !simd.has_value() ? flash::active_isa()
-                               : *simd ? flash::best_isa() : flash::Isa::scalar;
+      [](Bytes1 data, uint32_t crc, const std::optional<std::string>& isa_name) {
+        const flash::Isa isa = chosen_isa(isa_name);
         nb::gil_scoped_release release;
         return flash::endor::crc32(crc, data.data(), static_cast<int64_t>(data.shape(0)), isa);
       },
-      nb::arg("data"), nb::arg("crc") = 0, nb::arg("simd").none() = nb::none(),
-      "zlib.crc32(data, crc) of uint8 data with the kernels' crc32 (PCLMULQDQ on AVX2, else slicing by 8).");
+      nb::arg("data"), nb::arg("crc") = 0, nb::arg("isa").none() = nb::none(),
+      "zlib.crc32(data, crc) of uint8 data with the kernels' crc32 (PCLMULQDQ on AVX2 and AVX-512, else slicing by 8).");
 }

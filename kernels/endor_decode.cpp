@@ -20,6 +20,13 @@ int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t /*
   return k;
 }
 
+int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* values, int64_t /*nnz*/, uint32_t* dst,
+                       int64_t n) {
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; ++j) dst[j] = (bitmap[j >> 3] >> (j & 7)) & 1 ? values[k++] : 0u;
+  return k;
+}
+
 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
                    int group_size, int64_t nnz, uint16_t* out) {
   for (int64_t i = 0; i < nnz; ++i) {
@@ -47,11 +54,6 @@ int64_t popcount_bits(const uint8_t* bitmap, int64_t n) {
   for (; i < full; ++i) c += __builtin_popcount(bitmap[i]);
   if (n % 8) c += __builtin_popcount(bitmap[full] & ((1u << (n % 8)) - 1));
   return c;
-}
-
-void expand32(const uint8_t* bitmap, const uint32_t* values, uint32_t* dst, int64_t n) {
-  int64_t k = 0;
-  for (int64_t j = 0; j < n; ++j) dst[j] = (bitmap[j >> 3] >> (j & 7)) & 1 ? values[k++] : 0u;
 }
 
 // crc32 tables for slicing by 8: table[0] is the bytewise table, table[k][i] the crc of byte i
@@ -91,9 +93,20 @@ namespace {
 
 struct Kernels {
   decltype(&scalar::endor_expand16) expand16 = scalar::endor_expand16;
+  decltype(&scalar::endor_expand32) expand32 = scalar::endor_expand32;
   decltype(&scalar::endor_dequant) dequant = scalar::endor_dequant;
   bool simd = false;
 };
+
+Kernels kernels_for(Isa isa) {
+#if FLASH_X86
+  if (isa == Isa::avx512) return {avx512::endor_expand16, avx512::endor_expand32, avx512::endor_dequant, true};
+  if (isa == Isa::avx2) return {avx2::endor_expand16, scalar::endor_expand32, avx2::endor_dequant, true};
+#else
+  (void)isa;
+#endif
+  return {};
+}
 
 // Decodes one bundle into its rows; false when its blocks do not add up to its length.
 bool decode_one(const uint8_t* flat, int64_t pos, int64_t end, int64_t slot, const Role* roles, int n_roles,
@@ -119,7 +132,7 @@ bool decode_one(const uint8_t* flat, int64_t pos, int64_t end, int64_t slot, con
       if (role.kind == kHalf) {
         k.expand16(bitmap, reinterpret_cast<const uint16_t*>(payload), nnz, reinterpret_cast<uint16_t*>(out), n);
       } else {
-        expand32(bitmap, reinterpret_cast<const uint32_t*>(payload), reinterpret_cast<uint32_t*>(out), n);
+        k.expand32(bitmap, reinterpret_cast<const uint32_t*>(payload), nnz, reinterpret_cast<uint32_t*>(out), n);
       }
     } else {
       const int bits = role.kind == kQuant8 ? 8 : 4;
@@ -178,6 +191,7 @@ void run_chunk(const void* ctx, int chunk) {
 
 uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa) {
 #if FLASH_X86
+  if (isa == Isa::avx512) return ~avx512::endor_crc32_raw(~crc, data, n);
   if (isa == Isa::avx2) return ~avx2::endor_crc32_raw(~crc, data, n);
 #else
   (void)isa;
@@ -188,12 +202,7 @@ uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa) {
 BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts,
                          const int64_t* lengths, const int64_t* slots, int64_t count, const Role* roles,
                          int n_roles, Isa isa, const uint32_t* crcs, bool parallel) {
-  Kernels k;
-#if FLASH_X86
-  if (isa == Isa::avx2) k = {avx2::endor_expand16, avx2::endor_dequant, true};
-#else
-  (void)isa;
-#endif
+  const Kernels k = kernels_for(isa);
   if (count <= 0) return {};
   // ~64 bundles per chunk (a few hundred KB): chunks are claimed from one counter, so a thread
   // that is descheduled on a shared machine leaves its share to the others.

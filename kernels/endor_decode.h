@@ -1,7 +1,8 @@
 // ENDOR decoding: bitmap + packed non-zeros -> dense destination rows, as bundles land in memory.
 // The block format and the decode rule are specified in mlx_flash/pack/bitmap.py (the numpy twin).
 // endor_decode.cpp holds the batch driver and the scalar reference (namespace flash::scalar);
-// arch/x86/endor_decode_avx2.cpp the same functions for AVX2 (namespace flash::avx2).
+// arch/x86/endor_decode_avx2.cpp the same functions for AVX2 (namespace flash::avx2), and
+// arch/x86/endor_decode_avx512.cpp for AVX-512 + VBMI2 + VPCLMULQDQ (namespace flash::avx512).
 #pragma once
 
 #include <cstdint>
@@ -58,13 +59,15 @@ uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa);
 // One ISA's row kernels, the same functions in flash::scalar and flash::avx2:
 //   endor_expand16: dst[j] = next stored 16-bit value where bit j is set, else 0; returns the
 //     values consumed (the bitmap's popcount over n bits); `values` holds nnz of them.
+//   endor_expand32: the same for 32-bit values.
 //   endor_dequant: out[i] = float16(float32(scale[g]) * code_i + float32(bias[g])), g = i / group_size,
 //     codes of `bits` (8, or 4 two per byte low nibble first); the product is exact in float32
 //     (11-bit scale x 8-bit code), so a fused multiply-add would give the same result.
 //   endor_crc32_raw: the crc32 register (no pre/post inversion) after n more bytes: scalar slicing
-//     by 8, AVX2 file PCLMULQDQ folding.
+//     by 8, AVX2 PCLMULQDQ folding, AVX-512 VPCLMULQDQ folding.
 namespace flash::scalar {
 int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
+int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* values, int64_t nnz, uint32_t* dst, int64_t n);
 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
                    int group_size, int64_t nnz, uint16_t* out);
 uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
@@ -76,3 +79,11 @@ void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const
                    int group_size, int64_t nnz, uint16_t* out);
 uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
 }  // namespace flash::avx2
+
+namespace flash::avx512 {
+int64_t endor_expand16(const uint8_t* bitmap, const uint16_t* values, int64_t nnz, uint16_t* dst, int64_t n);
+int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* values, int64_t nnz, uint32_t* dst, int64_t n);
+void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
+                   int group_size, int64_t nnz, uint16_t* out);
+uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
+}  // namespace flash::avx512

@@ -147,13 +147,13 @@ NB_MODULE(_ext, m) {
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the best instruction set this CPU has (True) or force the portable scalar path (False).");
   m.def("isa", [] { return std::string(flash::isa_name(flash::active_isa())); },
-        "The instruction set the kernels run now: 'avx2' or 'scalar' (importing mlx_flash.cpu.ops "
+        "The instruction set the kernels run now: 'avx512', 'avx2' or 'scalar' (importing mlx_flash.cpu.ops "
         "applies MLX_FLASH_ISA).");
   m.def("best_isa", [] { return std::string(flash::isa_name(flash::best_isa())); },
         "The fastest instruction set this CPU runs the kernels with.");
   m.def("set_isa", [](const std::string& name) { flash::set_isa(flash::parse_isa(name)); }, nb::arg("name"),
-        "Run the kernels with this instruction set ('scalar' or 'avx2'); ValueError if the CPU lacks it.");
-  m.def("cpu_features", &flash::cpu_features, "CPU features the kernels detect (avx2, fma, f16c, avx512f).");
+        "Run the kernels with this instruction set ('scalar', 'avx2' or 'avx512'); ValueError if the CPU lacks it.");
+  m.def("cpu_features", &flash::cpu_features, "CPU features the kernels detect (avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vbmi2).");
   m.def(
       "round_floats",
       [](std::vector<float> v, mx::Dtype dtype) {

@@ -28,7 +28,7 @@ struct FwdCtx {
 void fwd_rows(const FwdCtx& c, int i0, int i1) {
   if (i0 >= i1) return;
 #if FLASH_X86
-  if (c.isa == Isa::avx2) return avx2::fwd_rows(*c.p, c.in, i0, i1);
+  if (c.isa >= Isa::avx2) return avx2::fwd_rows(*c.p, c.in, i0, i1);
 #endif
   scalar::fwd_rows(*c.p, c.in, i0, i1);
 }
@@ -48,7 +48,7 @@ void t_chunk(const void* vctx, int chunk) {
   if (k0 >= k1) return;
   float* acc = scratch(tl_acc, size_t(p.M) * (k1 - k0 + (k1 - k0) / std::max(1, p.group_size) + 1));
 #if FLASH_X86
-  if (c.isa == Isa::avx2) return avx2::t_cols(p, k0, k1, acc);
+  if (c.isa >= Isa::avx2) return avx2::t_cols(p, k0, k1, acc);
 #endif
   scalar::t_cols(p, k0, k1, acc);
 }
@@ -80,7 +80,7 @@ thread_local XScratch tl_xs[kMaxProblems];
 void quantize_x(const Problem& p, Isa isa, int8_t* xq, float* xd, int32_t* qsum) {
   const int64_t blocks = int64_t(p.M) * p.K / 32;
 #if FLASH_X86
-  if (isa == Isa::avx2) return avx2::quantize_x(p.in, blocks, xq, xd, qsum);
+  if (isa >= Isa::avx2) return avx2::quantize_x(p.in, blocks, xq, xd, qsum);
 #endif
   scalar::quantize_x(p.in, blocks, xq, xd, qsum);
 }
@@ -230,7 +230,7 @@ void matvec(const Problem& p) { matvec_many(&p, 1); }
 
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld) {
 #if FLASH_X86
-  if (active_isa() == Isa::avx2 && K % 8 == 0) return avx2::dot_tiles(x, M, w, n, K, out, ld);
+  if (active_isa() >= Isa::avx2 && K % 8 == 0) return avx2::dot_tiles(x, M, w, n, K, out, ld);
 #endif
   scalar::dot_tiles(x, M, w, n, K, out, ld);
 }

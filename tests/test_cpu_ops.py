@@ -489,13 +489,14 @@ def test_out_of_range_ids_and_row_counts_are_refused_on_both_paths(kernels):
 # ---- the kernels' environment variables ---------------------------------------------------------
 
 @pytest.mark.parametrize("environ", [{}, {"MLX_FLASH_ISA": ""}, {"MLX_FLASH_ISA": "scalar"},
-                                     {"MLX_FLASH_ISA": "avx2"}, {"MLX_FLASH_THREADS": "1"},
+                                     {"MLX_FLASH_ISA": "avx2"}, {"MLX_FLASH_ISA": "avx512"},
+                                     {"MLX_FLASH_THREADS": "1"},
                                      {"MLX_FLASH_THREADS": "256"}, {"MLX_FLASH_THREADS": ""}])
 def test_kernel_environment_accepts_valid_values(environ):
     ops.check_kernel_environment(environ)
 
 
-@pytest.mark.parametrize("name,value", [("MLX_FLASH_ISA", "avx512"), ("MLX_FLASH_ISA", "Scalar"),
+@pytest.mark.parametrize("name,value", [("MLX_FLASH_ISA", "avx1024"), ("MLX_FLASH_ISA", "Scalar"),
                                         ("MLX_FLASH_ISA", " scalar"), ("MLX_FLASH_THREADS", "0"),
                                         ("MLX_FLASH_THREADS", "257"), ("MLX_FLASH_THREADS", "-4"),
                                         ("MLX_FLASH_THREADS", "4x"), ("MLX_FLASH_THREADS", "1e9")])
@@ -512,8 +513,8 @@ def test_bad_kernel_environment_is_one_line_exit_2_in_a_cli():
     import subprocess
     import sys
 
-    env = {**os.environ, "MLX_FLASH_ISA": "avx512"}
+    env = {**os.environ, "MLX_FLASH_ISA": "avx1024"}
     out = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--prompt", "Hi", "--max-tokens", "1"],
                          env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().startswith("error: MLX_FLASH_ISA='avx512'")
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: MLX_FLASH_ISA='avx1024'")
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

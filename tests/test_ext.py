@@ -19,6 +19,12 @@ from conftest import kernel_extension
 _ext, _why = kernel_extension()
 pytestmark = pytest.mark.skipif(_ext is None, reason=f"mlx_flash._ext not available ({_why})")
 BEST_ISA = _ext.best_isa() if _ext is not None else "best"
+ISA_ORDER = ("scalar", "avx2", "avx512")  # each includes the ones before it
+
+
+def runnable(isa):
+    """`isa` when this CPU runs it, else the best it has (as MLX_FLASH_ISA does)."""
+    return isa if BEST_ISA in ISA_ORDER and ISA_ORDER.index(isa) <= ISA_ORDER.index(BEST_ISA) else BEST_ISA
 
 
 @pytest.fixture(params=["scalar", BEST_ISA])
@@ -30,8 +36,11 @@ def isa(request):
 
 
 def test_isa_switch():
-    assert BEST_ISA in ("scalar", "avx2")
-    assert (BEST_ISA == "avx2") == all(f in _ext.cpu_features() for f in ("avx2", "fma", "f16c"))
+    assert BEST_ISA in ISA_ORDER
+    features = _ext.cpu_features()
+    avx2 = all(f in features for f in ("avx2", "fma", "f16c"))
+    avx512 = avx2 and all(f in features for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi2", "vpclmulqdq"))
+    assert BEST_ISA == ("avx512" if avx512 else "avx2" if avx2 else "scalar")
     try:
         _ext.set_isa("scalar")
         assert _ext.isa() == "scalar" and not _ext.simd_active()
@@ -39,15 +48,19 @@ def test_isa_switch():
         assert _ext.isa() == BEST_ISA
         with pytest.raises(ValueError, match="unknown instruction set"):
             _ext.set_isa("avx1024")
-        if BEST_ISA == "scalar":
+        for isa in ISA_ORDER[ISA_ORDER.index(BEST_ISA) + 1:]:
             with pytest.raises(ValueError, match="cannot run"):
-                _ext.set_isa("avx2")
+                _ext.set_isa(isa)
+        for isa in ISA_ORDER[: ISA_ORDER.index(BEST_ISA) + 1]:
+            _ext.set_isa(isa)
+            assert _ext.isa() == isa
     finally:
         _ext.set_isa(BEST_ISA)
 
 
 @pytest.mark.parametrize("name,value,want", [("MLX_FLASH_ISA", "scalar", "scalar"), ("MLX_FLASH_ISA", "", BEST_ISA),
-                                             ("MLX_FLASH_ISA", "avx2", BEST_ISA), ("MLX_FLASH_THREADS", "3", "3"),
+                                             ("MLX_FLASH_ISA", "avx2", runnable("avx2")),
+                                             ("MLX_FLASH_ISA", "avx512", runnable("avx512")), ("MLX_FLASH_THREADS", "3", "3"),
                                              ("MLX_FLASH_THREADS", "1", "1")])
 def test_environment_sets_isa_and_threads_through_cpu_ops(name, value, want):
     # mlx_flash.cpu.ops is the one reader of the variables: it checks them, then applies them.

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from mlx_flash.cpu.ops import KERNEL_ISAS
 from mlx_flash.pack import bitmap as eb
 from mlx_flash.errors import FlashError
 
@@ -10,6 +11,12 @@ PAYLOADS = [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"dtype": "float32"},
             {"bits": 8, "group_size": 64}, {"bits": 4, "group_size": 64}, {"bits": 4, "group_size": 32},
             {"bits": 8, "group_size": 128}]
 NEEDS_KERNEL = pytest.mark.skipif(eb._extension() is None, reason="mlx_flash._ext not built")
+BEST_ISA = eb._extension().best_isa() if eb._extension() is not None else "scalar"
+RUNNABLE_ISAS = KERNEL_ISAS[: KERNEL_ISAS.index(BEST_ISA) + 1]
+# Every kernel path, each forced by name; those this CPU lacks are skipped saying so.
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in RUNNABLE_ISAS,
+                                                   reason=f"this CPU lacks {isa} (best: {BEST_ISA})"))
+        for isa in KERNEL_ISAS]
 
 
 def _row(rng, n, density, payload):
@@ -107,7 +114,7 @@ def _bundles(rng, count, roles_spec, density):
     return flat, starts, lengths, rows
 
 
-def _decode_both(flat, starts, lengths, slots, roles_spec, rows_out, simd):
+def _decode_both(flat, starts, lengths, slots, roles_spec, rows_out, isa):
     outs = []
     for use_kernel in (False, True):
         dests = []
@@ -115,29 +122,29 @@ def _decode_both(flat, starts, lengths, slots, roles_spec, rows_out, simd):
             width = n if payload is None else n * (4 if payload.get("dtype") == "float32" else 2)
             dests.append(np.full((rows_out, width), 0xAB, np.uint8))
         eb.decode_into(flat, starts, lengths, slots,
-                       [(d, n, p) for d, (n, p) in zip(dests, roles_spec)], "t", simd=simd,
+                       [(d, n, p) for d, (n, p) in zip(dests, roles_spec)], "t", isa=isa,
                        use_kernel=use_kernel)
         outs.append(dests)
     return outs
 
 
 @NEEDS_KERNEL
-@pytest.mark.parametrize("simd", [False, True], ids=["scalar", "simd"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("payload", PAYLOADS, ids=str)
 @pytest.mark.parametrize("density", [0.0, 1.0, 0.5, None], ids=["zeros", "ones", "half", "ragged"])
-def test_kernel_matches_reference_bit_for_bit(simd, payload, density):
-    rng = np.random.default_rng(hash((simd, str(payload), density)) % 2**32)
+def test_kernel_matches_reference_bit_for_bit(isa, payload, density):
+    rng = np.random.default_rng(hash((isa, str(payload), density)) % 2**32)
     spec = [(576, payload), (3, None), (1001, payload), (13, payload)]
     flat, starts, lengths, _ = _bundles(rng, 9, spec, density)
     slots = rng.permutation(12)[:9]
-    ref, ker = _decode_both(flat, starts, lengths, slots, spec, 12, simd)
+    ref, ker = _decode_both(flat, starts, lengths, slots, spec, 12, isa)
     for a, b in zip(ref, ker):
         np.testing.assert_array_equal(a, b)
 
 
 @NEEDS_KERNEL
-@pytest.mark.parametrize("simd", [False, True], ids=["scalar", "simd"])
-def test_kernel_rejects_popcount_disagreement(simd):
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_rejects_popcount_disagreement(isa):
     rng = np.random.default_rng(5)
     spec = [(64, {"dtype": "float16"})]
     flat, starts, lengths, _ = _bundles(rng, 3, spec, 0.5)
@@ -145,28 +152,28 @@ def test_kernel_rejects_popcount_disagreement(simd):
     bad = flat.copy()
     bad[starts[1]: starts[1] + 8] = _two_more(flat[starts[1]: starts[1] + 8], 64)
     with pytest.raises(FlashError, match="bundle 1"):
-        eb.decode_into(bad, starts, lengths, np.arange(3), [(dest, 64, spec[0][1])], "t", simd=simd)
+        eb.decode_into(bad, starts, lengths, np.arange(3), [(dest, 64, spec[0][1])], "t", isa=isa)
     short = lengths.copy()
     short[2] -= 4
     with pytest.raises(FlashError, match="bundle 2"):
-        eb.decode_into(flat, starts, short, np.arange(3), [(dest, 64, spec[0][1])], "t", simd=simd)
+        eb.decode_into(flat, starts, short, np.arange(3), [(dest, 64, spec[0][1])], "t", isa=isa)
 
 
 @NEEDS_KERNEL
-@pytest.mark.parametrize("simd", [False, True], ids=["scalar", "simd"])
-def test_kernel_crc32_is_zlibs(simd):
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_crc32_is_zlibs(isa):
     import zlib
 
     rng = np.random.default_rng(9)
     for n in [0, 1, 15, 63, 64, 65, 127, 128, 129, 1000, 4099, 100003]:
         data = rng.integers(0, 256, n + 3, dtype=np.uint8)[3:]  # unaligned start
-        assert eb._extension().endor_crc32(data, simd=simd) == zlib.crc32(data), n
-        assert eb._extension().endor_crc32(data[n // 3:], zlib.crc32(data[: n // 3]), simd=simd) == zlib.crc32(data)
+        assert eb._extension().endor_crc32(data, isa=isa) == zlib.crc32(data), n
+        assert eb._extension().endor_crc32(data[n // 3:], zlib.crc32(data[: n // 3]), isa=isa) == zlib.crc32(data)
 
 
-@pytest.mark.parametrize("use_kernel,simd", [(False, None), (True, False), (True, True)],
-                         ids=["reference", "scalar", "simd"])
-def test_check_decode_rejects_the_first_bad_crc(use_kernel, simd):
+@pytest.mark.parametrize("use_kernel,isa", [pytest.param(False, None, id="reference")] +
+                         [pytest.param(True, *p.values, marks=p.marks, id=p.values[0]) for p in ISAS])
+def test_check_decode_rejects_the_first_bad_crc(use_kernel, isa):
     """Hundreds of bundles split over the thread pool: the earliest corrupt bundle is the one
     named, as a checksum mismatch (not a popcount one), whichever thread found which."""
     import zlib
@@ -179,15 +186,15 @@ def test_check_decode_rejects_the_first_bad_crc(use_kernel, simd):
     crcs = np.array([zlib.crc32(flat[s: s + n]) for s, n in zip(starts, lengths)], np.uint32)
     dests = [np.zeros((700, 128), np.uint8), np.zeros((700, 80), np.uint8)]
     roles = [(d, n, p) for d, (n, p) in zip(dests, spec)]
-    eb.decode_into(flat, starts, lengths, np.arange(700), roles, "t", simd=simd, use_kernel=use_kernel,
+    eb.decode_into(flat, starts, lengths, np.arange(700), roles, "t", isa=isa, use_kernel=use_kernel,
                    crcs=crcs)
     bad = flat.copy()
     bad[starts[650] + 20] ^= 1
     bad[starts[333] + lengths[333] - 1] ^= 0x80  # a payload byte: only the crc32 can tell
     with pytest.raises(FlashError, match=r"t: checksum mismatch in bundle 333 \(offset"):
-        eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", simd=simd,
+        eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", isa=isa,
                        use_kernel=use_kernel, crcs=crcs)
-    eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", simd=simd, use_kernel=use_kernel)
+    eb.decode_into(bad, starts, lengths, np.arange(700), roles, "t", isa=isa, use_kernel=use_kernel)
 
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -197,11 +204,11 @@ st = hypothesis.strategies
 @NEEDS_KERNEL
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(n=st.integers(1, 300), density=st.floats(0, 1), payload=st.sampled_from(PAYLOADS),
-                  seed=st.integers(0, 2**31), simd=st.booleans())
-def test_kernel_fuzz(n, density, payload, seed, simd):
+                  seed=st.integers(0, 2**31), isa=st.sampled_from(RUNNABLE_ISAS))
+def test_kernel_fuzz(n, density, payload, seed, isa):
     rng = np.random.default_rng(seed)
     spec = [(n, payload), (n + 7, payload)]
     flat, starts, lengths, _ = _bundles(rng, 3, spec, density)
-    ref, ker = _decode_both(flat, starts, lengths, np.array([2, 0, 1]), spec, 3, simd)
+    ref, ker = _decode_both(flat, starts, lengths, np.array([2, 0, 1]), spec, 3, isa)
     for a, b in zip(ref, ker):
         np.testing.assert_array_equal(a, b)

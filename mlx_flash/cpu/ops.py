@@ -33,7 +33,9 @@ HALF_DTYPES = (mx.float16, mx.bfloat16)
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-KERNEL_ISAS = ("avx2", "scalar")
+# Slowest first; each includes the ones before it. avx512 = AVX-512 F/BW/VL + VBMI2 (the ENDOR decode
+# has kernels of its own for it; the other kernels run their avx2 versions there).
+KERNEL_ISAS = ("scalar", "avx2", "avx512")
 MAX_KERNEL_THREADS = 256
 
 
@@ -63,12 +65,12 @@ def _load_extension():
 
 def apply_kernel_environment(ext, environ=os.environ) -> None:
     """Set the kernels' instruction set and thread count from MLX_FLASH_ISA / MLX_FLASH_THREADS
-    (checked by check_kernel_environment). `avx2` on a CPU without it runs the scalar path."""
+    (checked by check_kernel_environment). An ISA this CPU lacks runs the best one it has (`avx512`
+    on an AVX2-only CPU runs avx2; `avx2` without AVX2 runs scalar)."""
     isa = environ.get("MLX_FLASH_ISA", "")
-    if isa == "scalar" or (isa == "avx2" and ext.best_isa() == "scalar"):
-        ext.set_isa("scalar")
-    elif isa == "avx2":
-        ext.set_isa("avx2")
+    if isa:
+        best = ext.best_isa()
+        ext.set_isa(isa if KERNEL_ISAS.index(isa) <= KERNEL_ISAS.index(best) else best)
     threads = environ.get("MLX_FLASH_THREADS", "")
     if threads:
         ext.set_num_threads(int(threads))

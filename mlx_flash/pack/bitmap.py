@@ -228,14 +228,15 @@ def _extension():
     return ext if hasattr(ext, "endor_check_decode") else None
 
 
-def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "bundles", simd=None,
+def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "bundles", isa=None,
                 use_kernel=True, ids=None, offsets=None, crcs=None, parallel=True):
     """Check and decode bundles into their destination rows with the C++ kernel, one pass over the
     kernels' thread pool with the GIL released (numpy reference when the extension is missing or
     use_kernel=False); arguments as `decode_bundles`, plus crcs: the expected zlib crc32 of each
     bundle's bytes (checked before its decode) or None. FlashError naming `where` and the bundle
     (ids[b] at file offset offsets[b] when given) on a crc32 mismatch or a popcount / length
-    disagreement."""
+    disagreement. isa: the kernels' instruction set for this call ("scalar", "avx2", "avx512"; None:
+    the active one, see MLX_FLASH_ISA)."""
     ext = _extension() if use_kernel else None
     starts = np.ascontiguousarray(starts, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
@@ -257,7 +258,7 @@ def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "b
         crcs = np.ascontiguousarray(crcs, np.uint32)
     spec = [(dest, int(n), payload_kind(p), int((p or {}).get("group_size", 0)))
             for dest, n, p in roles]
-    bad, fault = ext.endor_check_decode(flat, starts, lengths, slots, spec, crcs, simd, parallel)
+    bad, fault = ext.endor_check_decode(flat, starts, lengths, slots, spec, crcs, isa, parallel)
     if bad >= 0 and fault == 1:
         raise FlashError(f"{where}: checksum mismatch in {named(bad)}")
     if bad >= 0:
