@@ -85,6 +85,27 @@ void bind_endor(nb::module_& m) {
       "with the GIL released. Returns (first rejected bundle or -1, fault: 0 none, 1 crc32, 2 the "
       "bitmaps' popcount disagrees with the bundle's length).");
   m.def(
+      "endor_check_crc32",
+      [](Bytes1 flat, Index starts, Index lengths, Crcs crcs, const std::optional<std::string>& isa_name,
+         bool parallel) {
+        const size_t count = starts.shape(0);
+        if (lengths.shape(0) != count || crcs.shape(0) != count)
+          throw std::invalid_argument("endor_check_crc32: starts, lengths and crcs differ in length");
+        const flash::Isa isa = chosen_isa(isa_name);
+        flash::endor::BadBundle bad;
+        {
+          nb::gil_scoped_release release;
+          bad = flash::endor::check_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
+                                            lengths.data(), static_cast<int64_t>(count), crcs.data(), isa, parallel);
+        }
+        return std::make_tuple(bad.index, bad.fault);
+      },
+      nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("crcs"), nb::arg("isa").none() = nb::none(),
+      nb::arg("parallel") = true,
+      "Check the crc32 of bundles flat[starts[b]:starts[b]+lengths[b]] against crcs[b] without decoding "
+      "them: one pass over the kernels' thread pool with the GIL released. Returns (first rejected bundle "
+      "or -1, fault: 0 none, 1 crc32, 2 outside flat).");
+  m.def(
       "endor_crc32",
       [](Bytes1 data, uint32_t crc, const std::optional<std::string>& isa_name) {
         const flash::Isa isa = chosen_isa(isa_name);

@@ -156,7 +156,7 @@ bool decode_one(const uint8_t* flat, int64_t pos, int64_t end, int64_t slot, con
 struct Batch {
   const uint8_t* flat;
   int64_t flat_bytes;
-  const int64_t *starts, *lengths, *slots;
+  const int64_t *starts, *lengths, *slots;  // slots null: check only
   int64_t count, per_chunk;
   const Role* roles;
   int n_roles;
@@ -180,7 +180,7 @@ void run_chunk(const void* ctx, int chunk) {
       (*j.bad)[chunk] = {b, kCrc};
       return;
     }
-    if (!decode_one(j.flat, pos, pos + len, j.slots[b], j.roles, j.n_roles, j.kernels, scratch)) {
+    if (j.slots && !decode_one(j.flat, pos, pos + len, j.slots[b], j.roles, j.n_roles, j.kernels, scratch)) {
       (*j.bad)[chunk] = {b, kLayout};
       return;
     }
@@ -215,6 +215,11 @@ BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t*
   for (const BadBundle& b : bad)
     if (b.index >= 0) return b;  // chunks cover increasing bundle ranges: the first is the earliest
   return {};
+}
+
+BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
+                        int64_t count, const uint32_t* crcs, Isa isa, bool parallel) {
+  return decode_bundles(flat, flat_bytes, starts, lengths, nullptr, count, nullptr, 0, isa, crcs, parallel);
 }
 
 }  // namespace endor

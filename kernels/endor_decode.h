@@ -50,6 +50,12 @@ BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t*
                          const int64_t* lengths, const int64_t* slots, int64_t count, const Role* roles,
                          int n_roles, Isa isa, const uint32_t* crcs, bool parallel);
 
+// crc32 of every bundle b (flat[starts[b], starts[b] + lengths[b])) against crcs[b], as
+// decode_bundles does before decoding, without decoding: the first mismatch (kCrc) or bundle outside
+// `flat` (kLayout). Same threading and GIL rule as decode_bundles.
+BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
+                        int64_t count, const uint32_t* crcs, Isa isa, bool parallel);
+
 // zlib's crc32 (polynomial 0xEDB88320, the value Python's zlib.crc32 gives): continue `crc` over n
 // bytes with `isa`'s kernel.
 uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa);

@@ -212,3 +212,29 @@ def test_kernel_fuzz(n, density, payload, seed, isa):
     ref, ker = _decode_both(flat, starts, lengths, np.array([2, 0, 1]), spec, 3, isa)
     for a, b in zip(ref, ker):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("use_kernel,isa", [pytest.param(False, None, id="reference")] +
+                         [pytest.param(True, *p.values, marks=p.marks, id=p.values[0]) for p in ISAS])
+def test_check_crc32s_names_the_first_bad_bundle_without_decoding(use_kernel, isa):
+    """The check-only pass (read_encoded's): every crc32 over the thread pool, the earliest
+    mismatch named with its file offset; bundles longer than 512 bytes take the wide crc32 loops."""
+    import zlib
+
+    if use_kernel and eb._extension() is None:
+        pytest.skip("mlx_flash._ext not built")
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(0, 3000, 500).astype(np.int64)
+    lengths[-1] = 2000
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    flat = rng.integers(0, 256, int(lengths.sum()) + 5, dtype=np.uint8)
+    crcs = np.array([zlib.crc32(flat[s: s + n]) for s, n in zip(starts, lengths)], np.uint32)
+    eb.check_crc32s(flat, starts, lengths, crcs, "t", isa=isa, use_kernel=use_kernel)
+    bad = flat.copy()
+    k = int(np.flatnonzero(lengths > 600)[300])
+    bad[starts[k] + lengths[k] - 1] ^= 4
+    bad[starts[-1] + lengths[-1] // 2] ^= 1
+    with pytest.raises(FlashError, match=rf"^t: checksum mismatch in bundle {k} \(offset {starts[k] + 100}\)$"):
+        eb.check_crc32s(bad, starts, lengths, crcs, "t", offsets=starts + 100, isa=isa, use_kernel=use_kernel)
+    with pytest.raises(FlashError, match=r"bundle 499 \(offset \d+\) runs past the \d+ bytes held"):
+        eb.check_crc32s(flat[: -lengths[-1]], starts, lengths, crcs, "t", isa=isa, use_kernel=use_kernel)

@@ -264,3 +264,29 @@ def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "b
     if bad >= 0:
         raise FlashError(f"{where}: {named(bad)}: its bitmaps' popcount disagrees with the "
                          f"{int(lengths[bad])} bytes stored (corrupt or truncated)")
+
+
+def check_crc32s(flat: np.ndarray, starts, lengths, crcs, where: str = "bundles", offsets=None, isa=None,
+                 use_kernel=True):
+    """Check the zlib crc32 of bundles flat[starts[b]: starts[b] + lengths[b]] against crcs[b]
+    without decoding them: one C++ pass over the kernels' thread pool with the GIL released (zlib
+    in a Python loop when the extension is missing or use_kernel=False). FlashError naming `where`
+    and the first bad bundle (at file offset offsets[b] when given); isa as in `decode_into`."""
+    ext = _extension() if use_kernel else None
+    starts = np.ascontiguousarray(starts, np.int64)
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    crcs = np.ascontiguousarray(crcs, np.uint32)
+    if ext is None:
+        import zlib
+
+        outside = (starts < 0) | (lengths < 0) | (starts + lengths > len(flat))
+        bad = next((b for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist()))
+                    if outside[b] or zlib.crc32(flat[s: s + n]) != int(crcs[b])), -1)
+        fault = 2 if bad >= 0 and outside[bad] else 1
+    else:
+        bad, fault = ext.endor_check_crc32(flat, starts, lengths, crcs, isa)
+    if bad >= 0:
+        name = f"bundle {bad} (offset {int((starts if offsets is None else offsets)[bad])})"
+        if fault == 2:
+            raise FlashError(f"{where}: {name} runs past the {len(flat)} bytes held (truncated)")
+        raise FlashError(f"{where}: checksum mismatch in {name}")
