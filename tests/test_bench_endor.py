@@ -32,11 +32,47 @@ def test_table_and_json(tiny_llama, tmp_path, capsys):
     assert not list(endor.glob(".endor-bench-*"))  # scratch files removed
 
 
+def test_isa_rows_decode_with_their_instruction_set(tiny_llama, tmp_path, monkeypatch):
+    """--isa: one more ENDOR row per other instruction set, each decoded (plain and through the
+    loader) with that ISA while `endor` keeps the active one."""
+    from test_calibration_prune import pruned_model
+
+    from mlx_flash import _ext
+    from mlx_flash.pack import bitmap
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=256)
+    dense = write_pack(src, tmp_path / "dense", progress=False)
+    endor = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    seen, decode_into = [], bitmap.decode_into
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("isa"), _ext.isa()))
+        return decode_into(*args, **kwargs)
+
+    monkeypatch.setattr(bitmap, "decode_into", spy)
+    out = tmp_path / "r.json"
+    active = _ext.isa()
+    assert main(["endor", "--pack", str(endor), "--dense", str(dense), "--repeats", "1", "--isa",
+                 f"scalar,{active}", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["isa"] == active and set(r["total"]) >= {"endor", "endor@scalar", "endor-loader@scalar"}
+    assert set(r["summary"]["decode_over_saved_by_row"]) == {"endor", "endor-loader", "endor@scalar",
+                                                             "endor-loader@scalar"}
+    assert (None, active) in seen and ("scalar", active) in seen  # the plain rows: isa= per call
+    assert (None, "scalar") in seen  # the loader row: the kernels' ISA switched for its read
+    assert _ext.isa() == active
+
+
 def test_bad_input(tiny_llama, tmp_path, capsys):
     dense = write_pack(tiny_llama("src"), tmp_path / "dense", progress=False)
     with pytest.raises(SystemExit) as e:
         main(["endor", "--pack", str(dense)])
     assert e.value.code == 2 and "no ENDOR-encoded layers" in capsys.readouterr().err
+    endor = write_pack(tiny_llama("src"), tmp_path / "endor", encoding="endor", progress=False)
+    with pytest.raises(SystemExit) as e:
+        main(["endor", "--pack", str(endor), "--isa", "sse4"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: --isa 'sse4': unknown instruction set") and "\n" not in err
 
 
 def test_compare_runs(tmp_path, capsys):

@@ -2,7 +2,7 @@
 layer stored dense, as ENDOR (bitmap + non-zeros) and as zstd-compressed dense bytes.
 
     python -m mlx_flash.bench endor --pack ENDOR_PACK [--dense DENSE_PACK] [--layers 0,5,10]
-        [--repeats 3] [--zstd-level 3] [--json OUT]
+        [--repeats 3] [--zstd-level 3] [--isa avx2,avx512] [--json OUT]
     python -m mlx_flash.bench endor --compare-runs DENSE_RUN ENDOR_RUN
         (end to end: two `bench run --out` folders of the dense and the ENDOR pack of one model,
         same modes, budget and cap: tokens/s, I/O ms and bytes per token side by side)
@@ -19,6 +19,9 @@ whole bundle region, then decoded into dense rows:
     reads, crc32 checks, ENDOR bundles checked + decoded as their reads land):
     dense-loader / endor-loader  one whole-layer read into decoded rows; decode ms = the part of
            the wall time spent in the check + decode pass (overlapped with the reads in flight)
+--isa LIST: the ENDOR decode (and endor-loader) rows once per instruction set listed, alternated
+with the others in every repeat: `endor` / `endor-loader` run the kernels' active ISA (the best
+this CPU has unless MLX_FLASH_ISA says otherwise), `endor@ISA` / `endor-loader@ISA` the others.
 Reported: bytes read, read ms, decode ms, their sum, bytes and total time relative to dense,
 and decode time as a fraction of the read time ENDOR saves. Timings are medians over repeats.
 """
@@ -48,6 +51,9 @@ def add_arguments(parser):
     parser.add_argument("--zstd-level", type=int, default=3)
     parser.add_argument("--drop-caches", action="store_true",
                         help="as root, also drop the page cache if fadvise leaves pages cached")
+    parser.add_argument("--isa", default="", help="comma-separated instruction sets (scalar, avx2, "
+                                                  "avx512) to time the ENDOR decode with, alternated "
+                                                  "(default: the kernels' active one)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--verbose", action="store_true")
 
@@ -131,33 +137,37 @@ def layer_formats(pack: Path, entry, dense_pack, scratch: Path, level: int) -> d
     return formats, dest
 
 
-def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=None) -> dict:
+def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=None, isas=None) -> dict:
     """{format: {"bytes", "read_ms", "decode_ms", "total_ms"}} medians over cold repeats.
-    loaders: {"dense-loader": FlashLoader, "endor-loader": FlashLoader} to time the runtime path."""
+    loaders: {"dense-loader": FlashLoader, "endor-loader": FlashLoader} to time the runtime path;
+    isas: {"endor@avx2": "avx2", "endor-loader@avx2": "avx2", ...}: more ENDOR rows, each decoded
+    with that instruction set (formats["endor"] and loaders["endor-loader"] are read for them)."""
     import zstandard
 
     from ..pack.bitmap import decode_into
     from ..pack.reader import endor_roles
 
     roles = endor_roles(entry, dest)
-    order = ["dense", "endor", "zstd"] + sorted(loaders or {})
+    isas = isas or {}
+    order = ["dense", "endor", "zstd"] + sorted(loaders or {}) + list(isas)
     times = {f: {"read": [], "decode": []} for f in order}
     nbytes = {}
     dctx = zstandard.ZstdDecompressor()
     for r in range(repeats):
         for f in order[r % len(order):] + order[: r % len(order)]:
-            if f in (loaders or {}):
-                nbytes[f], read_s, decode_s = _loader_read(loaders[f], entry.layer, drop_caches)
+            base = f.split("@")[0]
+            if base in (loaders or {}):
+                nbytes[f], read_s, decode_s = _loader_read(loaders[base], entry.layer, drop_caches, isas.get(f))
                 times[f]["read"].append(read_s - decode_s)
                 times[f]["decode"].append(decode_s)
                 continue
-            path, start, length = formats[f][:3]
+            path, start, length = formats[base][:3]
             view, read_s, read_bytes, _ = _cold_read(path, start, length, drop_caches)
             nbytes[f] = length
             t0 = time.perf_counter()
-            if f == "endor":
+            if base == "endor":
                 decode_into(view, index[:-1] - start, np.diff(index), np.arange(entry.count), roles,
-                            str(path))
+                            str(path), isa=isas.get(f))
             elif f == "zstd":
                 out = dctx.decompress(view.tobytes(), max_output_size=formats["zstd"][3])
                 if len(out) != formats["zstd"][3]:
@@ -173,13 +183,16 @@ def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=Non
     return out
 
 
+FORMATS = ("dense", "endor", "zstd", "dense-loader", "endor-loader")
 _LOADER_DEST = {}  # (loader, layer) -> destination rows, reused as the runtime reuses its buffers
 
 
-def _loader_read(loader, layer, drop_caches) -> tuple:
+def _loader_read(loader, layer, drop_caches, isa=None) -> tuple:
     """(bytes read, wall seconds, check + decode seconds) of one cold whole-layer loader.read into
-    rows allocated and touched before the first timed read (no page faults timed)."""
+    rows allocated and touched before the first timed read (no page faults timed); isa: the
+    kernels' instruction set for this read (None: the active one)."""
     from ..io import evict
+    from ..pack.bitmap import _extension
 
     entry = loader.entry(layer)
     key = (id(loader), layer)
@@ -188,7 +201,15 @@ def _loader_read(loader, layer, drop_caches) -> tuple:
         _LOADER_DEST[key] = loader.alloc(layer, entry.count)
         loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])  # opens tables, faults pages
     evict([loader.pack / entry.file], drop_caches=drop_caches)
-    stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])
+    ext = _extension() if isa else None
+    active = ext.isa() if ext else None
+    try:
+        if ext:
+            ext.set_isa(isa)
+        stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])
+    finally:
+        if ext:
+            ext.set_isa(active)
     return stats.bytes_read, stats.seconds, stats.decode_seconds
 
 
@@ -248,6 +269,7 @@ def run(args) -> int:
     else:
         k = min(4, len(endor_layers))
         layers = [endor_layers[round(j * (len(endor_layers) - 1) / max(k - 1, 1))] for j in range(k)]
+    isa_list = _isa_list(args.isa)
     rows = {}
     scratch_root = Path(tempfile.mkdtemp(prefix=".endor-bench-", dir=pack))
     loaders = {}
@@ -255,13 +277,17 @@ def run(args) -> int:
         from ..io import FlashLoader
 
         loaders = {"dense-loader": FlashLoader(dense), "endor-loader": FlashLoader(pack)}
-    names = ["dense", "endor", "zstd"] + sorted(loaders)
+    active = _extension().isa() if _extension() is not None else None
+    isas = {f"{base}@{isa}": isa for isa in isa_list if isa != active
+            for base in ["endor"] + (["endor-loader"] if loaders else [])}
+    names = ["dense", "endor", "zstd"] + sorted(loaders) + list(isas)
     try:
         for layer in layers:
             entry = bundles[layer]
             index = read_bundle_index(pack / entry.file, entry)
             formats, dest = layer_formats(pack, entry, dense, scratch_root, args.zstd_level)
-            rows[layer] = measure_layer(entry, index, formats, dest, args.repeats, args.drop_caches, loaders)
+            rows[layer] = measure_layer(entry, index, formats, dest, args.repeats, args.drop_caches, loaders,
+                                        isas)
             r = rows[layer]
             print(f"layer {layer:3d}: " + "  ".join(
                 f"{f} {r[f]['bytes'] / 1e6:.2f} MB {r[f]['read_ms']:.2f}+{r[f]['decode_ms']:.2f} ms"
@@ -285,14 +311,40 @@ def run(args) -> int:
     }
     if loaders:
         summary["loader_speedup"] = total["dense-loader"]["total_ms"] / total["endor-loader"]["total_ms"]
+    # decode / read saved per decoding row: the plain reads' and the loader's (dense-loader's
+    # wall time minus the ENDOR loader read's non-decode part)
+    summary["decode_over_saved_by_row"] = {}
+    for f in names:
+        base = f.split("@")[0]
+        if base in ("endor", "endor-loader"):
+            ref = "dense" if base == "endor" else "dense-loader"
+            saved = total[ref]["total_ms"] - total[f]["read_ms"]
+            summary["decode_over_saved_by_row"][f] = total[f]["decode_ms"] / saved if saved > 0 else None
     result = {"command": args.command_line, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "pack": str(pack), "dense": str(dense) if dense else "decoded scratch copy",
+              "pack": str(pack), "dense": str(dense) if dense else "decoded scratch copy", "isa": active,
               "kernel": _extension() is not None, "repeats": args.repeats, "layers": rows,
               "total": total, "summary": summary}
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _isa_list(value: str) -> list:
+    """--isa's instruction sets, each one this CPU runs (FlashError naming the flag otherwise)."""
+    from ..cpu.ops import KERNEL_ISAS
+    from ..pack.bitmap import _extension
+
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    ext = _extension()
+    if names and ext is None:
+        raise FlashError("--isa: the CPU kernels are not built (mlx_flash._ext)")
+    for name in names:
+        if name not in KERNEL_ISAS:
+            raise FlashError(f"--isa {name!r:.40}: unknown instruction set (choose from {', '.join(KERNEL_ISAS)})")
+        if KERNEL_ISAS.index(name) > KERNEL_ISAS.index(ext.best_isa()):
+            raise FlashError(f"--isa {name}: this CPU cannot run it (best: {ext.best_isa()})")
+    return names
 
 
 def markdown(result) -> str:
@@ -302,7 +354,7 @@ def markdown(result) -> str:
              "|---|---|---|---|---|---|---|---|"]
     items = list(result["layers"].items()) + [("all", result["total"])]
     for layer, r in items:
-        for f in [f for f in ("dense", "endor", "zstd", "dense-loader", "endor-loader") if f in r]:
+        for f in [f for f in r if f.split("@")[0] in FORMATS]:
             x = r[f]
             lines.append(f"| {layer} | {f} | {x['bytes'] / 1e6:.3f} | {x['read_ms']:.2f} | "
                          f"{x['decode_ms']:.2f} | {x['total_ms']:.2f} | "
@@ -315,6 +367,10 @@ def markdown(result) -> str:
                   f"of dense bytes, {s['zstd_speedup']:.2f}x dense; ENDOR decode = "
                   + (f"{dec:.1%} of the read time it saves" if dec is not None else
                      "n/a (no read time saved)")]
+    by_row = s.get("decode_over_saved_by_row", {})
+    if len(by_row) > 2 or result.get("isa"):
+        lines.append(f"Decode / read saved per row (`endor`, `endor-loader`: {result.get('isa')}): " + ", ".join(
+            f"{f} {v:.1%}" if v is not None else f"{f} n/a" for f, v in by_row.items()))
     if "loader_speedup" in s:
         lines.append(f"Through FlashLoader (the runtime's path, check + decode overlapped with the reads): "
                      f"ENDOR {s['loader_speedup']:.2f}x dense")
