@@ -216,9 +216,16 @@ def aio_only(monkeypatch) -> list:
     are appended to."""
     real_read, calls = aio.AioContext.read, []
 
-    def spy(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
+    def spy(self, fds, offsets, sizes, addresses, vectored=None, *, more=None, **kw):
         calls.append(vectored)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=on_done, vectored=vectored)
+
+        def spied_more():  # later batches of the same call
+            batch = more()
+            if batch is not None:
+                calls[-1] = np.concatenate([calls[-1], batch[4]]) if batch[4] is not None else None
+            return batch
+        return real_read(self, fds, offsets, sizes, addresses, vectored,
+                         more=spied_more if more else None, **kw)
 
     monkeypatch.setattr(aio.AioContext, "read", spy)
     monkeypatch.setattr(FileLayer, "preadv", lambda *a: pytest.fail("a read left AIO"))
@@ -251,14 +258,34 @@ def test_zero_copy_reads_are_vectored_aio_into_component_rows(make_pack, monkeyp
                                          [0, 3, 17, 40, 41, 42, 77, 95]),
                                         (ALIGNED, [0, 3, 4, 5, 9, 11, 14, 15])])
 def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch, kwargs, ids):
+    import ctypes
+
     pack = make_pack(**kwargs)  # staged reads, then zero-copy vectored reads
     real_read = aio.AioContext.read
 
-    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
-        def spoil(idx, res):
-            res[idx[::2]] = np.where(idx[::2] % 4 == 0, 512, -errno.EIO)  # short, or EIO
+    def flaky_read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
+                   **kw):
+        sent = []  # (address, size, vectored) of every read, over all batches
+
+        def record(batch):
+            if batch is not None:
+                _, _, n, addr, vec = batch
+                sent.extend(zip(addr.tolist(), n.tolist(), vec.tolist() if vec is not None
+                                else [False] * len(n)))
+            return batch
+
+        def spoil(idx, res):  # every third read: short, or EIO; the bytes that landed are wiped
+            for k in idx[idx % 3 == 0].tolist():
+                addr, n, vec = sent[k]
+                pieces = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * n)).from_address(addr)) \
+                    .reshape(-1, 2).tolist() if vec else [(addr, n)]
+                for base, length in pieces:
+                    ctypes.memset(base, 0, length)
+                res[k] = 512 if k % 4 == 0 else -errno.EIO
             on_done(idx, res)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil, vectored=vectored)
+        record((fds, offsets, sizes, addresses, vectored))
+        return real_read(self, fds, offsets, sizes, addresses, vectored, on_done=spoil,
+                         more=more and (lambda: record(more())), **kw)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
     with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
@@ -268,6 +295,10 @@ def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch, kwargs, i
             pytest.skip("filesystem refuses O_DIRECT")
         assert stats.reads >= 2  # some spoiled, some not
         check_rows(pack, loader, 0, ids, d, list(range(len(ids))))
+        d0, d1 = loader.alloc(0, len(ids)), loader.alloc(1, len(ids))  # the second request's
+        loader.read_many([(0, ids, d0, None), (1, ids[::-1], d1, None)])  # reads: a later batch
+        check_rows(pack, loader, 0, ids, d0, list(range(len(ids))))
+        check_rows(pack, loader, 1, ids[::-1], d1, list(range(len(ids))))
         # and when the careful re-read fails too, the error names the file and offset
         monkeypatch.setattr(FileLayer, "preadv", lambda self, fd, b, o: (_ for _ in ()).throw(
             OSError(errno.EIO, "Input/output error")))
@@ -502,14 +533,14 @@ def test_endor_bundles_decode_as_their_reads_land(tiny_llama, tmp_path, monkeypa
     pack = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
     real_read = aio.AioContext.read
 
-    def flaky_read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None):
+    def flaky_read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, **kw):
         assert vectored is None or not vectored.any()  # ENDOR bundles are staged, then decoded
-        def spoil(idx, res):
+        def spoil(idx, res):  # one request: one batch, so idx indexes this batch's arrays
             for k in idx[::3].tolist():
                 ctypes.memset(int(addresses[k]), 0, int(sizes[k]))
                 res[k] = -errno.EIO
             on_done(idx, res)
-        return real_read(self, fds, offsets, sizes, addresses, on_done=spoil, vectored=vectored)
+        return real_read(self, fds, offsets, sizes, addresses, vectored, on_done=spoil, **kw)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
     batches = []

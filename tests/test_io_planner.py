@@ -1,5 +1,6 @@
 """io/planner.py: reads merged by the measured cost model; the cost model measured and stored."""
 
+import numpy as np
 import pytest
 
 from mlx_flash.io import ReadCost, aio, calibrate, load_cost, plan_reads
@@ -28,3 +29,30 @@ def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
     if engine == "threads" or not aio.available():
         assert stored == ["threads"]
     assert not list(tmp_path.glob(".mlx_flash_read_cost_*"))
+
+
+def greedy_reference(starts, length, align, merge_gap, max_read):
+    """The planner's rule, one request at a time: join the open read when the gap is at most
+    merge_gap and the read stays <= max_read."""
+    reads = []
+    for i, s in enumerate(starts):
+        a0, a1 = s // align * align, -(-(s + length) // align) * align
+        if reads and a0 - reads[-1][1] <= merge_gap and a1 - reads[-1][0] <= max_read:
+            reads[-1][1], reads[-1][2] = a1, reads[-1][2] + [i]
+        else:
+            reads.append([a0, a1, [i]])
+    return [tuple(r) for r in reads]
+
+
+def test_only_runs_longer_than_max_read_are_split():
+    # runs of touching 12 KiB bundles of 1-40 bundles at random places: short runs stay one read,
+    # long ones are cut greedily at max_read, exactly as the one-at-a-time rule does
+    rng = np.random.default_rng(0)
+    starts, pos = [], 0
+    for run in rng.integers(1, 40, 60).tolist():
+        pos += int(rng.integers(1, 4)) * 12288 * 50
+        starts += [pos + 12288 * j for j in range(run)]
+        pos = starts[-1]
+    got = plan_reads(starts, 12288, align=4096, cost=ReadCost(0.0, 1e9), max_read=65536)
+    want = greedy_reference(starts, 12288, 4096, 0, 65536)
+    assert got == want and len(got) > 60 and max(r[1] - r[0] for r in got) <= 65536

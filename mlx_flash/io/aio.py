@@ -53,33 +53,47 @@ class AioContext:
         self._events = np.zeros(depth, EVENT)
         self.min_batch = max(1, depth // 8)  # completions to wait for per call: fewer Python round trips
 
-    def read(self, fds, offsets, sizes, addresses, on_done=None, vectored=None) -> np.ndarray:
+    def read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
+             min_batch=None) -> np.ndarray:
         """Read sizes[i] bytes at offsets[i] of fds[i] into memory at addresses[i], all arrays.
 
         vectored: optional bool array; where True, addresses[i] is the address of an IOVEC array
         and sizes[i] its number of entries (the read fills them in order). The caller keeps every
-        buffer and iovec array alive until this returns.
+        buffer alive until this returns (iocbs and iovec arrays only until they are submitted:
+        io_submit copies them).
+        more: optional callable returning the next batch (fds, offsets, sizes, addresses,
+        vectored) or None; called whenever everything so far has been submitted, so the caller
+        prepares later batches while earlier reads are in flight. Batch reads are numbered on
+        from the previous batches' (0, 1, ... over all batches).
+        min_batch: completions to wait for per io_getevents when more are in flight (default
+        depth // 8: fewer Python round trips for small reads; 1 checks each read as it lands).
         Returns each read's result (bytes read, or -errno); the caller retries anything short.
         on_done(indices, results) is called with each batch of finished reads while others
-        are in flight (results: the array returned at the end, filled so far).
+        are in flight (results: the array returned at the end, filled so far; it grows with
+        each batch from `more`, so use the one passed in).
         """
-        n = len(sizes)
-        res = np.full(n, -errno.ECANCELED, np.int64)
-        if n == 0:
-            return res
-        iocbs = np.zeros(n, IOCB)
-        iocbs["data"] = np.arange(n)
-        iocbs["fildes"] = fds
-        iocbs["buf"] = addresses
-        iocbs["nbytes"] = sizes
-        iocbs["offset"] = offsets
-        if vectored is not None:
-            iocbs["opcode"] = np.where(vectored, PREADV, PREAD)
-        ptrs = (iocbs.ctypes.data + 64 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
+        wait_for = self.min_batch if min_batch is None else max(1, int(min_batch))
+        res = np.empty(0, np.int64)
+        keep, ptrs = [], np.empty(0, np.uint64)  # iocb arrays (alive until submitted), their addresses
         call, (_, _, getevents, submit) = _syscall(), self._nr
         ctx = ctypes.c_ulong(self._ctx.value)
         events, ev_ptr = self._events, self._events.ctypes.data
         submitted = completed = 0
+
+        def add(fds, offsets, sizes, addresses, vectored):
+            nonlocal res, ptrs
+            n, first = len(sizes), len(res)
+            iocbs = np.zeros(n, IOCB)
+            iocbs["data"] = first + np.arange(n)
+            iocbs["fildes"] = fds
+            iocbs["buf"] = addresses
+            iocbs["nbytes"] = sizes
+            iocbs["offset"] = offsets
+            if vectored is not None:
+                iocbs["opcode"] = np.where(vectored, PREADV, PREAD)
+            keep.append(iocbs)
+            ptrs = np.concatenate([ptrs, iocbs.ctypes.data + 64 * np.arange(n, dtype=np.uint64)])
+            res = np.concatenate([res, np.full(n, -errno.ECANCELED, np.int64)])
 
         def reap(min_nr):
             nonlocal completed
@@ -94,9 +108,17 @@ class AioContext:
             completed += got
             return idx
 
+        add(fds, offsets, sizes, addresses, vectored)
         try:
-            while completed < n:
-                room = min(self.depth - (submitted - completed), n - submitted)
+            while completed < len(res) or more is not None:
+                if submitted == len(res) and more is not None:
+                    batch = more()
+                    if batch is None:
+                        more = None
+                    else:
+                        add(*batch)
+                    continue
+                room = min(self.depth - (submitted - completed), len(res) - submitted)
                 if room > 0:
                     got = call(ctypes.c_long(submit), ctx, ctypes.c_long(room),
                                ctypes.c_void_p(ptrs.ctypes.data + 8 * submitted))
@@ -106,7 +128,7 @@ class AioContext:
                         raise OSError(ctypes.get_errno(), "io_submit failed")
                 if submitted == completed:
                     continue
-                idx = reap(max(1, min(submitted - completed, self.min_batch)))
+                idx = reap(max(1, min(submitted - completed, wait_for)))
                 if idx is not None and on_done is not None and len(idx):
                     on_done(idx, res)
         except BaseException:

@@ -31,6 +31,9 @@ SCATTER_ROWS = 64
 FINISH_THREADS = 2
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
 CALIBRATION_MIN_BYTES = 16 << 20
+# Mean AIO read size (bytes) from which each completion is handled as it lands (min_nr 1): few
+# completions per second, so the per-completion Python cost is small next to an earlier check.
+LARGE_READ = 256 << 10
 
 
 def measure_cost(paths, threads, engine) -> ReadCost | None:
@@ -298,6 +301,9 @@ class FlashLoader:
         if self.engine == "aio" and not ok:
             raise FlashError("engine='aio' needs Linux O_DIRECT reads and the default FileLayer")
         if ok and job.zero_copy:
+            members = int(np.diff(np.append(job.first, len(job.ids))).max())
+            if members * len(job.targets) * 2 + 1 <= IOV_MAX:  # gap + piece per segment, one tail
+                return True  # iovecs built when the read is submitted (_aio_batch)
             job.iov, job.iov_counts = self._zero_copy_iovecs(job)
             return int(job.iov_counts.max()) <= IOV_MAX
         return ok
@@ -333,36 +339,31 @@ class FlashLoader:
         return iov, np.bincount(np.repeat(seg_read, 3)[keep], minlength=len(job.r0))
 
     def _read_aio(self, jobs, staging, flat):
-        """All reads of `jobs` through one AIO context. Each job is checked and scattered by the
-        finishing thread as soon as its last read completes, while this thread keeps the queue
-        full (a scatter done here would leave the device idle for its duration)."""
+        """All reads of `jobs` through one AIO context, job after job: the first job's reads are
+        submitted at once and each later job's iovecs are built while earlier reads are in flight.
+        Reads are checked (crc32) or decoded by the finishing threads as they land and each job is
+        completed there when its last read is in, while this thread keeps the queue full (work
+        done here would leave the device idle for its duration)."""
         ctx = getattr(self._local, "aio", None)
         if ctx is None:
             ctx = self._local.aio = aio.AioContext(self.threads)
             with self._lock:
                 self._aio_contexts.append(ctx)
         counts = np.array([len(j.r0) for j in jobs])
-        tags = np.repeat(np.arange(len(jobs)), counts)
-        offsets = np.concatenate([j.r0 for j in jobs])
-        sizes = np.concatenate([j.r1 - j.r0 for j in jobs])
-        fds = np.concatenate([np.full(len(j.r0), j.f.fd) for j in jobs])
-        vectored = np.repeat([j.zero_copy for j in jobs], counts)
-        pos = np.concatenate([np.zeros(len(j.r0), np.int64) if j.zero_copy else j.pos for j in jobs])
-        entries = np.concatenate([j.iov_counts if j.zero_copy else np.zeros(len(j.r0), np.int64)
-                                  for j in jobs])
-        iov = np.concatenate([j.iov for j in jobs if j.zero_copy] or [np.empty(0, aio.IOVEC)])
-        iov_first = np.concatenate([[0], np.cumsum(entries)[:-1]]).astype(np.uint64)
-        iov_addr = np.uint64(iov.ctypes.data) + np.uint64(aio.IOVEC.itemsize) * iov_first
-        staged = np.uint64(address(flat)) + pos.astype(np.uint64) if flat is not None else iov_addr
+        firsts = np.cumsum(counts) - counts  # index of each job's first read in the AIO results
         left, finishing = counts.copy(), []
-        first_read = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        read_bytes = sum(int((j.r1 - j.r0).sum()) for j in jobs)
+        # large reads land rarely: check each at once (Python per completion is then negligible)
+        min_batch = 1 if read_bytes >= LARGE_READ * counts.sum() else None
+        pending = iter(jobs[1:])
 
         def on_done(idx, res):
-            np.subtract.at(left, tags[idx], 1)
-            for t in np.unique(tags[idx]).tolist():
-                job, pool = jobs[t], self._finisher()
-                mine = idx[tags[idx] == t]
-                landed = mine[res[mine] == sizes[mine]] - first_read[t]
+            owner = np.searchsorted(firsts, idx, side="right") - 1
+            for t in np.unique(owner).tolist():
+                job, g0, pool = jobs[t], int(firsts[t]), self._finisher()
+                mine = idx[owner == t] - g0
+                left[t] -= len(mine)
+                landed = mine[res[mine + g0] == job.r1[mine] - job.r0[mine]]
                 if len(landed) and job.lengths is not None:  # ENDOR: check + decode what landed
                     members = np.flatnonzero(np.isin(job.member_read, landed))
                     finishing.append(pool.submit(self._decode, job, flat, members))
@@ -371,18 +372,31 @@ class FlashLoader:
                         members = np.flatnonzero(np.isin(job.member_read, part))
                         finishing.append(pool.submit(self._check_rows, job, members))
                 if left[t] == 0:
-                    finishing.append(self._finisher().submit(
-                        self._complete_aio, jobs[t], np.flatnonzero(tags == t), res, offsets,
-                        sizes, pos, staging, flat))
+                    finishing.append(pool.submit(self._complete_aio, job,
+                                                 res[g0: g0 + counts[t]].copy(), staging, flat))
 
         try:
-            ctx.read(fds, offsets, np.where(vectored, entries, sizes),
-                     np.where(vectored, iov_addr, staged), on_done=on_done, vectored=vectored)
+            ctx.read(*self._aio_batch(jobs[0], flat), on_done=on_done, min_batch=min_batch,
+                     more=lambda: (None if (job := next(pending, None)) is None
+                                   else self._aio_batch(job, flat)))
         finally:
             errors = [f.exception() for f in finishing]  # waits: no scatter may outlive the call
         for e in errors:
             if e is not None:
                 raise e
+
+    def _aio_batch(self, job, flat):
+        """(fds, offsets, sizes, addresses, vectored) of a job's reads for AioContext.read:
+        vectored straight into the destination rows (zero copy) or into staging."""
+        n = len(job.r0)
+        fds = np.full(n, job.f.fd)
+        if not job.zero_copy:
+            return fds, job.r0, job.r1 - job.r0, np.uint64(address(flat)) + job.pos.astype(np.uint64), None
+        if job.iov is None:
+            job.iov, job.iov_counts = self._zero_copy_iovecs(job)
+        first = (np.cumsum(job.iov_counts) - job.iov_counts).astype(np.uint64)
+        return (fds, job.r0, job.iov_counts,
+                np.uint64(job.iov.ctypes.data) + np.uint64(aio.IOVEC.itemsize) * first, np.ones(n, bool))
 
     def _finisher(self) -> ThreadPoolExecutor:
         """The threads that check and scatter what AIO reads landed (started on first use)."""
@@ -393,27 +407,25 @@ class FlashLoader:
                                                            thread_name_prefix="flash-finish")
         return self._finish_pool
 
-    def _complete_aio(self, job, reads, res, offsets, sizes, pos, staging, flat):
+    def _complete_aio(self, job, results, staging, flat):
         """Redo a finished job's short or failed reads carefully (EINTR, retries, EOF), then check
         and scatter it (ENDOR, zero copy: decode / check the redone reads' bundles; the others
-        were decoded / checked as they landed). reads: indices of its reads in the AIO arrays, in the job's read order."""
-        bounds, redone = np.append(job.first, len(job.ids)), []
-        for k, i in enumerate(reads.tolist()):
-            if res[i] == sizes[i]:
-                continue
-            r0, n = int(offsets[i]), int(sizes[i])
+        were decoded / checked as they landed). results: AIO result of each of its reads."""
+        bounds, sizes = np.append(job.first, len(job.ids)), job.r1 - job.r0
+        redone = np.flatnonzero(results != sizes)
+        for k in redone.tolist():
+            r0, n = int(job.r0[k]), int(sizes[k])
             if job.zero_copy:
                 buffers = self._member_iovecs(job, r0, r0 + n, range(bounds[k], bounds[k + 1]))
             else:
-                buffers = [staging[int(pos[i]): int(pos[i]) + n]]
+                buffers = [staging[int(job.pos[k]): int(job.pos[k]) + n]]
             read_full(self.files, job.f.fd, buffers, r0, job.f.path, job.f.buffered_fd)
-            redone.append(k)
         redone_members = np.flatnonzero(np.isin(job.member_read, redone))
         if job.lengths is not None:  # ENDOR: bundles of the reads that landed were decoded then
-            if redone:
+            if len(redone):
                 self._decode(job, flat, redone_members)
         elif job.zero_copy:  # rows of the reads that landed were checked then
-            if self.verify and redone:
+            if self.verify and len(redone):
                 self._check_rows(job, redone_members)
         else:
             self._finish(job, flat)

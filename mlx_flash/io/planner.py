@@ -126,20 +126,21 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     a1 = -(-(starts + length) // align) * align
     if n == 0 or cost is None:
         return a0, a1, np.arange(n)
+    mean_length = int(length) if np.ndim(length) == 0 else int(np.mean(length))
     new = np.ones(n, bool)  # sorted, non-overlapping requests: a1 never decreases
-    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap_for(int(np.mean(length)))
+    new[1:] = a0[1:] - a1[:-1] > cost.merge_gap_for(mean_length)
     first = np.flatnonzero(new)
     bounds = np.append(first, n)
-    if (a1[bounds[1:] - 1] - a0[first]).max() > max_read:  # split long runs greedily
-        cut = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            r0 = a0[lo]
-            cut.append(lo)
+    long_runs = np.flatnonzero(a1[bounds[1:] - 1] - a0[first] > max_read)
+    if len(long_runs):  # split each run longer than max_read greedily
+        cut, lo_list, hi_list = [], a0.tolist(), a1.tolist()  # Python ints: ~10x numpy scalars
+        for lo, hi in zip(bounds[long_runs].tolist(), bounds[long_runs + 1].tolist()):
+            r0 = lo_list[lo]
             for j in range(lo + 1, hi):
-                if a1[j] - r0 > max_read:
+                if hi_list[j] - r0 > max_read:
                     cut.append(j)
-                    r0 = a0[j]
-        first = np.array(cut, np.int64)
+                    r0 = lo_list[j]
+        first = np.sort(np.concatenate([first, np.array(cut, np.int64)]))
         bounds = np.append(first, n)
     return a0[first], a1[bounds[1:] - 1], first
 

@@ -1,0 +1,83 @@
+"""io/aio.py: native AIO reads, in batches handed over while earlier reads are in flight."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from mlx_flash.io import aio
+from mlx_flash.io.files import address, aligned_buffer
+
+pytestmark = pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+
+
+def direct_file(tmp_path, nbytes):
+    """(fd opened O_DIRECT, the file's bytes); skips where the filesystem refuses O_DIRECT."""
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(data.tobytes())
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), data
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            pytest.skip("filesystem refuses O_DIRECT")
+        raise
+
+
+@pytest.mark.parametrize("min_batch", [None, 1])
+def test_batches_from_more_are_read_and_numbered_on(tmp_path, min_batch):
+    """Three batches (5, 3 and 4 reads of 8 KiB, the second one vectored into two halves): every
+    read lands where it was sent, results and on_done indices run 0..11 over the batches, and
+    `more` is asked for a batch only once everything before it is submitted."""
+    fd, data = direct_file(tmp_path, 64 * 8192)
+    ctx = aio.AioContext(4)
+    buf = aligned_buffer(12 * 8192)
+    out = np.frombuffer(buf, np.uint8)
+    block = np.random.default_rng(1).permutation(64)[:12]  # block read by read i
+    base = address(buf)
+
+    def plain(reads):
+        return (np.full(len(reads), fd), block[reads] * 8192, np.full(len(reads), 8192),
+                base + np.array(reads) * 8192, None)
+
+    iov = np.zeros(6, aio.IOVEC)  # reads 5-7: second half first in memory, then the first half
+    for j, r in enumerate(range(5, 8)):
+        iov[2 * j] = (base + r * 8192 + 4096, 4096)
+        iov[2 * j + 1] = (base + r * 8192, 4096)
+    vectored = (np.full(3, fd), block[5:8] * 8192, np.full(3, 2),
+                iov.ctypes.data + 32 * np.arange(3, dtype=np.uint64), np.ones(3, bool))
+    batches, seen, asked = [vectored, plain(range(8, 12))], [], []
+
+    def more():
+        asked.append(len(seen))
+        return batches.pop(0) if batches else None
+
+    try:
+        res = ctx.read(*plain(range(5)), on_done=lambda idx, r: seen.extend(idx.tolist()),
+                       more=more, min_batch=min_batch)
+    finally:
+        ctx.close()
+        os.close(fd)
+    assert res.tolist() == [8192] * 12 and sorted(seen) == list(range(12))
+    assert len(asked) == 3 and asked[0] >= 1  # the first batch was in flight while asked
+    rows = out.reshape(12, 2, 4096)
+    want = data.reshape(64, 2, 4096)[block]
+    assert np.array_equal(rows[:5], want[:5]) and np.array_equal(rows[8:], want[8:])
+    assert np.array_equal(rows[5:8, 0], want[5:8, 1]) and np.array_equal(rows[5:8, 1], want[5:8, 0])
+
+
+def test_failed_read_in_a_later_batch_is_reported(tmp_path):
+    fd, _ = direct_file(tmp_path, 16 * 8192)
+    ctx = aio.AioContext(4)
+    buf = aligned_buffer(4 * 8192)
+    base = address(buf)
+    later = [(np.full(2, fd), np.array([0, 8192]), np.array([8192, 8192]),
+              base + np.array([2, 3]) * 8192 + np.array([0, 1]), None)]  # read 3: misaligned buffer
+    try:
+        res = ctx.read(np.full(2, fd), np.array([8192, 3 * 8192]), np.full(2, 8192),
+                       base + np.arange(2) * 8192, more=lambda: later.pop() if later else None)
+    finally:
+        ctx.close()
+        os.close(fd)
+    assert res[:3].tolist() == [8192] * 3 and res[3] == -errno.EINVAL
