@@ -44,6 +44,9 @@ def build_parser():
     parser.add_argument("--q8-activations", action="store_true",
                         help="CPU kernels: round activations to int8 per 32 values (as llama.cpp does) for "
                              "integer dot products in quantized layers; faster, not bit-exact vs MLX")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="MLX's own ops instead of the CPU kernels (as MLX_FLASH_KERNELS=0): "
+                             "slower on CPU, bit-identical to mlx-lm (MoE experts included)")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return parser
 
@@ -57,6 +60,9 @@ def _check_args(args):
         raise FlashError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise FlashError(f"--seed {args.seed}: must be in 0..2^63-1")
+    if args.q8_activations and args.no_kernels:
+        raise FlashError("--q8-activations: rounds activations in the CPU kernels; --no-kernels "
+                         "turns them off")
 
 
 def read_prompt(prompt: str) -> str:
@@ -94,10 +100,12 @@ def _main(argv):
 
     if args.seed is not None:
         mx.random.seed(args.seed)
-    if args.q8_activations:
-        from .cpu.ops import set_q8_activations  # heavy, as above
+    from .cpu import ops  # heavy, as above
 
-        set_q8_activations(True)
+    if args.no_kernels:
+        ops.set_kernels_enabled(False)
+    if args.q8_activations:
+        ops.set_q8_activations(True)
     prompt = read_prompt(args.prompt)
     model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
                             window=args.window, threads=args.threads)

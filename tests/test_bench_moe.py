@@ -6,8 +6,9 @@ import json
 import pytest
 
 from mlx_flash.bench.__main__ import main as bench_main
-from mlx_flash.bench.moe import generate_moe, hit_rate_vs_slots
+from mlx_flash.bench.moe import MLX_ROW, generate_moe, hit_rate_vs_slots, with_compute_paths
 from mlx_flash.convert import main as convert_main
+from mlx_flash.cpu import ops
 from mlx_flash.pack import read_manifest
 
 PROMPT = [1, 2, 3, 400, 5000, 17, 9, 33]
@@ -97,3 +98,20 @@ def test_sampled_decode_is_seeded(moe_pack):
     runs = [generate_moe(str(moe_pack), "naive", PROMPT, 6, record=True, temp=1.0, seed=s)["routes"]
             for s in (0, 0, 1)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_mlx_rows_alternate_each_row_with_the_kernels_off(moe_pack):
+    rows = [("ours (flash)", "p", "flash", {}), ("IO-FREE (dense)", "p", "dense", {})]
+    assert [r[-1] for r in with_compute_paths(rows, False, True)] == [True, True]
+    assert [r[-1] for r in with_compute_paths(rows, False, False)] == [False, False]
+    paths = with_compute_paths(rows, True, True)
+    assert [(r[0], r[-1]) for r in paths] == [
+        ("ours (flash)", True), (MLX_ROW + "ours (flash)", False),
+        ("IO-FREE (dense)", True), (MLX_ROW + "IO-FREE (dense)", False)]
+    # the child of a kernels-off row runs on MLX's ops (the process-wide switch)
+    try:
+        off = generate_moe(str(moe_pack), "dense", PROMPT, 2, kernels=False)
+    finally:
+        ops.set_kernels_enabled(True)
+    on = generate_moe(str(moe_pack), "dense", PROMPT, 2)
+    assert off["kernels"] is False and on["kernels"] is ops.EXTENSION_AVAILABLE

@@ -69,6 +69,30 @@ def test_q8_activations_flag_reaches_the_kernels(embedded_model_dir, monkeypatch
     assert seen == [flag]
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_no_kernels_flag_turns_the_cpu_kernels_off(embedded_model_dir, monkeypatch, flag):
+    """--no-kernels: the one switch of the CPU kernels (dense layers and MoE experts alike)."""
+    from mlx_flash import api
+    from mlx_flash.cpu import ops
+    from mlx_flash.generate import main
+
+    if not ops.EXTENSION_AVAILABLE:
+        pytest.skip("CPU kernels not built")
+    seen = []
+
+    def record(*a, **k):
+        seen.append(ops.kernels_active())
+        return iter(())
+
+    monkeypatch.setattr(api, "stream_generate", record)
+    try:
+        main(["--model", str(embedded_model_dir), "--prompt", "hi", "--max-tokens", "2"]
+             + (["--no-kernels"] if flag else []))
+    finally:
+        ops.set_kernels_enabled(True)
+    assert seen == [not flag]
+
+
 def test_sampling_is_seeded(embedded_model_dir):
     args = ("--model", str(embedded_model_dir), "--prompt", "Tell me a story", "--max-tokens", "10",
             "--temp", "0.9", "--top-p", "0.95", "--seed", "3")

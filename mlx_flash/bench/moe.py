@@ -265,7 +265,7 @@ def run(args):
 
 def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capacity=None,
                  policy="layer", predictor="lookahead", preload_width=None, record=False,
-                 temp=0.0, seed=0, kernels=False, **_) -> dict:
+                 temp=0.0, seed=0, kernels=True, **_) -> dict:
     """A `bench run` child on an MoE pack: load `pack` in `mode`, generate greedily, measure.
 
     Returns JSON-ready figures: `summary` per decode token (total_ms, io_ms = time the token
@@ -275,8 +275,9 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     expert blocks asked for (both), hit_rate, host_syncs) and for the run (prompt_ms,
     tokens, peak_memory from MLX, peak_rss in bytes), `plan_weights_bytes` (resident + slot bank
     + scratch bank), load seconds, and with `record` the decode routing [(layer, experts)].
-    kernels: one token's experts through the CPU kernels (models.moe); dense mode then holds
-    every expert in a slot bank read at load (the same compute path as the streamed rows).
+    kernels: False turns the CPU kernels off in this child (MLX's own ops: gather_qmm for the
+    experts); on, where they run, dense mode holds every expert in a slot bank read at load (the
+    same compute path as the streamed rows; models.moe).
     """
     import resource
     import sys
@@ -287,24 +288,18 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     from mlx_lm.sample_utils import make_sampler
 
     from ..config import FlashConfig
+    from ..cpu import ops
     from ..models import load_tokenizer
     from ..models.moe import build_moe_model, top_k_of
     from ..moe.switch import StreamedSwitchGLU
     from ..pack import read_manifest
 
+    if not kernels:
+        ops.set_kernels_enabled(False)
     t0 = time.perf_counter()
-    resident_bank = kernels and mode == "dense"
-    if resident_bank:  # IO-FREE on the kernel path: a slot for every expert, all read at load
-        n_experts = max(b.count for b in read_manifest(pack).bundles)
-        mode, capacity = "hybrid", n_experts
     model = build_moe_model(pack, FlashConfig(mode=mode, memory_budget=budget, threads=threads),
                             policy=policy, predictor=predictor, preload_width=preload_width,
-                            capacity=capacity, kernels=kernels)
-    if resident_bank:
-        for layer in model.moe_store.entries:
-            model.moe_store.preload(layer, list(range(n_experts)))
-            model.moe_store.wait_preload()
-        mode = "dense"
+                            capacity=capacity)
     tokenizer = load_tokenizer(Path(pack))
     load_s = time.perf_counter() - t0
     store = model.moe_store
@@ -382,7 +377,7 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     else:  # slot banks + scratch banks (naive mode's, or a long prompt's, one-layer bank)
         weights += sum(a.nbytes for bank in [*store.banks.values(), *store.scratch.values()]
                        for a in bank.values())
-    out = {"mode": mode, "budget": budget, "capacity": capacity, "policy": policy,
+    out = {"mode": mode, "kernels": ops.kernels_active(), "budget": budget, "capacity": capacity, "policy": policy,
            "predictor": predictor if mode == "flash" else None, "load_s": load_s,
            "summary": summary, "plan_weights_bytes": weights,
            "slots_per_layer": (store.cache.capacity_of(next(iter(store.entries)))
@@ -390,6 +385,9 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     if record:
         out["routes"] = [(int(layer), ids.reshape(-1).tolist()) for layer, ids in routes[first["routes"]:]]
     return out
+
+
+MLX_ROW = "MLX ops: "  # label prefix of a row run with the CPU kernels off (bench run --mlx-rows)
 
 
 def is_moe(manifest) -> bool:
@@ -422,6 +420,15 @@ def suite_rows(args, pack, manifest) -> list:
         ("ours (flash: expert cache + preload)", pack, "flash", {"policy": args.moe_policy}),
     ]
     return rows
+
+
+def with_compute_paths(rows, mlx_rows: bool, kernels: bool) -> list:
+    """[(label, pack, mode, kwargs, on_kernels)]: each row on the CPU kernels when `kernels`,
+    and with `mlx_rows` each followed by itself on MLX's own ops (label prefixed MLX_ROW)."""
+    if not mlx_rows:
+        return [(*row, kernels) for row in rows]
+    return [row for label, *rest in rows
+            for row in ((label, *rest, True), (f"{MLX_ROW}{label}", *rest, False))]
 
 
 def aggregate_moe(records) -> dict:
@@ -470,6 +477,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
     machine, packages: bench run's machine_info() and package_versions()."""
     import os
 
+    from ..cpu import ops
     from ..models.moe import _n_experts, top_k_of
     from . import peers as peer_mod
     from .report import write_json, write_text
@@ -477,14 +485,15 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
     manifest = suite.manifest
     config = manifest.config
     top_k, n_experts = top_k_of(config), _n_experts(config)
-    rows = suite_rows(args, suite.pack, manifest)
+    kernels = ops.kernels_active()
+    rows = with_compute_paths(suite_rows(args, suite.pack, manifest), args.mlx_rows, kernels)
     for rep in range(args.repeats):  # repeats outermost: background load hits every row alike
-        for label, pack, mode, kw in rows:
-            if kw.get("record") and rep:
+        for label, pack, mode, kw, on_kernels in rows:
+            if kw.get("record") and (rep or not on_kernels):
                 kw = {k: v for k, v in kw.items() if k != "record"}
             kwargs = {"pack": str(pack), "mode": mode, "prompt": prompts[rep]["ids"],
                       "gen_tokens": args.gen_tokens, "budget": args.memory_budget,
-                      "threads": args.threads, "kernels": args.moe_kernels, "temp": args.temp,
+                      "threads": args.threads, "kernels": on_kernels, "temp": args.temp,
                       "seed": rep, **kw}
             budget = suite.pack_bytes if mode == "dense" else suite.budget_bytes
             suite.child("moe", label, "mlx_flash.bench.moe:generate_moe", kwargs,
@@ -507,7 +516,8 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
         "protocol": {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                      "repeats": args.repeats, "threads": args.threads,
                      "memory_budget": args.memory_budget, "budget_bytes": suite.budget_bytes,
-                     "policy": args.moe_policy, "moe_kernels": args.moe_kernels, "temp": args.temp,
+                     "policy": args.moe_policy, "kernels": kernels, "mlx_rows": args.mlx_rows,
+                     "temp": args.temp,
                      "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
                      "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
                      "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
@@ -565,7 +575,9 @@ def moe_markdown(result) -> str:
              f"Prompt {p['prompt_tokens']} tokens, {p['gen_tokens']} generated "
              f"({'sampled at temperature ' + str(p['temp']) if p['temp'] else 'greedy'}), "
              f"{p['repeats']} cold run(s) per row, policy {p['policy']}, {p['threads']} reads in flight, "
-             f"expert products: {'CPU kernels' if p['moe_kernels'] else 'MLX gather_qmm'}.",
+             "compute: " + ("CPU kernels (rows marked MLX ops: MLX's own ops, gather_qmm)"
+                           if p["mlx_rows"] else "CPU kernels" if p["kernels"]
+                           else "MLX's own ops (gather_qmm)") + ".",
              f"Machine: {result['machine'].get('cpu', '?')}, {result['machine']['cpus']} cores, load "
              f"{result['machine']['load_average']} (shared machine: compare rows, not absolute figures).",
              f"Command: `{result['command']}`", "",
@@ -592,6 +604,13 @@ def moe_markdown(result) -> str:
     if result["speedups"]:
         lines += ["", "ours vs each row (ms/token ratio): " + ", ".join(
             f"{k} {v:.2f}x" for k, v in result["speedups"].items())]
+    by_label = {r["label"]: r for r in result["rows"]}
+    paths = [(r["label"].split(" (")[0], r["total_ms"] / by_label[MLX_ROW + r["label"]]["total_ms"])
+             for r in result["rows"] if by_label.get(MLX_ROW + r["label"], {}).get("total_ms")
+             and r.get("total_ms")]
+    if paths:
+        lines += ["", "each row's MLX-ops run vs its CPU-kernel run (ms/token ratio, higher: the "
+                  "kernels faster): " + ", ".join(f"{k} {1 / v:.2f}x" for k, v in paths)]
     if result["hit_rate_vs_slots"]:
         lines += ["", "Hit rate vs per-layer cache size on the decode routing recorded in the "
                   "IO-QEXP run (no preload; EdgeMoE Figure 13):", "",

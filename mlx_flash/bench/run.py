@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 from ..calibration.synthetic import is_synthetic
 from ..config import parse_memory_budget
+from ..cpu import ops
 from ..errors import FlashError
 from ..io import evict
 from ..io.cache import pack_files
@@ -93,10 +94,13 @@ def add_arguments(parser):
     parser.add_argument("--io-exp-pack", help="MoE packs: the same model with wider experts (8-bit "
                         "or float16) for EdgeMoE's IO-EXP row (naive reads of those experts); the "
                         "--model pack's naive row is IO-QEXP")
-    parser.add_argument("--moe-kernels", action="store_true",
-                        help="MoE packs: decode tokens' experts through the CPU kernels (every row, "
-                        "IO-FREE included; equal up to float summation order) instead of MLX's "
-                        "gather_qmm")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="every row on MLX's own ops instead of the CPU kernels (as "
+                        "MLX_FLASH_KERNELS=0; MoE packs: experts through gather_qmm, bit-identical "
+                        "to mlx-lm)")
+    parser.add_argument("--mlx-rows", action="store_true",
+                        help="MoE packs: each row also runs on MLX's own ops (kernels off), "
+                        "alternated with its run on the CPU kernels")
     parser.add_argument("--temp", type=float, default=0.0,
                         help="MoE packs: sample generated tokens at this temperature (ours and "
                         "llama.cpp; default greedy). A synthetic model's greedy output repeats "
@@ -430,7 +434,12 @@ def rows_by_label(runs, group) -> dict:
 # ---- the suite ----------------------------------------------------------------------------------
 
 def run(args) -> int:
-
+    if args.no_kernels:  # this process and every child (they inherit the environment)
+        os.environ["MLX_FLASH_KERNELS"] = "0"
+        ops.set_kernels_enabled(False)
+    if args.mlx_rows and args.no_kernels:
+        raise FlashError("--mlx-rows: adds MLX-ops rows next to the kernel rows; with --no-kernels "
+                         "every row is on MLX's ops already")
     for name, value in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
                         ("--repeats", args.repeats)):
         if value < 1:

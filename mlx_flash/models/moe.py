@@ -4,6 +4,13 @@ Modes (FlashConfig.mode): dense = every expert resident (IO-FREE); naive = each 
 its chosen experts (IO-EXP); hybrid = per-layer expert cache, no prediction; flash = the cache plus
 predicted preloading of the next layer's experts (EdgeMoE 3.3).
 The router, attention, norms, embeddings and shared experts are the pack's resident tensors.
+
+Compute: where the CPU kernels run (`cpu.ops.kernels_active()`: Linux/CPU with the extension
+built; MLX_FLASH_KERNELS=0 or `set_kernels_enabled(False)` turns them off, as for dense models)
+the model's layers are patched onto them (`cpu.patch.patch_layers`) and the experts run on them
+(moe.switch); dense mode then holds every expert in a slot bank read at load, so it is the same
+kernel path with nothing streamed. Elsewhere (Metal, kernels off) mlx-lm's own ops run and every
+mode is bit-identical to mlx-lm's fully loaded model.
 """
 
 import weakref
@@ -13,8 +20,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import FlashError
 from ..config import FlashConfig, parse_memory_budget
+from ..cpu import ops
+from ..cpu.patch import patch_layers
+from ..errors import FlashError
 from ..io import FlashLoader
 from ..moe.cache import split_slots_by_curves
 from ..moe.store import ExpertStore, expert_layers
@@ -77,8 +86,7 @@ def layer_slots(manifest, per_layer, top_k) -> dict:
 
 
 def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="lookahead",
-                    preload_width=None, capacity=None, future=None, profile=None, loader=None,
-                    kernels=False):
+                    preload_width=None, capacity=None, future=None, profile=None, loader=None):
     """The mlx-lm model of an MoE pack with experts per `flash_config.mode` (no tokenizer).
 
     policy: eviction policy (moe.cache.POLICIES). predictor: "lookahead" (next router on this
@@ -87,9 +95,8 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     capacity: slots per layer (int, or {layer: slots}) instead of the budget's. Without it a pack
       with calibration routing statistics splits the budget's slots over layers by them
       (`layer_slots`). future: access trace for policy "belady".
-    kernels: streamed layers run one token's experts through the CPU kernels (moe.switch; equal
-    up to float summation order, not bit for bit).
-    The ExpertStore is `model.moe_store` (None in dense mode).
+    The ExpertStore is `model.moe_store` (None in dense mode on mlx-lm's own ops; on the CPU
+    kernels dense mode's store holds every expert, read at load).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
@@ -99,14 +106,14 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         raise FlashError(f"{pack}: no MoE expert blocks in the pack")
     config = manifest.config
     top_k = top_k_of(config)
-    if cfg.mode == "dense" and any(e.groups for e in layers.values()):
-        return _dense_mixed(pack, manifest, layers)
-    if cfg.mode == "dense":
-        config, weights = load_pack_weights(pack)
-        model = build_model(config, weights)
-        _load(model, weights, pack)
+    resident_bank = cfg.mode == "dense" and ops.kernels_active()
+    if cfg.mode == "dense" and not resident_bank:
+        model = (_dense_mixed(pack, manifest, layers) if any(e.groups for e in layers.values())
+                 else _dense(pack))
         model.moe_store = None
         return model
+    if resident_bank:  # IO-FREE on the kernel path: a slot for every expert, all read at load
+        capacity = {layer: entry.count for layer, entry in layers.items()}
     if capacity is None:
         capacity = layer_slots(manifest, expert_slots(manifest, cfg.memory_budget, top_k), top_k)
     caps = capacity if isinstance(capacity, dict) else {layer: capacity for layer in layers}
@@ -123,16 +130,21 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     owned = loader is None  # a loader made here is closed with the model; a given one is the caller's
     loader = loader or FlashLoader(pack, threads=cfg.threads)
     store = ExpertStore(loader, layers, caps,
-                        policy=policy if cfg.mode != "naive" else "lru",
-                        future=future, cache=cfg.mode != "naive")
+                        policy=policy if cfg.mode not in ("naive", "dense") else "lru",
+                        future=future if cfg.mode != "dense" else None, cache=cfg.mode != "naive")
     blocks = {}
 
     def make(layer, switch, block):
         blocks[layer] = block
-        return StreamedSwitchGLU(store, layer, switch.activation, kernels=kernels)
+        return StreamedSwitchGLU(store, layer, switch.activation)
 
     swapped = swap_switch_glu(model, store, make)
     _load(model, weights, pack)
+    patch_layers(model)
+    if resident_bank:
+        for layer, entry in layers.items():
+            store.preload(layer, range(entry.count))
+            store.wait_preload()
     # Preloads only use the slots beyond one token's experts: wider guesses evict experts the
     # cache would have hit (measured: 8 of 16 slots, width 6 read 3x the bytes of no preload).
     width = min(preload_width or top_k, slots - top_k)
@@ -160,6 +172,15 @@ def _close_streams(store, loader):
         loader.close()
 
 
+def _dense(pack):
+    """mlx-lm's own model of the pack, every expert resident in its SwitchGLU."""
+    config, weights = load_pack_weights(pack)
+    model = build_model(config, weights)
+    _load(model, weights, pack)
+    patch_layers(model)
+    return model
+
+
 def _dense_mixed(pack, manifest, layers):
     """Every expert resident at its own width (ResidentMixedSwitchGLU per MoE layer)."""
     _, weights = load_resident(pack, manifest=manifest)
@@ -178,7 +199,7 @@ def _dense_mixed(pack, manifest, layers):
     # the experts are loaded already; the strict load checks that the rest is the pack's
     weights.update((k, v) for k, v in tree_flatten(model.parameters()) if ".switches." in k)
     _load(model, weights, pack)
-    model.moe_store = None
+    patch_layers(model)
     return model
 
 

@@ -8,7 +8,9 @@ which row; predicted experts are read by one background thread while the current
 
 Exactness: a slot is only overwritten when the cache chose it as a victim, and the cache never
 chooses an expert the pending computation reads (it is pinned until the next host sync, which
-evaluates that computation), so every product reads exactly the expert's bytes from the pack.
+evaluates that computation: the streamed layer evaluates the previous call's product, kept in
+`last_output`, with its expert ids), so every product reads exactly the expert's bytes from the
+pack.
 """
 
 import time
@@ -116,6 +118,7 @@ class ExpertStore:
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.host_syncs = 0
+        self.last_output = ()  # the last layer call's (lazy) product, evaluated by the next sync
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="expert-preload")
         self._pending = None
 

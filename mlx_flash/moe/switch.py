@@ -8,6 +8,15 @@ fully loaded model for every cache size and policy (tests/test_moe_switch.py).
 One host synchronisation per MoE layer call: the expert ids (and, with the lookahead predictor,
 the next layer's predicted ids, evaluated in the same `mx.eval`) must reach the host to read the
 missing experts. The previous layer's expert products are evaluated by that same sync.
+
+Two compute paths, chosen per call by the CPU kernels' own switch (`cpu.ops.kernels_active()`:
+extension built, MLX_FLASH_KERNELS not 0 / `set_kernels_enabled`, default device CPU):
+  kernels  each expert's routed rows as the kernels' quantized matvecs on its bank slot (MLX's CPU
+           gather_qmm is 10-25x slower per expert). Equal to mlx-lm's SwitchGLU up to float
+           summation order, and bit-identical across cache sizes, policies and predictors (each
+           expert sees the same rows in the same order whatever slot holds it).
+  MLX      mlx-lm's gather_qmm / gather_mm (Metal, float experts, widths the kernels lack, or the
+           kernels off): bit-identical to mlx-lm's fully loaded model.
 """
 
 import mlx.core as mx
@@ -16,9 +25,6 @@ import numpy as np
 
 from ..cpu import ops
 from ..errors import FlashError
-
-KERNEL_MAX_CHOICES = 16  # the kernel path serves one token's top-k experts (decode)
-
 
 class StreamedSwitchGLU(nn.Module):
     """SwitchGLU over `store`'s bank for MoE layer `layer`.
@@ -29,15 +35,11 @@ class StreamedSwitchGLU(nn.Module):
     predict_next: optional callable(layer, experts at this layer) -> [(layer, [experts])] to
       preload (the statistical profile).
     on_route: optional callable(layer, ids np.ndarray, lookahead np.ndarray|None) (recording).
-    kernels: one token's experts through the CPU kernels (faster on CPU; equal to mlx-lm's
-      SwitchGLU up to float summation order instead of bit for bit).
     """
 
-    def __init__(self, store, layer, activation, *, lookahead=None, predict_next=None, on_route=None,
-                 kernels=False):
+    def __init__(self, store, layer, activation, *, lookahead=None, predict_next=None, on_route=None):
         super().__init__()
         self._store, self._layer, self.activation = store, layer, activation
-        self.kernels = kernels
         self._lookahead, self._predict_next, self._on_route = lookahead, predict_next, on_route
         self._next_layer = None
         layers = list(store.entries)
@@ -60,12 +62,16 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x, indices):
         store = self._store
-        ahead = None
+        # The previous call's product is evaluated in this sync too: its slots may be refilled
+        # below, and a caller that does not feed each output into the next call (teacher-forced
+        # tokens, a prompt chunk's last layer) has not made this layer's ids depend on it.
+        pending = [*store.last_output]
         if self._lookahead is not None and self._next_layer is not None:
             ahead = self._lookahead(x)
-            mx.eval(indices, ahead)
+            mx.eval(indices, ahead, *pending)
         else:
-            mx.eval(indices)
+            ahead = None
+            mx.eval(indices, *pending)
         store.host_syncs += 1
         ids = np.array(indices, copy=False)
         ahead_ids = np.array(ahead, copy=False) if ahead is not None else None
@@ -80,13 +86,16 @@ class StreamedSwitchGLU(nn.Module):
                     store.preload(layer, experts)
         if not store.mixed:
             (width, bank), = banks.items()
-            return self._switch(bank, width, x, mx.array(lut[ids], dtype=indices.dtype))
-        return by_width(x, ids, store.width_of[self._layer], lambda w, xw, rows: self._switch(
-            banks[w], w, xw, mx.array(lut[rows], dtype=indices.dtype)))
+            y = self._switch(bank, width, x, mx.array(lut[ids], dtype=indices.dtype))
+        else:
+            y = by_width(x, ids, store.width_of[self._layer], lambda w, xw, rows: self._switch(
+                banks[w], w, xw, mx.array(lut[rows], dtype=indices.dtype)))
+        store.last_output = (y,)
+        return y
 
     def _switch(self, bank, width, x, idx):
         """The body of mlx-lm's SwitchGLU.__call__, on bank slots `idx` instead of expert ids."""
-        if self.kernels and idx.size <= KERNEL_MAX_CHOICES and self._kernel_ok(bank, width, x):
+        if self._kernel_ok(bank, width, x):
             return self._switch_kernels(bank, width, x, idx)
         shape = idx.shape
         x = mx.expand_dims(x, (-2, -3))
@@ -101,19 +110,28 @@ class StreamedSwitchGLU(nn.Module):
             x = mx.unflatten(x[inv_order], 0, shape)
         return x.squeeze(-2)
 
-
     def _kernel_ok(self, bank, width, x) -> bool:
+        """True when this call runs on the CPU kernels: kernels active, at most MAX_KERNEL_ROWS
+        tokens, affine-quantized experts of a width and group size the kernels read, no biases."""
         q = self._store.quantization("up", width)
-        return (q is not None and "up.bias" not in bank and x.size == x.shape[-1]
-                and ops.use_kernel(x) and ops.quant_ok(bank["up.weight"][0], bank["up.scales"][0],
-                                                       bank["up.biases"][0], q["group_size"], q["bits"]))
+        return (q is not None and "up.bias" not in bank and "up.biases" in bank
+                and ops.use_kernel(x)
+                and ops.quant_ok(bank["up.weight"][0], bank["up.scales"][0], bank["up.biases"][0],
+                                 q["group_size"], q["bits"]))
 
     def _switch_kernels(self, bank, width, x, idx):
-        """One token: each chosen expert's three projections as the CPU kernels' quantized
-        matvecs on its bank slot (MLX's gather_qmm on CPU: ~10-25x slower per expert; equal up
-        to float summation order, not bit-identical, so only with `kernels` on)."""
+        """SwitchGLU output [..., k, hidden] with each expert's routed token rows as the CPU
+        kernels' quantized matmuls on its bank slot: the (token, choice) pairs grouped by slot
+        (tokens in order within a group), each group up, gate, activation, down, the rows put
+        back in order. A row's result depends on its expert's rows only, never on the slot."""
         q = {role: self._store.quantization(role, width) for role in ("up", "gate", "down")}
-        xs = x.reshape(1, x.shape[-1])
+        slots = np.array(idx, copy=False).reshape(-1)  # made on the host from the router's ids
+        k = idx.shape[-1]
+        xf = x.reshape(-1, x.shape[-1])
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        ends = np.r_[starts[1:], ordered.size]
 
         def project(role, v, slot):
             return ops.quantized_matvec(v, bank[f"{role}.weight"][slot], bank[f"{role}.scales"][slot],
@@ -121,10 +139,16 @@ class StreamedSwitchGLU(nn.Module):
                                         q[role]["bits"])
 
         outs = []
-        for slot in np.array(idx).reshape(-1).tolist():
-            h = self.activation(project("up", xs, slot), project("gate", xs, slot))
-            outs.append(project("down", h, slot))
-        return mx.concatenate(outs, axis=0).reshape(*idx.shape, -1)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            slot = int(ordered[a])
+            rows = order[a:b] // k
+            xs = xf if xf.shape[0] == 1 else xf[mx.array(rows)]
+            outs.append(project("down", self.activation(project("up", xs, slot),
+                                                        project("gate", xs, slot)), slot))
+        y = mx.concatenate(outs, axis=0)
+        if not np.array_equal(order, np.arange(order.size)):
+            y = y[mx.array(np.argsort(order))]
+        return y.reshape(*idx.shape, y.shape[-1])
 
 
 def by_width(x, ids: np.ndarray, width_of: np.ndarray, switch):
