@@ -2,6 +2,7 @@
 checked against what the runtime must do (speed is never asserted here)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -84,6 +85,9 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
     assert result["hit_rate_vs_slots"][-1]["slots"] == 8
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Belady" in report and "bench run" in report
+    if shutil.which("fio"):  # rows that read experts, next to fio's time for their bytes
+        assert "IO-QEXP" in {e["label"].split(" (")[0] for e in result["io_vs_fio"]}
+        assert "Expert I/O vs fio" in report and "- IO-QEXP" in report
 
 
 def test_prompt_chunks_fit_the_slots_so_no_scratch_bank_is_needed(moe_pack):

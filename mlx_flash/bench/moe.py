@@ -480,6 +480,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
     from ..cpu import ops
     from ..models.moe import _n_experts, top_k_of
     from . import peers as peer_mod
+    from .io import expert_io_text, expert_io_vs_fio
     from .report import write_json, write_text
 
     manifest = suite.manifest
@@ -526,8 +527,9 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
                  for r in suite.runs],
     }
     result["speedups"] = moe_speedups(table, peer_results)
+    result["io_vs_fio"] = expert_io_vs_fio(table, args.threads)
     write_json(out / "results.json", result)
-    text = moe_markdown(result)
+    text = moe_markdown(result) + expert_io_text(result["io_vs_fio"])
     write_text(out / "report.md", text)
     (out / "runs.partial.json").unlink(missing_ok=True)
     print(text)
