@@ -134,3 +134,36 @@ def test_synthetic_moe_pack_is_quantized_labelled_and_runs(tmp_path, arch):
     assert bool(mx.all(mx.isfinite(dense)))
     naive = build_moe_model(out, FlashConfig(mode="naive"))(tokens)
     assert np.array_equal(np.array(dense), np.array(naive))
+
+
+# sha256 of the generated files of `convert --synthetic opt-tiny --dtype float16 --weight-sparsity
+# 0.5 [--encoding endor]` (seed 0, mlx 0.32.4), as the writer wrote them when it still went through
+# safetensors shards on disk. The in-memory path must give the same bytes. If the pack format
+# changes on purpose, regenerate them.
+OPT_TINY_PACK_SHA256 = {
+    "dense": {
+        "bundles/layer_000.bin": "6ed9439de4d58d9e00e31fa8fc8200ec6645227d49bb832f5835b7b16bc684b3",
+        "bundles/layer_001.bin": "b06ff2b13b4ed5e1e72ec8ebdf721fe0548bf4816ffc75a1bd376bae629b3549",
+        "predictors.safetensors": "bce2943e5bc40029b42c6f5a8bef1c72ff9507941129b2a2bb3029801e4ef307",
+        "resident.safetensors": "987c8bada3071ecc764e1633b8f09b295dbb803be6847a918185e69c7a9d6083",
+    },
+    "endor": {
+        "bundles/layer_000.bin": "2a3158b0d02b69586d98402ab5153ddc442a598439623ad660c52a796daa4953",
+        "bundles/layer_001.bin": "c7d4296fe706a11fc95ee7e5982788d86c35c81ed96bf618f1748b276422a7da",
+        "predictors.safetensors": "bce2943e5bc40029b42c6f5a8bef1c72ff9507941129b2a2bb3029801e4ef307",
+        "resident.safetensors": "acb2861c3558fe8abb783eeeabf1727a15c0b00b04c51150be77342d530fded9",
+    },
+}
+
+
+@pytest.mark.parametrize("encoding", ["dense", "endor"])
+def test_same_seed_same_pack_bytes_as_the_shard_writer(tmp_path, encoding):
+    import hashlib
+
+    out = tmp_path / "pack"
+    assert convert_main(["--synthetic", "opt-tiny", "--dtype", "float16", "--weight-sparsity", "0.5",
+                         "--encoding", encoding, "--out", str(out)]) == 0
+    expected = OPT_TINY_PACK_SHA256[encoding]
+    assert {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in expected} == expected
+    assert sorted(p.name for p in (out / "bundles").iterdir()) == ["layer_000.bin", "layer_001.bin"]
+    assert not (out / "source").exists()

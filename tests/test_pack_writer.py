@@ -360,3 +360,44 @@ def test_endor_quantized_keeps_pruned_zeros_exact(tiny_llama, tmp_path, bits):
 def test_endor_refuses_quantized_sources(tiny_llama, tmp_path):
     with pytest.raises(FlashError, match="--encoding endor needs a float source"):
         write_pack(tiny_llama("q", quantize=(4, 32)), tmp_path / "p", progress=False, encoding="endor")
+
+
+@pytest.mark.parametrize("payload", [{"dtype": "float16"}, {"dtype": "bfloat16"},
+                                     {"dtype": "float32"}, {"bits": 4, "group_size": 32}])
+def test_endor_bundle_file_is_every_row_encoded_in_turn(tmp_path, payload):
+    """The whole-matrix ENDOR encoder writes, bundle by bundle, exactly bitmap.encode_row's
+    blocks of each component (biases raw, padded to 4 bytes), with their index and crc32s."""
+    import zlib
+
+    from mlx_flash.pack.bitmap import encode_row, pad4
+
+    rng = np.random.default_rng(0)
+    dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(payload.get("dtype"), mx.float32)
+
+    def pruned(shape, zeros):
+        w = rng.standard_normal(shape).astype(np.float32)
+        w[rng.random(shape) < zeros] = 0.0
+        w[0, :3] = -0.0  # negative zeros are pruned zeros too
+        return mx.array(w).astype(dtype)
+    comps = [("up.weight", "m.up.weight", pruned((24, 40), 0.5), None),
+             ("down_t.weight", "m.down.weight", pruned((24, 36), 0.9), None),
+             ("up.bias", "m.up.bias", mx.array(rng.standard_normal(24).astype(np.float32)).astype(dtype), None)]
+    quant = payload.get("bits")
+    entry = pack_writer._write_endor_bundle_file(tmp_path / "layer.bin", comps, 4096, quant,
+                                                 payload.get("group_size", 64))
+    expected = []
+    for i in range(24):
+        parts = []
+        for name, _, arr, _ in comps:
+            if name.endswith(".weight"):
+                parts.append(encode_row(pack_writer._host_rows(arr)[i], payload))
+            else:
+                raw = pack_writer._row_bytes(arr)[i]
+                parts.append(np.concatenate([raw, np.zeros(pad4(len(raw)) - len(raw), np.uint8)]))
+        expected.append(np.concatenate(parts).tobytes())
+    data = (tmp_path / "layer.bin").read_bytes()
+    index = np.frombuffer(data, "<u8", 25, entry["index"]["offset"])
+    crcs = np.frombuffer(data, "<u4", 24, entry["checksums"]["offset"])
+    assert index[0] == 0 and entry["length"] == index[-1] == sum(map(len, expected))
+    assert data[: entry["length"]] == b"".join(expected)
+    assert [int(c) for c in crcs] == [zlib.crc32(b) for b in expected]

@@ -37,6 +37,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,15 +152,22 @@ def _orthonormal_rows(rows: int, cols: int, key):
     return q.T.copy()
 
 
-def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: int = DEFAULT_RANK,
-                        seed: int = 0, dtype: str = "float16", progress: bool = True,
-                        weight_sparsity: float = 0.0) -> dict:
-    """Write a random mlx-lm folder of architecture `arch` at `out` (one safetensors shard per layer).
+def synthetic_source(arch: str, out: Path, *, sparsity: float = 0.95, rank: int = DEFAULT_RANK,
+                     seed: int = 0, dtype: str = "float16", progress: bool = True,
+                     weight_sparsity: float = 0.0) -> dict:
+    """The random weights of architecture `arch`, unevaluated, with `out` made an mlx-lm folder
+    without weight files (config.json and the tokenizer).
 
+    Every random draw is made here in one fixed order (MLX takes its key when an op is built), so
+    the values depend only on the seed, however and whenever they are evaluated; a writer then
+    computes each layer as it writes it (peak memory: about one layer). Only the predictor factors
+    are computed now (a QR per layer; the progress bar counts them).
     weight_sparsity: fraction of every attention and FFN weight set to exactly 0 at uniformly random
     positions (unstructured pruning's shape, for ENDOR; the predictor then only approximates fc1).
     Returns {"config", "predictor": {layer: (A [rank, hidden], B [ffn, rank], bias [ffn])},
-    "synthetic": label}. float32 predictor factors are kept in memory (small: rank x (hidden+ffn)).
+    "synthetic": label, "shards": {file name: {tensor name: unevaluated mx.array}}} (one shard
+    for the top-level tensors, one per layer). float32 predictor factors are kept in memory
+    (small: rank x (hidden+ffn)).
     """
     if arch not in ARCHS:
         raise FlashError(f"--synthetic {arch}: unknown architecture (choose from "
@@ -202,10 +210,6 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
     def normal(shape, std):
         return (mx.random.normal(shape) * std).astype(target)
 
-    def save(name, weights):
-        mx.eval(weights)
-        mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
-
     V = config["vocab_size"]
     attn_std = 1 / math.sqrt(hidden)
     if config["model_type"] == "opt":
@@ -219,11 +223,10 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
                "model.norm.weight": mx.ones((hidden,), target)}
         if not config["tie_word_embeddings"]:
             top["lm_head.weight"] = normal((V, hidden), attn_std)
-    save("model-top.safetensors", top)
-    del top
+    shards = {"model-top.safetensors": top}
     predictor = {}
-    for i in tqdm(range(layers), desc=f"synthetic {arch}", unit="layer", disable=not progress,
-                  file=sys.stderr):
+    for i in tqdm(range(layers), desc=f"synthetic {arch} (predictors)", unit="layer",
+                  disable=not progress, file=sys.stderr):
         p = roles["prefix"].format(i=i)
         A = _orthonormal_rows(rank, hidden, int(rng.integers(1 << 31)))
         B = rng.standard_normal((ffn, rank)).astype(np.float32)
@@ -256,10 +259,32 @@ def write_source_folder(arch: str, out: Path, *, sparsity: float = 0.95, rank: i
         if weight_sparsity:
             for k in [k for k, v in w.items() if k.endswith(".weight") and v.ndim == 2]:
                 w[k] = mx.where(mx.random.uniform(shape=w[k].shape) < weight_sparsity, 0, w[k])
-        save(f"model-layer{i:03d}.safetensors", w)
-        del w
+        shards[f"model-layer{i:03d}.safetensors"] = w
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    return {"config": config, "predictor": predictor, "synthetic": label}
+    return {"config": config, "predictor": predictor, "synthetic": label, "shards": shards}
+
+
+def write_source_folder(arch: str, out: Path, *, progress: bool = True, **options) -> dict:
+    """Write a random mlx-lm folder of architecture `arch` at `out` (one safetensors shard per
+    layer); `options` as synthetic_source. Returns synthetic_source's dict without "shards"."""
+    made = synthetic_source(arch, out, progress=progress, **options)
+    shards = made.pop("shards")
+    for name in tqdm(list(shards), desc=f"synthetic {arch}", unit="shard", disable=not progress,
+                     file=sys.stderr):
+        weights = shards.pop(name)
+        mx.eval(weights)
+        mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+    return made
+
+
+def _load_order(tensors: dict) -> list:
+    """The names of `tensors` in the order mx.load returns them from one safetensors file: the
+    writer lists resident tensors in its source dict's order, so weights handed over in this
+    order give the same resident.safetensors bytes as shards written and loaded back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "names.safetensors")
+        mx.save_safetensors(path, {name: mx.zeros((1,), mx.uint8) for name in tensors})
+        return list(mx.load(path))
 
 
 def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str = "float16",
@@ -270,8 +295,11 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
     (MoE shapes, MOE_ARCHS: write_synthetic_moe_pack, `quantize` bits, default 4, group size 32).
     group_size: None = 64 (dense) or 32 (MoE).
 
-    Built in a temporary folder beside `out` (the random mlx-lm source is deleted) and renamed
-    into place. The manifest gets a top-level "synthetic" label. Returns `out`.
+    Built in a temporary folder beside `out` and renamed into place. The random weights go to
+    pack.write_pack unevaluated (synthetic_source): each layer is generated as it is written, never
+    saved as a source shard (the pack's bytes are the same as converting written shards). The
+    time is MLX's random draws and float32 matmul (CPU), which decide the bytes (OPT-6.7B, 50% zeros:
+    docs/benchmarks.md). The manifest gets a top-level "synthetic" label. Returns `out`.
     """
     if arch in MOE_ARCHS:
         return write_synthetic_moe_pack(arch, out, bits=quantize or 4,
@@ -282,11 +310,17 @@ def write_synthetic_pack(arch: str, out, *, sparsity: float = 0.95, dtype: str =
     t0 = time.perf_counter()
     with atomic_output_dir(out) as tmp:
         src = tmp / "source"
-        made = write_source_folder(arch, src, sparsity=sparsity, rank=rank, seed=seed,
-                                   dtype=dtype, progress=progress, weight_sparsity=weight_sparsity)
+        made = synthetic_source(arch, src, sparsity=sparsity, rank=rank, seed=seed, dtype=dtype,
+                                progress=progress, weight_sparsity=weight_sparsity)
         pack = tmp / "pack"
+        # The weights go to the writer unevaluated: each layer is computed as it is written, with
+        # no source shards written, read back and deleted (13 GB for OPT-6.7B float16).
+        shards = made.pop("shards")
+        weights = {k: shards[name][k] for name in sorted(shards) for k in _load_order(shards[name])}
+        del shards
         write_pack(src, pack, dtype=dtype, quantize=quantize, group_size=group_size,
-                   progress=progress, encoding=encoding)
+                   progress=progress, encoding=encoding, weights=weights)
+        del weights
         shutil.rmtree(src)
         label = dict(made["synthetic"], quantize=quantize,
                      group_size=group_size if quantize else None,

@@ -26,7 +26,7 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
-               expert_bits=None, moe_routing=None) -> Path:
+               expert_bits=None, moe_routing=None, weights=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -48,6 +48,10 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       them). Needs float experts; the rest follows `quantize`.
     moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
       slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
+    weights: {tensor name: mx.array} to convert instead of `src_dir`'s model*.safetensors (which
+      then gives only config.json and the tokenizer files); may be unevaluated: each layer is
+      computed as it is written. The dict is consumed (emptied as tensors are written), so the
+      memory of a written layer is freed.
     Writes into a temporary directory beside `out_dir`, fsyncs it and renames it (paths.atomic_dir);
     on any failure the temporary directory is removed and FlashError names the file and reason.
     Returns out_dir.
@@ -67,11 +71,11 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
-               expert_bits, moe_routing)
+               expert_bits, moe_routing, weights)
     return out
 
 
-def _load_source(src: Path):
+def _load_source(src: Path, weights=None):
     if (src / MANIFEST).exists():
         raise FlashError(f"{src}: is already a flash pack")
     cfg_path = src / "config.json"
@@ -81,6 +85,8 @@ def _load_source(src: Path):
         config = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise FlashError(f"{cfg_path}: invalid JSON ({e})") from None
+    if weights is not None:
+        return config, weights, []
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise FlashError(f"{src}: no model*.safetensors files")
@@ -110,8 +116,8 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
-           expert_bits=None, moe_routing=None):
-    config, weights, files = _load_source(src)
+           expert_bits=None, moe_routing=None, given_weights=None):
+    config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
         raise FlashError(f"{src}: already quantized; convert without --quantize")
@@ -121,8 +127,9 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
                          f"python -m mlx_flash.prune saves float16)")
     if dtype is not None:
         target = FLOAT_DTYPES[dtype]
-        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in weights.items()}
+        for k, v in weights.items():  # in place: a caller's weights are freed as they are written
+            if mx.issubdtype(v.dtype, mx.floating):
+                weights[k] = v.astype(target)
     ffn = find_ffn(weights)
     if not ffn:
         raise FlashError(f"{src}: no FFN tensors recognised (architecture not in pack.layout.FFN_TABLE)")
@@ -144,9 +151,8 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             if (info["kind"] == "experts" or role != "down") and f"{module}.bias" in weights:
                 bundled.add(f"{module}.bias")
     resident, resident_endor = {}, {}
-    for k, v in weights.items():
-        if k in bundled:
-            continue
+    for k in [k for k in weights if k not in bundled]:
+        v = weights.pop(k)  # only the resident dict (or its encoded form) keeps it
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
@@ -491,11 +497,48 @@ def _encode_resident(name, arr, quantize, group_size):
                  "payload": _endor_payload(dtype_name(arr.dtype), quantize, group_size)}
 
 
+def _endor_pieces(host: np.ndarray, payload):
+    """(bytes [count] of each bundle's piece of this component, fill(data, starts)) where fill
+    copies piece i to data[starts[i]:] (data zeroed: the padding is left as is). The bytes are
+    bitmap.encode_row's, row by row: raw rows (payload None, e.g. a bias) zero-padded to 4 bytes;
+    float payloads encoded for the whole matrix at once (one mask, one packbits, one gather of
+    the non-zeros), quantized ones row by row."""
+    from .bitmap import encode_row, pad4
+
+    count = host.shape[0]
+    if payload is None:
+        row_bytes = host.shape[1]
+
+        def fill(data, starts):
+            for i, start in enumerate(starts):
+                data[start: start + row_bytes] = host[i]
+        return np.full(count, pad4(row_bytes), np.int64), fill
+    if payload.get("bits") is not None:
+        blocks = [encode_row(row, payload) for row in host]
+
+        def fill(data, starts):
+            for block, start in zip(blocks, starts):
+                data[start: start + len(block)] = block
+        return np.array([len(b) for b in blocks], np.int64), fill
+    mask = (host & 0x7FFF) != 0 if host.dtype == np.uint16 else host != 0  # bfloat16: +-0 bits
+    bitmaps = np.packbits(mask, axis=1, bitorder="little")
+    values = np.ascontiguousarray(host[mask]).view(np.uint8)  # every row's non-zeros, in order
+    value_bytes = mask.sum(axis=1, dtype=np.int64) * host.dtype.itemsize
+    value_ends = np.cumsum(value_bytes).tolist()
+    bitmap_bytes = pad4(bitmaps.shape[1])
+
+    def fill(data, starts):
+        end = 0
+        for i, start in enumerate(starts):
+            data[start: start + bitmaps.shape[1]] = bitmaps[i]
+            begin, end = end, value_ends[i]
+            data[start + bitmap_bytes: start + bitmap_bytes + end - begin] = values[begin:end]
+    return bitmap_bytes + (value_bytes + 3) // 4 * 4, fill
+
+
 def _write_endor_bundle_file(path: Path, comps, alignment, quantize, group_size):
     """A layer file of variable-length ENDOR neuron bundles (layout.py): bundles packed back to
     back, then the bundle index (uint64 [count + 1] file offsets) and the crc32 table."""
-    from .bitmap import encode_row, pad4
-
     count = comps[0][2].shape[0]
     layout, sources = [], []
     for name, source, arr, q in comps:
@@ -513,22 +556,17 @@ def _write_endor_bundle_file(path: Path, comps, alignment, quantize, group_size)
             entry.update(dtype=dtype_name(arr.dtype), length=host.shape[1])
         layout.append(entry)
         sources.append((host, payload))
-    blocks = []
-    for i in range(count):
-        parts = []
-        for host, payload in sources:
-            if payload is None:
-                raw = host[i]
-                parts.append(np.concatenate([raw, np.zeros(pad4(len(raw)) - len(raw), np.uint8)]))
-            else:
-                parts.append(encode_row(host[i], payload))
-        blocks.append(np.concatenate(parts))
-    lengths = np.array([len(b) for b in blocks], np.int64)
+    pieces = [_endor_pieces(host, payload) for host, payload in sources]
+    piece_lengths = np.stack([lengths for lengths, _ in pieces])  # [component, bundle]
     index = np.zeros(count + 1, "<u8")
-    index[1:] = np.cumsum(lengths)
-    data = np.concatenate(blocks)
-    crcs = np.array([zlib.crc32(b) for b in blocks], "<u4")
+    index[1:] = np.cumsum(piece_lengths.sum(axis=0))
     length = int(index[-1])
+    data = np.zeros(length, np.uint8)  # the zeros are the pieces' padding
+    starts = index[:-1].astype(np.int64)
+    for (lengths, fill), before in zip(pieces, np.cumsum(piece_lengths, axis=0) - piece_lengths):
+        fill(data, (starts + before).tolist())
+    crcs = np.array([zlib.crc32(data[a:b]) for a, b in zip(index[:-1].tolist(), index[1:].tolist())],
+                    "<u4")
     index_offset = round_up(length, alignment)
     table_offset = round_up(index_offset + index.nbytes, alignment)
     file_length = round_up(table_offset + crcs.nbytes, alignment)
