@@ -56,6 +56,7 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     from mlx_flash.bench import io as bench_io
     from mlx_flash.errors import FlashError
     from mlx_flash.io import aio
+    from mlx_flash.io.files import aligned_buffer
     from mlx_flash.pack import read_manifest, write_pack
 
     pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
@@ -69,11 +70,17 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(FlashError, match="--large-sizes: '4Q' is not a size"):
         bench_io.parse_size("4Q")
 
+    buffers = []  # sizes of the engine-alone runs' buffers
+    monkeypatch.setattr(bench_io, "aligned_buffer", lambda n: buffers.append(n) or aligned_buffer(n))
+
     def check(rows):
         ok, small, few = rows
         assert ok["bundles_per_read"] == round(16384 / stride) and ok["reads"] >= 8
+        if aio.available():  # fio's footprint (depth 2), then one buffer per read
+            assert buffers[-2:] == [2 * ok["read_bytes"], ok["reads"] * ok["read_bytes"]]
         assert ok["read_bytes"] >= ok["bundles_per_read"] * stride and ok["device_gbps"] > 0
         assert ok["aio_ring_gbps"] > 0 or not aio.available()  # the engine alone, fio's footprint
+        assert ok["aio_dest_gbps"] > 0 or not aio.available()  # ... and the loader's footprint
         assert small == {"size": 64, "skipped": f"bundles are {stride} bytes"}
         assert few["skipped"].startswith("bundle files hold fewer than")
         return ok
@@ -177,3 +184,40 @@ def test_expert_io_vs_fio_lines(tiny_llama, tmp_path, monkeypatch):
     assert bench_io.expert_io_text([]) == ""
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert bench_io.expert_io_vs_fio(rows, threads=32) == []
+
+
+def test_baseline_loader_takes_turns(tiny_llama, tmp_path, monkeypatch):
+    """--baseline DIR: another checkout's FlashLoader (here this one's, imported again as
+    mlx_flash_baseline) runs in the large and experts parts next to this one and fio."""
+    import argparse
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    import mlx_flash
+    from conftest import write_tiny_moe
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.errors import FlashError
+    from mlx_flash.pack import write_pack
+
+    root = Path(mlx_flash.__file__).parents[1]
+    pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", layers=2, top_k=2),
+                      tmp_path / "moe.pack", progress=False)
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1",
+                                              "--baseline", str(root)]))
+    assert bench.baseline.__module__ == "mlx_flash_baseline.io.loader"
+    assert bench.baseline is not bench_io.FlashLoader and "mlx_flash_baseline.io" in sys.modules
+    with_fio = shutil.which("fio") is not None
+    stride = max(b.stride for b in bench.manifest.bundles)
+    row = bench_io.large_reads(bench, [2 * stride], 2, 1 << 20, with_fio=with_fio)[0]
+    assert row["baseline_gbps"] > 0 and (not with_fio or row["baseline_over_fio"] > 0)
+    experts = bench_io.expert_reads(bench, 1 << 20, with_fio=with_fio)
+    assert experts["baseline_ms_per_call"] > 0
+    assert not with_fio or experts["baseline_over_fio"] == pytest.approx(
+        experts["baseline_ms_per_call"] / experts["fio_ms_per_call"])
+    with pytest.raises(FlashError, match="--baseline .*: no mlx_flash/io/loader.py there"):
+        bench_io.baseline_loader(tmp_path)

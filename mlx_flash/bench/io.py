@@ -14,7 +14,9 @@ is reported) and the loader reads with O_DIRECT. Measured:
      FlashLoader.read_many into `alloc` destinations, next to fio at the same read size and depth;
   7. MoE packs: expert reads as the store issues them (top_k experts of one layer per call), next
      to fio at the block size with top_k in flight.
---parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7).
+--parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7). --baseline DIR runs
+the FlashLoader of another checkout (DIR/mlx_flash, e.g. a worktree of an older commit) in 6 and 7
+too, taking turns with this one and fio: old and new measured in one run under the same load.
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
 device returned, including alignment edges and merged gaps).
 """
@@ -66,7 +68,27 @@ def add_arguments(parser):
                         help="what to measure: sweep (chunk sweep + sequential ceiling), compare "
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
                         "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio)")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="large and experts parts: also run the FlashLoader of the mlx_flash "
+                        "checkout in DIR (its repository root), alternated with this one and fio")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def baseline_loader(root):
+    """The FlashLoader class of the mlx_flash checkout under `root`, imported as the package
+    `mlx_flash_baseline` (only its io layer and what that imports: no model code)."""
+    import importlib
+    import types
+
+    pkg_dir = Path(root).expanduser() / "mlx_flash"
+    if not (pkg_dir / "io" / "loader.py").exists():
+        raise FlashError(f"--baseline {root}: no mlx_flash/io/loader.py there")
+    name = "mlx_flash_baseline"
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(pkg_dir)]  # a namespace for its submodules; its __init__ is not run
+        sys.modules[name] = pkg
+    return importlib.import_module(f"{name}.io.loader").FlashLoader
 
 
 def _gb(nbytes, seconds):
@@ -84,6 +106,7 @@ class Bench:
         self.evict_fn = evict
         self.evict_methods = set()
         self.extra_paths = []
+        self.baseline = baseline_loader(args.baseline) if getattr(args, "baseline", None) else None
 
     def paths(self):
         """The pack's bundle files."""
@@ -206,48 +229,63 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
             rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
             continue
         max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
-        with FlashLoader(bench.pack, threads=depth, verify=False, cost=ReadCost(0.0, 1e9),
-                         max_read=max_read) as loader:
-            dests = _alloc(loader, sets)
-            warm = _read_sets(loader, sets, dests)
+        loaders = {name: cls(bench.pack, threads=depth, verify=False, cost=ReadCost(0.0, 1e9),
+                             max_read=max_read) for name, cls in loader_classes(bench).items()}
+        try:
+            dests = {name: _alloc(ld, sets) for name, ld in loaders.items()}
+            warm = {name: _read_sets(ld, sets, dests[name]) for name, ld in loaders.items()}["loader"]
             read_bytes = max(warm.read_sizes, key=warm.read_sizes.get)
-            fns = {"loader": lambda: _read_sets(loader, sets, dests)}
-            if aio.available():  # the engine alone, into a ring as small as fio's buffers
+            fns = {name: (lambda ld=ld, d=dests[name]: _read_sets(ld, sets, d))
+                   for name, ld in loaders.items()}
+            if aio.available():  # the engine alone: into a ring as small as fio's buffers, and
+                # into one buffer per read, as large as the loader's destinations
                 fns["aio_ring"] = lambda: aio_ring(bench.paths(), read_bytes, warm.reads, depth,
                                                    bench.rng)
+                fns["aio_dest"] = lambda: aio_ring(bench.paths(), read_bytes, warm.reads, depth,
+                                                   bench.rng, ring=warm.reads)
             cmd = fio_command(bench.paths(), depth, {read_bytes: 1}, warm.bytes_read, "libaio") \
                 if with_fio else None
             if cmd:
                 fns["fio"] = lambda: run_fio(cmd)
             res = interleaved(bench, fns)
             del dests
+        finally:
+            for ld in loaders.values():
+                ld.close()
         s = res["loader"]
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
                "zero_copy": s.zero_copy_reads == s.reads, "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth}
-        if "aio_ring" in res:
-            row["aio_ring_gbps"] = _gb(res["aio_ring"].bytes_read, res["aio_ring"].seconds)
+        for name in ("aio_ring", "aio_dest", "baseline"):
+            if name in res:
+                row[f"{name}_gbps"] = _gb(res[name].bytes_read, res[name].seconds)
         if cmd:
             fio = res["fio"].bw / 1e9
             row.update(fio_gbps=fio, loader_over_fio=row["device_gbps"] / fio, fio_command=" ".join(cmd))
+            if "baseline_gbps" in row:
+                row["baseline_over_fio"] = row["baseline_gbps"] / fio
         else:
             row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
         rows.append(row)
     return rows
 
 
-def aio_ring(paths, read_bytes, reads, depth, rng):
+def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
     """`reads` random O_DIRECT reads of `read_bytes` (4 KiB-aligned offsets) over `paths` by
-    io/aio.py alone, into `depth` buffers reused in turn (fio's buffer footprint): what the AIO
-    engine does with no loader around it. Timed like ReadStats (seconds, bytes_read)."""
+    io/aio.py alone, `depth` in flight, into `ring` buffers (default `depth`: fio's buffer
+    footprint) reused in turn: what the AIO engine does with no loader around it; ring=reads
+    lands every read in memory of its own, as the loader's destinations do. Timed like
+    ReadStats (seconds, bytes_read)."""
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     ctx = aio.AioContext(depth)
     try:
         span = np.array([os.fstat(fd).st_size - read_bytes for fd in fds]) // 4096
         which = rng.integers(0, len(fds), reads)
         offsets = (rng.random(reads) * span[which]).astype(np.int64) * 4096
-        ring = aligned_buffer(depth * read_bytes)
-        addresses = address(ring) + (np.arange(reads) % depth) * read_bytes
+        ring = ring or depth
+        buf = aligned_buffer(ring * read_bytes)
+        np.frombuffer(buf, np.uint8)[:] = 1  # touched, as the loader's destinations are
+        addresses = address(buf) + (np.arange(reads) % ring) * read_bytes
         t0 = time.perf_counter()
         res = ctx.read(np.array(fds)[which], offsets, np.full(reads, read_bytes), addresses)
         seconds = time.perf_counter() - t0
@@ -281,34 +319,50 @@ def expert_reads(bench, total_bytes, with_fio):
     calls = max(2 * len(experts), total_bytes // (top_k * stride))
     layers = [list(experts)[i % len(experts)] for i in range(calls)]
     picks = [np.sort(bench.rng.choice(experts[key].count, top_k, replace=False)) for key in layers]
-    with FlashLoader(bench.pack, threads=max(32, top_k), cost=ReadCost(0.0, 1e9)) as loader:
-        bank = loader.alloc(layers[0], top_k)
-        slots = np.arange(top_k)
+    slots = np.arange(top_k)
 
+    def calls_of(loader, bank):
         def run_calls():
             t0, nbytes = time.perf_counter(), 0
             for key, ids in zip(layers, picks):
                 nbytes += loader.read(key, ids, bank, slots).bytes_read
             return _Calls(time.perf_counter() - t0, nbytes)
+        return run_calls
 
-        run_calls()  # untimed: opens the files, reads the checksum tables
-        fns = {"loader": run_calls}
+    loaders = {name: cls(bench.pack, threads=max(32, top_k), cost=ReadCost(0.0, 1e9))
+               for name, cls in loader_classes(bench).items()}
+    try:
+        fns = {name: calls_of(ld, ld.alloc(layers[0], top_k)) for name, ld in loaders.items()}
+        for fn in fns.values():
+            fn()  # untimed: opens the files, reads the checksum tables
         ref_cmd = fio_command(bench.paths(), top_k, {stride: 1}, calls * top_k * stride, "libaio") \
             if with_fio else None
         if ref_cmd:
             fns["fio"] = lambda: run_fio(ref_cmd)
         res = interleaved(bench, fns)
+    finally:
+        for ld in loaders.values():
+            ld.close()
     s = res["loader"]
     row = {"top_k": top_k, "block_bytes": stride, "calls": calls, "verify": True,
            "ms_per_call": 1e3 * s.seconds / calls, "device_gbps": _gb(s.bytes_read, s.seconds)}
+    if "baseline" in res:
+        row["baseline_ms_per_call"] = 1e3 * res["baseline"].seconds / calls
     if ref_cmd:
         fio_gbps = res["fio"].bw / 1e9
         row.update(fio_gbps=fio_gbps, fio_ms_per_call=top_k * stride / fio_gbps / 1e6,
                    fio_command=" ".join(ref_cmd))
         row["over_fio"] = row["ms_per_call"] / row["fio_ms_per_call"]
+        if "baseline" in res:
+            row["baseline_over_fio"] = row["baseline_ms_per_call"] / row["fio_ms_per_call"]
     else:
         row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
     return row
+
+
+def loader_classes(bench) -> dict:
+    """{"loader": this FlashLoader, "baseline": --baseline's (when given)}."""
+    return {"loader": FlashLoader, **({"baseline": bench.baseline} if bench.baseline else {})}
 
 
 def print_expert_reads(row):
@@ -320,6 +374,9 @@ def print_expert_reads(row):
               f"--bs={row['block_bytes']} --iodepth={row['top_k']}: {row['fio_gbps']:.3f} GB/s -> "
               f"{row['fio_ms_per_call']:.2f} ms for the same bytes; loader / fio time = "
               f"{row['over_fio']:.2f}x")
+        if "baseline_ms_per_call" in row:
+            print(f"  baseline (--baseline) {row['baseline_ms_per_call']:.2f} ms per call: "
+                  f"{row['baseline_over_fio']:.2f}x fio's time")
     else:
         print(f"  loader {row['ms_per_call']:.2f} ms per call ({row['device_gbps']:.3f} GB/s); "
               f"{row['fio']}")
@@ -330,9 +387,12 @@ def print_large_reads(rows, depth):
           f"flight, vs fio --rw=randread --ioengine=libaio --iodepth={depth} --bs=<read bytes> on "
           f"the same files, runs interleaved (device GB/s)")
     print("(aio ring: io/aio.py alone, the same number of reads of that size, into a ring of "
-          f"{depth} buffers as fio does; the loader lands its reads in the destinations)")
+          f"{depth} buffers as fio does; aio dest: the same into one buffer per read, as large as "
+          "the loader's destinations, where the loader lands its reads; baseline: --baseline's loader)")
+    base = any("baseline_gbps" in r for r in rows)
     print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
-          f"{'aio ring':>8} {'fio':>7} {'loader/fio':>10}")
+          f"{'aio ring':>8} {'aio dest':>8} {'fio':>7} {'loader/fio':>10}"
+          + (f" {'baseline':>8} {'base/fio':>8}" if base else ""))
     for r in rows:
         name = f"{r['size'] >> 20}M" if r["size"] >= 1 << 20 else f"{r['size'] >> 10}K"
         if "skipped" in r:
@@ -340,9 +400,14 @@ def print_large_reads(rows, depth):
             continue
         fio = (f"{r['fio_gbps']:7.3f} {r['loader_over_fio']:10.0%}" if "fio_gbps" in r
                else f"  {r['fio']}")
-        ring = f"{r['aio_ring_gbps']:8.3f}" if "aio_ring_gbps" in r else f"{'-':>8}"
+        ring, dest = (f"{r[k]:8.3f}" if k in r else f"{'-':>8}" for k in ("aio_ring_gbps", "aio_dest_gbps"))
+        extra = ""
+        if base:
+            extra = f" {r.get('baseline_gbps', float('nan')):8.3f} " + (
+                f"{r['baseline_over_fio']:8.0%}" if "baseline_over_fio" in r else f"{'-':>8}")
         print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
-              f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} {fio}")
+              f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} "
+              f"{dest} {fio}{extra}")
 
 
 def sequential_ceiling(bench, block=4 << 20):
