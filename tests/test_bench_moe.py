@@ -9,6 +9,7 @@ import pytest
 from mlx_flash.bench.__main__ import main as bench_main
 from mlx_flash.bench.moe import MLX_ROW, generate_moe, hit_rate_vs_slots, with_compute_paths
 from mlx_flash.convert import main as convert_main
+from mlx_flash.moe.store import expert_layers, scratch_bank_bytes
 from mlx_flash.cpu import ops
 from mlx_flash.pack import read_manifest
 
@@ -69,8 +70,9 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Experts are read from flash into a cache of slots; the router picks them. " * 40)
     out = tmp_path / "bench"
-    m = read_manifest(moe_pack)  # resident + 4 of each layer's 8 experts
-    budget = str(m.resident.length + 4 * len(m.bundles) * m.bundles[0].stride)
+    m = read_manifest(moe_pack)  # resident + the prompt scratch bank + 4 of each layer's 8 experts
+    budget = str(m.resident.length + scratch_bank_bytes(expert_layers(m))
+                 + 4 * len(m.bundles) * m.bundles[0].stride)
     assert bench_main(["run", "--model", str(moe_pack), "--memory-budget", budget,
                        "--prompt-tokens", "8", "--gen-tokens", "4", "--repeats", "1",
                        "--peers", "none", "--text", str(text), "--out", str(out)]) == 0
@@ -90,12 +92,14 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
         assert "Expert I/O vs fio" in report and "- IO-QEXP" in report
 
 
-def test_prompt_chunks_fit_the_slots_so_no_scratch_bank_is_needed(moe_pack):
+def test_a_prompt_routed_past_the_slots_stays_within_the_budget(moe_pack):
     m = read_manifest(moe_pack)
-    block, layers = sum(c.length for c in m.bundles[0].components), len(m.bundles)
-    # 16 prompt tokens x top-2 would route to all 8 experts of a layer: more than 4 slots
-    r = generate_moe(str(moe_pack), "hybrid", list(range(100, 116)), 3, capacity=4)
-    assert r["plan_weights_bytes"] == m.resident.length + 4 * layers * block
+    block, layers = m.bundles[0].row_bytes, len(m.bundles)
+    budget = m.resident.length + scratch_bank_bytes(expert_layers(m)) + 4 * layers * m.bundles[0].stride
+    # 16 prompt tokens x top-2 route to all 8 experts of a layer: more than 4 slots, one chunk
+    r = generate_moe(str(moe_pack), "hybrid", list(range(100, 116)), 3, budget=budget)
+    assert r["slots_per_layer"] == 4
+    assert r["plan_weights_bytes"] == m.resident.length + (4 * layers + 8) * block <= budget
 
 
 def test_sampled_decode_is_seeded(moe_pack):

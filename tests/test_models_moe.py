@@ -16,6 +16,7 @@ from flash_runs import open_files_under
 from mlx_flash.errors import FlashError
 from mlx_flash.config import FlashConfig
 from mlx_flash.models.moe import build_moe_model, expert_slots
+from mlx_flash.moe.store import expert_layers, scratch_bank_bytes
 from mlx_flash.pack import read_manifest, write_pack
 
 
@@ -38,18 +39,44 @@ def test_pack_layout_experts_are_aligned_blocks_and_shared_expert_resident(moe_p
     assert not any("switch_mlp" in k for k in resident)
 
 
-def test_memory_budget_sets_slots_and_too_small_budget_fails(moe_pack):
+def test_memory_budget_sets_slots_after_the_scratch_bank_and_too_small_budget_fails(moe_pack):
     m = read_manifest(moe_pack)
     stride, n_layers = m["bundles"][0]["stride"], len(m["bundles"])
     resident = m["resident"]["length"]
+    scratch = 8 * m.bundles[0].row_bytes  # one layer's 8 experts, as a prompt's scratch bank
+    assert scratch_bank_bytes(expert_layers(m)) == scratch
     assert expert_slots(m, None, 2) == 8
-    assert expert_slots(m, resident + 5 * stride * n_layers, 2) == 5
-    with pytest.raises(FlashError, match="memory_budget=.*leaves 1 expert slots"):
-        expert_slots(m, resident + 1 * stride * n_layers, 2)
+    assert expert_slots(m, resident + 8 * stride * n_layers, 2) == 8  # all cached: no scratch
+    assert expert_slots(m, resident + scratch + 5 * stride * n_layers, 2) == 5
+    assert expert_slots(m, resident + scratch + 5 * stride * n_layers - 1, 2) == 4
+    with pytest.raises(FlashError, match="memory_budget=.*leaves 1 expert slots.*scratch bank"):
+        expert_slots(m, resident + scratch + 2 * stride * n_layers - 1, 2)
+    # enough for 2 slots per layer, not for the scratch bank as well
     with pytest.raises(FlashError, match="memory_budget=.*leaves 0 expert slots"):
-        build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=resident + stride))
+        build_moe_model(moe_pack, FlashConfig(mode="flash",
+                                              memory_budget=resident + 2 * stride * n_layers))
     model = build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=0.75))
     assert 2 <= model.moe_store.cache.capacity_of(0) < 8
+    # naive mode's one bank is the scratch bank
+    with pytest.raises(FlashError, match="memory_budget=.*naive mode's .* expert bank"):
+        build_moe_model(moe_pack, FlashConfig(mode="naive", memory_budget=resident + scratch - 1))
+    assert build_moe_model(moe_pack, FlashConfig(mode="naive", memory_budget=resident + scratch))
+
+
+def test_a_long_prompt_stays_within_the_budget(moe_pack):
+    """A prompt routed to every expert while 2 slots per layer are cached reads them into the
+    scratch bank: resident + slot bank + scratch bank (bytes allocated) fit the budget."""
+    m = read_manifest(moe_pack)
+    stride, n_layers = m.bundles[0].stride, len(m.bundles)
+    budget = m.resident.length + scratch_bank_bytes(expert_layers(m)) + 2 * stride * n_layers
+    model = build_moe_model(moe_pack, FlashConfig(mode="hybrid", memory_budget=budget))
+    store = model.moe_store
+    assert store.cache.capacity_of(0) == 2
+    mx.eval(model(mx.array([list(range(1, 33))])))  # 32 tokens x top-2 over 8 experts
+    assert store.scratch and store.overflow_reads > 0
+    banks = sum(a.nbytes for b in [*store.banks.values(), *store.scratch.values()]
+                for a in b.values())
+    assert m.resident.length + banks <= budget
 
 
 def test_wrong_expert_count_fails(tmp_path):
@@ -83,14 +110,18 @@ def test_generate_cli_runs_an_moe_pack_from_flash(tmp_path, embedded_model_dir):
         shutil.copy2(f, src / f.name)
     pack = write_pack(src, tmp_path / "pack", progress=False)
     m = read_manifest(pack)
-    budget = m["resident"]["length"] + 4 * m["bundles"][0]["stride"] * len(m["bundles"])
-    for value, code in ((budget, 0), (m["resident"]["length"] + 1, 2)):
+    slots = 4 * m["bundles"][0]["stride"] * len(m["bundles"])
+    budget = m["resident"]["length"] + scratch_bank_bytes(expert_layers(m)) + slots
+    # the last: room for 3 slots per layer (top-2) but not for the prompt scratch bank as well
+    for value, code in ((budget, 0), (m["resident"]["length"] + 1, 2),
+                        (m["resident"]["length"] + slots * 3 // 4, 2)):
         r = subprocess.run([sys.executable, "-m", "mlx_flash.generate", "--model", str(pack),
                             "--mode", "flash", "--memory-budget", str(value), "--prompt", "Hello",
                             "--max-tokens", "4", "--ignore-chat-template"],
                            capture_output=True, text=True)
         assert r.returncode == code, r.stderr
-    assert "--memory-budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "--memory-budget" in r.stderr and "scratch bank" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_budget_slots_split_over_layers_by_calibration_routing(tmp_path):
@@ -106,7 +137,8 @@ def test_budget_slots_split_over_layers_by_calibration_routing(tmp_path):
     m = read_manifest(pack)
     assert layer_slots(m, 4, 2) == {0: 2, 1: 5, 2: 5}
     assert layer_slots(m, 8, 2) == {0: 8, 1: 8, 2: 8}
-    budget = m["resident"]["length"] + 4 * m["bundles"][0]["stride"] * 3
+    budget = (m["resident"]["length"] + scratch_bank_bytes(expert_layers(m))
+              + 4 * m["bundles"][0]["stride"] * 3)
     model = build_moe_model(pack, FlashConfig(mode="hybrid", memory_budget=budget))
     assert [model.moe_store.cache.capacity_of(layer) for layer in range(3)] == [2, 5, 5]
     ref = build_moe_model(pack, FlashConfig(mode="dense"))

@@ -290,7 +290,7 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     from ..config import FlashConfig
     from ..cpu import ops
     from ..models import load_tokenizer
-    from ..models.moe import build_moe_model, top_k_of
+    from ..models.moe import build_moe_model
     from ..moe.switch import StreamedSwitchGLU
     from ..pack import read_manifest
 
@@ -339,17 +339,10 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
                 "misses": s.cache.stats.misses if s and s.keep else 0,
                 "syncs": s.host_syncs if s else 0, "routes": len(routes)}
 
-    # prompt chunks whose experts fit the slots: a longer chunk can route to more experts than a
-    # layer has slots, and the runtime then reads them into a scratch bank of a whole layer
-    # (outside the budget: 0.3 GB on OLMoE, which OOM-killed the cache rows under the cap)
-    chunk = 2048
-    if store is not None and store.keep:
-        chunk = max(1, store.cache.capacity_of(next(iter(store.entries)))
-                    // top_k_of(read_manifest(pack).config))
     mx.random.seed(seed)
     marks, t1 = [], time.perf_counter()
     for _ in stream_generate(model, tokenizer, list(prompt), max_tokens=gen_tokens,
-                             sampler=make_sampler(temp=temp), prefill_step_size=chunk):
+                             sampler=make_sampler(temp=temp)):
         marks.append(snapshot())
     if store is not None:
         store.close()

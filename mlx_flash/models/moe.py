@@ -26,7 +26,7 @@ from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
 from ..moe.cache import split_slots_by_curves
-from ..moe.store import ExpertStore, expert_layers
+from ..moe.store import ExpertStore, expert_layers, scratch_bank_bytes
 from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead,
                           swap_switch_glu)
 from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
@@ -49,7 +49,9 @@ def top_k_of(config) -> int:
 
 
 def expert_slots(manifest, memory_budget, top_k) -> int:
-    """Expert slots per MoE layer that `memory_budget` leaves after the resident tensors.
+    """Expert slots per MoE layer that `memory_budget` leaves after the resident tensors and,
+    unless every expert fits, the prompt scratch bank (a prompt chunk routed to more experts than
+    a layer's slots reads them into one layer's worth of experts; moe.store).
 
     None: every expert. FlashError naming --memory-budget when fewer than top_k slots remain.
     """
@@ -64,11 +66,33 @@ def expert_slots(manifest, memory_budget, top_k) -> int:
     # mixed widths: the mean block (each layer's slots are split over its widths)
     stride = -(-expert_bytes // sum(e.count for e in layers.values()))
     per_layer = max(0, total - resident) // stride // len(layers)
+    if per_layer >= n_experts:
+        return n_experts  # every expert has a slot: no call needs the scratch bank
+    scratch = scratch_bank_bytes(layers)
+    per_layer = max(0, total - resident - scratch) // stride // len(layers)
     if per_layer < top_k:
-        raise FlashError(f"{budget.named()}: leaves {per_layer} expert slots per layer "
-                         f"after {resident / 1e6:.1f} MB resident; each token needs {top_k} "
-                         f"({top_k * stride * len(layers) / 1e6:.1f} MB more)")
-    return min(per_layer, n_experts)
+        raise FlashError(f"{budget.named()}: leaves {per_layer} expert slots per layer after "
+                         f"{resident / 1e6:.1f} MB resident and the {scratch / 1e6:.1f} MB prompt "
+                         f"scratch bank (one layer's experts); each token needs {top_k} "
+                         f"({(top_k * stride * len(layers) + scratch + resident - total) / 1e6:.1f}"
+                         f" MB more)")
+    return per_layer
+
+
+def naive_fits(manifest, memory_budget) -> None:
+    """FlashError naming --memory-budget unless it holds the resident tensors and naive mode's
+    one bank, the scratch bank of one layer's experts every layer call reads into."""
+    budget = parse_memory_budget(memory_budget)
+    if budget is None:
+        return
+    layers = expert_layers(manifest)
+    resident = manifest.resident.length
+    total = budget.bytes_for(resident + sum(e.nbytes for e in layers.values()))
+    scratch = scratch_bank_bytes(layers)
+    if resident + scratch > total:
+        raise FlashError(f"{budget.named()}: {total / 1e6:.1f} MB cannot hold {resident / 1e6:.1f} MB "
+                         f"resident and naive mode's {scratch / 1e6:.1f} MB expert bank (one "
+                         f"layer's experts)")
 
 
 def layer_slots(manifest, per_layer, top_k) -> dict:
@@ -114,6 +138,9 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         return model
     if resident_bank:  # IO-FREE on the kernel path: a slot for every expert, all read at load
         capacity = {layer: entry.count for layer, entry in layers.items()}
+    if capacity is None and cfg.mode == "naive":  # no cache: every call reads into the scratch bank
+        naive_fits(manifest, cfg.memory_budget)
+        capacity = top_k
     if capacity is None:
         capacity = layer_slots(manifest, expert_slots(manifest, cfg.memory_budget, top_k), top_k)
     caps = capacity if isinstance(capacity, dict) else {layer: capacity for layer in layers}

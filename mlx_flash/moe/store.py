@@ -39,8 +39,36 @@ def width_groups(entry) -> dict:
     every expert under the layer's own key."""
     if entry.groups:
         return {g.bits: (g.key, np.asarray(g.experts, np.int64)) for g in entry.groups}
+    return {width_of_group(entry): (entry.key, np.arange(entry.count))}
+
+
+def scratch_bank_sizes(layers) -> dict:
+    """{width: experts} of the scratch banks `ExpertStore.banks_for` may allocate: per width, the
+    most experts of that width any of `layers` ({layer: Bundle}) has (one whole layer's)."""
+    sizes = {}
+    for entry in layers.values():
+        for w, (_, ids) in width_groups(entry).items():
+            sizes[w] = max(sizes.get(w, 0), len(ids))
+    return sizes
+
+
+def scratch_bank_bytes(layers) -> int:
+    """Bytes of every scratch bank a prompt can make `ExpertStore` allocate (a call routed to more
+    experts of a width than its layer's slots of that width): `scratch_bank_sizes` x one expert's
+    bytes in a bank of that width."""
+    rows = {}
+    for entry in layers.values():
+        for g in entry.groups or (entry,):
+            rows[width_of_group(g)] = g.row_bytes
+    return sum(n * rows[w] for w, n in scratch_bank_sizes(layers).items())
+
+
+def width_of_group(entry) -> int:
+    """The width key `width_groups` gives a Bundle or width group (0 for float experts)."""
+    if entry.bits is not None:
+        return entry.bits
     q = block_components(entry)["gate.weight"].quantization
-    return {q["bits"] if q else 0: (entry.key, np.arange(entry.count))}
+    return q["bits"] if q else 0
 
 
 def expert_widths(manifest) -> dict:
@@ -113,7 +141,8 @@ class ExpertStore:
         self.banks = ({w: loader.alloc(first_key[w], n) for w, n in n_slots.items() if n}
                       if cache else {})
         self.bank = self.banks.get(widths[0]) if not self.mixed else None
-        self.scratch = {}
+        self.scratch = {}  # {width: bank} of one layer's experts (scratch_bank_sizes), on first use
+        self._scratch_sizes = scratch_bank_sizes(self.entries)
         self.overflow_reads = 0
         self.bytes_read = 0
         self.read_seconds = 0.0
@@ -159,9 +188,8 @@ class ExpertStore:
             mine = distinct[widths == w]
             if not self.keep or mine.size > self.cache.capacity_of(layer, int(mine[0])):
                 if w not in self.scratch:
-                    key, members = self.groups[layer][w]
-                    size = max(len(g[w][1]) for g in self.groups.values() if w in g)
-                    self.scratch[w] = self.loader.alloc(key, size)
+                    self.scratch[w] = self.loader.alloc(self.groups[layer][w][0],
+                                                        self._scratch_sizes[w])
                 self.overflow_reads += mine.size if self.keep else 0
                 self.cache.stats.misses += mine.size
                 lut[mine] = np.arange(mine.size)
