@@ -66,17 +66,18 @@ ENDOR_AVX512 int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* value
 }
 
 // group_size must be a multiple of 16 (16 consecutive values share one scale and bias); other
-// group sizes take the AVX2 kernel.
+// group sizes take the AVX2 kernel. The last, partial step loads and stores under a mask.
 ENDOR_AVX512 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales,
                                 const uint16_t* biases, int group_size, int64_t nnz, uint16_t* out) {
   if (group_size % 16 != 0) return avx2::endor_dequant(codes, bits, scales, biases, group_size, nnz, out);
-  int64_t i = 0;
-  for (; i + 16 <= nnz; i += 16) {
+  for (int64_t i = 0; i < nnz; i += 16) {
+    const int left = nnz - i >= 16 ? 16 : static_cast<int>(nnz - i);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << left) - 1);
     __m128i q8;
     if (bits == 8) {
-      q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+      q8 = _mm_maskz_loadu_epi8(lanes, codes + i);
     } else {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
+      const __m128i raw = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((left + 1) / 2)) - 1), codes + i / 2);
       const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
       q8 = _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...: codes in stored order
@@ -87,12 +88,7 @@ ENDOR_AVX512 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* 
     const __m512 b = _mm512_set1_ps(_cvtsh_ss(biases[g]));
     // The product is exact in float32, so mul then add rounds like the scalar reference.
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(s, q), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; i < nnz; ++i) {
-    const int q = bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
-    const float prod = _cvtsh_ss(scales[i / group_size]) * static_cast<float>(q);
-    out[i] = _cvtss_sh(prod + _cvtsh_ss(biases[i / group_size]), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_mask_storeu_epi16(out + i, lanes, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
 }
 
