@@ -21,6 +21,7 @@ using Bytes1 = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Bytes2 = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Crcs = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
@@ -105,6 +106,35 @@ void bind_endor(nb::module_& m) {
       "Check the crc32 of bundles flat[starts[b]:starts[b]+lengths[b]] against crcs[b] without decoding "
       "them: one pass over the kernels' thread pool with the GIL released. Returns (first rejected bundle "
       "or -1, fault: 0 none, 1 crc32, 2 outside flat).");
+  m.def(
+      "endor_ffn",
+      [](Floats x, Bytes1 flat, Index starts, Index lengths, int n_blocks, Floats y, bool bf16, int act,
+         float threshold, const std::optional<std::string>& isa_name, bool parallel) {
+        const size_t count = starts.shape(0);
+        if (lengths.shape(0) != count) throw std::invalid_argument("endor_ffn: starts and lengths differ in length");
+        if (n_blocks != 2 && n_blocks != 3) throw std::invalid_argument("endor_ffn: n_blocks must be 2 or 3");
+        if (act != 0 && act != 1) throw std::invalid_argument("endor_ffn: act must be 0 (silu) or 1 (relu)");
+        if (x.shape(0) == 0 || y.shape(0) == 0 || x.shape(0) > (1u << 30) || y.shape(0) > (1u << 30))
+          throw std::invalid_argument("endor_ffn: x and y must hold 1 .. 2^30 values");
+        const flash::Isa isa = chosen_isa(isa_name);
+        int64_t bad;
+        {
+          nb::gil_scoped_release release;
+          bad = flash::endor::ffn_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
+                                          lengths.data(), static_cast<int64_t>(count), n_blocks,
+                                          static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(y.shape(0)), bf16,
+                                          act, threshold, x.data(), y.data(), isa, parallel);
+        }
+        return bad;
+      },
+      nb::arg("x"), nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("n_blocks"), nb::arg("y"),
+      nb::arg("bf16") = false, nb::arg("act") = 0, nb::arg("threshold") = 0.0f, nb::arg("isa").none() = nb::none(),
+      nb::arg("parallel") = true,
+      "One token's FFN from ENDOR bundles of float16/bfloat16 blocks (gate, up, down or up, down): "
+      "y (float32 [D], written) = sum_b act(gate_b . x) * (up_b . x) * down_b (act 0 silu, 1 relu; "
+      "2 blocks: relu(up_b . x)), each block decoded into an L1 row and used at once; neurons whose "
+      "activation is not above threshold are skipped. Returns the first bundle whose blocks do not "
+      "add up to its length, or -1.");
   m.def(
       "endor_crc32",
       [](Bytes1 data, uint32_t crc, const std::optional<std::string>& isa_name) {

@@ -56,6 +56,18 @@ BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t*
 BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
                         int64_t count, const uint32_t* crcs, Isa isa, bool parallel);
 
+// One token's FFN straight from ENDOR bundles of 16-bit payloads (float16, or bfloat16 when bf16),
+// decode-matvec: bundle b (flat[starts[b], starts[b] + lengths[b])) holds n_blocks blocks, gate and
+// up rows of K elements (n_blocks 3) or the up row alone (2), then the down column of D elements:
+//   y[D] = sum_b a_b * down_b,  a_b = act(gate_b . x) * (up_b . x) masked to 0 unless |act| > threshold
+//   (act 0: silu, 1: relu), or (n_blocks 2) a_b = relu(up_b . x) masked to 0 unless > threshold.
+// x: float32 [K]; y: float32 [D] (written). Bundles are split over the kernels' thread pool when
+// `parallel` (call with the GIL released). Returns the first bundle whose blocks do not add up to
+// its length (y is then undefined), -1 when all do.
+int64_t ffn_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
+                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, int act, float threshold,
+                    const float* x, float* y, Isa isa, bool parallel);
+
 // zlib's crc32 (polynomial 0xEDB88320, the value Python's zlib.crc32 gives): continue `crc` over n
 // bytes with `isa`'s kernel.
 uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa);
@@ -92,4 +104,8 @@ int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* values, int64_t nn
 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales, const uint16_t* biases,
                    int group_size, int64_t nnz, uint16_t* out);
 uint32_t endor_crc32_raw(uint32_t state, const uint8_t* data, int64_t n);
+// Decode-matvec pieces (endor_ffn.cpp): x . row and y += a * row of one 16-bit block's n elements
+// (float16, or bfloat16 when bf16), expanded in registers, never stored.
+float endor_dot16(const uint8_t* bitmap, const uint16_t* values, bool bf16, const float* x, int64_t n);
+void endor_axpy16(const uint8_t* bitmap, const uint16_t* values, bool bf16, float a, float* y, int64_t n);
 }  // namespace flash::avx512

@@ -63,6 +63,20 @@ def test_isa_rows_decode_with_their_instruction_set(tiny_llama, tmp_path, monkey
     assert _ext.isa() == active
 
 
+def test_ffn_compares_decode_then_matvec_with_the_decode_matvec(tiny_llama, tmp_path, capsys):
+    from test_calibration_prune import pruned_model
+
+    src, _ = pruned_model(tiny_llama, tmp_path, intermediate=256)
+    endor = write_pack(src, tmp_path / "endor", encoding="endor", progress=False)
+    out = tmp_path / "r.json"
+    assert main(["endor", "--pack", str(endor), "--ffn", "--repeats", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["layers"]
+    assert sorted(r) == ["0", "1"]
+    for row in r.values():
+        assert row["decode+matvec"] > 0 and row["decode-matvec"] > 0 and row["max_rel_diff"] < 1e-3
+    assert "| all |" in capsys.readouterr().out
+
+
 def test_bad_input(tiny_llama, tmp_path, capsys):
     dense = write_pack(tiny_llama("src"), tmp_path / "dense", progress=False)
     with pytest.raises(SystemExit) as e:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.config import FlashConfig
+from mlx_flash.cpu import endor as cpu_endor
 from mlx_flash.cpu.patch import patch_layers
 from mlx_flash.errors import FlashError
 from mlx_flash.models import load_model
@@ -200,7 +201,17 @@ def test_endor_pack_runs_every_mode_like_the_dense_pack(tiny_llama, tmp_path, qu
     assert plan.encoded_layers and len(plan.resident_layers) + len(plan.encoded_layers) == 3
     assert plan.weights <= plan.budget
     for mode, model in runs.items():
-        assert_identical(run_steps(model), dense)
+        got = run_steps(model)
+        if mode in ("naive", "hybrid") and cpu_endor.takes(m.bundles[0].components[0].endor, 1):
+            # streamed and held layers run the CPU decode-matvec for single tokens (float32 sums
+            # where the row path rounds g, u and h to float16): the prompt exact, the steps within rounding
+            ran = [layer.mlp._endor_cpu for layer in model.layers if layer.mlp.kind in ("streamed", "encoded")]
+            assert ran and all(r is True for r in ran), ran
+            assert_identical(got[:1], dense[:1])
+            for x, y in zip(got[1:], dense[1:]):
+                assert mx.abs(x - y).max().item() <= 0.01 * mx.abs(y).max().item()
+            continue
+        assert_identical(got, dense)
     assert runs["naive"].flash_stats.summary()["bytes_read"] > 0
     assert sum(s.decode_s for s in runs["flash"].flash_stats.steps) > 0  # neuron-cache loads decode
     held = runs["hybrid"].flash_stats.summary()

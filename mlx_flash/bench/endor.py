@@ -3,6 +3,8 @@ layer stored dense, as ENDOR (bitmap + non-zeros) and as zstd-compressed dense b
 
     python -m mlx_flash.bench endor --pack ENDOR_PACK [--dense DENSE_PACK] [--layers 0,5,10]
         [--repeats 3] [--zstd-level 3] [--isa avx2,avx512] [--json OUT]
+    python -m mlx_flash.bench endor --pack ENDOR_PACK --ffn [--layers ...] [--repeats 20]
+        (one token's FFN of a layer held encoded, warm: decode + matvecs vs decode-matvec)
     python -m mlx_flash.bench endor --compare-runs DENSE_RUN ENDOR_RUN
         (end to end: two `bench run --out` folders of the dense and the ENDOR pack of one model,
         same modes, budget and cap: tokens/s, I/O ms and bytes per token side by side)
@@ -24,6 +26,12 @@ with the others in every repeat: `endor` / `endor-loader` run the kernels' activ
 this CPU has unless MLX_FLASH_ISA says otherwise), `endor@ISA` / `endor-loader@ISA` the others.
 Reported: bytes read, read ms, decode ms, their sum, bytes and total time relative to dense,
 and decode time as a fraction of the read time ENDOR saves. Timings are medians over repeats.
+
+--ffn: for a layer held ENDOR-encoded (as hybrid holds them, bundles in memory), one token's FFN
+two ways, alternated in each repeat: `decode+matvec` = decode_into the layer's rows (the check-free
+decode of FlashLoader.decode_encoded) then the CPU kernels' matvecs (half_matvec gate and up,
+silu(g) * u, gather_matvec_t down); `decode-matvec` = mlx_flash.cpu.endor.endor_ffn_cpu, which
+never writes the decoded rows. Both outputs are compared (float32 x, relative 1e-3).
 """
 
 import json
@@ -54,6 +62,9 @@ def add_arguments(parser):
     parser.add_argument("--isa", default="", help="comma-separated instruction sets (scalar, avx2, "
                                                   "avx512) to time the ENDOR decode with, alternated "
                                                   "(default: the kernels' active one)")
+    parser.add_argument("--ffn", action="store_true",
+                        help="instead: one token's FFN of held-encoded layers, decode + matvecs vs "
+                             "the CPU decode-matvec (warm)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--verbose", action="store_true")
 
@@ -270,6 +281,8 @@ def run(args) -> int:
         k = min(4, len(endor_layers))
         layers = [endor_layers[round(j * (len(endor_layers) - 1) / max(k - 1, 1))] for j in range(k)]
     isa_list = _isa_list(args.isa)
+    if args.ffn:
+        return _run_ffn(args, pack, bundles, layers)
     rows = {}
     scratch_root = Path(tempfile.mkdtemp(prefix=".endor-bench-", dir=pack))
     loaders = {}
@@ -327,6 +340,93 @@ def run(args) -> int:
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def ffn_two_ways(entry, flat, offsets, x, repeats: int) -> dict:
+    """{"decode+matvec": ms, "decode-matvec": ms, "max_rel_diff"}: medians over repeats of one
+    token's FFN (gate, up, down bundles of float16 / bfloat16 blocks) from bundles in memory."""
+    import mlx.core as mx
+
+    from ..cpu import ops
+    from ..cpu.endor import endor_ffn_cpu
+    from ..pack.bitmap import decode_into
+    from ..pack.reader import endor_roles
+
+    names = [c.name for c in entry.components]
+    if names != ["gate.weight", "up.weight", "down_t.weight"]:
+        raise FlashError(f"--ffn: layer {entry.layer} holds {names}, not gate/up/down rows")
+    payload = entry.components[0].endor
+    dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get((payload or {}).get("dtype"))
+    if dtype is None:
+        raise FlashError(f"--ffn: layer {entry.layer}'s payload {payload} is not float16 / bfloat16")
+    rows = {c.name: mx.zeros((entry.count, *c.shape), dtype) for c in entry.components}
+    mx.eval(list(rows.values()))
+    from ..io.loader import host_bytes
+
+    dest = {name: host_bytes(r).reshape(entry.count, -1) for name, r in rows.items()}
+    roles = endor_roles(entry, dest)
+    starts, lengths, slots = offsets[:-1], np.diff(offsets), np.arange(entry.count)
+    columns, down_columns = entry.components[1].shape[-1], entry.components[2].shape[-1]
+
+    def decode_then_matvec():
+        decode_into(flat, starts, lengths, slots, roles, "bench")
+        g = ops.half_matvec(x, rows["gate.weight"])
+        u = ops.half_matvec(x, rows["up.weight"])
+        y = ops.gather_matvec_t(g * mx.sigmoid(g) * u, rows["down_t.weight"], n=entry.count)
+        mx.eval(y)
+        return y
+
+    def fused():
+        y = endor_ffn_cpu(x, flat, offsets, columns=columns, down_columns=down_columns, payload=payload)
+        mx.eval(y)
+        return y
+
+    ways = {"decode+matvec": decode_then_matvec, "decode-matvec": fused}
+    times = {k: [] for k in ways}
+    outs = {k: f() for k, f in ways.items()}  # warm-up, and the outputs compared
+    for r in range(repeats):
+        for k in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            t0 = time.perf_counter()
+            ways[k]()
+            times[k].append(time.perf_counter() - t0)
+    a, b = (np.array(outs[k].astype(mx.float32)) for k in ways)
+    rel = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+    return {**{k: statistics.median(v) * 1e3 for k, v in times.items()}, "max_rel_diff": rel}
+
+
+def _run_ffn(args, pack, bundles, layers) -> int:
+    """bench endor --ffn: the table of ffn_two_ways over the layers."""
+    import mlx.core as mx
+
+    from ..pack.bitmap import _extension
+    from ..pack.reader import read_bundle_index
+
+    rows = {}
+    for layer in layers:
+        entry = bundles[layer]
+        path = pack / entry.file
+        index = read_bundle_index(path, entry)
+        data = np.fromfile(path, np.uint8)
+        flat = data[int(index[0]): int(index[-1])]
+        x = mx.random.normal((1, entry.components[1].shape[-1]), key=mx.random.key(layer)).astype(mx.float32)
+        rows[layer] = ffn_two_ways(entry, flat, index - index[0], x, args.repeats)
+        if rows[layer]["max_rel_diff"] > 1e-3:
+            raise FlashError(f"--ffn: layer {layer}: the two ways differ by {rows[layer]['max_rel_diff']:.2g}")
+    ext = _extension()
+    lines = [f"`{args.command_line}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; kernels: "
+             f"{ext.isa() if ext else 'none'}, {ext.num_threads() if ext else 0} threads; one token, "
+             f"medians of {args.repeats})", "",
+             "| layer | decode + matvec ms | decode-matvec ms | speedup | max rel diff |", "|---|---|---|---|---|"]
+    for layer, r in rows.items():
+        lines.append(f"| {layer} | {r['decode+matvec']:.3f} | {r['decode-matvec']:.3f} | "
+                     f"{r['decode+matvec'] / r['decode-matvec']:.2f}x | {r['max_rel_diff']:.1e} |")
+    a = sum(r["decode+matvec"] for r in rows.values())
+    b = sum(r["decode-matvec"] for r in rows.values())
+    lines.append(f"| all | {a:.3f} | {b:.3f} | {a / b:.2f}x | |")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": args.command_line, "layers": rows}, indent=1))
     return 0
 
 

@@ -27,7 +27,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cpu.ops import gather_matvec, gather_matvec_t
+from ..cpu import endor as cpu_endor
+from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -261,6 +262,7 @@ class FlashFFN(nn.Module):
         self._all = np.arange(self._n)
         self._fused_act = None  # GPU: the kernels' act once the MLP was seen to compute it, False if not
         self._endor_gpu = None  # GPU, ENDOR layer streamed: True once the decode-matvec kernels matched
+        self._endor_cpu = None  # CPU, ENDOR layer: True once the CPU decode-matvec matched
 
     def _run(self, x, rows, n, add_down_bias=True):
         if self._fused_act is not False and metal_kernels.metal_active():
@@ -320,8 +322,8 @@ class FlashFFN(nn.Module):
 
     def _encoded(self, x, step):
         """A layer held ENDOR-encoded: decoded into the streaming buffer (counted as I/O: it is
-        what stands in for the read), then run like a streamed layer; on the GPU the decode-matvec
-        kernels read the held bundles instead (no decode)."""
+        what stands in for the read), then run like a streamed layer; the decode-matvec kernels
+        (GPU; CPU for one token) read the held bundles instead (no decode)."""
         step.neurons_needed += self._n
         step.hits += self._n
         return self._from_encoded(x, step, *self._rt.held[self.layer])
@@ -336,13 +338,14 @@ class FlashFFN(nn.Module):
     def _streamed(self, x, step):
         if self._rt.prefetcher is not None:
             return self._prefetched(x, step)
-        if self._endor_on_gpu(x):
+        on_gpu = self._endor_on_gpu(x)
+        if on_gpu or self._endor_on_cpu(x):  # read the bundles as stored, no decode
             t0 = time.perf_counter()
             self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
             _count_read(step, stats, time.perf_counter() - t0, self._n)
             step.neurons_needed += self._n
-            return self._endor_kernels(x, self._rt.encoded, offsets,
-                                       lambda: self._read_stream(self._all, step))
+            run = self._endor_kernels if on_gpu else self._endor_cpu_kernel
+            return run(x, self._rt.encoded, offsets, lambda: self._read_stream(self._all, step))
         buf = self._read_stream(self._all, step)
         step.neurons_needed += self._n
         y = self._run(x, buf, self._n)
@@ -350,9 +353,9 @@ class FlashFFN(nn.Module):
         return y
 
     def _from_encoded(self, x, step, words, offsets):
-        """This layer from its bundles as stored: the decode-matvec kernels on the GPU, else (more
-        than 16 tokens, or the kernels do not take it) decoded into the streaming buffer by the CPU
-        kernel (counted as I/O and decode time) and the row path."""
+        """This layer from its bundles as stored: the decode-matvec kernels on the GPU, or on the
+        CPU for one token, else (prompts, or the kernels do not take it) decoded into the
+        streaming buffer by the CPU kernel (counted as I/O and decode time) and the row path."""
 
         def decoded():
             buf = self._rt.stream_rows(self.layer)
@@ -363,6 +366,8 @@ class FlashFFN(nn.Module):
 
         if self._endor_on_gpu(x):
             return self._endor_kernels(x, words, offsets, decoded)
+        if self._endor_on_cpu(x):
+            return self._endor_cpu_kernel(x, words, offsets, decoded)
         y = self._run(x, decoded(), self._n)
         mx.eval(y)  # the streaming buffer is reused by the next layer
         return y
@@ -377,6 +382,42 @@ class FlashFFN(nn.Module):
         if not endor_kernel_bundles(self._rt.loader.entry(self.layer)):
             self._endor_gpu = False
         return self._endor_gpu is not False
+
+    def _endor_on_cpu(self, x) -> bool:
+        """True when this call runs the CPU decode-matvec (mlx_flash/cpu/endor.py): MLX on the CPU
+        with the kernels on, one token, gate/up/down (or up/down) bundles of float16 / bfloat16
+        blocks, and the first call agreed with the row path."""
+        if self._endor_cpu is False or metal_kernels.metal_active() or not kernels_active():
+            return False
+        entry = self._rt.loader.entry(self.layer)
+        if not endor_kernel_bundles(entry):
+            self._endor_cpu = False
+            return False
+        return cpu_endor.takes(entry.components[0].endor, x.size // x.shape[-1])
+
+    def _endor_cpu_kernel(self, x, words, offsets, decoded_rows):
+        """The FFN of this ENDOR layer by the CPU decode-matvec, from its bundles as stored:
+        no decoded row is written (its time is compute, not decode). decoded_rows(): the rows
+        decoded, for the first call's comparison with the row path (kept if they differ)."""
+        entry = self._rt.loader.entry(self.layer)
+        act, threshold = self._kernel_act(len(entry.components) == 3)
+        y = cpu_endor.endor_ffn_cpu(x, words, offsets, columns=entry.components[-2].shape[-1],
+                                    down_columns=entry.components[-1].shape[-1], payload=entry.components[0].endor,
+                                    act=act, threshold=threshold, where=str(self._rt.loader.pack / entry.file))
+        if self._current.down_bias is not None:
+            y = y + self._current.down_bias
+        if self._endor_cpu is None:  # first call: the row path must agree
+            want = self._run(x, decoded_rows(), self._n)
+            # relative to the largest output: outputs reach thousands in late layers, where one
+            # float16 step of the row path's sums is more than an element-wise tolerance near zero
+            diff = mx.abs(y.astype(mx.float32) - want.astype(mx.float32)).max()
+            self._endor_cpu = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 1e-3).item()
+            if not self._endor_cpu:
+                warnings.warn(f"layer {self.layer}: the CPU ENDOR decode-matvec ({act}) differs from the MLP; "
+                              f"this layer keeps the decoded-row path", RuntimeWarning, stacklevel=2)
+                mx.eval(want)
+                return want
+        return y
 
     def _endor_kernels(self, x, words, offsets, decoded_rows):
         """The FFN of this ENDOR layer on the decode-matvec kernels, from its bundles as stored

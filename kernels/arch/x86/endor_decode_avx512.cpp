@@ -65,6 +65,69 @@ ENDOR_AVX512 int64_t endor_expand32(const uint8_t* bitmap, const uint32_t* value
   return k;
 }
 
+namespace {
+
+// 32 16-bit values -> two float32 vectors (elements 0-15, 16-31).
+ENDOR_AVX512 inline void to_floats(__m512i v, bool bf16, __m512& lo, __m512& hi) {
+  const __m256i a = _mm512_castsi512_si256(v), b = _mm512_extracti64x4_epi64(v, 1);
+  if (bf16) {
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(a), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  } else {
+    lo = _mm512_cvtph_ps(a);
+    hi = _mm512_cvtph_ps(b);
+  }
+}
+
+}  // namespace
+
+// Calls step(j, lanes, lo, hi) for each 32 elements j .. j + 31 of a 16-bit block (lanes: those
+// below n), with the expanded values as float32 (zero where the bitmap bit is clear).
+template <class Step>
+ENDOR_AVX512 inline void each_32(const uint8_t* bitmap, const uint16_t* values, bool bf16, int64_t n, Step step) {
+  const int64_t nb = (n + 7) / 8;
+  int64_t k = 0, j = 0;
+  __m512 lo, hi;
+  for (; j + 64 <= n; j += 64) {  // two expanding loads per 8 bitmap bytes
+    uint64_t w;
+    std::memcpy(&w, bitmap + (j >> 3), 8);
+    const __mmask32 m0 = static_cast<__mmask32>(w), m1 = static_cast<__mmask32>(w >> 32);
+    const int64_t k1 = k + _mm_popcnt_u32(m0);
+    to_floats(_mm512_maskz_expandloadu_epi16(m0, values + k), bf16, lo, hi);
+    step(j, ~__mmask32(0), lo, hi);
+    to_floats(_mm512_maskz_expandloadu_epi16(m1, values + k1), bf16, lo, hi);
+    step(j + 32, ~__mmask32(0), lo, hi);
+    k = k1 + _mm_popcnt_u32(m1);
+  }
+  for (; j < n; j += 32) {
+    const int64_t left = n - j;
+    const __mmask32 lanes = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    const __mmask32 m = mask32(bitmap, j, nb) & lanes;
+    to_floats(_mm512_maskz_expandloadu_epi16(m, values + k), bf16, lo, hi);
+    step(j, lanes, lo, hi);
+    k += _mm_popcnt_u32(m);
+  }
+}
+
+ENDOR_AVX512 float endor_dot16(const uint8_t* bitmap, const uint16_t* values, bool bf16, const float* x, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  each_32(bitmap, values, bf16, n, [&](int64_t j, __mmask32 lanes, __m512 lo, __m512 hi) ENDOR_AVX512 {
+    acc0 = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(static_cast<__mmask16>(lanes), x + j), acc0);
+    acc1 = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(static_cast<__mmask16>(lanes >> 16), x + j + 16), acc1);
+  });
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+ENDOR_AVX512 void endor_axpy16(const uint8_t* bitmap, const uint16_t* values, bool bf16, float a, float* y,
+                               int64_t n) {
+  const __m512 w = _mm512_set1_ps(a);
+  each_32(bitmap, values, bf16, n, [&](int64_t j, __mmask32 lanes, __m512 lo, __m512 hi) ENDOR_AVX512 {
+    const __mmask16 l0 = static_cast<__mmask16>(lanes), l1 = static_cast<__mmask16>(lanes >> 16);
+    _mm512_mask_storeu_ps(y + j, l0, _mm512_fmadd_ps(w, lo, _mm512_maskz_loadu_ps(l0, y + j)));
+    _mm512_mask_storeu_ps(y + j + 16, l1, _mm512_fmadd_ps(w, hi, _mm512_maskz_loadu_ps(l1, y + j + 16)));
+  });
+}
+
 // group_size must be a multiple of 16 (16 consecutive values share one scale and bias); other
 // group sizes take the AVX2 kernel. The last, partial step loads and stores under a mask.
 ENDOR_AVX512 void endor_dequant(const uint8_t* codes, int bits, const uint16_t* scales,
