@@ -151,8 +151,14 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             if (info["kind"] == "experts" or role != "down") and f"{module}.bias" in weights:
                 bundled.add(f"{module}.bias")
     resident, resident_endor = {}, {}
-    for k in [k for k in weights if k not in bundled]:
+    names = [k for k in weights if k not in bundled]
+    bar = tqdm(total=sum(weights[k].nbytes for k in names), desc="resident tensors", unit="B",
+               unit_scale=True, disable=not progress)
+    for k in names:
         v = weights.pop(k)  # only the resident dict (or its encoded form) keeps it
+        # Computed (or read) here, tensor by tensor under the bar, not all at once by the save.
+        mx.eval(v)
+        bar.update(v.nbytes)
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
@@ -162,6 +168,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
         else:
             resident[k] = v
+    bar.close()
     requantized, down_errors = False, []
     bundles = []
     bundle_dir = tmp / "bundles"
