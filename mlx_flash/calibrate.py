@@ -14,6 +14,7 @@ normalised attention output), then per layer:
         cut set per layer so --recall of the thresholded model's active neurons are kept;
       "low-rank" (ReLU default, the paper's): sigmoid(B A x + bias) > --threshold, trained with
         the balanced loss (positives and negatives weighted equally);
+      "quant-gate": as low-rank-gate, the estimate a --gate-bits quantized copy of the gate;
       "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
@@ -28,7 +29,7 @@ import argparse
 import sys
 
 from .calibration.dense_pass import MAX_WINDOW, MIN_TOKENS, collect_inputs
-from .calibration.fit import DEFAULTS, fit_predictors, preflight, resolve_settings
+from .calibration.fit import DEFAULTS, GATE_BITS, GATE_GROUP_SIZE, fit_predictors, preflight, resolve_settings
 from .cli import run_cli
 from .errors import FlashError
 from .sparse.predictor import KINDS
@@ -45,7 +46,8 @@ def build_parser():
     parser.add_argument("--kind", choices=KINDS, default=None,
                         help="predictor: low-rank-gate (default for gated models: rank-r estimate of "
                              "the gate, which streams with the bundle), low-rank (default otherwise: "
-                             "the paper's classifier), gate-threshold (resident gate, exact), "
+                             "the paper's classifier), quant-gate (a --gate-bits copy of the gate "
+                             "estimates it), gate-threshold (resident gate, exact), "
                              "exact-relu (ReLU models, resident up, exact), all (sparsity off)")
     parser.add_argument("--target-sparsity", type=float, default=None,
                         help="gated models: fraction of |act(gate x)| thresholded to zero "
@@ -60,6 +62,9 @@ def build_parser():
     parser.add_argument("--recall", type=float, default=None,
                         help="low-rank-gate: fraction of the thresholded model's active neurons the "
                              f"predictor must keep on the calibration text (default {DEFAULTS['recall']})")
+    parser.add_argument("--gate-bits", type=int, default=None, choices=GATE_BITS,
+                        help="quant-gate: bits of the predictor's quantized gate copy, group size "
+                             f"{GATE_GROUP_SIZE} (default {DEFAULTS['gate_bits']})")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"low-rank training epochs (default {DEFAULTS['epochs']})")
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -81,7 +86,7 @@ def _main(argv):
         raise FlashError(f"--max-tokens {args.max_tokens}: need at least {MIN_TOKENS}")
     settings = dict(kind=args.kind, target_sparsity=args.target_sparsity, rank=args.rank,
                     rank_per_layer=args.rank_per_layer, threshold=args.threshold, recall=args.recall,
-                    epochs=args.epochs, max_window=args.max_window)
+                    epochs=args.epochs, max_window=args.max_window, gate_bits=args.gate_bits)
     progress = not args.quiet
     preflight(args.model, args.text, **settings)  # minutes of dense pass follow: fail first
     data = collect_inputs(args.model, args.text, max_tokens=args.max_tokens, max_window=args.max_window,

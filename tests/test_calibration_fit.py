@@ -94,6 +94,16 @@ def test_calibrate_prices_the_held_out_predictions_for_the_memory_plan(llama_pac
                                                     read["window_s"][0] / read["whole_s"]))
     read = doc["layers"]["0"]["stats"]["read_s"]
     assert sparse_read_fraction(llama_pack, window=9)[0][0] == pytest.approx(read["window_s"][2] / read["whole_s"])
+    # smaller neuron caches, priced at the runtime's default window (only that window gets them)
+    from mlx_flash.sparse.predictor import cache_read_fraction
+
+    cache = read["cache"]
+    assert cache["window"] == fit.CACHE_WINDOW and len(cache["rows"]) == len(cache["seconds"]) > 1
+    assert cache["rows"] == sorted(cache["rows"]) and min(cache["seconds"]) > 0
+    by_rows = cache_read_fraction(llama_pack, window=fit.CACHE_WINDOW)
+    assert [r for r, _ in by_rows[0]] == cache["rows"]
+    assert [f for _, f in by_rows[0]] == pytest.approx([s / read["whole_s"] for s in cache["seconds"]])
+    assert cache_read_fraction(llama_pack, window=fit.CACHE_WINDOW + 1) is None
 
 
 def test_low_rank_gate_full_rank_estimates_the_gate(llama_pack, text):
@@ -187,3 +197,25 @@ def test_gate_threshold_refused_without_gate(tmp_path):
         fit.calibrate(pack, [text], kind="gate-threshold", progress=False)
     with pytest.raises(FlashError, match="ReLU models use their natural sparsity"):
         fit.calibrate(pack, [text], target_sparsity=0.3, progress=False)
+
+
+def test_quant_gate_predicts_from_a_quantized_copy_of_the_gate(llama_pack, text):
+    """The predictor's gate is the pack's gate quantized (8 bits: nearly the gate itself), stored
+    as such (uint32 codes, float16 scales) and read back; the runtime's mask is its score > cut."""
+    doc = fit.calibrate(llama_pack, [text], kind="quant-gate", gate_bits=8, recall=1.0,
+                        target_sparsity=0.4, progress=False)
+    preds = load_predictors(llama_pack)
+    model, *_ = dense_pass.load_dense_model(llama_pack)
+    x = mx.random.normal((4, 64), key=mx.random.key(2))
+    for i, p in preds.items():
+        entry = doc["layers"][str(i)]
+        assert (entry["kind"], entry["bits"], entry["group_size"]) == ("quant-gate", 8, fit.GATE_GROUP_SIZE)
+        assert p.kind == "quant-gate" and p._t["gate.weight"].dtype == mx.uint32
+        assert p.nbytes < model.layers[i].mlp.gate_proj.weight.size * 2  # below a float16 gate
+        gate = nn.silu(model.layers[i].mlp.gate_proj(x))
+        assert np.allclose(np.array(p.gate_estimate(x)), np.array(gate), atol=2e-2)
+        assert np.array_equal(np.array(p(x)), np.array(p.gate_score(x) > p.cut))
+        s = entry["stats"]
+        assert s["recall"] > 0.97 and s["over_prediction"] < 1.1
+    with pytest.raises(FlashError, match="--gate-bits 5"):
+        fit.calibrate(llama_pack, [text], kind="quant-gate", gate_bits=5, progress=False)

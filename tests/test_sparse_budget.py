@@ -148,3 +148,39 @@ def test_hybrid_holds_endor_layers_encoded_then_decoded_as_room_allows():
     assert plan.weights <= plan.budget and "4/6 layer FFNs resident (3 ENDOR-encoded)" in plan.describe()
     plan = plan_memory(m, "hybrid", fixed + 5 * enc)  # exactly 5 encoded, no room to decode one
     assert plan.resident_layers == [] and plan.encoded_layers == [0, 1, 2, 3, 4]
+
+
+def test_measured_cache_read_seconds_runs_the_runtimes_cache_at_each_size():
+    from types import SimpleNamespace
+
+    from mlx_flash.sparse.budget import measured_cache_read_seconds
+
+    entry = SimpleNamespace(offset=0, stride=4096, count=16)
+    loader = SimpleNamespace(entry=lambda layer: entry, cost=None, plan=True, alignment=4096, max_read=4096)
+    masks = np.zeros((6, 16), bool)
+    masks[:, :2] = True  # two neurons on every token
+    masks[0::2, 2:4] = masks[1::2, 4:6] = True  # two pairs alternating
+    got = measured_cache_read_seconds(loader, 0, masks, window=5, fractions=(2 / 16, 4 / 16, 6 / 16), tokens=4)
+    per = 4096 / 1e9  # no cost model: one read per neuron at 1 GB/s
+    assert got["window"] == 5 and got["rows"] == [2, 4, 6]
+    # 2 rows: the every-token pair stays; each token reads its alternating pair (overflow: not cached)
+    # 4 rows: the alternating pair evicts the other one (least recently active) every token
+    # 6 rows: everything stays: nothing read once warm
+    assert got["seconds"] == pytest.approx([2 * per, 2 * per, 0.0])
+
+
+def test_smaller_measured_caches_are_plan_options_with_their_rows():
+    m = fake_manifest(layers=12)
+    lb = layer_bytes(m["bundles"][0])
+    budget = m["resident"]["length"] + prefetch_bytes(m) + stream_bytes(m) + 3 * lb
+    kw = dict(predictor_bytes={i: 50_000 for i in range(12)}, density={i: 0.15 for i in range(12)},
+              read_cost=bytes_cost(m, lambda f: f), requested_capacity={i: 900 for i in range(12)},
+              sparse_read_fraction={i: (0.05, 0.5) for i in range(12)})
+    without = plan_memory(m, "flash", budget, **kw)
+    # a 200-row cache (a fifth of the layer) reads 15% of the layer: better per byte than 900 rows or none
+    plan = plan_memory(m, "flash", budget, cache_read_fraction={i: [(200, 0.15), (1000, 0.0)] for i in range(12)},
+                       **kw)
+    assert plan.expected_read_s < without.expected_read_s
+    assert plan.weights <= budget
+    assert all(rows < 1000 for rows in plan.capacity.values())  # a cache as large as the layer is not an option
+    assert sum(rows == 200 for rows in plan.capacity.values()) >= 6

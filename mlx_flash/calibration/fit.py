@@ -7,6 +7,9 @@
         cut set per layer so `recall` of the thresholded model's active neurons are kept;
       "low-rank" (ReLU default, the paper's): sigmoid(B A x + bias) > threshold, trained with
         the balanced loss (positives and negatives weighted equally);
+      "quant-gate": mask = |act(g)| > cut as low-rank-gate's, g = a `gate_bits`-bit quantized
+        copy of the gate (group size 32) times x: far closer to gate x than a low-rank estimate
+        at a quarter (4-bit) of a float16 gate's memory;
       "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
@@ -28,15 +31,19 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
+from ..config import FlashConfig
 from ..errors import FlashError
 from ..io import FlashLoader
-from ..sparse.budget import measured_read_seconds
+from ..sparse.budget import measured_cache_read_seconds, measured_read_seconds
 from ..sparse.predictor import KINDS, LOW_RANK, LayerPredictor, read_predictors_json, save_predictors
 from .dense_pass import MAX_WINDOW, CalibrationData, collect_inputs
 
 CAPACITY_PERCENTILE = 99
+CACHE_WINDOW = FlashConfig.window  # the window calibration prices smaller neuron caches at
 DEFAULTS = {"kind": None, "target_sparsity": 0.2, "rank": 64, "threshold": 0.5, "epochs": 10,
-            "recall": 0.99}
+            "recall": 0.99, "gate_bits": 4}
+GATE_BITS = (2, 3, 4, 8)
+GATE_GROUP_SIZE = 32
 
 
 def layer_activations(ffn, x: np.ndarray, dtype, batch=2048) -> np.ndarray:
@@ -145,6 +152,18 @@ def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
             "bias": mx.array(bias.astype(np.float32))}
 
 
+def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE) -> dict:
+    """{"gate.weight", "gate.scales", "gate.biases"(, "gate.bias")}: the layer's gate (its float
+    values, dequantized if the pack's are quantized) MLX-quantized at `bits`, scales and biases in
+    float16 as predictors.safetensors stores them."""
+    q, scales, biases = mx.quantize(dequantized_weight(ffn.gate).astype(mx.float32), group_size=group_size,
+                                    bits=bits)
+    out = {"gate.weight": q, "gate.scales": scales.astype(mx.float16), "gate.biases": biases.astype(mx.float16)}
+    if "bias" in ffn.gate:
+        out["gate.bias"] = ffn.gate.bias.astype(mx.float16)
+    return out
+
+
 def dequantized_weight(module):
     """The float weight matrix of a Linear or QuantizedLinear [out, in]."""
     if hasattr(module, "scales"):
@@ -162,7 +181,7 @@ def recall_cut(score: np.ndarray, active: np.ndarray, recall: float) -> float:
 
 
 def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None, prob_threshold=0.5,
-                    cut=0.0):
+                    cut=0.0, quantization=None):
     """The LayerPredictor the runtime will build for this layer, on the in-memory weights.
 
     Low-rank factors are rounded to float16, as predictors.safetensors stores them, so calibration
@@ -175,9 +194,11 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
         tensors, quant = _resident_rows(ffn.gate, "gate")
     elif kind in LOW_RANK:
         tensors = {k: v.astype(mx.float16) for k, v in factors.items()}
+    elif kind == "quant-gate":
+        tensors, quant = factors, quantization
     return LayerPredictor(layer, kind, n_neurons, threshold=threshold, prob_threshold=prob_threshold,
                           cut=cut,
-                          rank=int(factors["A"].shape[0]) if factors else 0,
+                          rank=int(factors["A"].shape[0]) if kind in LOW_RANK else 0,
                           activation=ffn.activation, tensors=tensors, quantization=quant)
 
 
@@ -241,7 +262,7 @@ def default_kind(gated: bool, activation: str) -> str:
 def check_kind(kind: str, gated: bool, activation: str):
     if kind not in KINDS:
         raise FlashError(f"--kind {kind}: unknown (choose from {', '.join(KINDS)})")
-    if kind in ("gate-threshold", "low-rank-gate") and not gated:
+    if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and not gated:
         raise FlashError(f"--kind {kind}: the model's FFN has no gate projection "
                          "(use exact-relu or low-rank)")
     if kind == "exact-relu" and (gated or activation != "relu"):
@@ -251,7 +272,7 @@ def check_kind(kind: str, gated: bool, activation: str):
 
 def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, target_sparsity,
                     rank, prob_threshold, epochs, max_window, seed, recall=DEFAULTS["recall"],
-                    loader=None):
+                    loader=None, gate_bits=DEFAULTS["gate_bits"]):
     """(predictors.json entry, low-rank factors or None) for one layer; x = its FFN inputs.
     loader: the pack's FlashLoader; with it stats.read_s holds what the held-out predictions
     read per token (sparse.budget.measured_read_seconds), for the memory plan."""
@@ -260,26 +281,32 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     threshold = sparsity_threshold(abs_act[:n_train], target_sparsity)
     active = abs_act > threshold
     del abs_act
-    factors, cut = None, 0.0
+    factors, cut, quant = None, 0.0, None
     if kind == "low-rank":
         factors = train_low_rank(x[:n_train], active[:n_train], rank, epochs=epochs, seed=seed + layer)
-    elif kind == "low-rank-gate":
-        factors = fit_low_rank_gate(ffn, x[:n_train], rank)
-        approx = layer_predictor(layer, kind, ffn, n, factors=factors)
+    elif kind in ("low-rank-gate", "quant-gate"):
+        if kind == "quant-gate":
+            factors, quant = quantized_gate(ffn, gate_bits), {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
+        else:
+            factors = fit_low_rank_gate(ffn, x[:n_train], rank)
+        approx = layer_predictor(layer, kind, ffn, n, factors=factors, quantization=quant)
         score = np.concatenate([np.array(approx.gate_score(mx.array(x[s: min(s + 2048, n_train)])))
                                 for s in range(0, n_train, 2048)])
         cut = recall_cut(score, active[:n_train], recall)
         del score
     pred = layer_predictor(layer, kind, ffn, n, threshold=threshold, factors=factors,
-                           prob_threshold=prob_threshold, cut=cut)
+                           prob_threshold=prob_threshold, cut=cut, quantization=quant)
     predicted = predict_masks(pred, x[n_train:], dtype)
     stats = prediction_stats(active[n_train:], predicted)
     stats["train_active"] = float(active[:n_train].mean())
     if loader is not None:
         stats["read_s"] = measured_read_seconds(loader, layer, predicted, max_window)
+        stats["read_s"]["cache"] = measured_cache_read_seconds(loader, layer, predicted, CACHE_WINDOW)
     entry = {"kind": kind, "n_neurons": n, "rank": pred.rank, "threshold": threshold,
              "prob_threshold": prob_threshold, "cut": cut, "activation": ffn.activation, "stats": stats,
              "capacity": window_capacity(predicted, max_window)}
+    if quant:
+        entry.update(quant)
     return entry, factors
 
 
@@ -304,7 +331,7 @@ def format_report(layers: dict, window=5) -> str:
 
 def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, rank=None,
                      rank_per_layer=None, threshold=None, epochs=None, recall=None,
-                     max_window=MAX_WINDOW) -> dict:
+                     max_window=MAX_WINDOW, gate_bits=None) -> dict:
     """Checked calibration settings with the defaults filled in (FlashError naming the flag)."""
     gated, activation = data.gated, data.activation
     kind = kind or default_kind(gated, activation)
@@ -336,9 +363,12 @@ def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, 
     n_layers = len(data.manifest.bundles)
     ranks = dict(rank_per_layer) if isinstance(rank_per_layer, dict) else \
         parse_rank_per_layer(rank_per_layer, n_layers)
+    gate_bits = DEFAULTS["gate_bits"] if gate_bits is None else int(gate_bits)
+    if gate_bits not in GATE_BITS:
+        raise FlashError(f"--gate-bits {gate_bits}: choose one of {', '.join(map(str, GATE_BITS))}")
     return {"kind": kind, "target_sparsity": float(target_sparsity), "rank": rank,
             "rank_per_layer": ranks, "prob_threshold": prob_threshold, "recall": recall,
-            "epochs": epochs, "max_window": max_window}
+            "epochs": epochs, "max_window": max_window, "gate_bits": gate_bits}
 
 
 def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=True, say=None,
@@ -354,7 +384,8 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
         f"{data.activation}{' gated' if data.gated else ''}, target sparsity {st['target_sparsity']:g}"
         + (f", rank {st['rank']}" if kind in LOW_RANK else "")
         + (f", threshold {st['prob_threshold']:g}" if kind == "low-rank" else "")
-        + (f", recall {st['recall']:g}" if kind == "low-rank-gate" else ""))
+        + (f", recall {st['recall']:g}" if kind in ("low-rank-gate", "quant-gate") else "")
+        + (f", {st['gate_bits']}-bit gate" if kind == "quant-gate" else ""))
     layers, factors = {}, {}
     t0 = time.perf_counter()
     loader = FlashLoader(out_pack or data.pack) if Path(out_pack or data.pack).is_dir() else None
@@ -365,7 +396,7 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
                                        rank=st["rank_per_layer"].get(i, st["rank"]),
                                        prob_threshold=st["prob_threshold"], epochs=st["epochs"],
                                        max_window=st["max_window"], seed=seed, recall=st["recall"],
-                                       loader=loader)
+                                       loader=loader, gate_bits=st["gate_bits"])
             layers[i] = entry
             if f is not None:
                 factors[i] = f

@@ -24,8 +24,8 @@ from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape)
 from ..sparse.neuron_cache import NeuronCache
-from ..sparse.predictor import (activation_fn, calibrated_capacity, load_predictors, predicted_density,
-                                sparse_read_fraction)
+from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_capacity, load_predictors,
+                                predicted_density, sparse_read_fraction)
 from ..sparse.stats import FlashStats
 from .loader import build_model
 
@@ -49,19 +49,21 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     loader = FlashLoader(pack, threads=cfg.threads)
     try:
-        read_cost = measured = None
+        read_cost = measured = by_rows = None
         if cfg.mode == "flash":
             if predictors is None:
                 predictors = pack_predictors(pack)
                 density = density if density is not None else predicted_density(pack)
                 measured = sparse_read_fraction(pack, cfg.window)
+                by_rows = cache_read_fraction(pack, cfg.window)
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
         plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
                            predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
                            if cfg.mode == "flash" else 0,
                            requested_capacity=capacity, density=density, read_cost=read_cost,
-                           prefetch=prefetch, sparse_read_fraction=measured)
+                           prefetch=prefetch, sparse_read_fraction=measured,
+                           cache_read_fraction=by_rows)
         # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
         thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
         if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):

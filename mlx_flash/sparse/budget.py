@@ -25,12 +25,15 @@ are streamed or kept resident and the plan is never worse than hybrid's whole-la
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 
 from ..config import MemoryBudget, param_named
 from ..errors import FlashError
 from ..io.planner import ReadCost, plan_read_arrays
+from .neuron_cache import NeuronCache
 
 
 def row_bytes(entry) -> int:
@@ -181,6 +184,57 @@ def measured_read_seconds(loader, layer: int, predicted: np.ndarray, max_window:
     return {"window_s": window_s, "whole_s": whole}
 
 
+CACHE_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)  # cache sizes calibration prices
+
+
+class _UnreadLoader:
+    """Stands in for a FlashLoader in a neuron cache that only keeps its bookkeeping: one byte per
+    row, nothing read; the ids each `read` asked for are kept in `last`."""
+
+    def __init__(self, loader, layer):
+        self._entry = loader.entry(layer)
+        self.last = np.zeros(0, np.int64)
+
+    def entry(self, layer):
+        return self._entry
+
+    def alloc(self, layer, rows):
+        return {"ids": mx.zeros((rows, 1), mx.uint8)}
+
+    def read(self, layer, ids, rows, slots=None):
+        self.last = np.asarray(ids, np.int64)
+        return SimpleNamespace(bytes_read=0, decode_seconds=0.0)
+
+
+def measured_cache_read_seconds(loader, layer: int, predicted: np.ndarray, window: int,
+                                fractions=CACHE_FRACTIONS, tokens=64) -> dict:
+    """What a sparse layer reads per token with a neuron cache smaller than its window's union,
+    priced on real predictions: `predicted` bool [consecutive tokens, n_neurons] runs through the
+    runtime's own NeuronCache (neurons expire after `window` tokens, then the least recently
+    active leave; neurons that do not fit are read for the token only) at `fractions` of the
+    layer's neurons; each token's cache fills and overflow reads are priced by set_read_seconds
+    (two reads, as the runtime issues them), mean over the last `tokens` tokens (cache warm).
+    Returns {"window": window, "rows": [capacity], "seconds": [mean seconds per token]}."""
+    predicted = np.asarray(predicted, bool)
+    n = predicted.shape[1]
+    first = max(0, len(predicted) - tokens)
+    rows, seconds = [], []
+    for f in fractions:
+        cap = max(1, int(round(f * n)))
+        stub = _UnreadLoader(loader, layer)
+        cache = NeuronCache(stub, layer, cap)
+        secs = []
+        for t in range(len(predicted)):
+            stub.last = np.zeros(0, np.int64)
+            upd = cache.update(np.flatnonzero(predicted[t]), t, window)
+            if t >= first:
+                secs.append(set_read_seconds(loader, layer, np.sort(stub.last))
+                            + set_read_seconds(loader, layer, np.sort(upd.overflow)))
+        rows.append(cap)
+        seconds.append(float(np.mean(secs)) if secs else 0.0)
+    return {"window": int(window), "rows": rows, "seconds": seconds}
+
+
 def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
     """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
     planner's merged, aligned requests, each priced by its cost model: the measured read-cost
@@ -209,7 +263,8 @@ def prefetch_bytes(manifest) -> int:
 
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
-                density=None, read_cost=None, prefetch=True, sparse_read_fraction=None) -> MemoryPlan:
+                density=None, read_cost=None, prefetch=True, sparse_read_fraction=None,
+                cache_read_fraction=None) -> MemoryPlan:
     """Split `budget` (MemoryBudget, bytes or None) for `mode`; FlashError if it is below the minimum.
 
     requested_capacity: {layer: rows} for flash (calibrated Req_i for the window); without it the
@@ -222,14 +277,17 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     cache of requested_capacity rows, the window's); where given, a layer can run sparse with its
     cache (the option's memory counts the rows) or without (a token reads all its predictions),
     each priced at its fraction of read_cost(layer, all neurons), instead of read_cost of
-    `density` random neurons.
+    `density` random neurons. cache_read_fraction: {layer: [(cache rows, measured seconds per
+    token / seconds to read the layer whole)]} (calibration's measured_cache_read_seconds at this
+    window): more sparse options, a cache of that many rows at that price.
     """
     limit = resolve_budget(budget, manifest)
     if mode == "flash" and density is not None and read_cost is not None and limit is not None \
             and limit < resident_bytes(manifest) + sum(layer_bytes(b) for b in manifest.bundles):
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
                                  requested_capacity, prefetch=prefetch,
-                                 sparse_read_fraction=sparse_read_fraction)
+                                 sparse_read_fraction=sparse_read_fraction,
+                                 cache_read_fraction=cache_read_fraction)
     # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
     # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
     if isinstance(predictor_bytes, dict):
@@ -282,7 +340,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
 
 def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, read_cost,
                       requested_capacity=None, units=4096, prefetch=True,
-                      sparse_read_fraction=None) -> MemoryPlan:
+                      sparse_read_fraction=None, cache_read_fraction=None) -> MemoryPlan:
     """The per-layer flash plan (module docstring): a multiple-choice knapsack over the layers
     (options resident / sparse / streamed, memory in `units` steps) minimising expected read
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
@@ -303,11 +361,17 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     measured = sparse_read_fraction or {}
     want = {i: min(full[i], int((requested_capacity or full).get(i, full[i]))) for i in layers}
     cost = {i: {"streamed": float(read_cost(i, full[i]))} for i in layers}
+    cache_rows = {}  # (layer, option name) -> neuron-cache rows the option pays for
     for i in layers:
         if i in measured:  # (with a neuron cache of want[i] rows, without one)
             cost[i]["sparse"], cost[i]["sparse-uncached"] = (float(f) * cost[i]["streamed"] for f in measured[i])
+            cache_rows[i, "sparse"] = want[i]
         else:
             cost[i]["sparse"] = float(read_cost(i, min(full[i], max(0, round(density[i] * full[i])))))
+        for rows, f in (cache_read_fraction or {}).get(i, ()):
+            if 0 < rows < want[i]:  # smaller caches than the window's: LRU within the window
+                cost[i][f"sparse:{int(rows)}"] = float(f) * cost[i]["streamed"]
+                cache_rows[i, f"sparse:{int(rows)}"] = int(rows)
     found = []
     # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
     # ahead and sparse layers need their own streaming buffer; without it (also the fallback when
@@ -326,8 +390,8 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
             pred = int(predictor_bytes.get(i, 0))
             # a measured price holds with the window's cache rows, so the option pays for them;
             # without a cache a sparse layer reads each token's predictions whole
-            sparse_opts = [("sparse", pred + want[i] * base.row_bytes[i]), ("sparse-uncached", pred)] \
-                if i in measured else [("sparse", pred)]
+            sparse_opts = [(name, pred + cache_rows.get((i, name), 0) * base.row_bytes[i])
+                           for name in cost[i] if name.startswith("sparse")]
             for name, nbytes in sparse_opts:
                 if allow_sparse and cost[i][name] < cost[i]["streamed"]:  # else it saves nothing
                     opts.append((name, -(-nbytes // unit), cost[i][name]))
@@ -358,12 +422,13 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     # order: resident layers first compute while the prefetcher reads the first streamed ones
     groups = {}
     for i in layers:
-        sig = (base.layer_bytes[i], int(predictor_bytes.get(i, 0)), round(cost[i]["streamed"], 9),
-               round(cost[i]["sparse"], 9), round(cost[i].get("sparse-uncached", 0.0), 9))
+        sig = (base.layer_bytes[i], int(predictor_bytes.get(i, 0)),
+               tuple(sorted((k, round(v, 9)) for k, v in cost[i].items())))
         groups.setdefault(sig, []).append(i)
-    rank = {"resident": 0, "sparse": 1, "sparse-uncached": 2, "streamed": 3}
+    rank = {"resident": (0, 0), "sparse": (1, 0), "sparse-uncached": (3, 0), "streamed": (4, 0)}
+    order = lambda name: rank.get(name) or (2, -int(name.split(":")[1]))  # noqa: E731  sparse:ROWS
     for members in groups.values():
-        for i, name in zip(members, sorted((choice[i] for i in members), key=rank.get)):
+        for i, name in zip(members, sorted((choice[i] for i in members), key=order)):
             choice[i] = name
     plan = base
     plan.stream = fixed
@@ -371,10 +436,10 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     plan.expected_read_s = total
     plan.resident_layers = [i for i in layers if choice[i] == "resident"]
     plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]
-    sparse = [i for i in layers if choice[i] in ("sparse", "sparse-uncached")]
+    sparse = [i for i in layers if choice[i].startswith("sparse")]
     plan.predictors = sum(int(predictor_bytes.get(i, 0)) for i in sparse)
     # layers whose option paid for their cache rows get them; the rest share what is left
-    paid = {i: want[i] for i in sparse if choice[i] == "sparse" and i in measured}
+    paid = {i: cache_rows[i, choice[i]] for i in sparse if (i, choice[i]) in cache_rows}
     rest = {i: want[i] for i in sparse if i not in paid}
     left = plan.budget - plan.weights - sum(paid[i] * plan.row_bytes[i] for i in paid)
     rest_bytes = sum(rest[i] * plan.row_bytes[i] for i in rest)

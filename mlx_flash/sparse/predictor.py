@@ -9,7 +9,9 @@
     predictors.safetensors   low-rank factors, float16: layers.{i}.A [rank, hidden],
                              layers.{i}.B [n_neurons, rank], layers.{i}.bias [n_neurons]
                              (its crc32 is in predictors.json, so the pair is checked on load);
-                             the same names for "low-rank-gate" (B A x + bias approximates gate x)
+                             the same names for "low-rank-gate" (B A x + bias approximates gate x);
+                             "quant-gate": layers.{i}.gate.weight / .scales / .biases (/ .bias),
+                             the gate MLX-quantized at the entry's `bits` and `group_size`
 
 Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attention output):
     "all"             sparsity off: every neuron
@@ -20,6 +22,9 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
     "low-rank-gate"   gated models, gate streamed with the bundle: g = B (A x) + bias is a rank-r
                       approximation of gate x (fitted to calibration activations), and
                       mask = |act(g)| > cut, with cut set per layer for a target recall
+    "quant-gate"      gated models, gate streamed with the bundle: g = a 2..8-bit quantized copy of
+                      the gate times x, mask as "low-rank-gate"'s (a float16 model's exact gate
+                      costs 4x a 4-bit copy's memory; the FFN computes with the bundle's gate)
 Resident gate/up rows are read from the pack's own bundle files when the predictors are loaded.
 
 What the runtime must do with `LayerPredictor.threshold` (float >= 0, activation units): compute
@@ -52,8 +57,11 @@ FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
 PREDICTORS_JSON = "predictors.json"
 PREDICTORS_FILE = "predictors.safetensors"
-KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate")
-LOW_RANK = ("low-rank", "low-rank-gate")  # kinds whose factors live in predictors.safetensors
+KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate", "quant-gate")
+LOW_RANK = ("low-rank", "low-rank-gate")  # kinds with low-rank factors
+STORED = LOW_RANK + ("quant-gate",)  # kinds whose tensors live in predictors.safetensors
+GATE_ESTIMATES = ("low-rank-gate", "quant-gate")  # mask = gate_score(x) > cut
+QUANT_GATE = ("gate.weight", "gate.scales", "gate.biases")
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
@@ -126,11 +134,14 @@ class LayerPredictor:
         return mx.abs(self.gate_estimate(x))
 
     def gate_estimate(self, x):
-        """act(B (A x) + bias) [..., n_neurons], float32 ("low-rank-gate" only)."""
+        """act(estimated gate x) [..., n_neurons], float32 ("low-rank-gate", "quant-gate")."""
         return self._act(self.logits(x))
 
     def logits(self, x):
-        """B (A x) + bias [..., n_neurons], float32 ("low-rank", "low-rank-gate")."""
+        """B (A x) + bias [..., n_neurons], float32 ("low-rank", "low-rank-gate"); the quantized
+        gate copy times x ("quant-gate")."""
+        if self.kind == "quant-gate":
+            return self._rows("gate", x).astype(mx.float32)
         a, b = self._t["A"], self._t["B"]
         h = (x.astype(a.dtype) @ a.T) @ b.T
         return h.astype(mx.float32) + self._t["bias"].astype(mx.float32)
@@ -142,7 +153,7 @@ class LayerPredictor:
             return self._rows("up", x) > 0
         if self.kind == "gate-threshold":
             return mx.abs(self.gate_activation(x)) > self.threshold
-        if self.kind == "low-rank-gate":
+        if self.kind in GATE_ESTIMATES:
             return self.gate_score(x) > self.cut
         return self.logits(x) > self._logit_cut
 
@@ -175,7 +186,8 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     """
     pack = Path(pack_dir)
     manifest = read_manifest(pack)
-    arrays = {f"layers.{i}.{k}": v.astype(mx.float16) for i, f in factors.items() for k, v in f.items()}
+    arrays = {f"layers.{i}.{k}": v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+              for i, f in factors.items() for k, v in f.items()}
     st_path, js_path = pack / PREDICTORS_FILE, pack / PREDICTORS_JSON
     try:
         if arrays:
@@ -249,6 +261,9 @@ def validate_predictors(doc: dict, path, manifest) -> None:
             c.fail(f"{f}.activation", f"= {act!r} is not a known activation (silu, relu, fatrelu:T, ...)")
         # ReLU-family layers score the gate estimate itself, whose cut may be negative
         c.num(entry.get("cut", 0.0), f"{f}.cut", -math.inf if monotone(act) else 0)
+        if kind == "quant-gate":
+            c.int(c.get(entry, "bits", f"{f}.bits"), f"{f}.bits", 2, 8)
+            c.int(c.get(entry, "group_size", f"{f}.group_size"), f"{f}.group_size", 32, 128)
         c.num(entry.get("prob_threshold", 0.5), f"{f}.prob_threshold", 0, 1, lo_open=True)
         if entry.get("prob_threshold", 0.5) >= 1:
             c.fail(f"{f}.prob_threshold", "must be below 1")
@@ -304,6 +319,17 @@ def load_predictors(pack_dir):
             if tensors["A"].shape[0] != r or tensors["B"].shape != (n, r) or tensors["bias"].shape != (n,):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
                                  f"{r} and {n} neurons")
+        elif kind == "quant-gate":
+            names = {k: f"layers.{i}.{k}" for k in (*QUANT_GATE, "gate.bias")}
+            missing = [names[k] for k in QUANT_GATE if names[k] not in factors]
+            if missing:
+                raise FlashError(f"{pack / PREDICTORS_FILE}: missing tensor {missing[0]}")
+            tensors = {k: factors[v] for k, v in names.items() if v in factors}
+            n, quant = int(entry["n_neurons"]), {"bits": int(entry["bits"]), "group_size": int(entry["group_size"])}
+            if any(tensors[k].shape[0] != n for k in QUANT_GATE) or \
+                    tensors["gate.weight"].shape[1] * 32 // quant["bits"] != tensors["gate.scales"].shape[1] * quant["group_size"]:
+                raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized gate does not match "
+                                 f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
         elif kind in ("exact-relu", "gate-threshold"):
             role = "up" if kind == "exact-relu" else "gate"
             comps = read_layer_components(pack, bundles[i])
@@ -360,6 +386,25 @@ def sparse_read_fraction(pack_dir, window: int) -> dict | None:
         per_window = read["window_s"]
         whole = float(read["whole_s"])
         out[int(key)] = (float(per_window[min(window, len(per_window)) - 1]) / whole, float(per_window[0]) / whole)
+    return out or None
+
+
+def cache_read_fraction(pack_dir, window: int) -> dict | None:
+    """{layer: [(neuron-cache rows, seconds a sparse layer with that cache reads per token /
+    seconds to read it whole)]}, from the read costs calibration measured for caches smaller than
+    the window's union (stats.read_s.cache: budget.measured_cache_read_seconds) at this `window`;
+    None when the pack has no predictors or none was measured at this window."""
+    doc = read_predictors_json(pack_dir)
+    if doc is None:
+        return None
+    out = {}
+    for key, entry in doc["layers"].items():
+        read = (entry.get("stats") or {}).get("read_s")
+        cache = read.get("cache") if isinstance(read, dict) else None
+        if not isinstance(cache, dict) or cache.get("window") != window or not read.get("whole_s"):
+            continue
+        whole = float(read["whole_s"])
+        out[int(key)] = [(int(r), float(s) / whole) for r, s in zip(cache["rows"], cache["seconds"])]
     return out or None
 
 
