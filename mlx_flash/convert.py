@@ -27,36 +27,55 @@ def down_report(down: dict) -> str:
 
 
 def _calibrate_moe(model_dir, args) -> tuple:
-    """({layer: [bits per expert]} or None, routing statistics) measured on --calib-text
-    (calibration/expert_bits.py)."""
+    """({layer: [bits per expert]} or None, routing statistics, the pack writer's expert quantizer
+    or None) measured on --calib-text (calibration/expert_bits.py)."""
     from collections import Counter
 
     from .calibration.dense_pass import text_tokens
-    from .calibration.expert_bits import choose_expert_bits, routing_statistics, switch_glus
+    from .calibration.expert_bits import (fewest_bits_within, measure_errors, routing_statistics,
+                                          stored_quantizer, switch_glus)
     from .models import load_model, load_tokenizer
-    from .moe.bitwidths import WIDTHS, mean_bits
+    from .moe.bitwidths import WIDTHS, assign_widths, mean_bits
 
-    if args.expert_bits is not None and not WIDTHS[0] <= args.expert_bits <= WIDTHS[-1]:
-        raise FlashError(f"--expert-bits {args.expert_bits:g}: must be within {WIDTHS[0]}..{WIDTHS[-1]}")
+    widths = tuple(sorted(set(args.expert_widths or WIDTHS)))
+    if args.expert_bits is not None and not widths[0] <= args.expert_bits <= widths[-1]:
+        raise FlashError(f"--expert-bits {args.expert_bits:g}: must be within {widths[0]}..{widths[-1]}")
     model, config = load_model(model_dir, lazy=False)
     found = switch_glus(model)
     if not found:
         raise FlashError(f"--calib-text: only for MoE models ({model_dir} has no mlx-lm SwitchGLU)")
     tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.calib_tokens,
                          flag="--calib-text")
-    bits = None
-    if args.expert_bits is not None:
+    bits = quantizer = None
+    tolerance = args.expert_bits_tolerance
+    if args.expert_bits is not None or tolerance is not None:
         group_size = args.group_size or 64
-        bits, _ = choose_expert_bits(model, tokens, args.expert_bits, group_size)
-        counts = Counter(b for widths in bits.values() for b in widths)
-        print(f"expert bits on {len(tokens)} calibration tokens: mean {mean_bits(bits):.3f} "
-              f"(+{32 / group_size:.2f} for scales and biases); experts per width "
-              + ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts)), file=sys.stderr)
+        quantized = {}
+        errors = measure_errors(model, tokens, group_size, widths, method=args.expert_quantizer,
+                                quantized=quantized)
+        if tolerance is not None:
+            found_bits = fewest_bits_within(model, tokens, errors, tolerance, group_size, widths,
+                                            quantized or None)
+            bits = found_bits["bits"]
+            print(f"--expert-bits-tolerance {tolerance:g}%: calibration perplexity "
+                  f"+{found_bits['ppl_increase_pct']:.2f}% vs float experts at a mean of "
+                  f"{found_bits['mean_bits']:.3f} bits", file=sys.stderr)
+        else:
+            bits = assign_widths(errors, args.expert_bits, widths=widths)
+        quantizer = stored_quantizer(quantized) if quantized else None
+        # scales and biases are stored in the experts' float dtype (--dtype's when given)
+        itemsize = ({"float32": 4, "float16": 2, "bfloat16": 2}.get(args.dtype)
+                    or next(iter(found.values()))[2].up_proj.weight.dtype.size)
+        counts = Counter(b for widths_ in bits.values() for b in widths_)
+        print(f"expert bits on {len(tokens)} calibration tokens ({args.expert_quantizer}): mean "
+              f"{mean_bits(bits):.3f} (+{16 * itemsize / group_size:.2f} for scales and biases); "
+              f"experts per width " + ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts)),
+              file=sys.stderr)
     n_experts = next(iter(found.values()))[2].up_proj.weight.shape[0]
     k = config.get("num_experts_per_tok")
     if not k:
         raise FlashError(f"{model_dir}/config.json: no num_experts_per_tok")
-    return bits, routing_statistics(model, tokens, int(k), n_experts)
+    return bits, routing_statistics(model, tokens, int(k), n_experts), quantizer
 
 
 def _main(argv):
@@ -101,6 +120,22 @@ def _main(argv):
                              "chosen on --calib-text so the mean is AVG bits per expert weight "
                              "(the experts whose quantization error costs most get the wide "
                              "widths); non-expert weights follow --quantize. See docs/moe.md")
+    parser.add_argument("--expert-bits-tolerance", type=float, default=None, metavar="PCT",
+                        help="instead of --expert-bits: the fewest bits per expert weight whose "
+                             "calibration perplexity (on --calib-text) stays within PCT percent "
+                             "of the float experts' (bisection over the mean, one forward pass "
+                             "each)")
+    parser.add_argument("--expert-widths", type=int, nargs="+", choices=(2, 3, 4, 8), default=None,
+                        metavar="BITS", help="--expert-bits: the widths an expert may get "
+                                             "(default 2 3 4 8; e.g. 4 with --expert-bits 4: every "
+                                             "expert at 4 bits, by --expert-quantizer)")
+    parser.add_argument("--expert-quantizer", choices=("mlx", "minmax", "clip", "gptq"),
+                        default="gptq",
+                        help="--expert-bits: how each expert is rounded to its width, always in "
+                             "MLX's affine format: mlx = mx.quantize; minmax = each group's own "
+                             "min..max grid; clip = the range shrink with the least error on the "
+                             "calibration inputs; gptq = clip plus GPTQ's error-compensating "
+                             "rounding with each expert's routed inputs (default). See docs/moe.md")
     parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
                         help="MoE models: calibration text files (never the text you evaluate on): "
                              "the routing statistics that split --memory-budget's expert slots "
@@ -117,10 +152,18 @@ def _main(argv):
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
-    for flag, value in (("--expert-bits", args.expert_bits), ("--calib-text", args.calib_text)):
+    if args.expert_bits is not None and args.expert_bits_tolerance is not None:
+        raise FlashError("--expert-bits-tolerance: give it or --expert-bits, not both")
+    if args.expert_bits_tolerance is not None and args.expert_bits_tolerance < 0:
+        raise FlashError(f"--expert-bits-tolerance {args.expert_bits_tolerance:g}: must be >= 0")
+    wants_bits = args.expert_bits is not None or args.expert_bits_tolerance is not None
+    if args.expert_widths and not wants_bits:
+        raise FlashError("--expert-widths: only with --expert-bits or --expert-bits-tolerance")
+    for flag, value in (("--expert-bits", args.expert_bits), ("--calib-text", args.calib_text),
+                        ("--expert-bits-tolerance", args.expert_bits_tolerance)):
         if value is not None and (args.synthetic or args.format != "pack"):
             raise FlashError(f"{flag}: only when converting a model (--model) to a pack")
-    if args.expert_bits is not None and not args.calib_text:
+    if wants_bits and not args.calib_text:
         raise FlashError("--expert-bits: needs --calib-text FILE... (each expert's importance is "
                          "measured on text)")
     if args.synthetic:
@@ -147,12 +190,12 @@ def _main(argv):
         convert_gguf(src, out)
     else:
         model_dir = resolve_model(args.model)
-        expert_bits = routing = None
+        expert_bits = routing = quantizer = None
         if args.calib_text:
-            expert_bits, routing = _calibrate_moe(model_dir, args)
+            expert_bits, routing, quantizer = _calibrate_moe(model_dir, args)
         write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
-                   expert_bits=expert_bits, moe_routing=routing)
+                   expert_bits=expert_bits, moe_routing=routing, expert_quantizer=quantizer)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

@@ -55,3 +55,49 @@ def test_loss_change_of_an_unrouted_expert_is_zero_and_the_model_is_restored(moe
             assert delta != 0.0
     assert moe_model.layers[0].block_sparse_moe.switch_mlp.up_proj.weight is before
     assert validate_importance(moe_model, tokens, errors, 32, samples=1)["base_loss"] == out["base_loss"]
+
+
+def test_gptq_widths_are_what_the_pack_holds_and_the_runtime_reads(tmp_path):
+    from mlx_flash.calibration.expert_bits import stored_quantizer, switch_glus
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.models.moe import build_moe_model
+    from mlx_flash.moe.quantize import dequantize_experts
+    from mlx_flash.pack import write_pack
+
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=6, layers=2)
+    model, _ = load_model(src, lazy=False)
+    tokens = np.random.default_rng(2).integers(0, 128, 300).astype(np.int32)
+    quantized = {}
+    bits, _ = choose_expert_bits(model, tokens, 3.0, 32, progress=False, method="gptq",
+                                 quantized=quantized)
+    assert sorted(quantized) == [(layer, b) for layer in (0, 1) for b in (2, 3, 4, 8)]
+    write_pack(src, tmp_path / "pack", progress=False, expert_bits=bits, group_size=32,
+               expert_quantizer=stored_quantizer(quantized))
+    # the float model with each expert replaced by its GPTQ stack at its width
+    for layer, (_, _, switch) in switch_glus(model).items():
+        for role in ("gate", "up", "down"):
+            lin = getattr(switch, f"{role}_proj")
+            lin.weight = mx.stack([dequantize_experts(*quantized[(layer, b)][role], b, 32)[e]
+                                   for e, b in enumerate(bits[layer])])
+    x = mx.array(tokens[:64])[None]
+    want = np.array(model(x))
+    got = np.array(build_moe_model(tmp_path / "pack", FlashConfig(mode="dense"))(x))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_fewest_bits_within_a_perplexity_tolerance(moe_model):
+    from mlx_flash.calibration.expert_bits import fewest_bits_within, measure_errors
+
+    tokens = np.random.default_rng(3).integers(0, 128, 257).astype(np.int32)
+    errors = measure_errors(moe_model, tokens, 32, progress=False)
+    loose = fewest_bits_within(moe_model, tokens, errors, 1e9, 32)
+    assert loose["mean_bits"] == 2.0 and {b for bs in loose["bits"].values() for b in bs} == {2}
+    all2 = next(p for t, p in loose["probes"] if t == 2.0)
+    tol = all2 / 4  # somewhere between the narrowest and the widest widths
+    r = fewest_bits_within(moe_model, tokens, errors, tol, 32)
+    assert 2.0 < r["mean_bits"] <= r["target"] < 8.0 and r["ppl_increase_pct"] <= tol
+    assert all(p > tol for t, p in r["probes"] if t < r["target"])  # nothing narrower passed
+    assert any(t == r["target"] - 0.125 for t, _ in r["probes"])  # the step below was probed
+    before = moe_model.layers[0].block_sparse_moe.switch_mlp.up_proj.weight
+    assert fewest_bits_within(moe_model, tokens, errors, tol, 32)["bits"] == r["bits"]
+    assert moe_model.layers[0].block_sparse_moe.switch_mlp.up_proj.weight is before  # restored

@@ -94,8 +94,18 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     routing = m.get("moe_routing")  # calibration routing statistics for the per-layer slots
     assert routing["sizes"] == [2, 3, 4] and set(routing["hits"]) == {"0", "1"}
     assert "expert bits on" in capsys.readouterr().err
+    # every expert at one width by the chosen quantizer (the all-4-bit reference of docs/moe.md)
+    assert main(args + ["--expert-bits", "4", "--expert-widths", "4", "--expert-quantizer", "clip",
+                        "--out", str(tmp_path / "p4")]) == 0
+    assert {b for e in read_manifest(tmp_path / "p4").bundles for b in e.expert_bits} == {4}
+    assert main(args + ["--expert-bits-tolerance", "1e9", "--out", str(tmp_path / "pt")]) == 0
+    assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}
+    assert "--expert-bits-tolerance 1e+09%" in capsys.readouterr().err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
-                      (["--expert-bits", "3", "--group-size", "128"], "--group-size 128")):
+                      (["--expert-bits", "3", "--group-size", "128"], "--group-size 128"),
+                      (["--expert-bits", "3", "--expert-bits-tolerance", "5"], "--expert-bits-tolerance"),
+                      (["--expert-widths", "4"], "--expert-widths"),
+                      (["--expert-bits", "3", "--expert-widths", "4"], "--expert-bits 3")):
         with pytest.raises(SystemExit) as e:
             main(args + bad + ["--out", str(tmp_path / "q")])
         err = capsys.readouterr().err.strip()

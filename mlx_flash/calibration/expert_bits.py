@@ -18,7 +18,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..moe.bitwidths import WIDTHS, assign_widths, quantization_errors, quantize_dequantize
+from ..moe.bitwidths import (WIDTHS, assign_widths, input_moments, mean_bits,
+                             quantization_errors, quantize_dequantize)
+from ..moe.quantize import dequantize_experts, quantize_experts
 
 SEQ_LEN = 256
 
@@ -84,8 +86,11 @@ def expert_stacks(switch) -> dict:
     return out
 
 
-def measure_errors(model, tokens, group_size, widths=WIDTHS, progress=True) -> dict:
-    """{layer: err [experts, len(widths)]} (moe/bitwidths.py's proxy) on `tokens`."""
+def measure_errors(model, tokens, group_size, widths=WIDTHS, progress=True, method="mlx",
+                   quantized=None) -> dict:
+    """{layer: err [experts, len(widths)]} (moe/bitwidths.py's proxy) on `tokens`, each expert
+    quantized by `method` (moe/quantize.py). quantized: a dict that receives {(layer, bits):
+    {"gate", "up", "down": (packed, scales, biases)}}, the stacks as measured (for the writer)."""
     from tqdm import tqdm
 
     found = switch_glus(model)
@@ -98,21 +103,105 @@ def measure_errors(model, tokens, group_size, widths=WIDTHS, progress=True) -> d
     errors = {}
     for i in tqdm(sorted(recorded), desc="expert bits", unit="layer", disable=not progress):
         x, ids = recorded[i]
+        activation = found[i][2].activation
+        deq = None
+        if method != "mlx":
+            moments = input_moments(x, ids, stacks[i], activation)
+            deq = {}
+            for b in widths:
+                layer_q = {r: quantize_experts(w, b, group_size, method,
+                                               moments["h" if r == "down" else "x"])
+                           for r, w in stacks[i].items()}
+                deq[b] = {r: dequantize_experts(*q, b, group_size) for r, q in layer_q.items()}
+                if quantized is not None:
+                    quantized[(i, b)] = layer_q
         errors[i] = quantization_errors(x, ids, np.ones(ids.shape, np.float32), stacks[i],
-                                        found[i][2].activation, group_size, widths)
+                                        activation, group_size, widths, deq)
     return errors
 
 
-def choose_expert_bits(model, tokens, target_bits, group_size, progress=True) -> tuple:
-    """({layer: [bits per expert]}, {layer: err}) for a float MoE `model` on calibration `tokens`."""
-    errors = measure_errors(model, tokens, group_size, progress=progress)
-    return assign_widths(errors, target_bits), errors
+def stored_quantizer(quantized: dict):
+    """pack.write_pack's expert_quantizer that hands out the stacks `measure_errors` quantized."""
+    def quantize(layer, role, ids, w, bits, group_size):
+        q, s, b = (a[mx.array(np.asarray(ids))] for a in quantized[(layer, bits)][role])
+        return q, s.astype(w.dtype), b.astype(w.dtype)  # the writer's --dtype
+    return quantize
+
+
+def choose_expert_bits(model, tokens, target_bits, group_size, progress=True, method="mlx",
+                       widths=WIDTHS, quantized=None) -> tuple:
+    """({layer: [bits per expert]}, {layer: err}) for a float MoE `model` on calibration `tokens`
+    (`measure_errors`' method and quantized)."""
+    errors = measure_errors(model, tokens, group_size, widths, progress, method, quantized)
+    return assign_widths(errors, target_bits, widths=widths), errors
 
 
 def _mean_nll(model, tokens, seq_len=SEQ_LEN) -> float:
     from ..moe.quality import sequence_nll
 
     return float(np.mean(sequence_nll(model, tokens, seq_len), dtype=np.float64))
+
+
+def experts_at_widths(model, bits: dict, group_size: int, quantized: dict = None):
+    """Context manager: `model`'s float experts replaced by their quantized-dequantized values at
+    `bits` {layer: [bits per expert]} (the `quantized` stacks, default `mx.quantize`), restored
+    on exit. The resident model's experts as the pack holds them, in float."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def swap():
+        saved = []
+        try:
+            for layer, (_, _, switch) in switch_glus(model).items():
+                for role in ("gate", "up", "down"):
+                    lin = getattr(switch, f"{role}_proj")
+                    saved.append((lin, lin.weight))
+                    if quantized:
+                        deq = {b: dequantize_experts(*quantized[(layer, b)][role], b, group_size)
+                               for b in set(bits[layer])}
+                        rows = [deq[b][e] for e, b in enumerate(bits[layer])]
+                    else:
+                        rows = [quantize_dequantize(lin.weight[e], b, group_size)
+                                for e, b in enumerate(bits[layer])]
+                    lin.weight = mx.stack(rows).astype(lin.weight.dtype)
+            yield model
+        finally:
+            for lin, w in saved:
+                lin.weight = w
+    return swap()
+
+
+def fewest_bits_within(model, tokens, errors, tolerance_pct, group_size, widths=WIDTHS,
+                       quantized=None, step=0.125) -> dict:
+    """The smallest mean width (a multiple of `step` bits) whose assignment (`assign_widths` on
+    `errors`) keeps the calibration perplexity of `model` within `tolerance_pct` percent of its
+    float experts', by bisection (one forward pass over `tokens` per probe).
+
+    Returns {"bits": {layer: [bits]}, "target": the mean target chosen, "mean_bits" (<= target),
+    "ppl_increase_pct", "float_loss" (nats per token), "probes": [(mean target, increase %)]}.
+    """
+    base = _mean_nll(model, tokens)
+    probes = []
+
+    def increase(target):
+        bits = assign_widths(errors, target, widths=widths)
+        with experts_at_widths(model, bits, group_size, quantized):
+            pct = 100.0 * (math.exp(_mean_nll(model, tokens) - base) - 1.0)
+        probes.append((target, pct))
+        return bits, pct, target
+
+    lo, hi = 0, int(round((widths[-1] - widths[0]) / step))
+    best = increase(widths[-1])
+    while lo < hi:  # invariant: the target at `hi` steps meets the tolerance (or is the widest)
+        mid = (lo + hi) // 2
+        probe = increase(widths[0] + mid * step)
+        if probe[1] <= tolerance_pct:
+            hi, best = mid, probe
+        else:
+            lo = mid + 1
+    return {"bits": best[0], "target": best[2], "mean_bits": mean_bits(best[0]),
+            "ppl_increase_pct": best[1],
+            "float_loss": base, "probes": probes}
 
 
 def validate_importance(model, tokens, errors, group_size, *, samples=24, bits=2, seed=0) -> dict:

@@ -39,12 +39,14 @@ def expert_output(x, gate, up, down, activation):
 
 
 def quantization_errors(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: dict,
-                        activation, group_size: int, widths=WIDTHS) -> np.ndarray:
+                        activation, group_size: int, widths=WIDTHS, quantized=None) -> np.ndarray:
     """err [experts, len(widths)] of one MoE layer (module docstring).
 
     x: float32 [tokens, hidden] the layer's SwitchGLU input; ids: int [tokens, k] routed experts;
     weights: float [tokens, k] their router weights (ones if unknown); experts: {"gate", "up",
-    "down"}: float mx.array [E, out, in] stacks.
+    "down"}: float mx.array [E, out, in] stacks. quantized: {bits: {"gate", "up", "down": float
+    [E, out, in]}} the stacks as the pack will hold them at each width (moe/quantize.py);
+    default `mx.quantize`'s.
     """
     n = experts["up"].shape[0]
     err = np.zeros((n, len(widths)))
@@ -59,10 +61,32 @@ def quantization_errors(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, exp
         ref = expert_output(xe, mats["gate"], mats["up"], mats["down"], activation)
         energy += float(mx.sum(w2 * mx.sum(ref * ref, axis=-1)))
         for j, b in enumerate(widths):
-            qm = {r: quantize_dequantize(m, b, group_size) for r, m in mats.items()}
+            if quantized is None:
+                qm = {r: quantize_dequantize(m, b, group_size) for r, m in mats.items()}
+            else:
+                qm = {r: quantized[b][r][e] for r in mats}
             y = expert_output(xe, qm["gate"], qm["up"], qm["down"], activation)
             err[e, j] = float(mx.sum(w2 * mx.sum((y - ref) ** 2, axis=-1)))
     return err / max(energy, 1e-30)
+
+
+def input_moments(x: np.ndarray, ids: np.ndarray, experts: dict, activation) -> dict:
+    """{"x": [E, hidden, hidden], "h": [E, ffn, ffn]} float64: each expert's second moment
+    sum_t v_t v_t^T of its routed tokens' inputs x_t (gate and up's input) and of its float
+    hidden activations h_t = activation(up x_t, gate x_t) (down's input): GPTQ's H."""
+    n = experts["up"].shape[0]
+    hid, ffn = experts["up"].shape[2], experts["up"].shape[1]
+    hx, hh = np.zeros((n, hid, hid)), np.zeros((n, ffn, ffn))
+    for e in range(n):
+        rows = np.flatnonzero((ids == e).any(-1))
+        if rows.size == 0:
+            continue
+        xe = mx.array(x[rows])
+        h = activation(xe @ experts["up"][e].astype(mx.float32).T,
+                       xe @ experts["gate"][e].astype(mx.float32).T)
+        xe64, h64 = np.array(xe, dtype=np.float64), np.array(h, dtype=np.float64)
+        hx[e], hh[e] = xe64.T @ xe64, h64.T @ h64
+    return {"x": hx, "h": hh}
 
 
 def assign_widths(errors: dict, target_bits: float, sizes: dict = None, widths=WIDTHS) -> dict:

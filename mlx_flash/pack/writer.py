@@ -26,7 +26,7 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
-               expert_bits=None, moe_routing=None, weights=None) -> Path:
+               expert_bits=None, moe_routing=None, weights=None, expert_quantizer=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -46,6 +46,9 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
     expert_bits: MoE packs only, {layer: [bits of each expert]} (2, 3, 4, 5, 6 or 8; `group_size`):
       each expert quantized at its own width (layout.py "expert-bits"; moe/bitwidths.py chooses
       them). Needs float experts; the rest follows `quantize`.
+    expert_quantizer: with expert_bits, a function (layer, role "gate"/"up"/"down", expert ids,
+      float weights [n, out, in], bits, group_size) -> (packed uint32, scales, biases) in MLX's
+      affine format (moe/quantize.py); default `mx.quantize`.
     moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
       slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
     weights: {tensor name: mx.array} to convert instead of `src_dir`'s model*.safetensors (which
@@ -71,7 +74,7 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
-               expert_bits, moe_routing, weights)
+               expert_bits, moe_routing, weights, expert_quantizer)
     return out
 
 
@@ -116,7 +119,7 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
-           expert_bits=None, moe_routing=None, given_weights=None):
+           expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None):
     config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -184,7 +187,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         rel = f"bundles/layer_{layer:03d}.bin"
         if expert_bits is not None:
             entry = _write_expert_bits_file(tmp / rel, comps, expert_bits[layer], group_size,
-                                            alignment, layer, info)
+                                            alignment, layer, info, expert_quantizer)
         elif encode:
             entry = _write_endor_bundle_file(tmp / rel, comps, alignment, quantize, group_size)
         else:
@@ -260,10 +263,11 @@ def _check_expert_bits(src, ffn, weights, expert_bits, group_size, encoding):
             raise FlashError(f"--group-size {group_size}: must divide every expert input width")
 
 
-def _write_expert_bits_file(path, comps, widths, group_size, alignment, layer, info) -> dict:
+def _write_expert_bits_file(path, comps, widths, group_size, alignment, layer, info,
+                            quantizer=None) -> dict:
     """One MoE layer file of width groups (layout.py "expert-bits"): the float expert
-    components `comps` quantized per group of experts sharing a width, each group a region of
-    direct-I/O-aligned blocks."""
+    components `comps` quantized (by `quantizer`, see write_pack) per group of experts sharing a
+    width, each group a region of direct-I/O-aligned blocks."""
     widths = np.asarray([int(b) for b in widths])
     regions, members = [], []
     for bits in sorted(set(widths.tolist())):
@@ -274,7 +278,10 @@ def _write_expert_bits_file(path, comps, widths, group_size, alignment, layer, i
             sub = arr[idx]
             if name.endswith(".weight"):
                 role = name.split(".")[0]
-                q, s, b = mx.quantize(sub, group_size=group_size, bits=int(bits))
+                if quantizer is None:
+                    q, s, b = mx.quantize(sub, group_size=group_size, bits=int(bits))
+                else:
+                    q, s, b = quantizer(layer, role, ids, sub, int(bits), group_size)
                 region += [(name, source, q, {"group_size": group_size, "bits": int(bits)}),
                            (f"{role}.scales", source[: -len("weight")] + "scales", s, None),
                            (f"{role}.biases", source[: -len("weight")] + "biases", b, None)]

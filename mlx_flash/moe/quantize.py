@@ -1,0 +1,137 @@
+"""Expert quantizers that write MLX's affine format (so the runtime reads them unchanged).
+
+MLX stores a weight w [out, in] at `bits` as w ~ scale * q + bias per group of `group_size`
+inputs, q an unsigned `bits`-bit integer packed little-endian into uint32 words. `mx.quantize`
+picks each group's scale and bias from its min and max and then moves them so that 0.0 is exact;
+these quantizers pick them to minimise the error instead and round with error compensation:
+
+- "minmax": scale = (max - min) / (2^bits - 1), bias = min. Exact for weights that already sit on
+  such a grid: the derived MoE's gate/up rows come from SmolLM2's Q4_1 blocks (32 inputs, d * q +
+  m), which `mx.quantize` at 4 bits does not reproduce (its zero snap moves the grid).
+- "clip": minmax with the range shrunk by the ratio in `CLIP_RATIOS` whose rounding error,
+  weighted by each input's mean square on the calibration tokens, is least (per output row and
+  group).
+- "gptq": GPTQ (Frantar et al. 2022) per expert with the routed inputs' second moment
+  H = sum_t x_t x_t^T: columns are rounded in order and each one's rounding error is spread over
+  the columns not yet rounded (H^-1's Cholesky factor), each group's scale/bias chosen as "clip"
+  does when the group starts. Needs H.
+
+All work in float64 NumPy on one MoE layer's stack of experts at a time ([E, out, in]).
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import FlashError
+
+METHODS = ("mlx", "minmax", "clip", "gptq")
+CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.7, 13), 4))
+GPTQ_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean (the GPTQ paper's default)
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint32 [..., n * bits / 32] of unsigned integers q [..., n] < 2^bits, MLX's packing: a
+    little-endian bit stream (value j at bits j*bits .. j*bits + bits - 1 of the row)."""
+    q = np.asarray(q, dtype=np.uint64)
+    n = q.shape[-1]
+    if (n * bits) % 32:
+        raise FlashError(f"{n} values of {bits} bits do not fill whole uint32 words")
+    stream = ((q[..., :, None] >> np.arange(bits, dtype=np.uint64)) & 1).astype(np.uint8)
+    words = stream.reshape(*q.shape[:-1], n * bits // 32, 32)
+    return np.packbits(words, axis=-1, bitorder="little").view("<u4").reshape(
+        *q.shape[:-1], n * bits // 32)
+
+
+def group_params(w: np.ndarray, bits: int, ratios=(1.0,), weight=None) -> tuple:
+    """(scale, bias) [..., 1] of groups w [..., group_size]: the range [min, max] shrunk by each
+    ratio in turn, keeping the one with the least rounding error (times `weight`
+    [..., group_size] when given)."""
+    maxq = 2 ** bits - 1
+    hi, lo = w.max(-1, keepdims=True), w.min(-1, keepdims=True)
+    best = None
+    for r in ratios:
+        s = np.maximum((hi - lo) * r / maxq, 1e-12)
+        b = lo * r if r != 1.0 else lo
+        err = (np.clip(np.round((w - b) / s), 0, maxq) * s + b - w) ** 2
+        err = (err if weight is None else err * weight).sum(-1, keepdims=True)
+        if best is None:
+            best = [err, s, b]
+        else:
+            keep = err < best[0]
+            best = [np.where(keep, err, best[0]), np.where(keep, s, best[1]),
+                    np.where(keep, b, best[2])]
+    return best[1], best[2]
+
+
+def round_to_grid(w: np.ndarray, bits: int, group_size: int, ratios=(1.0,), col_weight=None):
+    """(q int [E, out, in], scale, bias [E, out, in / group_size]) of w [E, out, in] rounded to
+    the nearest grid point of each group (no error compensation)."""
+    e, out, n = w.shape
+    wg = w.reshape(e, out, n // group_size, group_size)
+    cw = None if col_weight is None else col_weight.reshape(e, 1, n // group_size, group_size)
+    s, b = group_params(wg, bits, ratios, cw)
+    q = np.clip(np.round((wg - b) / s), 0, 2 ** bits - 1)
+    return q.reshape(e, out, n).astype(np.int64), s[..., 0], b[..., 0]
+
+
+def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, ratios=CLIP_RATIOS):
+    """(q int [E, out, in], scale, bias [E, out, in / group_size]) of w [E, out, in] by GPTQ with
+    each expert's input second moment hessian [E, in, in] (module docstring)."""
+    w = w.astype(np.float64).copy()
+    h = hessian.astype(np.float64).copy()
+    e, out, n = w.shape
+    maxq = 2 ** bits - 1
+    diag = np.einsum("eii->ei", h)
+    dead = diag == 0  # inputs no routed token uses: their weights do not matter
+    h[:, np.arange(n), np.arange(n)] += np.where(dead, 1.0, 0.0)
+    w[np.broadcast_to(dead[:, None, :], w.shape)] = 0.0
+    diag = np.einsum("eii->ei", h)
+    h[:, np.arange(n), np.arange(n)] += GPTQ_DAMP * diag.mean(-1, keepdims=True)
+    # upper Cholesky factor of H^-1: row j spreads column j's error over the later columns
+    u = np.swapaxes(np.linalg.cholesky(np.linalg.inv(h)), 1, 2)
+    q = np.zeros(w.shape, np.int64)
+    scales = np.zeros((e, out, n // group_size))
+    biases = np.zeros_like(scales)
+    for g in range(0, n, group_size):
+        s, b = group_params(w[:, :, g: g + group_size], bits, ratios, diag[:, None, g: g + group_size])
+        s, b = s[..., 0], b[..., 0]
+        scales[:, :, g // group_size], biases[:, :, g // group_size] = s, b
+        end = g + group_size
+        errs = np.zeros((e, out, group_size))
+        for j in range(g, end):
+            qj = np.clip(np.round((w[:, :, j] - b) / s), 0, maxq)
+            q[:, :, j] = qj
+            errs[:, :, j - g] = err = (w[:, :, j] - (qj * s + b)) / u[:, j, j][:, None]
+            w[:, :, j + 1: end] -= err[:, :, None] * u[:, None, j, j + 1: end]
+        # the group's errors reach the later columns in one product (GPTQ's lazy batch update)
+        w[:, :, end:] -= errs @ u[:, g:end, end:]
+    return q, scales, biases
+
+
+def quantize_experts(w, bits: int, group_size: int, method: str = "mlx", hessian=None) -> tuple:
+    """(packed uint32, scales, biases) mx.arrays of the expert stack w [E, out, in] in MLX's affine
+    format (as `mx.quantize` returns them; scales/biases in w's float dtype), by `method`
+    (module docstring; "mlx" is `mx.quantize`). hessian [E, in, in]: the routed inputs' second
+    moment ("gptq" needs it; "clip" weights its errors by its diagonal when given)."""
+    if method == "mlx":
+        return mx.quantize(w, group_size=group_size, bits=bits)
+    if method not in METHODS:
+        raise FlashError(f"--expert-quantizer {method}: not one of {', '.join(METHODS)}")
+    dtype = w.dtype
+    wn = np.array(w.astype(mx.float32), dtype=np.float64)
+    if method == "gptq":
+        if hessian is None:
+            raise FlashError("--expert-quantizer gptq: needs calibration text (--calib-text)")
+        q, s, b = gptq(wn, hessian, bits, group_size)
+    elif method == "clip":
+        col = None if hessian is None else np.einsum("eii->ei", hessian)
+        q, s, b = round_to_grid(wn, bits, group_size, CLIP_RATIOS, col)
+    else:
+        q, s, b = round_to_grid(wn, bits, group_size)
+    return (mx.array(pack_bits(q, bits)), mx.array(s.astype(np.float32)).astype(dtype),
+            mx.array(b.astype(np.float32)).astype(dtype))
+
+
+def dequantize_experts(packed, scales, biases, bits: int, group_size: int) -> mx.array:
+    """float32 [E, out, in] of a quantized stack, as the runtime's kernels see it."""
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)

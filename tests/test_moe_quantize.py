@@ -1,0 +1,56 @@
+"""moe/quantize.py: expert quantizers that write MLX's affine format."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash.errors import FlashError
+from mlx_flash.moe.quantize import dequantize_experts, pack_bits, quantize_experts
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_bits_is_mlx_packing(bits):
+    w = mx.random.normal((2, 3, 64), key=mx.random.key(bits))
+    packed, s, b = mx.quantize(w, group_size=32, bits=bits)
+    deq = np.array(mx.dequantize(packed, s, b, group_size=32, bits=bits))
+    q = np.round((deq - np.repeat(np.array(b), 32, -1)) / np.repeat(np.array(s), 32, -1))
+    assert np.array_equal(pack_bits(q.astype(np.int64), bits), np.array(packed))
+
+
+def test_minmax_keeps_a_weight_already_on_a_q4_1_grid_exactly():
+    # gate/up rows of the derived MoE are SmolLM2's Q4_1 blocks: d * q + m per 32 inputs
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (3, 8, 64))
+    q[..., ::32], q[..., 1::32] = 0, 15  # every block spans its whole range, as Q4_1 blocks do
+    d = rng.uniform(0.01, 0.05, (3, 8, 2)).repeat(32, -1)
+    m = rng.uniform(-0.3, -0.1, (3, 8, 2)).repeat(32, -1)
+    w = mx.array((d * q + m).astype(np.float32))
+    ours = dequantize_experts(*quantize_experts(w, 4, 32, "minmax"), 4, 32)
+    assert float(mx.abs(ours - w).max()) < 1e-6
+    theirs = dequantize_experts(*quantize_experts(w, 4, 32, "mlx"), 4, 32)
+    assert float(mx.abs(theirs - w).max()) > 1e-3  # mx.quantize's zero snap moves the grid
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_gptq_and_clip_cut_the_output_error_on_the_calibration_inputs(bits):
+    rng = np.random.default_rng(bits)
+    n_in, out, e = 64, 16, 2
+    mix = rng.normal(size=(n_in, n_in)) * rng.uniform(0.05, 2.0, n_in)  # correlated, uneven inputs
+    x = rng.normal(size=(e, 256, n_in)) @ mix
+    h = np.einsum("eti,etj->eij", x, x)
+    w = mx.array(rng.normal(size=(e, out, n_in)).astype(np.float32))
+
+    def output_error(method):
+        wq = np.array(dequantize_experts(*quantize_experts(w, bits, 32, method, h), bits, 32))
+        return float(np.sum(np.einsum("eti,eoi->eto", x, wq - np.array(w)) ** 2))
+
+    minmax, clip, gptq = output_error("minmax"), output_error("clip"), output_error("gptq")
+    assert clip < minmax and gptq < 0.8 * clip, (minmax, clip, gptq)
+
+
+def test_bad_method_and_gptq_without_statistics_fail_with_the_flag():
+    w = mx.zeros((1, 4, 32))
+    with pytest.raises(FlashError, match="--expert-quantizer best"):
+        quantize_experts(w, 3, 32, "best")
+    with pytest.raises(FlashError, match="gptq: needs calibration text"):
+        quantize_experts(w, 3, 32, "gptq")
