@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import FlashError
 from ..moe.bitwidths import (WIDTHS, assign_widths, input_moments, mean_bits,
                              quantization_errors, quantize_dequantize)
-from ..moe.quantize import dequantize_experts, quantize_experts
+from ..moe.quantize import dequantize_experts, gptq_factor, quantize_experts
 
 SEQ_LEN = 256
 
@@ -107,11 +107,13 @@ def measure_errors(model, tokens, group_size, widths=WIDTHS, progress=True, meth
         deq = None
         if method != "mlx":
             moments = input_moments(x, ids, stacks[i], activation)
+            factors = {k: gptq_factor(h) for k, h in moments.items()} if method == "gptq" else {}
             deq = {}
             for b in widths:
-                layer_q = {r: quantize_experts(w, b, group_size, method,
-                                               moments["h" if r == "down" else "x"])
-                           for r, w in stacks[i].items()}
+                layer_q = {}
+                for r, w in stacks[i].items():
+                    k = "h" if r == "down" else "x"  # down reads the hidden activations
+                    layer_q[r] = quantize_experts(w, b, group_size, method, moments[k], factors.get(k))
                 deq[b] = {r: dequantize_experts(*q, b, group_size) for r, q in layer_q.items()}
                 if quantized is not None:
                     quantized[(i, b)] = layer_q

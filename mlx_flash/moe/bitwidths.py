@@ -84,8 +84,7 @@ def input_moments(x: np.ndarray, ids: np.ndarray, experts: dict, activation) -> 
         xe = mx.array(x[rows])
         h = activation(xe @ experts["up"][e].astype(mx.float32).T,
                        xe @ experts["gate"][e].astype(mx.float32).T)
-        xe64, h64 = np.array(xe, dtype=np.float64), np.array(h, dtype=np.float64)
-        hx[e], hh[e] = xe64.T @ xe64, h64.T @ h64
+        hx[e], hh[e] = np.array(xe.T @ xe), np.array(h.T @ h)  # float32 sums, float64 kept
     return {"x": hx, "h": hh}
 
 

@@ -74,21 +74,29 @@ def round_to_grid(w: np.ndarray, bits: int, group_size: int, ratios=(1.0,), col_
     return q.reshape(e, out, n).astype(np.int64), s[..., 0], b[..., 0]
 
 
-def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, ratios=CLIP_RATIOS):
-    """(q int [E, out, in], scale, bias [E, out, in / group_size]) of w [E, out, in] by GPTQ with
-    each expert's input second moment hessian [E, in, in] (module docstring)."""
-    w = w.astype(np.float64).copy()
+def gptq_factor(hessian: np.ndarray) -> dict:
+    """GPTQ's per-expert inverse factor of hessian [E, in, in] (shared by every matrix and width
+    that reads the same inputs): {"u": upper Cholesky factor of (H + damping)^-1, "diag": H's
+    diagonal, "dead": inputs no routed token uses}."""
     h = hessian.astype(np.float64).copy()
+    n = h.shape[-1]
+    dead = np.einsum("eii->ei", h) == 0  # their weights do not matter: zeroed, H made invertible
+    h[:, np.arange(n), np.arange(n)] += np.where(dead, 1.0, 0.0)
+    diag = np.einsum("eii->ei", h).copy()
+    h[:, np.arange(n), np.arange(n)] += GPTQ_DAMP * diag.mean(-1, keepdims=True)
+    # row j of the factor spreads column j's rounding error over the later columns
+    u = np.swapaxes(np.linalg.cholesky(np.linalg.inv(h)), 1, 2)
+    return {"u": u, "diag": diag, "dead": dead}
+
+
+def gptq(w: np.ndarray, factor: dict, bits: int, group_size: int, ratios=CLIP_RATIOS):
+    """(q int [E, out, in], scale, bias [E, out, in / group_size]) of w [E, out, in] by GPTQ with
+    each expert's `gptq_factor` of its input second moment (module docstring)."""
+    w = w.astype(np.float64).copy()
     e, out, n = w.shape
     maxq = 2 ** bits - 1
-    diag = np.einsum("eii->ei", h)
-    dead = diag == 0  # inputs no routed token uses: their weights do not matter
-    h[:, np.arange(n), np.arange(n)] += np.where(dead, 1.0, 0.0)
-    w[np.broadcast_to(dead[:, None, :], w.shape)] = 0.0
-    diag = np.einsum("eii->ei", h)
-    h[:, np.arange(n), np.arange(n)] += GPTQ_DAMP * diag.mean(-1, keepdims=True)
-    # upper Cholesky factor of H^-1: row j spreads column j's error over the later columns
-    u = np.swapaxes(np.linalg.cholesky(np.linalg.inv(h)), 1, 2)
+    u, diag = factor["u"], factor["diag"]
+    w[np.broadcast_to(factor["dead"][:, None, :], w.shape)] = 0.0
     q = np.zeros(w.shape, np.int64)
     scales = np.zeros((e, out, n // group_size))
     biases = np.zeros_like(scales)
@@ -108,11 +116,13 @@ def gptq(w: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, ratios=
     return q, scales, biases
 
 
-def quantize_experts(w, bits: int, group_size: int, method: str = "mlx", hessian=None) -> tuple:
+def quantize_experts(w, bits: int, group_size: int, method: str = "mlx", hessian=None,
+                     factor=None) -> tuple:
     """(packed uint32, scales, biases) mx.arrays of the expert stack w [E, out, in] in MLX's affine
     format (as `mx.quantize` returns them; scales/biases in w's float dtype), by `method`
     (module docstring; "mlx" is `mx.quantize`). hessian [E, in, in]: the routed inputs' second
-    moment ("gptq" needs it; "clip" weights its errors by its diagonal when given)."""
+    moment ("gptq" needs it or its `gptq_factor` `factor`; "clip" weights its errors by its
+    diagonal when given)."""
     if method == "mlx":
         return mx.quantize(w, group_size=group_size, bits=bits)
     if method not in METHODS:
@@ -120,9 +130,9 @@ def quantize_experts(w, bits: int, group_size: int, method: str = "mlx", hessian
     dtype = w.dtype
     wn = np.array(w.astype(mx.float32), dtype=np.float64)
     if method == "gptq":
-        if hessian is None:
+        if hessian is None and factor is None:
             raise FlashError("--expert-quantizer gptq: needs calibration text (--calib-text)")
-        q, s, b = gptq(wn, hessian, bits, group_size)
+        q, s, b = gptq(wn, factor or gptq_factor(hessian), bits, group_size)
     elif method == "clip":
         col = None if hessian is None else np.einsum("eii->ei", hessian)
         q, s, b = round_to_grid(wn, bits, group_size, CLIP_RATIOS, col)
