@@ -14,6 +14,14 @@ def test_cli_writes_into_the_pack(llama_pack, text, capsys):
     assert doc["calibration"]["texts"] == ["calib.txt"]
 
 
+def test_cli_quant_gate_with_reorder(llama_pack, text):
+    assert calibrate_cli.main(["--model", str(llama_pack), "--text", str(text), "--kind", "quant-gate",
+                              "--gate-bits", "3", "--reorder", "--quiet"]) == 0
+    doc = read_predictors_json(llama_pack)
+    assert {(e["kind"], e["bits"]) for e in doc["layers"].values()} == {("quant-gate", 3)}
+    assert doc["calibration"]["gate_bits"] == 3
+
+
 def test_cli_bad_text_one_line_exit_2(llama_pack, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
