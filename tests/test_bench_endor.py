@@ -77,6 +77,25 @@ def test_ffn_compares_decode_then_matvec_with_the_decode_matvec(tiny_llama, tmp_
     assert "| all |" in capsys.readouterr().out
 
 
+def test_warm_decode_speed_per_isa(tiny_llama, tmp_path, capsys, monkeypatch):
+    from mlx_flash.pack import bitmap
+
+    endor = write_pack(tiny_llama("src"), tmp_path / "endor", encoding="endor", progress=False)
+    seen, decode_into = set(), bitmap.decode_into
+
+    def spy(*args, **kwargs):
+        seen.add((kwargs["isa"], kwargs["parallel"], kwargs["crcs"] is not None))
+        return decode_into(*args, **kwargs)
+
+    monkeypatch.setattr(bitmap, "decode_into", spy)
+    out = tmp_path / "r.json"
+    assert main(["endor", "--pack", str(endor), "--warm", "--isa", "scalar", "--repeats", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["ms"]) == {"scalar/one", "scalar/pool"} and all(v > 0 for v in r["ms"].values())
+    assert seen == {("scalar", False, True), ("scalar", True, True)}  # crc32 checked, as reads are
+    assert "| scalar | one core |" in capsys.readouterr().out
+
+
 def test_bad_input(tiny_llama, tmp_path, capsys):
     dense = write_pack(tiny_llama("src"), tmp_path / "dense", progress=False)
     with pytest.raises(SystemExit) as e:

@@ -3,6 +3,8 @@ layer stored dense, as ENDOR (bitmap + non-zeros) and as zstd-compressed dense b
 
     python -m mlx_flash.bench endor --pack ENDOR_PACK [--dense DENSE_PACK] [--layers 0,5,10]
         [--repeats 3] [--zstd-level 3] [--isa avx2,avx512] [--json OUT]
+    python -m mlx_flash.bench endor --pack ENDOR_PACK --warm [--isa scalar,avx2,avx512] [--repeats 20]
+        (check + decode speed of layers in memory, per instruction set, one core and the pool)
     python -m mlx_flash.bench endor --pack ENDOR_PACK --ffn [--layers ...] [--repeats 20]
         (one token's FFN of a layer held encoded, warm: decode + matvecs vs decode-matvec)
     python -m mlx_flash.bench endor --compare-runs DENSE_RUN ENDOR_RUN
@@ -26,6 +28,10 @@ with the others in every repeat: `endor` / `endor-loader` run the kernels' activ
 this CPU has unless MLX_FLASH_ISA says otherwise), `endor@ISA` / `endor-loader@ISA` the others.
 Reported: bytes read, read ms, decode ms, their sum, bytes and total time relative to dense,
 and decode time as a fraction of the read time ENDOR saves. Timings are medians over repeats.
+
+--warm: each layer's bundles already in memory, checked (crc32) and decoded into rows by every
+instruction set listed (default: all this CPU runs), on one core and on the kernels' thread pool,
+rotated in each repeat: median ms, GB/s of encoded bytes in and of decoded rows out.
 
 --ffn: for a layer held ENDOR-encoded (as hybrid holds them, bundles in memory), one token's FFN
 two ways, alternated in each repeat: `decode+matvec` = decode_into the layer's rows (the check-free
@@ -62,6 +68,8 @@ def add_arguments(parser):
     parser.add_argument("--isa", default="", help="comma-separated instruction sets (scalar, avx2, "
                                                   "avx512) to time the ENDOR decode with, alternated "
                                                   "(default: the kernels' active one)")
+    parser.add_argument("--warm", action="store_true",
+                        help="instead: check + decode speed of layers in memory, per instruction set")
     parser.add_argument("--ffn", action="store_true",
                         help="instead: one token's FFN of held-encoded layers, decode + matvecs vs "
                              "the CPU decode-matvec (warm)")
@@ -283,6 +291,8 @@ def run(args) -> int:
     isa_list = _isa_list(args.isa)
     if args.ffn:
         return _run_ffn(args, pack, bundles, layers)
+    if args.warm:
+        return _run_warm(args, pack, bundles, layers)
     rows = {}
     scratch_root = Path(tempfile.mkdtemp(prefix=".endor-bench-", dir=pack))
     loaders = {}
@@ -393,6 +403,54 @@ def ffn_two_ways(entry, flat, offsets, x, repeats: int) -> dict:
     a, b = (np.array(outs[k].astype(mx.float32)) for k in ways)
     rel = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
     return {**{k: statistics.median(v) * 1e3 for k, v in times.items()}, "max_rel_diff": rel}
+
+
+def _run_warm(args, pack, bundles, layers) -> int:
+    """bench endor --warm: check + decode of in-memory layers per ISA and thread setting."""
+    from ..cpu.ops import KERNEL_ISAS
+    from ..pack.bitmap import _extension, decode_into
+    from ..pack.reader import endor_roles, read_bundle_index, read_checksum_table
+
+    ext = _extension()
+    if ext is None:
+        raise FlashError("--warm: the CPU kernels are not built (mlx_flash._ext)")
+    isas = _isa_list(args.isa) or list(KERNEL_ISAS[: KERNEL_ISAS.index(ext.best_isa()) + 1])
+    ways = [(isa, parallel) for isa in isas for parallel in (False, True)]
+    times = {w: [] for w in ways}
+    enc = dec = 0
+    data = {}
+    for layer in layers:
+        entry = bundles[layer]
+        path = pack / entry.file
+        index = read_bundle_index(path, entry)
+        dest = {c.name: np.zeros((entry.count, c.length), np.uint8) for c in entry.components}
+        data[layer] = (np.fromfile(path, np.uint8), index, read_checksum_table(path, entry),
+                       endor_roles(entry, dest), str(path), entry.count)
+        enc += int(index[-1] - index[0])
+        dec += sum(d.nbytes for d in dest.values())
+    for r in range(args.repeats + 1):  # the first round warms caches and pages up, untimed
+        for k, (isa, parallel) in enumerate(ways[r % len(ways):] + ways[: r % len(ways)]):
+            t0 = time.perf_counter()
+            for flat, index, crcs, roles, where, count in data.values():
+                decode_into(flat, index[:-1], np.diff(index), np.arange(count), roles, where, isa=isa,
+                            crcs=crcs, parallel=parallel)
+            if r:
+                times[(isa, parallel)].append(time.perf_counter() - t0)
+    lines = [f"`{args.command_line}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; layers "
+             f"{','.join(map(str, layers))}: {enc / 1e6:.2f} MB encoded -> {dec / 1e6:.2f} MB of rows; "
+             f"crc32 check + decode, medians of {args.repeats}; pool: {ext.num_threads()} threads)", "",
+             "| ISA | threads | ms | GB/s in (encoded) | GB/s out (rows) |", "|---|---|---|---|---|"]
+    result = {}
+    for isa, parallel in ways:
+        s = statistics.median(times[(isa, parallel)])
+        result[f"{isa}/{'pool' if parallel else 'one'}"] = s * 1e3
+        lines.append(f"| {isa} | {'pool' if parallel else 'one core'} | {s * 1e3:.3f} | {enc / s / 1e9:.2f} | "
+                     f"{dec / s / 1e9:.2f} |")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": args.command_line, "ms": result,
+                                               "encoded_bytes": enc, "decoded_bytes": dec}, indent=1))
+    return 0
 
 
 def _run_ffn(args, pack, bundles, layers) -> int:
