@@ -91,7 +91,7 @@ def test_warm_decode_speed_per_isa(tiny_llama, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     assert main(["endor", "--pack", str(endor), "--warm", "--isa", "scalar", "--repeats", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert set(r["ms"]) == {"scalar/one", "scalar/pool"} and all(v > 0 for v in r["ms"].values())
+    assert set(r["ms"]) == {"scalar/one", "scalar/pool", "scalar/one/cpu"} and all(v > 0 for v in r["ms"].values())
     assert seen == {("scalar", False, True), ("scalar", True, True)}  # crc32 checked, as reads are
     assert "| scalar | one core |" in capsys.readouterr().out
 

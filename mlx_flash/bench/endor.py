@@ -31,7 +31,8 @@ and decode time as a fraction of the read time ENDOR saves. Timings are medians 
 
 --warm: each layer's bundles already in memory, checked (crc32) and decoded into rows by every
 instruction set listed (default: all this CPU runs), on one core and on the kernels' thread pool,
-rotated in each repeat: median ms, GB/s of encoded bytes in and of decoded rows out.
+rotated in each repeat: median wall ms, GB/s of encoded bytes in and of decoded rows out, and on
+one core the thread's CPU ms (what a loaded machine's time slicing does not inflate).
 
 --ffn: for a layer held ENDOR-encoded (as hybrid holds them, bundles in memory), one token's FFN
 two ways, alternated in each repeat: `decode+matvec` = decode_into the layer's rows (the check-free
@@ -428,24 +429,31 @@ def _run_warm(args, pack, bundles, layers) -> int:
                        endor_roles(entry, dest), str(path), entry.count)
         enc += int(index[-1] - index[0])
         dec += sum(d.nbytes for d in dest.values())
+    cpu = {w: [] for w in ways}
     for r in range(args.repeats + 1):  # the first round warms caches and pages up, untimed
-        for k, (isa, parallel) in enumerate(ways[r % len(ways):] + ways[: r % len(ways)]):
-            t0 = time.perf_counter()
+        for isa, parallel in ways[r % len(ways):] + ways[: r % len(ways)]:
+            t0, c0 = time.perf_counter(), time.thread_time()
             for flat, index, crcs, roles, where, count in data.values():
                 decode_into(flat, index[:-1], np.diff(index), np.arange(count), roles, where, isa=isa,
                             crcs=crcs, parallel=parallel)
             if r:
                 times[(isa, parallel)].append(time.perf_counter() - t0)
+                cpu[(isa, parallel)].append(time.thread_time() - c0)
     lines = [f"`{args.command_line}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; layers "
              f"{','.join(map(str, layers))}: {enc / 1e6:.2f} MB encoded -> {dec / 1e6:.2f} MB of rows; "
              f"crc32 check + decode, medians of {args.repeats}; pool: {ext.num_threads()} threads)", "",
-             "| ISA | threads | ms | GB/s in (encoded) | GB/s out (rows) |", "|---|---|---|---|---|"]
+             "| ISA | threads | wall ms | GB/s in (encoded) | GB/s out (rows) | CPU ms (one core) | "
+             "GB/s out per CPU second |", "|---|---|---|---|---|---|---|"]
     result = {}
     for isa, parallel in ways:
         s = statistics.median(times[(isa, parallel)])
         result[f"{isa}/{'pool' if parallel else 'one'}"] = s * 1e3
+        # one core: the calling thread's CPU time, which time slices given to other jobs do not inflate
+        c = None if parallel else statistics.median(cpu[(isa, parallel)])
+        if c is not None:
+            result[f"{isa}/one/cpu"] = c * 1e3
         lines.append(f"| {isa} | {'pool' if parallel else 'one core'} | {s * 1e3:.3f} | {enc / s / 1e9:.2f} | "
-                     f"{dec / s / 1e9:.2f} |")
+                     f"{dec / s / 1e9:.2f} | " + (f"{c * 1e3:.3f} | {dec / c / 1e9:.2f} |" if c else "| |"))
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": args.command_line, "ms": result,
