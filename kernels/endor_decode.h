@@ -60,13 +60,14 @@ BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* 
 // decode-matvec: bundle b (flat[starts[b], starts[b] + lengths[b])) holds n_blocks blocks, gate and
 // up rows of K elements (n_blocks 3) or the up row alone (2), then the down column of D elements:
 //   y[D] = sum_b a_b * down_b,  a_b = act(gate_b . x) * (up_b . x) masked to 0 unless |act| > threshold
-//   (act 0: silu, 1: relu), or (n_blocks 2) a_b = relu(up_b . x) masked to 0 unless > threshold.
+//   (act 0: silu, 1: relu), or (n_blocks 2) a_b = relu(up_b . x + bias_b) masked to 0 unless
+//   > threshold, bias_b the raw 16-bit value after the down block when up_bias, else 0.
 // x: float32 [K]; y: float32 [D] (written). Bundles are split over the kernels' thread pool when
 // `parallel` (call with the GIL released). Returns the first bundle whose blocks do not add up to
 // its length (y is then undefined), -1 when all do.
 int64_t ffn_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
-                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, int act, float threshold,
-                    const float* x, float* y, Isa isa, bool parallel);
+                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, bool up_bias, int act,
+                    float threshold, const float* x, float* y, Isa isa, bool parallel);
 
 // zlib's crc32 (polynomial 0xEDB88320, the value Python's zlib.crc32 gives): continue `crc` over n
 // bytes with `isa`'s kernel.

@@ -35,7 +35,7 @@ struct FfnJob {
   const int64_t *starts, *lengths;
   int64_t count, per_chunk, K, D;
   int n_blocks, act;
-  bool bf16;
+  bool bf16, up_bias;
   float threshold;
   const float* x;
   Isa isa;
@@ -107,15 +107,25 @@ bool ffn_one(const FfnJob& j, int64_t b, uint16_t* half, float* row, float* y) {
     const float u = block_dot(j, up, half, row);
     const float act = j.act == 0 ? f / (1.0f + std::exp(-f)) : std::max(f, 0.0f);
     a = std::fabs(act) > j.threshold ? act * u : 0.0f;
-  } else {
-    const float u = std::max(f, 0.0f);
+  }
+  const Block down = parse_block(j, pos, end, j.D);
+  if (down.bytes < 0) return false;
+  int64_t bundle_end = pos + down.bytes;
+  if (j.n_blocks == 2) {
+    float bias = 0.0f;
+    if (j.up_bias) {  // the up row's bias: one raw 16-bit value after the down block, padded to 4 bytes
+      if (bundle_end + 4 > end) return false;
+      uint16_t h;
+      std::memcpy(&h, j.flat + bundle_end, 2);
+      bias = j.bf16 ? bf16_to_f32(h) : f16_to_f32(h);
+      bundle_end += 4;
+    }
+    const float u = std::max(f + bias, 0.0f);
     a = u > j.threshold ? u : 0.0f;
   }
   // A masked neuron's down block is only walked over (its length checked), not expanded.
-  const Block down = parse_block(j, pos, end, j.D);
-  if (down.bytes < 0) return false;
   if (a != 0.0f) block_axpy(j, down, a, half, row, y);
-  return pos + down.bytes == end;
+  return bundle_end == end;
 }
 
 void ffn_chunk(const void* ctx, int chunk) {
@@ -136,15 +146,15 @@ void ffn_chunk(const void* ctx, int chunk) {
 }  // namespace
 
 int64_t ffn_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
-                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, int act, float threshold,
-                    const float* x, float* y, Isa isa, bool parallel) {
+                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, bool up_bias, int act,
+                    float threshold, const float* x, float* y, Isa isa, bool parallel) {
   std::fill(y, y + D, 0.0f);
   if (count <= 0) return -1;
   const int64_t chunks = parallel ? std::min<int64_t>(std::max<int64_t>(1, count / 128), 64) : 1;
   std::vector<float> partial(chunks * D, 0.0f);
   std::vector<int64_t> bad(chunks, -1);
   FfnJob job{flat, flat_bytes, starts, lengths, count, (count + chunks - 1) / chunks, K, D, n_blocks, act, bf16,
-             threshold, x, isa, &partial, &bad};
+             up_bias, threshold, x, isa, &partial, &bad};
   if (chunks == 1) ffn_chunk(&job, 0);
   else parallel_for(static_cast<int>(chunks), ffn_chunk, &job);
   for (int64_t c = 0; c < chunks; ++c)

@@ -167,7 +167,9 @@ def test_bench_run_encoding_rows(tmp_path, capsys):
     assert all(row["accounting_ok"] for row in r["modes"].values())
     assert r["modes"]["naive+endor"]["budget_bytes"] == r["modes"]["naive"]["budget_bytes"]
     rows = {row["mode"]: row for row in r["encoding"]["rows"]}
-    assert rows["naive"]["ok"] and 0.5 < rows["naive"]["bytes_ratio"] < 0.65
+    # single tokens read whole layers as stored (the CPU decode-matvec) in 4 KiB-aligned covering
+    # ranges: on opt-tiny's 47 KB layers that adds up to 8 KB each (0.56 of dense on real layers)
+    assert rows["naive"]["ok"] and 0.5 < rows["naive"]["bytes_ratio"] < 0.8
     assert rows["naive"]["endor_decode_ms"] > 0
     assert "## ENDOR rows" in (out / "report.md").read_text() and "| naive |" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:

@@ -20,8 +20,9 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
 HIDDEN, DOWN, COUNT = 100, 203, 300  # widths not multiples of 32 or 64
 
 
-def _bundles(dtype, gated, seed=0, count=COUNT):
-    """(flat uint8, byte offsets [count + 1], float64 rows [gate,] up, down) of ~50% zero rows."""
+def _bundles(dtype, gated, seed=0, count=COUNT, up_bias=None):
+    """(flat uint8, byte offsets [count + 1], float64 rows [gate,] up, down) of ~50% zero rows;
+    up_bias (float16 [count]): stored raw after each down block, padded to 4 bytes (OPT's)."""
     rng = np.random.default_rng(seed)
     mats = []
     for width in ([HIDDEN] if gated else []) + [HIDDEN, DOWN]:
@@ -34,6 +35,9 @@ def _bundles(dtype, gated, seed=0, count=COUNT):
             w = w.astype(np.float16)
         mats.append(w)
     blocks = [np.concatenate([B.encode_row(m[j], {"dtype": dtype}) for m in mats]) for j in range(count)]
+    if up_bias is not None:
+        blocks = [np.concatenate([b, np.frombuffer(up_bias[j: j + 1].tobytes() + bytes(2), np.uint8)])
+                  for j, b in enumerate(blocks)]
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).astype(np.int64)
     if dtype == "bfloat16":
         rows = [np.array(mx.array(m).view(mx.bfloat16).astype(mx.float32), np.float64) for m in mats]
@@ -76,6 +80,41 @@ def test_matches_float64_reference(isa, dtype, act, parallel):
         np.testing.assert_allclose(np.array(y)[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_up_bias_after_the_down_block(isa):
+    """OPT's bundles: up row, down column, then the up row's bias raw: relu(up . x + b) * down."""
+    bias = np.random.default_rng(8).normal(size=COUNT).astype(np.float16)
+    flat, offsets, rows = _bundles("float16", False, seed=6, up_bias=bias)
+    x = np.random.default_rng(9).normal(size=HIDDEN).astype(np.float32)
+    want = np.maximum(rows[0] @ x.astype(np.float64) + bias.astype(np.float64), 0) @ rows[1]
+    y = M.endor_ffn_cpu(mx.array(x), flat, offsets, columns=HIDDEN, down_columns=DOWN,
+                        payload={"dtype": "float16"}, act="relu", up_bias=True, isa=isa)
+    np.testing.assert_allclose(np.array(y), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(FlashError, match="bundle 0 "):  # read without its bias: lengths disagree
+        M.endor_ffn_cpu(mx.array(x), flat, offsets, columns=HIDDEN, down_columns=DOWN,
+                        payload={"dtype": "float16"}, act="relu", isa=isa)
+
+
+def test_bundle_layout_names_what_the_kernel_takes():
+    from types import SimpleNamespace as NS
+
+    f16 = {"dtype": "float16"}
+
+    def entry(*comps, encoding="endor"):
+        return NS(encoding=encoding, components=[NS(name=n, endor=p, dtype=d, shape=s) for n, p, d, s in comps])
+
+    gate, up, down = (("gate.weight", f16, "float16", (8,)), ("up.weight", f16, "float16", (8,)),
+                      ("down_t.weight", f16, "float16", (8,)))
+    bias = ("up.bias", None, "float16", ())
+    assert M.bundle_layout(entry(gate, up, down)) == {"gated": True, "up_bias": False, "payload": f16}
+    assert M.bundle_layout(entry(up, down)) == {"gated": False, "up_bias": False, "payload": f16}
+    assert M.bundle_layout(entry(up, down, bias)) == {"gated": False, "up_bias": True, "payload": f16}
+    assert M.bundle_layout(entry(up, down, ("up.bias", None, "float32", ()))) is None
+    assert M.bundle_layout(entry(gate, up, down, encoding=None)) is None
+    q4 = {"bits": 4, "group_size": 64}
+    assert M.bundle_layout(entry(*[(n, q4, d, s) for n, _, d, s in (gate, up, down)])) is None
+
+
 def test_matches_the_mlx_op_twin():
     flat, offsets, _ = _bundles("float16", True, seed=3)
     x = mx.random.normal((1, HIDDEN), key=mx.random.key(2)).astype(mx.float16)
@@ -109,3 +148,31 @@ def test_takes_only_one_token_of_half_payloads():
     assert M.takes({"dtype": "float16"}, 1) and M.takes({"dtype": "bfloat16"}, 1)
     assert not M.takes({"dtype": "float16"}, 2) and not M.takes({"bits": 4, "group_size": 64}, 1)
     assert not M.takes({"dtype": "float32"}, 1)
+
+
+def test_flash_ffn_runs_opt_bundles_on_the_decode_matvec(tmp_path):
+    """OPT's ENDOR bundles (up, down, up bias) streamed in naive mode: single tokens run the CPU
+    decode-matvec after the first call agreed with the row path; the logits match the dense mode's
+    (rows decoded at load) within float16 rounding, the prompt's exactly. (Held layers run the
+    same kernel call: test_models_flash's hybrid case.)"""
+    from flash_runs import assert_identical, run_steps
+
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.convert import main as convert_main
+    from mlx_flash.models.flash import build_flash_model
+    from mlx_flash.pack import read_manifest
+    from mlx_flash.sparse.ffn import FlashFFN
+
+    pack = tmp_path / "opt-endor"
+    assert convert_main(["--synthetic", "opt-tiny", "--weight-sparsity", "0.5", "--encoding", "endor",
+                         "--out", str(pack)]) == 0
+    m = read_manifest(pack)
+    assert M.bundle_layout(m.bundles[0])["up_bias"]
+    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
+    model = build_flash_model(pack, FlashConfig("naive"))
+    got = run_steps(model)
+    ran = [f._endor_cpu for _, f in model.named_modules() if isinstance(f, FlashFFN)]
+    assert len(ran) == 2 and all(r is True for r in ran), ran
+    assert_identical(got[:1], dense[:1])
+    for x, y in zip(got[1:], dense[1:]):
+        assert mx.abs(x - y).max().item() <= 0.01 * mx.abs(y).max().item()

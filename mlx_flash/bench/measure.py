@@ -47,6 +47,14 @@ class LoggedReads:
                          s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, ids)))
         return s
 
+    def read_encoded(self, layer, out=None):
+        """FlashLoader.read_encoded (a whole ENDOR layer as stored, for the decode-matvec kernels), logged."""
+        words, offsets, s = self._loader.read_encoded(layer, out)
+        ids = np.arange(self._loader.entry(layer).count)
+        self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
+                         s.reads, s.seconds, False, self._pack_bytes(layer, ids)))
+        return words, offsets, s
+
     def _pack_bytes(self, layer, ids) -> int:
         entry = self._loader.entry(layer)
         if entry.encoding != "endor":

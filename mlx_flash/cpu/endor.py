@@ -35,12 +35,35 @@ def takes(payload: dict, tokens: int) -> bool:
     return tokens == 1 and (payload or {}).get("dtype") in HALF_PAYLOADS and _extension() is not None
 
 
+def bundle_layout(entry):
+    """{"gated", "up_bias", "payload"} when endor_ffn_cpu takes this layer's bundles (an ENDOR
+    layer of gate/up/down or up/down blocks of one float16 / bfloat16 payload, optionally the up
+    row's bias stored raw after them, as OPT's), else None. entry: the layer's pack.Bundle."""
+    if entry.encoding != "endor":
+        return None
+    names = [c.name for c in entry.components]
+    payload = entry.components[0].endor or {}
+    blocks = [c for c in entry.components if c.name.endswith(".weight")]
+    if payload.get("dtype") not in HALF_PAYLOADS or any(c.endor != payload for c in blocks):
+        return None
+    if names == ["gate.weight", "up.weight", "down_t.weight"]:
+        return {"gated": True, "up_bias": False, "payload": payload}
+    if names == ["up.weight", "down_t.weight"]:
+        return {"gated": False, "up_bias": False, "payload": payload}
+    bias = entry.components[-1]
+    if (names == ["up.weight", "down_t.weight", "up.bias"] and bias.endor is None
+            and bias.dtype == payload["dtype"] and not bias.shape):
+        return {"gated": False, "up_bias": True, "payload": payload}
+    return None
+
+
 def endor_ffn_cpu(x, words, offsets, *, columns: int, down_columns: int, payload: dict, act="silu",
-                  threshold=0.0, where="bundles", isa=None, parallel=True):
+                  threshold=0.0, up_bias=False, where="bundles", isa=None, parallel=True):
     """y [..., down_columns] (x's dtype) for one token x [..., columns] over ENDOR bundles held as
     stored: words (uint32 mx.array or uint8 numpy) holding bundle b at bytes offsets[b] ..
     offsets[b + 1] (int64 [count + 1]); act "silu" / "relu_gated" (gate, up, down blocks) or
-    "relu" (up, down); activations not above `threshold` are masked (their down block not read).
+    "relu" (up, down, then the up row's raw 16-bit bias when up_bias); activations not above
+    `threshold` are masked (their down block not read).
     FlashError naming `where` and the first bundle whose blocks do not add up to its length."""
     ext = _extension()
     if ext is None:
@@ -60,7 +83,7 @@ def endor_ffn_cpu(x, words, offsets, *, columns: int, down_columns: int, payload
     xf = np.array(x.astype(mx.float32).reshape(-1), np.float32)
     y = np.empty(down_columns, np.float32)
     bad = ext.endor_ffn(xf, flat, offsets[:-1], np.ascontiguousarray(np.diff(offsets)),
-                        2 if act == "relu" else 3, y, payload["dtype"] == "bfloat16", ACTS[act],
+                        2 if act == "relu" else 3, y, payload["dtype"] == "bfloat16", bool(up_bias), ACTS[act],
                         float(threshold), isa, parallel)
     if bad >= 0:
         raise FlashError(f"{where}: bundle {bad} (offset {int(offsets[bad])}): its bitmaps' popcount "

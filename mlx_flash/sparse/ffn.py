@@ -385,12 +385,12 @@ class FlashFFN(nn.Module):
 
     def _endor_on_cpu(self, x) -> bool:
         """True when this call runs the CPU decode-matvec (mlx_flash/cpu/endor.py): MLX on the CPU
-        with the kernels on, one token, gate/up/down (or up/down) bundles of float16 / bfloat16
-        blocks, and the first call agreed with the row path."""
+        with the kernels on, one token, bundles it takes (cpu_endor.bundle_layout: gate/up/down or
+        up/down float16 / bfloat16 blocks, OPT's up bias), and the first call agreed with the row path."""
         if self._endor_cpu is False or metal_kernels.metal_active() or not kernels_active():
             return False
         entry = self._rt.loader.entry(self.layer)
-        if not endor_kernel_bundles(entry):
+        if cpu_endor.bundle_layout(entry) is None:
             self._endor_cpu = False
             return False
         return cpu_endor.takes(entry.components[0].endor, x.size // x.shape[-1])
@@ -400,10 +400,12 @@ class FlashFFN(nn.Module):
         no decoded row is written (its time is compute, not decode). decoded_rows(): the rows
         decoded, for the first call's comparison with the row path (kept if they differ)."""
         entry = self._rt.loader.entry(self.layer)
-        act, threshold = self._kernel_act(len(entry.components) == 3)
-        y = cpu_endor.endor_ffn_cpu(x, words, offsets, columns=entry.components[-2].shape[-1],
-                                    down_columns=entry.components[-1].shape[-1], payload=entry.components[0].endor,
-                                    act=act, threshold=threshold, where=str(self._rt.loader.pack / entry.file))
+        layout = cpu_endor.bundle_layout(entry)
+        act, threshold = self._kernel_act(layout["gated"])
+        shapes = {c.name: c.shape[-1] for c in entry.components if c.shape}
+        y = cpu_endor.endor_ffn_cpu(x, words, offsets, columns=shapes["up.weight"], down_columns=shapes["down_t.weight"],
+                                    payload=layout["payload"], act=act, threshold=threshold,
+                                    up_bias=layout["up_bias"], where=str(self._rt.loader.pack / entry.file))
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
         if self._endor_cpu is None:  # first call: the row path must agree
