@@ -176,6 +176,8 @@ def test_expert_io_vs_fio_lines(tiny_llama, tmp_path, monkeypatch):
         got = bench_io.expert_io_vs_fio(rows, threads=32, total_bytes=1 << 20)
         assert [(e["label"], e["depth"], e["preloads"]) for e in got] == [("IO-QEXP", 3, False),
                                                                           ("ours", 1, True)]
+        runs = got[0]["fio_gbps_runs"]  # the median of 3 fio runs is the reference
+        assert len(runs) == 3 and got[0]["fio_gbps"] == sorted(runs)[1]
         assert got[0]["fio_ms"] == pytest.approx(6 * block / (got[0]["fio_gbps"] * 1e9) * 1e3)
         assert got[0]["over_fio"] == pytest.approx(4.0 / got[0]["fio_ms"])
         assert bench_io.expert_io_vs_fio(rows[:1], threads=2, total_bytes=1 << 20)[0]["depth"] == 2
