@@ -53,13 +53,20 @@ def test_batches_from_more_are_read_and_numbered_on(tmp_path, min_batch):
         asked.append(len(seen))
         return batches.pop(0) if batches else None
 
+    flags = []  # (reads seen so far, all_submitted) at each on_done
+
+    def on_done(idx, r):
+        seen.extend(idx.tolist())
+        flags.append((len(seen), ctx.all_submitted))
+
     try:
-        res = ctx.read(*plain(range(5)), on_done=lambda idx, r: seen.extend(idx.tolist()),
-                       more=more, min_batch=min_batch)
+        res = ctx.read(*plain(range(5)), on_done=on_done, more=more, min_batch=min_batch)
     finally:
         ctx.close()
         os.close(fd)
     assert res.tolist() == [8192] * 12 and sorted(seen) == list(range(12))
+    # all submitted only once the last batch is out: with 4 in flight, not before 8 reads landed
+    assert flags[-1][1] and not any(done for n, done in flags if n < 8)
     assert len(asked) == 3 and asked[0] >= 1  # the first batch was in flight while asked
     rows = out.reshape(12, 2, 4096)
     want = data.reshape(64, 2, 4096)[block]

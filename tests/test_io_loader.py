@@ -254,6 +254,34 @@ def test_zero_copy_reads_are_vectored_aio_into_component_rows(make_pack, monkeyp
 
 
 @pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_checks_run_on_the_calling_thread_once_every_read_is_submitted(make_pack, monkeypatch):
+    """While reads wait to be submitted, landed bundles are checked on the finishing threads (the
+    submitting thread keeps the queue full); once all are submitted, the calling thread checks
+    what lands itself (no hand-over, no wake-up)."""
+    import threading
+
+    pack = make_pack(**ALIGNED)
+    threads_of_checks, real_check = [], FlashLoader._check_rows
+
+    def check(self, job, members):
+        threads_of_checks.append(threading.current_thread().name)
+        return real_check(self, job, members)
+
+    monkeypatch.setattr(FlashLoader, "_check_rows", check)
+    with FlashLoader(pack, threads=2, plan=False, engine="aio") as loader:  # a read per bundle
+        ids = list(range(0, 16, 2))  # 8 reads, 2 in flight
+        dest = loader.alloc(0, len(ids))
+        if not loader.read(0, ids, dest).direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        check_rows(pack, loader, 0, ids, dest, list(range(len(ids))))
+        main = threading.current_thread().name
+        assert threads_of_checks[-1] == main and any(t.startswith("flash-finish") for t in threads_of_checks)
+        threads_of_checks.clear()
+        loader.read(0, [5], dest, [0])  # a single read: checked where it was asked for
+        assert threads_of_checks == [main]
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
 @pytest.mark.parametrize("kwargs,ids", [(dict(dtype="float16", quantize=(4, 32)),
                                          [0, 3, 17, 40, 41, 42, 77, 95]),
                                         (ALIGNED, [0, 3, 4, 5, 9, 11, 14, 15])])

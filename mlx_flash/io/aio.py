@@ -52,6 +52,7 @@ class AioContext:
             raise OSError(ctypes.get_errno(), "io_setup failed")
         self._events = np.zeros(depth, EVENT)
         self.min_batch = max(1, depth // 8)  # completions to wait for per call: fewer Python round trips
+        self.all_submitted = False  # during on_done: nothing is left to submit
 
     def read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
              min_batch=None) -> np.ndarray:
@@ -70,7 +71,8 @@ class AioContext:
         Returns each read's result (bytes read, or -errno); the caller retries anything short.
         on_done(indices, results) is called with each batch of finished reads while others
         are in flight (results: the array returned at the end, filled so far; it grows with
-        each batch from `more`, so use the one passed in).
+        each batch from `more`, so use the one passed in); self.all_submitted then says whether
+        every read has been submitted (work done in on_done no longer delays a submission).
         """
         wait_for = self.min_batch if min_batch is None else max(1, int(min_batch))
         res = np.empty(0, np.int64)
@@ -126,10 +128,11 @@ class AioContext:
                         submitted += got
                     elif got < 0 and ctypes.get_errno() not in (errno.EAGAIN, errno.EINTR):
                         raise OSError(ctypes.get_errno(), "io_submit failed")
-                if submitted == completed:
-                    continue
+                if submitted == completed or (submitted == len(res) and more is not None):
+                    continue  # (the next batch is prepared while these reads fly)
                 idx = reap(max(1, min(submitted - completed, wait_for)))
                 if idx is not None and on_done is not None and len(idx):
+                    self.all_submitted = submitted == len(res)  # (more is None by then)
                     on_done(idx, res)
         except BaseException:
             while completed < submitted:  # the kernel may still write into caller buffers
