@@ -173,6 +173,8 @@ def test_flash_ffn_runs_opt_bundles_on_the_decode_matvec(tmp_path):
     got = run_steps(model)
     ran = [f._endor_cpu for _, f in model.named_modules() if isinstance(f, FlashFFN)]
     assert len(ran) == 2 and all(r is True for r in ran), ran
+    steps = model.flash_stats.steps  # the first token's check decodes the bytes it read: no second read
+    assert steps[1].bytes_read == steps[2].bytes_read > 0 and steps[1].decode_s > 0 == steps[2].decode_s
     assert_identical(got[:1], dense[:1])
     for x, y in zip(got[1:], dense[1:]):
         assert mx.abs(x - y).max().item() <= 0.01 * mx.abs(y).max().item()

@@ -344,8 +344,10 @@ class FlashFFN(nn.Module):
             self._rt.encoded, offsets, stats = self._rt.loader.read_encoded(self.layer, self._rt.encoded)
             _count_read(step, stats, time.perf_counter() - t0, self._n)
             step.neurons_needed += self._n
-            run = self._endor_kernels if on_gpu else self._endor_cpu_kernel
-            return run(x, self._rt.encoded, offsets, lambda: self._read_stream(self._all, step))
+            if on_gpu:
+                return self._endor_kernels(x, self._rt.encoded, offsets,
+                                           lambda: self._read_stream(self._all, step))
+            return self._from_encoded(x, step, self._rt.encoded, offsets)  # its first call decodes these bytes
         buf = self._read_stream(self._all, step)
         step.neurons_needed += self._n
         y = self._run(x, buf, self._n)
