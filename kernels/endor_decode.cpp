@@ -43,19 +43,6 @@ namespace {
 
 inline int64_t pad4(int64_t n) { return (n + 3) & ~int64_t(3); }
 
-int64_t popcount_bits(const uint8_t* bitmap, int64_t n) {
-  const int64_t full = n / 8;
-  int64_t c = 0, i = 0;
-  for (; i + 8 <= full; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, bitmap + i, 8);
-    c += __builtin_popcountll(w);
-  }
-  for (; i < full; ++i) c += __builtin_popcount(bitmap[i]);
-  if (n % 8) c += __builtin_popcount(bitmap[full] & ((1u << (n % 8)) - 1));
-  return c;
-}
-
 // crc32 tables for slicing by 8: table[0] is the bytewise table, table[k][i] the crc of byte i
 // followed by k zero bytes.
 struct Crc32Tables {
@@ -73,6 +60,23 @@ struct Crc32Tables {
 constexpr Crc32Tables kCrc32;
 
 }  // namespace
+}  // namespace endor
+
+namespace endor {
+
+int64_t popcount_bits(const uint8_t* bitmap, int64_t n) {
+  const int64_t full = n / 8;
+  int64_t c = 0, i = 0;
+  for (; i + 8 <= full; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, bitmap + i, 8);
+    c += __builtin_popcountll(w);
+  }
+  for (; i < full; ++i) c += __builtin_popcount(bitmap[i]);
+  if (n % 8) c += __builtin_popcount(bitmap[full] & ((1u << (n % 8)) - 1));
+  return c;
+}
+
 }  // namespace endor
 
 uint32_t scalar::endor_crc32_raw(uint32_t state, const uint8_t* p, int64_t n) {

@@ -69,6 +69,9 @@ int64_t ffn_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* star
                     int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, bool up_bias, int act,
                     float threshold, const float* x, float* y, Isa isa, bool parallel);
 
+// Set bits among the first n of a bitmap (bit j = byte j / 8, bit j % 8): a block's stored values.
+int64_t popcount_bits(const uint8_t* bitmap, int64_t n);
+
 // zlib's crc32 (polynomial 0xEDB88320, the value Python's zlib.crc32 gives): continue `crc` over n
 // bytes with `isa`'s kernel.
 uint32_t crc32(uint32_t crc, const uint8_t* data, int64_t n, Isa isa);

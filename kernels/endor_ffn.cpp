@@ -16,19 +16,6 @@ namespace {
 
 inline int64_t pad4(int64_t n) { return (n + 3) & ~int64_t(3); }
 
-int64_t popcount_prefix(const uint8_t* bitmap, int64_t n) {
-  int64_t c = 0, i = 0;
-  const int64_t full = n / 8;
-  for (; i + 8 <= full; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, bitmap + i, 8);
-    c += __builtin_popcountll(w);
-  }
-  for (; i < full; ++i) c += __builtin_popcount(bitmap[i]);
-  if (n % 8) c += __builtin_popcount(bitmap[full] & ((1u << (n % 8)) - 1));
-  return c;
-}
-
 struct FfnJob {
   const uint8_t* flat;
   int64_t flat_bytes;
@@ -55,7 +42,7 @@ Block parse_block(const FfnJob& j, int64_t pos, int64_t end, int64_t n) {
   const int64_t nb = (n + 7) / 8;
   if (pos + pad4(nb) > end) return {nullptr, nullptr, 0, -1};
   const uint8_t* bitmap = j.flat + pos;
-  const int64_t nnz = popcount_prefix(bitmap, n);
+  const int64_t nnz = popcount_bits(bitmap, n);
   const int64_t len = pad4(nb) + pad4(2 * nnz);
   if (pos + len > end) return {nullptr, nullptr, 0, -1};
   return {bitmap, reinterpret_cast<const uint16_t*>(bitmap + pad4(nb)), nnz, len};

@@ -13,21 +13,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashError
+from ..pack.bitmap import _extension as bitmap_extension
 
 ACTS = {"silu": 0, "relu_gated": 1, "relu": 1}
 HALF_PAYLOADS = ("float16", "bfloat16")
 
 
 def _extension():
-    """mlx_flash._ext when it has the decode-matvec kernel (imported by name: the compiled
-    extension sits outside the package layers), else None."""
-    import importlib
-
-    try:
-        ext = importlib.import_module("mlx_flash._ext")
-    except ImportError:
-        return None
-    return ext if hasattr(ext, "endor_ffn") else None
+    """mlx_flash._ext when it has the decode-matvec kernel, else None."""
+    ext = bitmap_extension()
+    return ext if ext is not None and hasattr(ext, "endor_ffn") else None
 
 
 def takes(payload: dict, tokens: int) -> bool:

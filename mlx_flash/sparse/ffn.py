@@ -411,17 +411,24 @@ class FlashFFN(nn.Module):
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
         if self._endor_cpu is None:  # first call: the row path must agree
-            want = self._run(x, decoded_rows(), self._n)
-            # relative to the largest output: outputs reach thousands in late layers, where one
-            # float16 step of the row path's sums is more than an element-wise tolerance near zero
-            diff = mx.abs(y.astype(mx.float32) - want.astype(mx.float32)).max()
-            self._endor_cpu = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 1e-3).item()
-            if not self._endor_cpu:
-                warnings.warn(f"layer {self.layer}: the CPU ENDOR decode-matvec ({act}) differs from the MLP; "
-                              f"this layer keeps the decoded-row path", RuntimeWarning, stacklevel=2)
-                mx.eval(want)
-                return want
+            return self._first_call_checked(x, y, decoded_rows, "_endor_cpu", f"CPU ENDOR decode-matvec ({act})")
         return y
+
+    def _first_call_checked(self, x, y, decoded_rows, flag: str, kernels: str):
+        """A decode-matvec path's first output y against the row path on the decoded rows: sets
+        `flag` (whether they agree) and returns y, or the row path's output (warned) if not."""
+        want = self._run(x, decoded_rows(), self._n)
+        # relative to the largest output: outputs reach thousands in late layers, where one
+        # float16 step of the row path's sums is more than an element-wise tolerance near zero
+        diff = mx.abs(y.astype(mx.float32) - want.astype(mx.float32)).max()
+        same = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 2e-2).item()
+        setattr(self, flag, same)
+        if same:
+            return y
+        warnings.warn(f"layer {self.layer}: the {kernels} differ from the MLP; this layer keeps the "
+                      f"decoded-row path", RuntimeWarning, stacklevel=3)
+        mx.eval(want)
+        return want
 
     def _endor_kernels(self, x, words, offsets, decoded_rows):
         """The FFN of this ENDOR layer on the decode-matvec kernels, from its bundles as stored
@@ -441,13 +448,7 @@ class FlashFFN(nn.Module):
             raise FlashError(f"{self._rt.loader.pack / entry.file}: bundle {bad}: its bitmaps' popcount "
                              f"disagrees with the bytes stored (corrupt or truncated)")
         if self._endor_gpu is None:  # first call: the row path (decoded on the CPU) must agree
-            want = self._run(x, decoded_rows(), self._n)
-            self._endor_gpu = mx.allclose(y, want, rtol=2e-2, atol=2e-2).item()
-            if not self._endor_gpu:
-                warnings.warn(f"layer {self.layer}: the ENDOR Metal kernels ({act}) differ from the MLP; "
-                              f"this layer keeps the decoded-row path", RuntimeWarning, stacklevel=2)
-                mx.eval(want)
-                return want
+            return self._first_call_checked(x, y, decoded_rows, "_endor_gpu", f"ENDOR Metal kernels ({act})")
         return y
 
     def _prefetched(self, x, step):
