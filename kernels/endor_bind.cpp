@@ -109,12 +109,17 @@ void bind_endor(nb::module_& m) {
   m.def(
       "endor_ffn",
       [](Floats x, Bytes1 flat, Index starts, Index lengths, int n_blocks, Floats y, bool bf16, bool up_bias,
-         int act, float threshold, const std::optional<std::string>& isa_name, bool parallel) {
+         int act, float threshold, const std::optional<std::string>& isa_name, bool parallel, int kind,
+         int group_size) {
         const size_t count = starts.shape(0);
         if (lengths.shape(0) != count) throw std::invalid_argument("endor_ffn: starts and lengths differ in length");
         if (n_blocks != 2 && n_blocks != 3) throw std::invalid_argument("endor_ffn: n_blocks must be 2 or 3");
         if (act != 0 && act != 1) throw std::invalid_argument("endor_ffn: act must be 0 (silu) or 1 (relu)");
         if (up_bias && n_blocks != 2) throw std::invalid_argument("endor_ffn: up_bias needs n_blocks 2");
+        if (kind != flash::endor::kHalf && kind != flash::endor::kQuant8 && kind != flash::endor::kQuant4)
+          throw std::invalid_argument("endor_ffn: kind must be 1 (16-bit), 3 (8-bit) or 4 (4-bit)");
+        if (kind != flash::endor::kHalf && group_size <= 0)
+          throw std::invalid_argument("endor_ffn: group_size must be positive");
         if (x.shape(0) == 0 || y.shape(0) == 0 || x.shape(0) > (1u << 30) || y.shape(0) > (1u << 30))
           throw std::invalid_argument("endor_ffn: x and y must hold 1 .. 2^30 values");
         const flash::Isa isa = chosen_isa(isa_name);
@@ -123,15 +128,16 @@ void bind_endor(nb::module_& m) {
           nb::gil_scoped_release release;
           bad = flash::endor::ffn_bundles(flat.data(), static_cast<int64_t>(flat.shape(0)), starts.data(),
                                           lengths.data(), static_cast<int64_t>(count), n_blocks,
-                                          static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(y.shape(0)), bf16,
-                                          up_bias, act, threshold, x.data(), y.data(), isa, parallel);
+                                          static_cast<int64_t>(x.shape(0)), static_cast<int64_t>(y.shape(0)), kind,
+                                          group_size, bf16, up_bias, act, threshold, x.data(), y.data(), isa,
+                                          parallel);
         }
         return bad;
       },
       nb::arg("x"), nb::arg("flat"), nb::arg("starts"), nb::arg("lengths"), nb::arg("n_blocks"), nb::arg("y"),
       nb::arg("bf16") = false, nb::arg("up_bias") = false, nb::arg("act") = 0, nb::arg("threshold") = 0.0f, nb::arg("isa").none() = nb::none(),
-      nb::arg("parallel") = true,
-      "One token's FFN from ENDOR bundles of float16/bfloat16 blocks (gate, up, down or up, down): "
+      nb::arg("parallel") = true, nb::arg("kind") = 1, nb::arg("group_size") = 0,
+      "One token's FFN from ENDOR bundles of float16/bfloat16 blocks (kind 1) or 8/4-bit codes (kind 3/4) (gate, up, down or up, down): "
       "y (float32 [D], written) = sum_b act(gate_b . x) * (up_b . x) * down_b (act 0 silu, 1 relu; "
       "2 blocks: relu(up_b . x + bias_b), bias_b a raw 16-bit value after the down block when up_bias), each block decoded into an L1 row and used at once; neurons whose "
       "activation is not above threshold are skipped. Returns the first bundle whose blocks do not "

@@ -56,7 +56,8 @@ BadBundle decode_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t*
 BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
                         int64_t count, const uint32_t* crcs, Isa isa, bool parallel);
 
-// One token's FFN straight from ENDOR bundles of 16-bit payloads (float16, or bfloat16 when bf16),
+// One token's FFN straight from ENDOR bundles of 16-bit payloads (kind kHalf: float16, or bfloat16
+// when bf16) or 8/4-bit codes (kind kQuant8 / kQuant4, group_size values per float16 scale and bias),
 // decode-matvec: bundle b (flat[starts[b], starts[b] + lengths[b])) holds n_blocks blocks, gate and
 // up rows of K elements (n_blocks 3) or the up row alone (2), then the down column of D elements:
 //   y[D] = sum_b a_b * down_b,  a_b = act(gate_b . x) * (up_b . x) masked to 0 unless |act| > threshold
@@ -66,8 +67,8 @@ BadBundle check_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* 
 // `parallel` (call with the GIL released). Returns the first bundle whose blocks do not add up to
 // its length (y is then undefined), -1 when all do.
 int64_t ffn_bundles(const uint8_t* flat, int64_t flat_bytes, const int64_t* starts, const int64_t* lengths,
-                    int64_t count, int n_blocks, int64_t K, int64_t D, bool bf16, bool up_bias, int act,
-                    float threshold, const float* x, float* y, Isa isa, bool parallel);
+                    int64_t count, int n_blocks, int64_t K, int64_t D, int kind, int group_size, bool bf16,
+                    bool up_bias, int act, float threshold, const float* x, float* y, Isa isa, bool parallel);
 
 // Set bits among the first n of a bitmap (bit j = byte j / 8, bit j % 8): a block's stored values.
 int64_t popcount_bits(const uint8_t* bitmap, int64_t n);

@@ -112,7 +112,8 @@ def test_bundle_layout_names_what_the_kernel_takes():
     assert M.bundle_layout(entry(up, down, ("up.bias", None, "float32", ()))) is None
     assert M.bundle_layout(entry(gate, up, down, encoding=None)) is None
     q4 = {"bits": 4, "group_size": 64}
-    assert M.bundle_layout(entry(*[(n, q4, d, s) for n, _, d, s in (gate, up, down)])) is None
+    assert M.bundle_layout(entry(*[(n, q4, d, s) for n, _, d, s in (gate, up, down)]))["payload"] == q4
+    assert M.bundle_layout(entry(("up.weight", q4, "float16", (8,)), down)) is None  # two payloads
 
 
 def test_matches_the_mlx_op_twin():
@@ -144,10 +145,35 @@ def test_bad_bundles_are_named(isa):
         M.endor_ffn_cpu(x, flat, short, **run)
 
 
-def test_takes_only_one_token_of_half_payloads():
+def test_takes_one_token_of_half_or_quantized_payloads():
     assert M.takes({"dtype": "float16"}, 1) and M.takes({"dtype": "bfloat16"}, 1)
-    assert not M.takes({"dtype": "float16"}, 2) and not M.takes({"bits": 4, "group_size": 64}, 1)
-    assert not M.takes({"dtype": "float32"}, 1)
+    assert M.takes({"bits": 4, "group_size": 64}, 1) and M.takes({"bits": 8, "group_size": 32}, 1)
+    assert not M.takes({"dtype": "float16"}, 2) and not M.takes({"dtype": "float32"}, 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("payload", [{"bits": 4, "group_size": 64}, {"bits": 8, "group_size": 32},
+                                     {"bits": 4, "group_size": 24}], ids=str)
+def test_quantized_payloads_match_their_decoded_rows(isa, payload):
+    """8 / 4-bit non-zeros: the codes dequantized as the decode does, then the same FFN (silu)."""
+    rng = np.random.default_rng(12)
+    mats = []
+    for width in (HIDDEN, HIDDEN, DOWN):
+        w = rng.normal(size=(COUNT, width)).astype(np.float32) * 0.3
+        w[rng.random((COUNT, width)) < 0.5] = 0
+        mats.append(w.astype(np.float16))
+    blocks = [np.concatenate([B.encode_row(m[j], payload) for m in mats]) for j in range(COUNT)]
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).astype(np.int64)
+    flat = np.concatenate(blocks)
+    dests = [np.zeros((COUNT, m.shape[1] * 2), np.uint8) for m in mats]
+    B.decode_bundles(flat, offsets[:-1], np.diff(offsets), np.arange(COUNT),
+                     [(d, m.shape[1], payload) for d, m in zip(dests, mats)])
+    rows = [d.view(np.float16).astype(np.float64) for d in dests]
+    x = np.random.default_rng(13).normal(size=HIDDEN).astype(np.float32)
+    g, u = rows[0] @ x, rows[1] @ x
+    want = (g / (1 + np.exp(-g)) * u) @ rows[2]
+    y = M.endor_ffn_cpu(mx.array(x), flat, offsets, columns=HIDDEN, down_columns=DOWN, payload=payload, isa=isa)
+    np.testing.assert_allclose(np.array(y), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_flash_ffn_runs_opt_bundles_on_the_decode_matvec(tmp_path):
