@@ -236,3 +236,23 @@ def test_a_dropped_model_closes_its_pack_files_and_reader_threads(tiny_llama, tm
     gc.collect()
     assert open_files_under(pack) == []
     assert not [t.name for t in started if t.is_alive()]
+
+
+def test_overflow_larger_than_the_streaming_buffer_is_read_in_pieces(tiny_llama, tmp_path):
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
+    model = build_flash_model(pack, FlashConfig("flash"), predictors={i: all_neurons(96) for i in range(2)},
+                              capacity={0: 30, 1: 50})
+    rt = model.flash_runtime
+    rt.loader.max_read = 2 * rt.loader.alignment  # reads of at most 8 KiB: a 12 KiB limit holds one or more
+    rt.overflow_rows, rt.max_read_bytes = 16, 3 * rt.loader.alignment  # a 16-row buffer, 12 KiB staged
+    for cache in rt.caches.values():
+        cache.max_read_bytes = rt.max_read_bytes
+    rt.loader._local.staging = None
+    got = run_steps(model)
+    for x, y in zip(got, dense):  # float32, sums split in pieces: rounding only
+        assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
+    assert all(next(iter(buf.values())).shape[0] == 16 for buf in rt._stream.values())
+    assert len(rt.loader._local.staging) <= rt.max_read_bytes
+    assert model.flash_stats.summary()["neurons_loaded"] == 112

@@ -184,3 +184,32 @@ def test_smaller_measured_caches_are_plan_options_with_their_rows():
     assert plan.weights <= budget
     assert all(rows < 1000 for rows in plan.capacity.values())  # a cache as large as the layer is not an option
     assert sum(rows == 200 for rows in plan.capacity.values()) >= 6
+
+
+def test_sparse_only_plan_holds_the_largest_overflow_not_a_whole_layer():
+    from mlx_flash.sparse.budget import overflow_bytes
+
+    m = fake_manifest(layers=12, count=2000, row=1000)
+    lb = layer_bytes(m["bundles"][0])
+    budget = m["resident"]["length"] + stream_bytes(m) + lb
+    args = (m, budget, {i: 20_000 for i in range(12)}, {i: 0.05 for i in range(12)}, bytes_cost(m, lambda f: f))
+    whole = plan_flash_layers(*args, requested_capacity={i: 400 for i in range(12)})
+    small = plan_flash_layers(*args, requested_capacity={i: 400 for i in range(12)}, overflow_rows=150)
+    assert whole.overflow_rows is None and whole.stream == stream_bytes(m)
+    assert small.overflow_rows == 150 and small.stream == overflow_bytes(m, 150) < stream_bytes(m)
+    assert small.overflow_stage == max(150 * 1000, (1 << 20) + 2 * 4096)
+    # the freed bytes went to the same plan (here: a layer more resident), within the budget
+    assert small.weights <= budget and whole.weights <= budget
+    assert small.expected_read_s < whole.expected_read_s
+
+
+def test_a_plan_that_streams_whole_layers_keeps_a_whole_layer_buffer():
+    m = fake_manifest()
+    lb = layer_bytes(m["bundles"][0])
+    budget = m["resident"]["length"] + prefetch_bytes(m) + 2 * lb + lb // 2
+    for prefetch in (True, False):
+        plan = plan_flash_layers(m, budget, {i: 50_000 for i in range(6)}, {i: 0.98 for i in range(6)},
+                                 bytes_cost(m, lambda f: 1.0 if f > 0.5 else f), prefetch=prefetch,
+                                 overflow_rows=10)
+        assert plan.streamed_layers and plan.overflow_rows is None and plan.weights <= budget
+        assert plan.stream == (prefetch_bytes(m) if prefetch else stream_bytes(m))

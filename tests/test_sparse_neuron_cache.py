@@ -100,3 +100,29 @@ def test_zero_capacity_streams_everything(loader):
     upd = cache.update(np.array([1, 4, 9]), 0, window=3)
     assert cache.num_used == 0 and upd.loaded == 0 and upd.overflow.tolist() == [1, 4, 9]
     assert cache.row_bytes == NeuronCache(loader, 0, 4).row_bytes > 0
+
+
+def test_chunked_reads_stage_at_most_their_limit_and_fill_the_same_rows(tmp_path_factory):
+    from conftest import write_tiny_llama
+    from mlx_flash.io.planner import ReadCost, plan_read_arrays
+    from mlx_flash.sparse.neuron_cache import read_chunks
+
+    base = tmp_path_factory.mktemp("chunks")
+    pack = write_pack(write_tiny_llama(base / "src", intermediate=N), base / "pack", progress=False)
+    # a cost model whose merge gap spans a few bundles: reads merge across gaps, as on disk;
+    # reads of at most 8 KiB, so a 12 KiB limit holds one or more whole reads
+    with FlashLoader(pack, threads=4, cost=ReadCost(1e-4, 1e9), max_read=8192) as ld:
+        entry, ids = ld.entry(0), np.sort(np.random.default_rng(0).choice(N, 60, replace=False))
+        limit = 3 * ld.alignment
+        pieces = read_chunks(ld, 0, ids, max_bytes=limit, max_rows=7)
+        assert len(pieces) > 1 and np.array_equal(np.concatenate(pieces), np.arange(len(ids)))
+        for p in pieces:
+            r0, r1, _ = plan_read_arrays(entry.offset + ids[p] * entry.stride, entry.stride, align=ld.alignment,
+                                         cost=ld.cost, max_read=ld.max_read)
+            assert int((r1 - r0).sum()) <= limit and len(p) <= 7
+        whole = all_bundles(ld, 0)
+        ld._local.staging = None  # staging grows to the largest call from here on
+        cache = NeuronCache(ld, 0, 70, max_read_bytes=limit)
+        cache.update(ids, 0, 5)
+        cache.check({k: v for k, v in whole.items()})
+        assert len(ld._local.staging) <= limit

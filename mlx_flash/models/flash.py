@@ -49,13 +49,15 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     loader = FlashLoader(pack, threads=cfg.threads)
     try:
-        read_cost = measured = by_rows = None
+        read_cost = measured = by_rows = overflow_rows = None
         if cfg.mode == "flash":
             if predictors is None:
                 predictors = pack_predictors(pack)
                 density = density if density is not None else predicted_density(pack)
                 measured = sparse_read_fraction(pack, cfg.window)
                 by_rows = cache_read_fraction(pack, cfg.window)
+                # one token's predicted neurons (99th percentile), the largest over the layers
+                overflow_rows = max(calibrated_capacity(pack, 1).values(), default=None)
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
         plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
@@ -63,7 +65,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                            if cfg.mode == "flash" else 0,
                            requested_capacity=capacity, density=density, read_cost=read_cost,
                            prefetch=prefetch, sparse_read_fraction=measured,
-                           cache_read_fraction=by_rows)
+                           cache_read_fraction=by_rows, overflow_rows=overflow_rows)
         # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
         thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
         if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
@@ -71,7 +73,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         config, weights = load_resident(pack, manifest=manifest)
         model = build_model(config, weights)
         stats = FlashStats(plan)
-        runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors)
+        runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors,
+                               overflow_rows=plan.overflow_rows, max_read_bytes=plan.overflow_stage)
         checked = set()
         for entry in manifest.bundles:
             layer = entry.layer
@@ -81,12 +84,12 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                     else "streamed")
             _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
             if kind == "resident":
-                runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count)
+                runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count, plan.overflow_stage)
                 cache.load(range(entry.count), step=0)
             elif kind == "encoded":
                 runtime.held[layer] = loader.read_encoded(layer)[:2]
             elif kind == "sparse":
-                runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer])
+                runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer], plan.overflow_stage)
         if plan.streamed_layers and plan.prefetch:
             runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
         try:

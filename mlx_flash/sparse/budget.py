@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import MemoryBudget, param_named
 from ..errors import FlashError
-from ..io.planner import ReadCost, plan_read_arrays
+from ..io.planner import DEFAULT_MAX_READ, ReadCost, plan_read_arrays
 from .neuron_cache import NeuronCache
 
 
@@ -73,6 +73,22 @@ def stream_bytes(manifest) -> int:
     return max((layer_bytes(b) + b.count * b.stride for b in manifest.bundles), default=0)
 
 
+def overflow_sizes(manifest, overflow_rows: int) -> tuple:
+    """(buffer rows, staged bytes per read call) of a streaming buffer for sparse overflow only:
+    `overflow_rows` rows (at most a layer's count) and loader calls staging at most those rows'
+    bytes, or one largest planned read (max_read + alignment on both sides) when that is more."""
+    rows = max(1, int(overflow_rows))
+    stage = max((min(rows, b.count) * b.stride for b in manifest.bundles), default=0)
+    return rows, max(stage, DEFAULT_MAX_READ + 2 * manifest.alignment)
+
+
+def overflow_bytes(manifest, overflow_rows: int) -> int:
+    """Streaming buffer of `overflow_rows` rows (largest row size) + the staging its reads use
+    (overflow_sizes): what a plan whose non-resident layers are all sparse holds for overflow."""
+    rows, stage = overflow_sizes(manifest, overflow_rows)
+    return max((min(rows, b.count) * row_bytes(b) for b in manifest.bundles), default=0) + stage
+
+
 def fmt_bytes(n) -> str:
     """Human-readable size (decimal units, as --memory-budget reads them)."""
     if n >= 1e9:
@@ -96,6 +112,11 @@ class MemoryPlan:
     streamed_layers: list = field(default_factory=list)  # flash: whole layers, prefetched
     expected_read_s: float | None = None  # flash plans: the cost model's read seconds per token
     prefetch: bool = False  # flash: streamed layers are read ahead into a ring of two buffers
+    # flash, every non-resident layer sparse or prefetched: the streaming buffer holds this many
+    # rows (sparse overflow) and main-thread reads stage at most overflow_stage bytes per call;
+    # None: a whole layer (stream_bytes)
+    overflow_rows: int | None = None
+    overflow_stage: int | None = None
     layer_bytes: dict = field(default_factory=dict)
     encoded_bytes: dict = field(default_factory=dict)
     row_bytes: dict = field(default_factory=dict)
@@ -264,7 +285,7 @@ def prefetch_bytes(manifest) -> int:
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
                 density=None, read_cost=None, prefetch=True, sparse_read_fraction=None,
-                cache_read_fraction=None) -> MemoryPlan:
+                cache_read_fraction=None, overflow_rows=None) -> MemoryPlan:
     """Split `budget` (MemoryBudget, bytes or None) for `mode`; FlashError if it is below the minimum.
 
     requested_capacity: {layer: rows} for flash (calibrated Req_i for the window); without it the
@@ -279,7 +300,11 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
     each priced at its fraction of read_cost(layer, all neurons), instead of read_cost of
     `density` random neurons. cache_read_fraction: {layer: [(cache rows, measured seconds per
     token / seconds to read the layer whole)]} (calibration's measured_cache_read_seconds at this
-    window): more sparse options, a cache of that many rows at that price.
+    window): more sparse options, a cache of that many rows at that price. overflow_rows: rows
+    of the largest overflow a sparse layer reads per token (calibration's Req_1, the 99th
+    percentile of one token's predicted neurons, over the layers); with it a plan that streams no
+    layer through the shared buffer holds that many rows instead of a whole layer (overflow_bytes;
+    larger overflows, e.g. prompts, are read and computed in pieces).
     """
     limit = resolve_budget(budget, manifest)
     if mode == "flash" and density is not None and read_cost is not None and limit is not None \
@@ -287,7 +312,7 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
         return plan_flash_layers(manifest, budget, predictor_bytes, density, read_cost,
                                  requested_capacity, prefetch=prefetch,
                                  sparse_read_fraction=sparse_read_fraction,
-                                 cache_read_fraction=cache_read_fraction)
+                                 cache_read_fraction=cache_read_fraction, overflow_rows=overflow_rows)
     # without a budget, or one that holds every FFN, flash runs every layer sparse (its caches
     # then hold the calibrated Req_i rows): the paper's setting; dense mode keeps everything
     if isinstance(predictor_bytes, dict):
@@ -340,12 +365,13 @@ def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_cap
 
 def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, read_cost,
                       requested_capacity=None, units=4096, prefetch=True,
-                      sparse_read_fraction=None, cache_read_fraction=None) -> MemoryPlan:
+                      sparse_read_fraction=None, cache_read_fraction=None, overflow_rows=None) -> MemoryPlan:
     """The per-layer flash plan (module docstring): a multiple-choice knapsack over the layers
     (options resident / sparse / streamed, memory in `units` steps) minimising expected read
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
     The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
-    neuron caches) when a layer is sparse. FlashError when even the smallest plan does not fit."""
+    neuron caches) when a layer is sparse: `overflow_rows` rows (overflow_bytes) when no layer
+    streams through it (given), else a whole layer. FlashError when even the smallest plan does not fit."""
     bundles = {b.layer: b for b in manifest.bundles}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
@@ -373,20 +399,27 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
                 cost[i][f"sparse:{int(rows)}"] = float(f) * cost[i]["streamed"]
                 cache_rows[i, f"sparse:{int(rows)}"] = int(rows)
     found = []
-    # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
-    # ahead and sparse layers need their own streaming buffer; without it (also the fallback when
-    # the ring does not fit) streamed and sparse layers share one buffer, read in turn as hybrid's
-    cases = [(True, False, prefetch_bytes(manifest)),
-             (True, True, prefetch_bytes(manifest) + stream_bytes(manifest))] if prefetch else []
-    cases.append((False, True, stream_bytes(manifest)))
-    for ring, allow_sparse, fixed in cases:
+    # (prefetch ring, sparse layers allowed, fixed bytes, overflow rows): with the ring, streamed
+    # layers are read ahead and sparse layers need their own streaming buffer (overflow only);
+    # without it (also the fallback when the ring does not fit) streamed and sparse layers share
+    # one buffer, read in turn as hybrid's: a whole layer; only sparse and resident layers: the
+    # largest overflow's rows
+    over = stream_bytes(manifest) if overflow_rows is None else overflow_bytes(manifest, overflow_rows)
+    cases = [(True, False, prefetch_bytes(manifest), None),
+             (True, True, prefetch_bytes(manifest) + over, overflow_rows)] if prefetch else []
+    cases.append((False, True, stream_bytes(manifest), None))
+    if overflow_rows is not None:
+        cases.append((False, True, over, overflow_rows))
+    for ring, allow_sparse, fixed, rows in cases:
         room = base.budget - base.resident - fixed
         if room < 0:
             continue
         unit = max(1, -(-room // units))
         options = {}
         for i in layers:
-            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0), ("streamed", 0, cost[i]["streamed"])]
+            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0)]
+            if ring or rows is None:  # else no buffer holds a whole layer: nothing streams
+                opts.append(("streamed", 0, cost[i]["streamed"]))
             pred = int(predictor_bytes.get(i, 0))
             # a measured price holds with the window's cache rows, so the option pays for them;
             # without a cache a sparse layer reads each token's predictions whole
@@ -402,10 +435,11 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         total = sum(c for _, _, c in (next(o for o in options[i] if o[0] == choice[i]) for i in layers))
         if ring and "streamed" not in choice.values():
             continue  # nothing to prefetch: the ring would be wasted memory
-        found.append((total, choice, fixed, room, ring))
+        found.append((total, choice, fixed, room, ring, rows))
     sync = [f for f in found if not f[4]]
     ahead = [f for f in found if f[4]]
-    best = min(sync, key=lambda f: f[0]) if sync else None
+    # equal read time: the smaller fixed part (its room went to neuron-cache rows)
+    best = min(sync, key=lambda f: (round(f[0], 12), f[2])) if sync else None
     if ahead:
         # the ring costs about one more layer read than the sync plan, which the overlap of reads
         # with compute is meant to hide: use it unless it costs more than that
@@ -417,7 +451,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         base.stream = stream_bytes(manifest)
         _check_minimum(base, "streaming or predicting every layer")
         raise FlashError(f"{base.budget_named()}: no flash plan fits")  # unreachable
-    total, choice, fixed, room, ring = best
+    total, choice, fixed, room, ring, rows = best
     # interchangeable layers (same sizes and costs) take resident, sparse, streamed in layer
     # order: resident layers first compute while the prefetcher reads the first streamed ones
     groups = {}
@@ -433,6 +467,8 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     plan = base
     plan.stream = fixed
     plan.prefetch = ring
+    if rows is not None:
+        plan.overflow_rows, plan.overflow_stage = overflow_sizes(manifest, rows)
     plan.expected_read_s = total
     plan.resident_layers = [i for i in layers if choice[i] == "resident"]
     plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]

@@ -32,7 +32,7 @@ from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
-from .neuron_cache import NeuronCache
+from .neuron_cache import NeuronCache, read_chunks
 
 
 class CurrentRows:
@@ -224,10 +224,14 @@ class StreamPrefetcher:
 class FlashRuntime:
     """What the FFN modules of one model share: loader, stats, window, predictors, caches,
     the streaming buffer (allocated on first use, one per bundle layout) and, in flash mode with
-    whole-layer streamed layers, their prefetcher."""
+    whole-layer streamed layers, their prefetcher.
+    overflow_rows / max_read_bytes: the streaming buffer holds at most that many rows (a plan
+    whose only use of it is sparse overflow) and overflow reads stage at most that many bytes per
+    loader call; larger overflows are read and computed in pieces. None: a whole layer, any size."""
 
-    def __init__(self, loader, stats, *, window=5, predictors=None):
+    def __init__(self, loader, stats, *, window=5, predictors=None, overflow_rows=None, max_read_bytes=None):
         self.loader, self.stats, self.window = loader, stats, window
+        self.overflow_rows, self.max_read_bytes = overflow_rows, max_read_bytes
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
@@ -246,7 +250,8 @@ class FlashRuntime:
         entry = self.loader.entry(layer)
         key = tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
         if key not in self._stream:
-            self._stream[key] = self.loader.alloc(layer, entry.count)
+            rows = entry.count if self.overflow_rows is None else min(entry.count, self.overflow_rows)
+            self._stream[key] = self.loader.alloc(layer, rows)
         return self._stream[key]
 
 
@@ -483,9 +488,15 @@ class FlashFFN(nn.Module):
         step.hits += upd.hits
         step.window.append(upd.window)
         y = self._run(x, cache.rows, cache.num_used)
-        if len(upd.overflow):
-            buf = self._read_stream(upd.overflow, step)
-            y = y + self._run(x, buf, len(upd.overflow), add_down_bias=False)
+        rt = self._rt
+        pieces = read_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
+            if len(upd.overflow) else []
+        for k, piece in enumerate(pieces):
+            if k:
+                mx.eval(y)  # the streaming buffer is about to be refilled
+            ids = upd.overflow[piece]
+            buf = self._read_stream(ids, step)
+            y = y + self._run(x, buf, len(ids), add_down_bias=False)
         mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         return y
 

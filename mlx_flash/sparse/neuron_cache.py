@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..io import host_bytes
+from ..io.planner import plan_read_arrays
 
 
 @dataclass
@@ -34,11 +35,55 @@ class CacheUpdate:
     bytes_read: int = 0
 
 
-class NeuronCache:
-    """Neuron cache of one layer: `capacity` preallocated rows filled by `loader`."""
+def read_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
+    """Split a read of bundles `ids` (sorted) of `layer` into pieces [index arrays into ids] whose
+    planned reads (the loader's planner: merged, aligned) stage at most `max_bytes` bytes and hold
+    at most `max_rows` bundles; pieces break at read boundaries, so the loader plans the same reads.
+    A single planned read is at most the loader's max_read (or one bundle): `max_bytes` below that
+    still gets one read per piece. None: no limit."""
+    ids = np.asarray(ids, np.int64)
+    entry = loader.entry(layer)
+    if (max_bytes is None and max_rows is None) or len(ids) == 0 or entry.encoding == "endor":
+        return [np.arange(len(ids))]
+    r0, r1, first = plan_read_arrays(entry.offset + ids * entry.stride, entry.stride,
+                                     align=loader.alignment if loader.direct else 1,
+                                     cost=loader.cost if loader.plan else None, max_read=loader.max_read)
+    sizes, ends = (r1 - r0).tolist(), np.append(first[1:], len(ids)).tolist()
+    max_bytes = float("inf") if max_bytes is None else max_bytes
+    max_rows = len(ids) if max_rows is None else max(1, int(max_rows))
+    pieces, lo, staged = [], 0, 0
+    for k, (a, b) in enumerate(zip(first.tolist(), ends)):
+        if a > lo and (staged + sizes[k] > max_bytes or b - lo > max_rows):
+            pieces.append(np.arange(lo, a))
+            lo, staged = a, 0
+        while b - lo > max_rows:  # one read of more bundles than a piece holds: split it
+            pieces.append(np.arange(lo, lo + max_rows))
+            lo, staged = lo + max_rows, 0
+        staged += sizes[k]
+    pieces.append(np.arange(lo, len(ids)))
+    return pieces
 
-    def __init__(self, loader, layer: int, capacity: int):
+
+def read_in_chunks(loader, layer: int, ids, dest, slots, max_bytes=None):
+    """loader.read of `ids` (sorted) into rows `slots` of `dest`, in read_chunks pieces of at most
+    `max_bytes` staged bytes (the loader's staging buffer grows to its largest call); ReadStats."""
+    ids, slots = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
+    order = np.argsort(ids, kind="stable")
+    ids, slots = ids[order], slots[order]
+    stats = None
+    for piece in read_chunks(loader, layer, ids, max_bytes):
+        part = loader.read(layer, ids[piece], dest, slots[piece])
+        stats = part if stats is None else (stats.add(part) or stats)
+    return stats
+
+
+class NeuronCache:
+    """Neuron cache of one layer: `capacity` preallocated rows filled by `loader`.
+    max_read_bytes: stage at most this many bytes per loader call (read_in_chunks; None: any)."""
+
+    def __init__(self, loader, layer: int, capacity: int, max_read_bytes=None):
         self.loader, self.layer = loader, layer
+        self.max_read_bytes = max_read_bytes
         self.n_neurons = loader.entry(layer).count
         self.capacity = int(min(capacity, self.n_neurons))
         self.rows = loader.alloc(layer, self.capacity)  # {component: mx.array [capacity, ...]}
@@ -86,7 +131,7 @@ class NeuronCache:
         neuron_ids = np.asarray(neuron_ids, np.int64)
         k = len(neuron_ids)
         slots = np.arange(self.num_used, self.num_used + k)
-        stats = self.loader.read(self.layer, neuron_ids, self.rows, slots)
+        stats = read_in_chunks(self.loader, self.layer, neuron_ids, self.rows, slots, self.max_read_bytes)
         self.ids[slots] = neuron_ids
         self.slot_of[neuron_ids] = slots
         self.last_active[slots] = step
