@@ -256,3 +256,29 @@ def test_overflow_larger_than_the_streaming_buffer_is_read_in_pieces(tiny_llama,
     assert all(next(iter(buf.values())).shape[0] == 16 for buf in rt._stream.values())
     assert len(rt.loader._local.staging) <= rt.max_read_bytes
     assert model.flash_stats.summary()["neurons_loaded"] == 112
+
+
+def test_one_host_sync_per_sparse_layer_keeps_the_logits_bit_identical(tiny_llama, tmp_path):
+    from mlx_flash.sparse.ffn import sparse_layers_to_eval
+
+    src = tiny_llama("src", layers=3, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+
+    def build():  # every layer overflows its cache into the shared streaming buffer
+        return build_flash_model(pack, FlashConfig("flash"), predictors={i: all_neurons(96) for i in range(3)},
+                                 capacity={0: 30, 1: 50, 2: 20})
+
+    every = build()
+    every.flash_runtime.eval_sparse = None  # each sparse layer evaluates its own output
+    want = run_steps(every)
+    one = build()
+    assert one.flash_runtime.eval_sparse == {2}
+    assert_identical(run_steps(one), want)
+    # a layer that refills the shared buffer before it syncs: the sparse layer before it evaluates
+    mixed = build()
+    mixed.model.layers[1].mlp.kind = "streamed"
+    mixed.flash_runtime.eval_sparse = sparse_layers_to_eval({0: "sparse", 1: "streamed", 2: "sparse"}, False)
+    ref = build()
+    ref.model.layers[1].mlp.kind = "streamed"
+    ref.flash_runtime.eval_sparse = None
+    assert_identical(run_steps(mixed), run_steps(ref))

@@ -372,3 +372,16 @@ def test_gpu_path_prefetches_endor_layers_as_stored(tiny_llama, tmp_path, monkey
     mx.eval(model(mx.array([list(range(20))])))  # more than 16 tokens: decoded by the CPU from the ring
     assert ran.count("endor_up") == 3 * len(TOKENS)
     pf.close()
+
+
+@pytest.mark.parametrize("kinds, prefetch, want", [
+    ({0: "sparse", 1: "sparse", 2: "sparse"}, False, {2}),
+    ({0: "sparse", 1: "resident", 2: "sparse", 3: "resident"}, False, {2}),
+    ({0: "sparse", 1: "streamed", 2: "sparse"}, False, {0, 2}),  # the streamed read refills the buffer first
+    ({0: "sparse", 1: "streamed", 2: "sparse"}, True, {2}),
+    ({0: "resident", 1: "streamed"}, False, set()),
+])
+def test_only_sparse_layers_no_later_sync_covers_evaluate_their_output(kinds, prefetch, want):
+    from mlx_flash.sparse.ffn import sparse_layers_to_eval
+
+    assert sparse_layers_to_eval(kinds, prefetch) == want

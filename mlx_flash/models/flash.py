@@ -22,7 +22,7 @@ from ..io import FlashLoader
 from ..pack import load_resident, read_manifest
 from ..sparse.budget import expected_read_seconds, plan_memory
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
-                          UpDownMLP, check_mlp_shape)
+                          UpDownMLP, check_mlp_shape, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
 from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_capacity, load_predictors,
                                 predicted_density, sparse_read_fraction)
@@ -75,13 +75,14 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         stats = FlashStats(plan)
         runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors,
                                overflow_rows=plan.overflow_rows, max_read_bytes=plan.overflow_stage)
-        checked = set()
+        checked, kinds = set(), {}
         for entry in manifest.bundles:
             layer = entry.layer
             kind = ("resident" if layer in plan.resident_layers
                     else "encoded" if layer in plan.encoded_layers
                     else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                     else "streamed")
+            kinds[layer] = kind
             _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
             if kind == "resident":
                 runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count, plan.overflow_stage)
@@ -92,6 +93,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                 runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer], plan.overflow_stage)
         if plan.streamed_layers and plan.prefetch:
             runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
+        runtime.eval_sparse = sparse_layers_to_eval(kinds, runtime.prefetcher is not None)
         try:
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:

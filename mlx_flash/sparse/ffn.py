@@ -134,6 +134,26 @@ def _count_read(step, stats, waited_s: float, neurons: int):
     step.neurons_loaded += neurons
 
 
+def sparse_layers_to_eval(kinds: dict, prefetch: bool) -> set:
+    """The sparse layers whose FFN output must be evaluated before the layer returns; `kinds`:
+    {layer: FlashFFN.kind}, `prefetch`: streamed layers read ahead into their own ring.
+
+    A sparse layer's output reads its cache rows and the shared streaming buffer lazily. When the
+    next layer that is not resident is sparse (or prefetched), its mask read evaluates the
+    residual stream, this output included, before it writes any rows: a second host sync per
+    layer saves nothing. The last one, and one followed by a layer that refills the shared
+    buffer before syncing (streamed without prefetch, encoded), evaluate their own."""
+    order = sorted(kinds)
+    out = set()
+    for k, i in enumerate(order):
+        if kinds[i] != "sparse":
+            continue
+        nxt = next((kinds[j] for j in order[k + 1:] if kinds[j] != "resident"), None)
+        if not (nxt == "sparse" or (nxt == "streamed" and prefetch)):
+            out.add(i)
+    return out
+
+
 def layout_key(entry) -> tuple:
     """Bundle layout of a layer: layers with equal keys can share streaming buffers."""
     return (entry.count,) + tuple((c.name, c.dtype, tuple(c.shape)) for c in entry.components)
@@ -238,6 +258,7 @@ class FlashRuntime:
         self.held: dict[int, tuple] = {}  # encoded layers: (uint32 words, int64 bundle offsets)
         self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
+        self.eval_sparse: set | None = None  # sparse layers that evaluate their output (None: all)
 
     def close(self):
         """Stop the prefetcher and close the loader (threads, AIO contexts, open files)."""
@@ -474,8 +495,11 @@ class FlashFFN(nn.Module):
         return y
 
     def _sparse(self, x, step):
-        mask = self._rt.predictors[self.layer](x)
-        active = np.nonzero(np.array(mask.reshape(-1, self._n).any(axis=0)))[0]
+        mask = self._rt.predictors[self.layer](x).reshape(-1, self._n).any(axis=0)
+        # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
+        # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
+        mx.eval(mask, x)
+        active = np.nonzero(np.array(mask))[0]
         cache = self._rt.caches[self.layer]
         upd = cache.update(active, len(self._rt.stats.steps), self._rt.window)
         step.io_s += upd.io_s
@@ -497,7 +521,8 @@ class FlashFFN(nn.Module):
             ids = upd.overflow[piece]
             buf = self._read_stream(ids, step)
             y = y + self._run(x, buf, len(ids), add_down_bias=False)
-        mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
+        if rt.eval_sparse is None or self.layer in rt.eval_sparse:
+            mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         return y
 
 
