@@ -370,8 +370,9 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     (options resident / sparse / streamed, memory in `units` steps) minimising expected read
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
     The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
-    neuron caches) when a layer is sparse: `overflow_rows` rows (overflow_bytes) when no layer
-    streams through it (given), else a whole layer. FlashError when even the smallest plan does not fit."""
+    neuron caches) when a layer is sparse: a whole layer while the options are chosen, then
+    `overflow_rows` rows (overflow_bytes, when given) if no layer streams through it, the bytes
+    freed going to the sparse layers' neuron caches. FlashError when even the smallest plan does not fit."""
     bundles = {b.layer: b for b in manifest.bundles}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
@@ -399,27 +400,20 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
                 cost[i][f"sparse:{int(rows)}"] = float(f) * cost[i]["streamed"]
                 cache_rows[i, f"sparse:{int(rows)}"] = int(rows)
     found = []
-    # (prefetch ring, sparse layers allowed, fixed bytes, overflow rows): with the ring, streamed
-    # layers are read ahead and sparse layers need their own streaming buffer (overflow only);
-    # without it (also the fallback when the ring does not fit) streamed and sparse layers share
-    # one buffer, read in turn as hybrid's: a whole layer; only sparse and resident layers: the
-    # largest overflow's rows
-    over = stream_bytes(manifest) if overflow_rows is None else overflow_bytes(manifest, overflow_rows)
-    cases = [(True, False, prefetch_bytes(manifest), None),
-             (True, True, prefetch_bytes(manifest) + over, overflow_rows)] if prefetch else []
-    cases.append((False, True, stream_bytes(manifest), None))
-    if overflow_rows is not None:
-        cases.append((False, True, over, overflow_rows))
-    for ring, allow_sparse, fixed, rows in cases:
+    # (prefetch ring, sparse layers allowed, fixed bytes): with the ring, streamed layers are read
+    # ahead and sparse layers need their own streaming buffer; without it (also the fallback when
+    # the ring does not fit) streamed and sparse layers share one buffer, read in turn as hybrid's
+    cases = [(True, False, prefetch_bytes(manifest)),
+             (True, True, prefetch_bytes(manifest) + stream_bytes(manifest))] if prefetch else []
+    cases.append((False, True, stream_bytes(manifest)))
+    for ring, allow_sparse, fixed in cases:
         room = base.budget - base.resident - fixed
         if room < 0:
             continue
         unit = max(1, -(-room // units))
         options = {}
         for i in layers:
-            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0)]
-            if ring or rows is None:  # else no buffer holds a whole layer: nothing streams
-                opts.append(("streamed", 0, cost[i]["streamed"]))
+            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0), ("streamed", 0, cost[i]["streamed"])]
             pred = int(predictor_bytes.get(i, 0))
             # a measured price holds with the window's cache rows, so the option pays for them;
             # without a cache a sparse layer reads each token's predictions whole
@@ -435,11 +429,10 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         total = sum(c for _, _, c in (next(o for o in options[i] if o[0] == choice[i]) for i in layers))
         if ring and "streamed" not in choice.values():
             continue  # nothing to prefetch: the ring would be wasted memory
-        found.append((total, choice, fixed, room, ring, rows))
+        found.append((total, choice, fixed, room, ring))
     sync = [f for f in found if not f[4]]
     ahead = [f for f in found if f[4]]
-    # equal read time: the smaller fixed part (its room went to neuron-cache rows)
-    best = min(sync, key=lambda f: (round(f[0], 12), f[2])) if sync else None
+    best = min(sync, key=lambda f: f[0]) if sync else None
     if ahead:
         # the ring costs about one more layer read than the sync plan, which the overlap of reads
         # with compute is meant to hide: use it unless it costs more than that
@@ -451,7 +444,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         base.stream = stream_bytes(manifest)
         _check_minimum(base, "streaming or predicting every layer")
         raise FlashError(f"{base.budget_named()}: no flash plan fits")  # unreachable
-    total, choice, fixed, room, ring, rows = best
+    total, choice, fixed, room, ring = best
     # interchangeable layers (same sizes and costs) take resident, sparse, streamed in layer
     # order: resident layers first compute while the prefetcher reads the first streamed ones
     groups = {}
@@ -465,10 +458,16 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
         for i, name in zip(members, sorted((choice[i] for i in members), key=order)):
             choice[i] = name
     plan = base
+    # the shared buffer only takes sparse overflow (no layer streams through it): it holds the
+    # largest overflow instead of a whole layer, and the bytes freed go to neuron caches below
+    shared_by_streamed = not ring and "streamed" in choice.values()
+    if overflow_rows is not None and not shared_by_streamed \
+            and any(c.startswith("sparse") for c in choice.values()) \
+            and overflow_bytes(manifest, overflow_rows) < stream_bytes(manifest):
+        fixed += overflow_bytes(manifest, overflow_rows) - stream_bytes(manifest)
+        plan.overflow_rows, plan.overflow_stage = overflow_sizes(manifest, overflow_rows)
     plan.stream = fixed
     plan.prefetch = ring
-    if rows is not None:
-        plan.overflow_rows, plan.overflow_stage = overflow_sizes(manifest, rows)
     plan.expected_read_s = total
     plan.resident_layers = [i for i in layers if choice[i] == "resident"]
     plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]
