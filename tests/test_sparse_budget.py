@@ -215,3 +215,10 @@ def test_a_plan_that_streams_whole_layers_keeps_a_whole_layer_buffer():
                                  overflow_rows=10)
         assert plan.streamed_layers and plan.overflow_rows is None and plan.weights <= budget
         assert plan.stream == (prefetch_bytes(m) if prefetch else stream_bytes(m))
+    # sparse and streamed layers sharing the buffer (no prefetch): a whole layer for both
+    density = {i: 0.98 if i < 3 else 0.05 for i in range(6)}
+    budget = m["resident"]["length"] + stream_bytes(m) + lb + 100_000
+    plan = plan_flash_layers(m, budget, {i: 20_000 for i in range(6)}, density, bytes_cost(m, lambda f: f),
+                             prefetch=False, overflow_rows=10)
+    assert plan.streamed_layers and plan.capacity and plan.overflow_rows is None
+    assert plan.stream == stream_bytes(m) and plan.weights <= budget
