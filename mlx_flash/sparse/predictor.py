@@ -375,17 +375,11 @@ def sparse_read_fraction(pack_dir, window: int) -> dict | None:
     held-out predictions (stats.read_s: budget.measured_read_seconds; windows beyond the measured
     ones use the largest), for the layers that have them; None when the pack has no predictors
     or none has measured reads."""
-    doc = read_predictors_json(pack_dir)
-    if doc is None:
-        return None
     out = {}
-    for key, entry in doc["layers"].items():
-        read = (entry.get("stats") or {}).get("read_s")
-        if not isinstance(read, dict) or not read.get("window_s") or not read.get("whole_s"):
-            continue
-        per_window = read["window_s"]
-        whole = float(read["whole_s"])
-        out[int(key)] = (float(per_window[min(window, len(per_window)) - 1]) / whole, float(per_window[0]) / whole)
+    for layer, read, whole in _measured_reads(pack_dir):
+        per_window = read.get("window_s")
+        if per_window:
+            out[layer] = (float(per_window[min(window, len(per_window)) - 1]) / whole, float(per_window[0]) / whole)
     return out or None
 
 
@@ -394,18 +388,24 @@ def cache_read_fraction(pack_dir, window: int) -> dict | None:
     seconds to read it whole)]}, from the read costs calibration measured for caches smaller than
     the window's union (stats.read_s.cache: budget.measured_cache_read_seconds) at this `window`;
     None when the pack has no predictors or none was measured at this window."""
-    doc = read_predictors_json(pack_dir)
-    if doc is None:
-        return None
     out = {}
-    for key, entry in doc["layers"].items():
-        read = (entry.get("stats") or {}).get("read_s")
-        cache = read.get("cache") if isinstance(read, dict) else None
-        if not isinstance(cache, dict) or cache.get("window") != window or not read.get("whole_s"):
-            continue
-        whole = float(read["whole_s"])
-        out[int(key)] = [(int(r), float(s) / whole) for r, s in zip(cache["rows"], cache["seconds"])]
+    for layer, read, whole in _measured_reads(pack_dir):
+        cache = read.get("cache")
+        if isinstance(cache, dict) and cache.get("window") == window:
+            out[layer] = [(int(r), float(s) / whole) for r, s in zip(cache["rows"], cache["seconds"])]
     return out or None
+
+
+def _measured_reads(pack_dir) -> list:
+    """[(layer, stats.read_s, seconds to read the layer whole)] for the layers whose predictors
+    carry calibration's measured read costs ([] when the pack has no predictors)."""
+    doc = read_predictors_json(pack_dir)
+    out = []
+    for key, entry in (doc or {}).get("layers", {}).items():
+        read = (entry.get("stats") or {}).get("read_s")
+        if isinstance(read, dict) and read.get("whole_s"):
+            out.append((int(key), read, float(read["whole_s"])))
+    return out
 
 
 def calibrated_capacity(pack_dir, window: int) -> dict:
