@@ -26,6 +26,7 @@ import numpy as np
 from ..cpu import ops
 from ..errors import FlashError
 
+
 class StreamedSwitchGLU(nn.Module):
     """SwitchGLU over `store`'s bank for MoE layer `layer`.
 

@@ -289,6 +289,7 @@ class FlashFFN(nn.Module):
         self._fused_act = None  # GPU: the kernels' act once the MLP was seen to compute it, False if not
         self._endor_gpu = None  # GPU, ENDOR layer streamed: True once the decode-matvec kernels matched
         self._endor_cpu = None  # CPU, ENDOR layer: True once the CPU decode-matvec matched
+        self._cpu_layout = None  # the decode-matvec's view of this layer's bundles, False: not taken
 
     def _run(self, x, rows, n, add_down_bias=True):
         if self._fused_act is not False and metal_kernels.metal_active():
@@ -417,23 +418,28 @@ class FlashFFN(nn.Module):
         up/down float16 / bfloat16 blocks, OPT's up bias), and the first call agreed with the row path."""
         if self._endor_cpu is False or metal_kernels.metal_active() or not kernels_active():
             return False
-        entry = self._rt.loader.entry(self.layer)
-        if cpu_endor.bundle_layout(entry) is None:
+        if self._cpu_layout is None:  # the layer's bundles never change: look at them once
+            entry = self._rt.loader.entry(self.layer)
+            layout = cpu_endor.bundle_layout(entry)
+            shapes = {c.name: c.shape[-1] for c in entry.components if c.shape}
+            self._cpu_layout = layout is not None and dict(
+                layout, columns=shapes["up.weight"], down_columns=shapes["down_t.weight"],
+                where=str(self._rt.loader.pack / entry.file))
+        if not self._cpu_layout:
             self._endor_cpu = False
             return False
-        return cpu_endor.takes(entry.components[0].endor, x.size // x.shape[-1])
+        return cpu_endor.takes(self._cpu_layout["payload"], x.size // x.shape[-1])
 
     def _endor_cpu_kernel(self, x, words, offsets, decoded_rows):
         """The FFN of this ENDOR layer by the CPU decode-matvec, from its bundles as stored:
         no decoded row is written (its time is compute, not decode). decoded_rows(): the rows
         decoded, for the first call's comparison with the row path (kept if they differ)."""
-        entry = self._rt.loader.entry(self.layer)
-        layout = cpu_endor.bundle_layout(entry)
+        layout = self._cpu_layout
         act, threshold = self._kernel_act(layout["gated"])
-        shapes = {c.name: c.shape[-1] for c in entry.components if c.shape}
-        y = cpu_endor.endor_ffn_cpu(x, words, offsets, columns=shapes["up.weight"], down_columns=shapes["down_t.weight"],
-                                    payload=layout["payload"], act=act, threshold=threshold,
-                                    up_bias=layout["up_bias"], where=str(self._rt.loader.pack / entry.file))
+        y = cpu_endor.endor_ffn_cpu(x, words, offsets, columns=layout["columns"],
+                                    down_columns=layout["down_columns"], payload=layout["payload"],
+                                    act=act, threshold=threshold, up_bias=layout["up_bias"],
+                                    where=layout["where"])
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
         if self._endor_cpu is None:  # first call: the row path must agree
