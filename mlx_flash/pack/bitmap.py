@@ -242,16 +242,11 @@ def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "b
     lengths = np.ascontiguousarray(lengths, np.int64)
 
     def named(b):
-        name = b if ids is None else int(ids[b])
-        return f"bundle {name} (offset {int((starts if offsets is None else offsets)[b])})"
+        return _bundle_name(b, starts, ids, offsets)
 
     if ext is None:
         if crcs is not None:
-            import zlib
-
-            for b, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
-                if zlib.crc32(flat[s: s + n]) != int(crcs[b]):
-                    raise FlashError(f"{where}: checksum mismatch in {named(b)}")
+            check_crc32s(flat, starts, lengths, crcs, where, offsets, use_kernel=False, ids=ids)
         return decode_bundles(flat, starts, lengths, slots, roles, where, ids)
     slots = np.ascontiguousarray(slots, np.int64)
     if crcs is not None:
@@ -266,12 +261,19 @@ def decode_into(flat: np.ndarray, starts, lengths, slots, roles, where: str = "b
                          f"{int(lengths[bad])} bytes stored (corrupt or truncated)")
 
 
+def _bundle_name(b: int, starts, ids=None, offsets=None) -> str:
+    """How an error names bundle b of a batch: its id (ids[b], else b) and file offset (offsets[b],
+    else its start in the buffer)."""
+    name = b if ids is None else int(ids[b])
+    return f"bundle {name} (offset {int((starts if offsets is None else offsets)[b])})"
+
+
 def check_crc32s(flat: np.ndarray, starts, lengths, crcs, where: str = "bundles", offsets=None, isa=None,
-                 use_kernel=True):
+                 use_kernel=True, ids=None):
     """Check the zlib crc32 of bundles flat[starts[b]: starts[b] + lengths[b]] against crcs[b]
     without decoding them: one C++ pass over the kernels' thread pool with the GIL released (zlib
     in a Python loop when the extension is missing or use_kernel=False). FlashError naming `where`
-    and the first bad bundle (at file offset offsets[b] when given); isa as in `decode_into`."""
+    and the first bad bundle (ids[b] at file offset offsets[b] when given); isa as in `decode_into`."""
     ext = _extension() if use_kernel else None
     starts = np.ascontiguousarray(starts, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
@@ -286,7 +288,7 @@ def check_crc32s(flat: np.ndarray, starts, lengths, crcs, where: str = "bundles"
     else:
         bad, fault = ext.endor_check_crc32(flat, starts, lengths, crcs, isa)
     if bad >= 0:
-        name = f"bundle {bad} (offset {int((starts if offsets is None else offsets)[bad])})"
+        name = _bundle_name(bad, starts, ids, offsets)
         if fault == 2:
             raise FlashError(f"{where}: {name} runs past the {len(flat)} bytes held (truncated)")
         raise FlashError(f"{where}: checksum mismatch in {name}")
