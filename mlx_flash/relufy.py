@@ -51,6 +51,8 @@ def build_parser():
     p.add_argument("--sequence-length", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (default 10)")
+    p.add_argument("--decay", choices=("cosine", "constant"), default="cosine",
+                   help="after the warm-up: cosine decay to 10%% of --lr at --steps (default) or a constant rate")
     p.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="weight of KL(dense teacher || student) added to the LM loss (default 0: off)")
     p.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
@@ -121,7 +123,7 @@ def _main(argv):
     src = resolve_model(args.model)
     report = R.relufy(src, train_files, Path(args.out), activation=args.activation, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.sequence_length, lr=args.lr,
-                      warmup=args.warmup, distill=args.distill, checkpoint_every=args.checkpoint_every,
+                      warmup=args.warmup, decay=args.decay, distill=args.distill, checkpoint_every=args.checkpoint_every,
                       resume=args.resume, seed=args.seed, max_minutes=args.max_minutes,
                       max_train_tokens=args.max_train_tokens, eval_files=eval_files,
                       eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity,

@@ -56,6 +56,21 @@ def test_parse_activation_rejects_bad_specs():
             R.parse_activation(bad)
 
 
+def test_learning_rate_warms_up_then_decays_along_a_cosine_or_holds():
+    def rates(opt, steps):
+        return [float(opt._schedulers["learning_rate"](mx.array(s)).item()) for s in steps]
+
+    cosine = R.make_optimizer(1e-3, warmup=10, steps=110, decay="cosine")
+    warm, peak, mid, last = rates(cosine, [0, 10, 60, 110])
+    assert warm == pytest.approx(1e-4) and peak == pytest.approx(1e-3)
+    assert mid == pytest.approx(0.55e-3, rel=1e-4)  # halfway down the cosine to 10%
+    assert last == pytest.approx(1e-3 * R.FINAL_LR_FRACTION)
+    constant = R.make_optimizer(1e-3, warmup=10, steps=110, decay="constant")
+    assert rates(constant, [10, 60, 110]) == pytest.approx([1e-3] * 3)
+    with pytest.raises(FlashError, match="--decay"):
+        R.make_optimizer(1e-3, warmup=10, steps=110, decay="linear")
+
+
 def test_training_steps_reduce_the_loss_on_a_fixed_batch(src):
     teacher, config = R.load_float32(src)
     model = R.build_model(R.relufied_config(config, "relu", 0.0), dict(tree_flatten(teacher.parameters())))

@@ -365,11 +365,21 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
 
 # ---- training ------------------------------------------------------------------------------------
 
-def make_optimizer(lr: float, warmup: int, weight_decay: float = 0.0):
+DECAYS = ("cosine", "constant")
+FINAL_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak rate
+
+
+def make_optimizer(lr: float, warmup: int, weight_decay: float = 0.0, *, steps: int = 0, decay: str = "constant"):
+    """AdamW with a linear warm-up over `warmup` steps, then the peak rate held ("constant") or
+    decayed along a cosine to FINAL_LR_FRACTION of it at step `steps` ("cosine")."""
     import mlx.optimizers as optim
 
-    schedule = optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup), lambda _: lr],
-                                    [warmup]) if warmup > 0 else lr
+    if decay not in DECAYS:
+        raise FlashError(f"--decay {decay}: expected one of {', '.join(DECAYS)}")
+    after = optim.cosine_decay(lr, steps - warmup, lr * FINAL_LR_FRACTION) \
+        if decay == "cosine" and steps > warmup else (lambda _: mx.array(lr))
+    schedule = optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup), after],
+                                    [warmup]) if warmup > 0 else after
     return optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
 
 
@@ -432,7 +442,7 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
 
 
 def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
-           seq_len=SEQ_LEN, lr=5e-5, warmup=10, distill=0.0, checkpoint_every=50, resume=False,
+           seq_len=SEQ_LEN, lr=5e-5, warmup=10, decay="constant", distill=0.0, checkpoint_every=50, resume=False,
            seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
            target_sparsity=None, threshold_sequences=4, layerwise_tokens=0, layerwise_ridge=1e-3,
            progress=True, log=print) -> dict:
@@ -477,7 +487,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     config["relufied_from"] = src_config.get("relufied_from") or str(src)
     eval_seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text") \
         if eval_files else None
-    optimizer = make_optimizer(lr, warmup)
+    optimizer = make_optimizer(lr, warmup, steps=steps, decay=decay)
     if resume:
         if threshold is None:
             config["activation_threshold"] = None
@@ -490,7 +500,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
         model = build_model(config, dict(tree_flatten(teacher.parameters())))
         state = {"step": 0, "tokens_trained": 0, "seconds": 0.0, "losses": []}
     state.update(activation=activation, target_sparsity=target_sparsity, batch_size=batch_size,
-                 seq_len=seq_len, lr=lr, warmup=warmup, distill=distill, seed=seed, train_sequences=int(len(sequences)),
+                 seq_len=seq_len, lr=lr, warmup=warmup, decay=decay, steps_planned=steps, distill=distill, seed=seed, train_sequences=int(len(sequences)),
                  train_files=[str(f) for f in train_files])
     freeze_embeddings(model)
     model.train()
