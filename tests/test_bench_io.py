@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from mlx_flash.bench.__main__ import main
 
 
@@ -223,3 +225,37 @@ def test_baseline_loader_takes_turns(tiny_llama, tmp_path, monkeypatch):
         experts["baseline_ms_per_call"] / experts["fio_ms_per_call"])
     with pytest.raises(FlashError, match="--baseline .*: no mlx_flash/io/loader.py there"):
         bench_io.baseline_loader(tmp_path)
+
+
+def test_destination_kinds(tiny_llama, tmp_path):
+    """--parts dest: the AIO engine alone into memory of each kind, next to fio."""
+    import argparse
+    import shutil
+
+    import pytest
+
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.io import aio
+    from mlx_flash.pack import write_pack
+
+    if not aio.available():
+        pytest.skip("native AIO: Linux")
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+    rows = bench_io.destination_kinds(bench, [16384, 1 << 30], 2, 1 << 20, with_fio=bool(shutil.which("fio")))
+    ok, big = rows
+    assert ok["size"] == 16384 and ok["reads"] == 64 and ok["depth"] == 2
+    for kind in bench_io.DEST_KINDS:
+        assert ok[f"{kind}_gbps"] > 0
+        if shutil.which("fio"):
+            assert ok[f"{kind}_over_fio"] == ok[f"{kind}_gbps"] / ok["fio_gbps"]
+    assert big == {"size": 1 << 30, "skipped": "bundle files are smaller than one read"}
+    # the bytes land where each kind says: read i at addresses[i]
+    path = bench.paths()[0]
+    buf = np.zeros(3 * 16384 + 4096, np.uint8)
+    base = buf.ctypes.data + (-buf.ctypes.data % 4096)
+    run = bench_io.aio_reads([path], 16384, 3, 2, np.random.default_rng(0), base + np.arange(3) * 16384)
+    assert run.bytes_read == 3 * 16384 and buf.any()

@@ -13,8 +13,12 @@ is reported) and the loader reads with O_DIRECT. Measured:
   6. large reads (64 KiB - 4 MiB, as MoE experts need): k consecutive bundles per read through
      FlashLoader.read_many into `alloc` destinations, next to fio at the same read size and depth;
   7. MoE packs: expert reads as the store issues them (top_k experts of one layer per call), next
-     to fio at the block size with top_k in flight.
---parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7). --baseline DIR runs
+     to fio at the block size with top_k in flight;
+  8. where reads land: the AIO engine alone reading into memory of several kinds (a ring of fio's
+     footprint, one buffer per read in shared / private / fresh / pre-faulted / huge-page /
+     mlock'd / 512-byte-offset pages, an MLX array), next to fio (destination_kinds).
+--parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7, dest = 8; the
+default is all but dest). --baseline DIR runs
 the FlashLoader of another checkout (DIR/mlx_flash, e.g. a worktree of an older commit) in 6 and 7
 too, taking turns with this one and fio: old and new measured in one run under the same load.
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
@@ -67,7 +71,8 @@ def add_arguments(parser):
     parser.add_argument("--parts", default="sweep,compare,large,experts",
                         help="what to measure: sweep (chunk sweep + sequential ceiling), compare "
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
-                        "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio)")
+                        "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio), "
+                        "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes)")
     parser.add_argument("--baseline", metavar="DIR",
                         help="large and experts parts: also run the FlashLoader of the mlx_flash "
                         "checkout in DIR (its repository root), alternated with this one and fio")
@@ -276,24 +281,147 @@ def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
     footprint) reused in turn: what the AIO engine does with no loader around it; ring=reads
     lands every read in memory of its own, as the loader's destinations do. Timed like
     ReadStats (seconds, bytes_read)."""
+    ring = ring or depth
+    buf = aligned_buffer(ring * read_bytes)  # faulted in (huge pages where granted), as alloc()'s
+    addresses = address(buf) + (np.arange(reads) % ring) * read_bytes
+    return aio_reads(paths, read_bytes, reads, depth, rng, addresses)
+
+
+DEST_KINDS = ("ring_shared", "ring_private", "dest_shared", "dest_private", "dest_fresh",
+              "dest_populate", "dest_hugepage", "dest_mlock", "dest_512", "dest_mlx")
+
+
+def _mapping(nbytes, private=True, populate=False, hugepage=False, lock=False):
+    """An anonymous mmap of `nbytes` (+ 2 MiB so a 2 MiB-aligned start exists): shared (what
+    io.files.aligned_buffer gave: shmem pages) or private, optionally MAP_POPULATE'd, advised
+    MADV_HUGEPAGE before its first touch, or mlock'd. Returns (mmap, 2 MiB-aligned address)."""
+    import ctypes
+    import mmap
+
+    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | mmap.MAP_ANONYMOUS
+    m = mmap.mmap(-1, nbytes + (2 << 20), flags=flags | (mmap.MAP_POPULATE if populate else 0))
+    if hugepage:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    base = address(m)
+    if lock and ctypes.CDLL(None, use_errno=True).mlock(ctypes.c_void_p(base), ctypes.c_size_t(len(m))):
+        raise FlashError(f"mlock of {len(m)} bytes failed (errno {ctypes.get_errno()})")
+    return m, base + (-base % (2 << 20))
+
+
+def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KINDS):
+    """Why landing reads in destinations costs: per read size, `total_bytes` of random O_DIRECT
+    reads over the pack's bundle files by io/aio.py alone (no loader), `depth` in flight, into
+    memory of each kind, taking turns with fio at that size and depth (--repeat, medians):
+      ring_shared / ring_private: a ring of `depth` buffers reused in turn (fio's footprint), in
+        shared (shmem) / private anonymous pages;
+      dest_shared / dest_private: one buffer per read, touched once before the runs (a slot bank
+        reused every call), shared / private pages;
+      dest_fresh: one buffer per read, a new untouched private mapping every run (first touch
+        inside the read); dest_populate: the same, MAP_POPULATE'd (pre-faulted at allocation);
+      dest_hugepage: dest_private advised MADV_HUGEPAGE before its touch (2 MiB pages when the
+        kernel grants them; the row says how many were granted);
+      dest_mlock: dest_private, mlock'd; dest_512: dest_private, each read 512 bytes past a page
+        boundary (one more page per read); dest_mlx: an MLX array (mx.zeros: the loader's alloc).
+    Returns rows {"size", "reads", "<kind>_gbps", "<kind>_over_fio", "fio_gbps", "fio_command",
+    "hugepages_kb"} (device GB/s)."""
+    import mlx.core as mx
+
+    paths = bench.paths()
+    rows = []
+    for size in sizes:
+        size = -(-size // 4096) * 4096
+        reads = max(4 * depth, total_bytes // size)
+        span = np.array([os.stat(p).st_size - size for p in paths]) // 4096
+        if (span < 0).all():
+            rows.append({"size": size, "skipped": "bundle files are smaller than one read"})
+            continue
+        keep = {}  # buffers that live across runs (slot banks)
+
+        def touched(kind):
+            if kind not in keep:
+                n = reads * size + 512
+                if kind == "dest_mlx":
+                    arr = mx.zeros((n + 4096,), mx.uint8)
+                    mx.eval(arr)
+                    a = address(memoryview(arr))
+                    keep[kind] = (arr, a + (-a % 4096))
+                else:
+                    m, a = _mapping(n, private=kind != "dest_shared", hugepage=kind == "dest_hugepage",
+                                    lock=kind == "dest_mlock")
+                    np.frombuffer(m, np.uint8)[:] = 1
+                    keep[kind] = (m, a)
+            return keep[kind][1]
+
+        def run(kind):
+            if kind.startswith("ring"):
+                m, base = _mapping(depth * size, private=kind == "ring_private")
+                np.frombuffer(m, np.uint8)[:] = 1
+                ring = depth
+            elif kind in ("dest_fresh", "dest_populate"):
+                m, base = _mapping(reads * size, populate=kind == "dest_populate")
+                ring = reads
+            else:
+                m, base, ring = None, touched(kind) + (512 if kind == "dest_512" else 0), reads
+            return aio_reads(paths, size, reads, depth, bench.rng, base + (np.arange(reads) % ring) * size)
+
+        fns = {kind: (lambda k=kind: run(k)) for kind in kinds}
+        cmd = fio_command(paths, depth, {size: 1}, reads * size, "libaio") if with_fio else None
+        if cmd:
+            fns["fio"] = lambda: run_fio(cmd)
+        for kind in kinds:
+            if kind not in ("dest_fresh", "dest_populate") and not kind.startswith("ring"):
+                touched(kind)
+        huge = sum(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+                   if line.startswith("AnonHugePages")) if os.path.exists("/proc/self/smaps_rollup") else 0
+        res = interleaved(bench, fns)
+        keep.clear()
+        row = {"size": size, "reads": reads, "depth": depth, "hugepages_kb": huge}
+        for kind in kinds:
+            row[f"{kind}_gbps"] = _gb(res[kind].bytes_read, res[kind].seconds)
+        if cmd:
+            row["fio_gbps"] = res["fio"].bw / 1e9
+            row["fio_command"] = " ".join(cmd)
+            for kind in kinds:
+                row[f"{kind}_over_fio"] = row[f"{kind}_gbps"] / row["fio_gbps"]
+        rows.append(row)
+    return rows
+
+
+def aio_reads(paths, read_bytes, reads, depth, rng, addresses):
+    """`reads` random O_DIRECT reads of `read_bytes` (4 KiB-aligned offsets) over `paths` by
+    io/aio.py alone, `depth` in flight, read i landing at addresses[i]. Timed like ReadStats."""
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     ctx = aio.AioContext(depth)
     try:
-        span = np.array([os.fstat(fd).st_size - read_bytes for fd in fds]) // 4096
-        which = rng.integers(0, len(fds), reads)
+        span = np.maximum(np.array([os.fstat(fd).st_size - read_bytes for fd in fds]) // 4096, 0)
+        usable = np.flatnonzero(span > 0)
+        which = usable[rng.integers(0, len(usable), reads)]
         offsets = (rng.random(reads) * span[which]).astype(np.int64) * 4096
-        ring = ring or depth
-        buf = aligned_buffer(ring * read_bytes)
-        np.frombuffer(buf, np.uint8)[:] = 1  # touched, as the loader's destinations are
-        addresses = address(buf) + (np.arange(reads) % ring) * read_bytes
         t0 = time.perf_counter()
-        res = ctx.read(np.array(fds)[which], offsets, np.full(reads, read_bytes), addresses)
+        res = ctx.read(np.array(fds)[which], offsets, np.full(reads, read_bytes),
+                       np.asarray(addresses, np.uint64))
         seconds = time.perf_counter() - t0
     finally:
         ctx.close()
         for fd in fds:
             os.close(fd)
     return _Calls(seconds, int(res[res > 0].sum()))
+
+
+def print_destination_kinds(rows, kinds=DEST_KINDS):
+    print("\nwhere reads land (io/aio.py alone, no loader; device GB/s, % of fio in the same run; "
+          "ring = fio's footprint of depth buffers, dest = one buffer per read; see "
+          "bench.io.destination_kinds)")
+    for r in rows:
+        if "skipped" in r:
+            print(f"  {r['size']}: skipped: {r['skipped']}")
+            continue
+        fio = f"fio {r['fio_gbps']:.3f}" if "fio_gbps" in r else "no fio"
+        print(f"  {r['size'] >> 10} KiB x {r['reads']} reads, depth {r['depth']}: {fio}; "
+              f"AnonHugePages {r['hugepages_kb']} kB")
+        for kind in kinds:
+            share = f" ({r[kind + '_over_fio']:.0%})" if kind + "_over_fio" in r else ""
+            print(f"    {kind:<14} {r[kind + '_gbps']:.3f}{share}")
 
 
 class _Calls:
@@ -754,7 +882,7 @@ def print_compare(result, args, top):
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
 
 
-PARTS = ("sweep", "compare", "large", "experts")
+PARTS = ("sweep", "compare", "large", "experts", "dest")
 
 
 def run(args) -> int:
@@ -785,6 +913,8 @@ def run(args) -> int:
         result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio)
     if "experts" in parts:
         result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio)
+    if "dest" in parts:
+        result["destination_kinds"] = destination_kinds(bench, sizes, top, args.large_mb << 20, with_fio)
     result["evict_method"] = ", ".join(sorted(bench.evict_methods))
 
     print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
@@ -798,6 +928,8 @@ def run(args) -> int:
         print_large_reads(result["large_reads"], top)
     if result.get("expert_reads"):
         print_expert_reads(result["expert_reads"])
+    if "dest" in parts:
+        print_destination_kinds(result["destination_kinds"])
     if args.json:
         tmp = Path(f"{args.json}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(result, indent=1))

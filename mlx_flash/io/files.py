@@ -4,6 +4,8 @@ Everything that touches a file descriptor goes through a `FileLayer`, so tests c
 (short reads, EIO, EINTR) by passing their own `FileLayer` subclass to the loader.
 """
 
+import ctypes
+import ctypes.util
 import errno
 import mmap
 import os
@@ -15,6 +17,8 @@ import numpy as np
 from ..errors import FlashError
 
 IOV_MAX = 1024  # Linux and macOS limit on iovecs per preadv call
+HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on Linux x86-64 / arm64 (4 KiB base pages)
+_MADV_HUGEPAGE, _MADV_DONTNEED = 14, 4  # Linux madvise advice values
 F_NOCACHE = 48  # macOS fcntl: do not keep this file's data in the unified buffer cache
 _warned = set()
 
@@ -64,8 +68,48 @@ def address(buf) -> int:
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
-    """A page-aligned writable buffer (anonymous mmap) of at least `nbytes` bytes."""
-    return memoryview(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)))
+    """A page-aligned writable buffer of at least `nbytes` bytes: private anonymous memory,
+    faulted in here (not inside the first read that lands in it). From 2 MiB on Linux it starts
+    on a 2 MiB boundary in transparent huge pages (use_huge_pages)."""
+    nbytes = max(nbytes, mmap.PAGESIZE)
+    pad = HUGE_PAGE if nbytes >= HUGE_PAGE and sys.platform.startswith("linux") else 0
+    m = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    skip = -address(m) % HUGE_PAGE if pad else 0
+    view = np.frombuffer(m, np.uint8)[skip: skip + nbytes]
+    use_huge_pages(view)
+    view[::mmap.PAGESIZE] = 0  # fault the other pages in now too
+    return memoryview(m)[skip: skip + nbytes]
+
+
+def use_huge_pages(buf: np.ndarray) -> int:
+    """Back the 2 MiB-aligned part of `buf` (a uint8 view of private anonymous memory whose
+    contents are zeros or garbage: they become zeros) with transparent huge pages, faulted in now.
+    Direct reads landing in huge pages ran 1.3-1.5x faster than into 4 KiB pages here (KVM,
+    virtio disk: `bench io --parts dest`). Returns the bytes advised (0: none, or not Linux).
+    Huge pages when the kernel grants them (THP 'madvise' or 'always'); else 4 KiB pages."""
+    if not sys.platform.startswith("linux") or buf.size < HUGE_PAGE:
+        return 0
+    lo = -buf.ctypes.data % HUGE_PAGE
+    hi = lo + (buf.size - lo) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return 0
+    libc = _libc()
+    start, length = ctypes.c_void_p(buf.ctypes.data + lo), ctypes.c_size_t(hi - lo)
+    if libc.madvise(start, length, _MADV_HUGEPAGE) != 0:
+        return 0  # THP not built in: 4 KiB pages as before
+    libc.madvise(start, length, _MADV_DONTNEED)  # drop the 4 KiB pages: the next touch maps huge ones
+    buf[lo:hi:mmap.PAGESIZE] = 0  # fault them in now (zero-filled), not inside a read
+    return hi - lo
+
+
+_libc_handle = None
+
+
+def _libc():
+    global _libc_handle
+    if _libc_handle is None:
+        _libc_handle = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    return _libc_handle
 
 
 def read_full(files: FileLayer, fd, buffers, offset, path, fallback_fd=None) -> None:

@@ -1,0 +1,85 @@
+"""io/files.py: buffers direct reads land in (pre-faulted, 2 MiB pages where the kernel grants them)."""
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash.io import FlashLoader, host_bytes
+from mlx_flash.io.files import HUGE_PAGE, aligned_buffer, use_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+linux_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages: Linux with THP 'madvise' or 'always'")
+
+
+def mapping_kb(addr, nbytes=1) -> dict:
+    """{'Rss': kB, 'AnonHugePages': kB, ...} summed over the mappings holding bytes addr..addr +
+    nbytes (/proc/self/smaps)."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < addr + nbytes and addr < hi
+        elif inside and line.split()[-1] == "kB":
+            fields[head.rstrip(":")] = fields.get(head.rstrip(":"), 0) + int(line.split()[1])
+    return fields
+
+
+def resident_pages(addr, nbytes) -> tuple:
+    """(pages resident, pages) of memory addr..addr + nbytes (mincore)."""
+    import ctypes
+    import mmap
+
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps, mincore")
+def test_aligned_buffer_is_private_and_faulted_in():
+    for n in (5000, 3 * HUGE_PAGE + 12345):
+        buf = aligned_buffer(n)
+        addr = np.frombuffer(buf, np.uint8).ctypes.data
+        assert len(buf) == n and addr % 4096 == 0
+        got, pages = resident_pages(addr, n)
+        assert got == pages  # every page faulted in at allocation, not in the first read
+        np.frombuffer(buf, np.uint8)[:] = 7
+        assert np.frombuffer(buf, np.uint8).sum() == 7 * n
+
+
+@linux_thp
+def test_reads_land_in_huge_pages():
+    buf = aligned_buffer(3 * HUGE_PAGE)
+    addr = np.frombuffer(buf, np.uint8).ctypes.data
+    assert addr % HUGE_PAGE == 0 and mapping_kb(addr).get("AnonHugePages", 0) >= 2048
+    # an MLX array: its 2 MiB-aligned part, zero-filled, in huge pages (the others keep 4 KiB pages)
+    arr = mx.ones((5 * HUGE_PAGE,), mx.uint8)
+    host = host_bytes(arr)
+    advised = use_huge_pages(host)
+    lo = -host.ctypes.data % HUGE_PAGE
+    assert advised == (host.size - lo) // HUGE_PAGE * HUGE_PAGE >= 4 * HUGE_PAGE
+    assert host[lo: lo + advised].max() == 0 and host[:lo].min() == 1 and host[lo + advised:].min() == 1
+    assert mapping_kb(host.ctypes.data + lo).get("AnonHugePages", 0) * 1024 >= advised // 2
+    assert use_huge_pages(host[: HUGE_PAGE - 1]) == 0  # too small to hold one
+
+
+@linux_thp
+def test_loader_destinations_use_huge_pages(tiny_llama, tmp_path):
+    from mlx_flash.pack import write_pack
+
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack", progress=False)
+    with FlashLoader(pack, threads=2, plan=False) as loader:
+        bank = loader.alloc_raw(0, -(-4 * HUGE_PAGE // loader.entry(0).stride))  # a slot bank of > 8 MiB
+        host = host_bytes(bank)
+        assert host.max() == 0  # still zeros
+        start = host.ctypes.data + (-host.ctypes.data % HUGE_PAGE)
+        assert mapping_kb(start).get("AnonHugePages", 0) >= 2 * 2048
+        loader.read(0, np.arange(8), bank)
+        assert host[: 8 * loader.entry(0).stride].any()
