@@ -382,6 +382,50 @@ def test_bad_requests(make_pack):
             loader.read(0, [0], {"up.weight": d["up.weight"]})
 
 
+@pytest.mark.parametrize("encoding", ["dense", "endor"])
+def test_read_plans_land_the_same_bytes_planned_once(make_pack, tiny_llama, tmp_path, monkeypatch, encoding):
+    """loader.plan + read(plan) (and pieces of a plan, ReadPlan.take) fill the same rows as
+    read(ids), and a read given a plan does not plan again."""
+    if encoding == "endor":
+        from test_calibration_prune import pruned_model
+
+        src, _ = pruned_model(tiny_llama, tmp_path, intermediate=128)
+        pack, layer = write_pack(src, tmp_path / "endor", encoding="endor", progress=False), 1
+    else:
+        pack, layer = make_pack(dtype="float16", quantize=(4, 32), intermediate=128), 0
+    rng = np.random.default_rng(1)
+    with FlashLoader(pack, threads=4, cost=COST, max_read=16384) as loader:
+        ids = rng.choice(128, size=50, replace=False)
+        slots = rng.permutation(64)[:50]
+        plan = loader.plan(layer, ids)
+        assert np.array_equal(plan.ids, np.sort(ids)) and np.array_equal(ids[plan.index], plan.ids)
+        assert len(plan.r0) < len(ids)  # neighbours merged
+        plans = []
+        real = loader_module.plan_read_arrays
+        monkeypatch.setattr(loader_module, "plan_read_arrays", lambda *a, **k: plans.append(1) or real(*a, **k))
+        dest = loader.alloc(layer, 64)
+        stats = loader.read(layer, plan, dest, slots[plan.index])
+        assert plans == [] and stats.reads == len(plan.r0) and stats.bundles == 50
+        check_rows(pack, loader, layer, ids, dest, slots)
+        dest = loader.alloc(layer, 64)
+        cuts = [0, 7, 8, 23, 50]  # pieces cutting merged reads: each read covers its own bundles
+        for lo, hi in zip(cuts, cuts[1:]):
+            piece = plan.take(lo, hi)
+            assert np.array_equal(piece.ids, plan.ids[lo:hi])
+            end = piece.starts[-1] + piece.lengths[-1]  # a cut read covers only this piece's bundles
+            a = plan.align
+            assert piece.r0[0] == piece.starts[0] // a * a and piece.r1[-1] == -(-end // a) * a
+            loader.read(layer, piece, dest, slots[piece.index])
+        assert plans == []
+        check_rows(pack, loader, layer, ids, dest, slots)
+        loader.read(layer, ids, dest, slots)  # ids: planned here
+        assert plans == [1]
+        with pytest.raises(FlashError, match=f"a read plan of layer {layer}"):
+            loader.read(1 - layer, plan, loader.alloc(1 - layer, 64))
+        with pytest.raises(FlashError, match="50 bundle ids but 3 slots"):
+            loader.read(layer, plan, dest, [0, 1, 2])
+
+
 def test_expert_blocks_and_biased_neurons_through_the_loader(tmp_path):
     # MoE layers: one contiguous block per expert; OPT-style FFN: up row + down column + up bias
     from conftest import write_tiny_opt

@@ -102,10 +102,11 @@ def test_zero_capacity_streams_everything(loader):
     assert cache.row_bytes == NeuronCache(loader, 0, 4).row_bytes > 0
 
 
-def test_chunked_reads_stage_at_most_their_limit_and_fill_the_same_rows(tmp_path_factory):
+def test_chunked_reads_stage_at_most_their_limit_and_are_planned_once(tmp_path_factory, monkeypatch):
     from conftest import write_tiny_llama
-    from mlx_flash.io.planner import ReadCost, plan_read_arrays
-    from mlx_flash.sparse.neuron_cache import read_chunks
+    from mlx_flash.io import loader as loader_module
+    from mlx_flash.io.planner import ReadCost
+    from mlx_flash.sparse.neuron_cache import plan_chunks
 
     base = tmp_path_factory.mktemp("chunks")
     pack = write_pack(write_tiny_llama(base / "src", intermediate=N), base / "pack", progress=False)
@@ -114,15 +115,20 @@ def test_chunked_reads_stage_at_most_their_limit_and_fill_the_same_rows(tmp_path
     with FlashLoader(pack, threads=4, cost=ReadCost(1e-4, 1e9), max_read=8192) as ld:
         entry, ids = ld.entry(0), np.sort(np.random.default_rng(0).choice(N, 60, replace=False))
         limit = 3 * ld.alignment
-        pieces = read_chunks(ld, 0, ids, max_bytes=limit, max_rows=7)
-        assert len(pieces) > 1 and np.array_equal(np.concatenate(pieces), np.arange(len(ids)))
+        pieces = plan_chunks(ld, 0, ids, max_bytes=limit, max_rows=7)
+        assert len(pieces) > 1 and np.array_equal(np.concatenate([p.index for p in pieces]), np.arange(len(ids)))
         for p in pieces:
-            r0, r1, _ = plan_read_arrays(entry.offset + ids[p] * entry.stride, entry.stride, align=ld.alignment,
-                                         cost=ld.cost, max_read=ld.max_read)
-            assert int((r1 - r0).sum()) <= limit and len(p) <= 7
+            assert np.array_equal(p.ids, ids[p.index]) and len(p) <= 7
+            assert int((p.r1 - p.r0).sum()) <= limit and (p.r1 - p.r0 <= ld.max_read).all()
+            ends = np.append(p.first[1:], len(p))  # each read covers its bundles
+            for k, (a, b) in enumerate(zip(p.first, ends)):
+                assert p.r0[k] <= p.starts[a] and p.starts[b - 1] + entry.stride <= p.r1[k]
         whole = all_bundles(ld, 0)
         ld._local.staging = None  # staging grows to the largest call from here on
+        plans = []  # every plan_read_arrays call of the loader: one per update, however many pieces
+        real = loader_module.plan_read_arrays
+        monkeypatch.setattr(loader_module, "plan_read_arrays", lambda *a, **k: plans.append(1) or real(*a, **k))
         cache = NeuronCache(ld, 0, 70, max_read_bytes=limit)
         cache.update(ids, 0, 5)
-        cache.check({k: v for k, v in whole.items()})
-        assert len(ld._local.staging) <= limit
+        cache.check({k: v for k, v in whole.items()})  # the same bytes landed in every row
+        assert len(ld._local.staging) <= limit and len(plans) == 1

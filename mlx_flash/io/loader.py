@@ -21,7 +21,7 @@ from ..pack.reader import bundle_crc32, endor_roles, read_bundle_index, read_che
 from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full, use_huge_pages
-from .planner import DEFAULT_MAX_READ, ReadCost, calibrate, load_cost, plan_read_arrays
+from .planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, plan_read_arrays
 
 # Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
 # cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
@@ -156,7 +156,8 @@ class FlashLoader:
         self.manifest = read_manifest(self.pack)
         self.bundles = layer_bundles(self.manifest)
         self.alignment = self.manifest.alignment
-        self.threads, self.direct, self.verify, self.plan = threads, direct, verify, plan
+        self.threads, self.direct, self.verify = threads, direct, verify
+        self.merge_reads = plan  # the planner merges neighbouring bundles by `cost`
         self.max_read = max_read
         self.files = files or FileLayer()
         self._open_files: dict[int, _Open] = {}
@@ -544,17 +545,51 @@ class FlashLoader:
                     str(self.pack / entry.file))
         return time.perf_counter() - t0
 
-    def _prepare(self, layer, ids, dest, slots):
+    def plan(self, layer, ids) -> ReadPlan:
+        """The reads that bring bundles `ids` of `layer` in: sorted, aligned for direct I/O and
+        merged by the cost model (io.planner). Pass it, or pieces of it (ReadPlan.take), to
+        `read` / `read_many` in place of the ids, so a caller that splits its reads by their
+        plan does not have them planned twice; rows `slots` then follow the plan's (sorted) ids."""
         entry = self.entry(layer)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        slots = np.arange(len(ids)) if slots is None else np.asarray(slots, np.int64).reshape(-1)
         f = self._file(layer, entry)
-        if len(slots) != len(ids):
-            raise FlashError(f"{f.path}: {len(ids)} bundle ids but {len(slots)} slots")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= entry.count):
             raise FlashError(f"{f.path}: bundle id out of range 0..{entry['count'] - 1}")
-        if len(set(ids.tolist())) != len(ids):
+        index = np.argsort(ids, kind="stable")
+        ids = ids[index]
+        if len(ids) > 1 and not (np.diff(ids) > 0).all():
             raise FlashError(f"{f.path}: duplicate bundle ids in one read")
+        if entry.encoding == "endor":
+            if f.index is None:
+                with f.lock:
+                    if f.index is None:
+                        f.index = read_bundle_index(f.path, entry)
+            starts = f.index[ids]
+            lengths = length = f.index[ids + 1] - starts
+        else:
+            starts = entry.offset + ids * entry.stride
+            length, lengths = entry.stride, np.full(len(ids), entry.stride, np.int64)
+        align = self.alignment if f.direct else 1
+        r0, r1, first = plan_read_arrays(starts, length, align=align,
+                                         cost=self.cost if self.merge_reads else None,
+                                         max_read=self.max_read)
+        return ReadPlan(layer, ids, index, starts, lengths, r0, r1, first, align)
+
+    def _prepare(self, layer, ids, dest, slots):
+        entry = self.entry(layer)
+        f = self._file(layer, entry)
+        if isinstance(ids, ReadPlan):
+            plan = ids
+            if plan.layer != layer or plan.align != (self.alignment if f.direct else 1):
+                raise FlashError(f"{f.path}: a read plan of layer {plan.layer} "
+                                 f"(alignment {plan.align}) given to a read of layer {layer}")
+        else:
+            plan = self.plan(layer, ids)
+        slots = np.arange(len(plan)) if slots is None else np.asarray(slots, np.int64).reshape(-1)
+        if len(slots) != len(plan):
+            raise FlashError(f"{f.path}: {len(plan)} bundle ids but {len(slots)} slots")
+        if plan is not ids:
+            slots = slots[plan.index]  # rows follow the sorted ids
         targets, rows, raw = self._targets(entry, dest)
         if len(slots) and (slots.min() < 0 or slots.max() >= rows):
             raise FlashError(f"{f.path}: slot out of range 0..{rows - 1}")
@@ -562,15 +597,15 @@ class FlashLoader:
             with f.lock:
                 if f.crc is None:
                     f.crc = read_checksum_table(f.path, entry)
-        order = np.argsort(ids, kind="stable")
-        ids, slots = ids[order], slots[order]
+        ids, r0, r1, first = plan.ids, plan.r0, plan.r1, plan.first
+        member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
         if entry.encoding == "endor":
-            return self._prepare_endor(f, entry, ids, slots, dest)
+            if not isinstance(dest, dict):
+                raise FlashError(f"{f.path}: ENDOR bundles decode into component arrays (use FlashLoader.alloc)")
+            roles = endor_roles(entry, {c.name: mat for c, (_, _, mat) in zip(entry.components, targets)})
+            return _Job(f, entry, targets, False, ids, slots, plan.starts, 0, False, [], 0, r0, r1,
+                        first, member_read, lengths=plan.lengths, roles=roles)
         stride = entry.stride
-        starts = entry.offset + ids * stride
-        r0, r1, first = plan_read_arrays(starts, stride, align=self.alignment if f.direct else 1,
-                                         cost=self.cost if self.plan else None,
-                                         max_read=self.max_read)
         pieces = [(c.offset, c.length) for c in entry.components]
         used = sum(n for _, n in pieces)
         tight = used if all(o == sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces)) else 0
@@ -578,28 +613,8 @@ class FlashLoader:
         zero_copy = stride % align == 0 and all(
             off % align == 0 and n % align == 0 and address(mat) % align == 0
             for off, n, mat in targets)
-        member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
-        return _Job(f, entry, targets, raw, ids, slots, starts, stride, zero_copy, pieces, tight,
+        return _Job(f, entry, targets, raw, ids, slots, plan.starts, stride, zero_copy, pieces, tight,
                     r0, r1, first, member_read)
-
-    def _prepare_endor(self, f, entry, ids, slots, dest):
-        """A request on an ENDOR layer: variable-length bundles found through the layer's index,
-        read (merged and aligned by the planner) into staging, then checked and decoded."""
-        if not isinstance(dest, dict):
-            raise FlashError(f"{f.path}: ENDOR bundles decode into component arrays (use FlashLoader.alloc)")
-        if f.index is None:
-            with f.lock:
-                if f.index is None:
-                    f.index = read_bundle_index(f.path, entry)
-        targets, _, _ = self._targets(entry, dest)
-        starts = f.index[ids]
-        lengths = f.index[ids + 1] - starts
-        r0, r1, first = plan_read_arrays(starts, lengths, align=self.alignment if f.direct else 1,
-                                         cost=self.cost if self.plan else None, max_read=self.max_read)
-        member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
-        roles = endor_roles(entry, {c.name: mat for c, (_, _, mat) in zip(entry.components, targets)})
-        return _Job(f, entry, targets, False, ids, slots, starts, 0, False, [], 0, r0, r1, first,
-                    member_read, lengths=lengths, roles=roles)
 
     def _targets(self, entry, dest):
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw).

@@ -145,6 +145,41 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     return a0[first], a1[bounds[1:] - 1], first
 
 
+@dataclass
+class ReadPlan:
+    """The planned reads of some bundles of one layer (FlashLoader.plan). Read k covers file bytes
+    r0[k]..r1[k] and bundles ids[first[k]: first[k + 1]]; ids are sorted and index[i] is where
+    ids[i] was in the array the plan was made from. starts / lengths: each bundle's file range
+    (bytes); align: the alignment the reads are rounded out to (bytes)."""
+    layer: object
+    ids: np.ndarray
+    index: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    r0: np.ndarray
+    r1: np.ndarray
+    first: np.ndarray
+    align: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, lo: int, hi: int) -> "ReadPlan":
+        """The plan of bundles ids[lo:hi] alone: the reads between keep their bounds; a read cut
+        at either end covers just its bundles on this side, rounded out to `align`."""
+        if hi <= lo:
+            empty = np.zeros(0, np.int64)
+            return ReadPlan(self.layer, empty, empty, empty, empty, empty, empty, empty, self.align)
+        k0 = int(np.searchsorted(self.first, lo, side="right")) - 1
+        k1 = int(np.searchsorted(self.first, hi - 1, side="right"))
+        r0, r1 = self.r0[k0:k1].copy(), self.r1[k0:k1].copy()
+        r0[0] = self.starts[lo] // self.align * self.align
+        r1[-1] = -(-(self.starts[hi - 1] + self.lengths[hi - 1]) // self.align) * self.align
+        first = np.maximum(self.first[k0:k1], lo) - lo
+        return ReadPlan(self.layer, self.ids[lo:hi], self.index[lo:hi], self.starts[lo:hi],
+                        self.lengths[lo:hi], r0, r1, first, self.align)
+
+
 def plan_reads(starts, length, *, align=1, cost: ReadCost | None = None,
                max_read=DEFAULT_MAX_READ):
     """plan_read_arrays as a list [(read_start, read_end, [request indices])]."""

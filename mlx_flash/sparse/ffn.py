@@ -32,7 +32,7 @@ from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
-from .neuron_cache import NeuronCache, read_chunks
+from .neuron_cache import NeuronCache, plan_chunks
 
 
 class CurrentRows:
@@ -519,14 +519,13 @@ class FlashFFN(nn.Module):
         step.window.append(upd.window)
         y = self._run(x, cache.rows, cache.num_used)
         rt = self._rt
-        pieces = read_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
+        pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
             if len(upd.overflow) else []
-        for k, piece in enumerate(pieces):
+        for k, piece in enumerate(pieces):  # each a ReadPlan: the loader reads it as planned here
             if k:
                 mx.eval(y)  # the streaming buffer is about to be refilled
-            ids = upd.overflow[piece]
-            buf = self._read_stream(ids, step)
-            y = y + self._run(x, buf, len(ids), add_down_bias=False)
+            buf = self._read_stream(piece, step)
+            y = y + self._run(x, buf, len(piece), add_down_bias=False)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         return y

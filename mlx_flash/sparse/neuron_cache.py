@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..io import host_bytes
-from ..io.planner import plan_read_arrays
 
 
 @dataclass
@@ -35,44 +34,39 @@ class CacheUpdate:
     bytes_read: int = 0
 
 
-def read_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
-    """Split a read of bundles `ids` (sorted) of `layer` into pieces [index arrays into ids] whose
-    planned reads (the loader's planner: merged, aligned) stage at most `max_bytes` bytes and hold
-    at most `max_rows` bundles; pieces break at read boundaries, so the loader plans the same reads.
-    A single planned read is at most the loader's max_read (or one bundle): `max_bytes` below that
-    still gets one read per piece. None: no limit."""
-    ids = np.asarray(ids, np.int64)
-    entry = loader.entry(layer)
-    if (max_bytes is None and max_rows is None) or len(ids) == 0 or entry.encoding == "endor":
-        return [np.arange(len(ids))]
-    r0, r1, first = plan_read_arrays(entry.offset + ids * entry.stride, entry.stride,
-                                     align=loader.alignment if loader.direct else 1,
-                                     cost=loader.cost if loader.plan else None, max_read=loader.max_read)
-    sizes, ends = (r1 - r0).tolist(), np.append(first[1:], len(ids)).tolist()
+def plan_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
+    """The loader's plan of bundles `ids` of `layer` (loader.plan: sorted, merged, aligned),
+    split into ReadPlan pieces whose reads stage at most `max_bytes` bytes and hold at most
+    `max_rows` bundles; pieces break at read boundaries. Pass each piece to loader.read in place
+    of its ids: the reads are planned once. A single planned read is at most the loader's
+    max_read (or one bundle): `max_bytes` below that still gets one read per piece. None: no
+    limit. piece.index: the positions of its bundles in `ids`."""
+    plan = loader.plan(layer, ids)
+    if (max_bytes is None and max_rows is None) or len(plan) == 0 or loader.entry(layer).encoding == "endor":
+        return [plan]
+    sizes, ends = (plan.r1 - plan.r0).tolist(), np.append(plan.first[1:], len(plan)).tolist()
     max_bytes = float("inf") if max_bytes is None else max_bytes
-    max_rows = len(ids) if max_rows is None else max(1, int(max_rows))
+    max_rows = len(plan) if max_rows is None else max(1, int(max_rows))
     pieces, lo, staged = [], 0, 0
-    for k, (a, b) in enumerate(zip(first.tolist(), ends)):
+    for k, (a, b) in enumerate(zip(plan.first.tolist(), ends)):
         if a > lo and (staged + sizes[k] > max_bytes or b - lo > max_rows):
-            pieces.append(np.arange(lo, a))
+            pieces.append(plan.take(lo, a))
             lo, staged = a, 0
         while b - lo > max_rows:  # one read of more bundles than a piece holds: split it
-            pieces.append(np.arange(lo, lo + max_rows))
+            pieces.append(plan.take(lo, lo + max_rows))
             lo, staged = lo + max_rows, 0
         staged += sizes[k]
-    pieces.append(np.arange(lo, len(ids)))
+    pieces.append(plan.take(lo, len(plan)))
     return pieces
 
 
 def read_in_chunks(loader, layer: int, ids, dest, slots, max_bytes=None):
-    """loader.read of `ids` (sorted) into rows `slots` of `dest`, in read_chunks pieces of at most
+    """loader.read of `ids` into rows `slots` of `dest`, in plan_chunks pieces of at most
     `max_bytes` staged bytes (the loader's staging buffer grows to its largest call); ReadStats."""
-    ids, slots = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
-    order = np.argsort(ids, kind="stable")
-    ids, slots = ids[order], slots[order]
+    slots = np.asarray(slots, np.int64)
     stats = None
-    for piece in read_chunks(loader, layer, ids, max_bytes):
-        part = loader.read(layer, ids[piece], dest, slots[piece])
+    for piece in plan_chunks(loader, layer, ids, max_bytes):
+        part = loader.read(layer, piece, dest, slots[piece.index])
         stats = part if stats is None else (stats.add(part) or stats)
     return stats
 
