@@ -19,6 +19,7 @@
 #include "fused_ops.h"
 #include "layer_ops.h"
 #include "matvec_op.h"
+#include "moe_experts.h"
 #include "mlx/array.h"
 #include "thread_pool.h"
 
@@ -144,6 +145,19 @@ NB_MODULE(_ext, m) {
       nb::arg("q8_activations") = false,
       "residual + o(attention(q, k, v) in heads-last layout) as one CPU primitive: the attention block's output "
       "with its residual; o is (w, scales, biases, None); n_keys as in attention.");
+  m.def(
+      "experts_swiglu",
+      [](const mx::array& x, const mx::array& slots, const Proj& gate, const Proj& up, const Proj& down,
+         int group_size, int bits, int down_group_size, int down_bits, bool q8_activations) {
+        return flash_ext::experts_swiglu(x, slots, linear(gate), linear(up), linear(down), group_size, bits,
+                                         down_group_size, down_bits, q8_activations);
+      },
+      nb::arg("x"), nb::arg("slots"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("group_size"),
+      nb::arg("bits"), nb::arg("down_group_size"), nb::arg("down_bits"), nb::arg("q8_activations") = false,
+      "y [T, k, D] of an MoE layer's routed experts as one CPU primitive: y[t, j] = down(silu(gate(x[t])) * "
+      "up(x[t])) with the expert in bank slot slots[t, j]; x [T, D], slots integer [T, k]; gate / up / down are "
+      "(w, scales, biases, None) banks [S, rows, columns] (MLX affine, 4 or 8 bits). Slots outside [0, S) give "
+      "NaN rows.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the best instruction set this CPU has (True) or force the portable scalar path (False).");
   m.def("isa", [] { return std::string(flash::isa_name(flash::active_isa())); },

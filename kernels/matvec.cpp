@@ -226,6 +226,62 @@ void matvec_many(const Problem* ps, int count, RowEpilogue epilogue, const void*
   parallel_for(m.first_chunk[m.count], split_chunk, &m);
 }
 
+namespace {
+
+struct BatchCtx {
+  std::vector<FwdCtx> fwd;
+  std::vector<int> first_chunk;  // problem j owns chunks [first_chunk[j], first_chunk[j + 1])
+};
+thread_local std::vector<XScratch> tl_batch_xs;
+
+void batch_chunk(const void* vctx, int chunk) {
+  const BatchCtx& b = *static_cast<const BatchCtx*>(vctx);
+  const int j = int(std::upper_bound(b.first_chunk.begin(), b.first_chunk.end(), chunk) - b.first_chunk.begin()) - 1;
+  const FwdCtx& c = b.fwd[j];
+  const int i0 = (chunk - b.first_chunk[j]) * c.rows_per_chunk;
+  fwd_rows(c, i0, std::min(c.p->n, i0 + c.rows_per_chunk));
+}
+
+bool same_x(const Problem& a, const Problem& b) {
+  return a.in == b.in && a.M == b.M && a.K == b.K && a.fmt == b.fmt && a.group_size == b.group_size &&
+         a.q8_activations == b.q8_activations;
+}
+
+}  // namespace
+
+void matvec_batch(const Problem* ps, int count) {
+  const Isa isa = active_isa();
+  BatchCtx b;
+  b.fwd.reserve(count);
+  if (tl_batch_xs.size() < size_t(count)) tl_batch_xs.resize(count);  // before any prepare points into it
+  int64_t bytes = 0;
+  for (int j = 0; j < count; ++j) {
+    const Problem& p = ps[j];
+    if (p.M == 0 || p.n == 0) continue;
+    int shared = -1;
+    for (int i = int(b.fwd.size()) - 1; i >= 0 && shared < 0; --i)
+      if (same_x(*b.fwd[i].p, p)) shared = i;
+    if (shared >= 0) {
+      b.fwd.push_back(b.fwd[shared]);
+      b.fwd.back().p = &p;
+    } else {
+      b.fwd.push_back(prepare(p, tl_batch_xs[j], isa));
+    }
+    bytes += bytes_per_row(p) * p.n;
+  }
+  if (b.fwd.empty()) return;
+  const int total = chunks_for(bytes, 1 << 20);
+  b.first_chunk.assign(1, 0);
+  for (FwdCtx& c : b.fwd) {
+    const Problem& p = *c.p;
+    const int64_t pb = bytes_per_row(p) * p.n;
+    const int n = int(std::max<int64_t>(1, std::min<int64_t>(p.n, (total * pb + bytes - 1) / std::max<int64_t>(bytes, 1))));
+    c.rows_per_chunk = (p.n + n - 1) / n;
+    b.first_chunk.push_back(b.first_chunk.back() + (p.n + c.rows_per_chunk - 1) / c.rows_per_chunk);
+  }
+  parallel_for(b.first_chunk.back(), batch_chunk, &b);
+}
+
 void matvec(const Problem& p) { matvec_many(&p, 1); }
 
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld) {

@@ -45,6 +45,12 @@ constexpr int kMaxProblems = 4;
 using RowEpilogue = void (*)(const void* ctx, int i0, int i1);
 void matvec_many(const Problem* ps, int count, RowEpilogue epilogue = nullptr, const void* epilogue_ctx = nullptr);
 
+// Any number of forward problems in one pool dispatch (a layer's experts: their gate and up
+// projections, then their down projections). Rows are split into chunks by bytes as matvec_many's
+// split mode does; problems reading the same x (in, M, K, format, group size, q8) share its
+// preparation. A row's result depends on its problem only, never on the others or their order.
+void matvec_batch(const Problem* ps, int count);
+
 // out[m * ld + i] = x[m] . w[i] for m < M, i < n (float32 rows of K; the SIMD path reads w's rows
 // in blocks of 4, so w must hold a multiple of 4 rows, zero past n). Register tiles of 3 x 4 dots,
 // the prompt matvecs' kernel (attention scores use it for blocks of queries).

@@ -518,3 +518,72 @@ def test_bad_kernel_environment_is_one_line_exit_2_in_a_cli():
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().startswith("error: MLX_FLASH_ISA='avx1024'")
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE experts on a slot bank
+
+
+def _expert_bank(slots, D, I, bits, down_bits, sdtype=mx.float32, seed=0):
+    """(gate, up, down) banks [slots, rows, cols] of random experts in MLX's affine format (group 32)."""
+    mx.random.seed(seed)
+
+    def bank(n, k, b):
+        w, s, z = mx.quantize(mx.random.normal((slots, n, k)) / k**0.5, group_size=32, bits=b)
+        return w, s.astype(sdtype), z.astype(sdtype)
+    return bank(I, D, bits), bank(I, D, bits), bank(D, I, down_bits)
+
+
+def _experts(x, slots, banks, bits, down_bits):
+    return ops.experts_swiglu(x, slots, *banks, 32, bits, 32, down_bits)
+
+
+@needs_ext
+@pytest.mark.parametrize("tokens", [1, 9])  # 9: several rows per expert, the tile kernels
+@pytest.mark.parametrize("bits,down_bits,sdtype", [(4, 4, mx.float32), (8, 4, mx.float16)])
+def test_experts_swiglu_matches_mlx_and_not_the_slot(path, tokens, bits, down_bits, sdtype):
+    """One primitive for every (token, choice) pair equals SwitchGLU's gather_qmm calls up to
+    summation order, and moving the experts to other slots changes no bit."""
+    S, D, I, k = 6, 64, 96, 3
+    banks = _expert_bank(S, D, I, bits, down_bits, sdtype)
+    x = _x((tokens, D), mx.float32)
+    rng = np.random.default_rng(tokens)
+    slots = np.stack([rng.permutation(S)[:k] for _ in range(tokens)]).astype(np.uint32)
+    got = _experts(x, mx.array(slots), banks, bits, down_bits)
+    ops.set_kernels_enabled(False)
+    want = _experts(x, mx.array(slots), banks, bits, down_bits)
+    ops.set_kernels_enabled(True)
+    assert got.shape == (tokens, k, D) and got.dtype == want.dtype
+    g, w = _f32(got), _f32(want)
+    assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w)
+    perm = rng.permutation(S)  # expert in slot s moves to slot perm[s]
+    moved = [tuple(mx.array(np.array(a)[np.argsort(perm)]) for a in bank) for bank in banks]
+    again = _experts(x, mx.array(perm[slots].astype(np.int32)), moved, bits, down_bits)
+    np.testing.assert_array_equal(_f32(again), g)
+
+
+@needs_ext
+def test_experts_swiglu_long_prompt_batches_and_bad_slots():
+    """More pairs than one batch of groups (1024): equal to MLX's ops, and bit-identical when the
+    experts sit in other slots (the groups then fall into other batches); slots outside the bank
+    give NaN rows and leave the others alone."""
+    S, D, I, k, T = 8, 32, 32, 4, 300
+    banks = _expert_bank(S, D, I, 4, 4)
+    x = _x((T, D), mx.float32)
+    # even tokens: experts 0, 2, 4, 6; odd ones 1, 3, 5, 7: 8 groups of 150 pairs
+    slots = (np.arange(T)[:, None] % 2 + 2 * np.arange(k)[None, :]).astype(np.int32)
+    got = _f32(_experts(x, mx.array(slots), banks, 4, 4))
+    ops.set_kernels_enabled(False)
+    want = _f32(_experts(x, mx.array(slots), banks, 4, 4))
+    ops.set_kernels_enabled(True)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    perm = np.array([7, 0, 6, 1, 5, 2, 4, 3])  # expert in slot s moves to slot perm[s]
+    moved = [tuple(mx.array(np.array(a)[np.argsort(perm)]) for a in bank) for bank in banks]
+    np.testing.assert_array_equal(_f32(_experts(x, mx.array(perm[slots]), moved, 4, 4)), got)
+    bad = slots[:2].copy()
+    bad[0, 1], bad[1, 3] = S, -1
+    y = _f32(_experts(x[:2], mx.array(bad), banks, 4, 4))
+    assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 3]).all()
+    assert np.isfinite(y).all(axis=-1).sum() == 2 * k - 2
+    with pytest.raises(ValueError, match="slots"):
+        ops._ext.experts_swiglu(x, mx.array(slots[:3]), *[(*b, None) for b in banks], 32, 4, 32, 4)

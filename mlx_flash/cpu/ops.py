@@ -20,6 +20,7 @@ import os
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..errors import FlashError
 
@@ -263,6 +264,35 @@ def gather_matvec_t(h, w, rows=None, n=None, scales=None, biases=None, group_siz
                                    biases=_select(biases, rows, n), transpose=False,
                                    group_size=group_size, bits=bits)
     return h @ _select(w, rows, n)
+
+
+def bank_ok(w, scales, biases, group_size, bits) -> bool:
+    """True when the kernels read this bank of affine-quantized experts: w uint32 [slots, N,
+    K * bits / 32], scales / biases [slots, N, K / group_size] in one float dtype."""
+    return (bits in KERNEL_BITS and group_size in KERNEL_GROUP_SIZES and biases is not None
+            and w.dtype == mx.uint32 and w.ndim == 3 and scales.dtype in FLOAT_DTYPES
+            and biases.dtype == scales.dtype)
+
+
+def experts_swiglu(x, slots, gate, up, down, group_size, bits, down_group_size, down_bits):
+    """mlx-lm's SwitchGLU (SwiGLU) on a bank of experts: y[t, j] = down(silu(gate(x[t])) *
+    up(x[t])) with the expert in bank slot slots[t, j]; x [T, D], slots int [T, k] -> y [T, k, D].
+
+    gate / up / down: (w, scales, biases) banks [slots, rows, columns] (MLX affine; down in its own
+    group size and bits). An extension built before this op runs the twin. The kernel is one primitive for all pairs (grouped by slot; a pair's
+    result depends on the tokens its expert serves, not on the slot); MLX's twin is SwitchGLU's
+    own gather_qmm calls.
+    """
+    if (use_kernel(x) and hasattr(_ext, "experts_swiglu") and x.ndim == 2 and bank_ok(*gate, group_size, bits) and bank_ok(*up, group_size, bits)
+            and bank_ok(*down, down_group_size, down_bits)):
+        return _ext.experts_swiglu(x, slots, (*gate, None), (*up, None), (*down, None), group_size, bits,
+                                   down_group_size, down_bits, q8_activations=_q8x)
+    xe = mx.expand_dims(x, (-2, -3))
+
+    def project(v, bank, gs, b):
+        return mx.gather_qmm(v, *bank, rhs_indices=slots, transpose=True, group_size=gs, bits=b)
+    h = nn.silu(project(xe, gate, group_size, bits)) * project(xe, up, group_size, bits)
+    return project(h, down, down_group_size, down_bits).squeeze(-2)
 
 
 # ------------------------------------------------------------------------------------------------

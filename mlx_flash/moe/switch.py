@@ -11,8 +11,9 @@ missing experts. The previous layer's expert products are evaluated by that same
 
 Two compute paths, chosen per call by the CPU kernels' own switch (`cpu.ops.kernels_active()`:
 extension built, MLX_FLASH_KERNELS not 0 / `set_kernels_enabled`, default device CPU):
-  kernels  each expert's routed rows as the kernels' quantized matvecs on its bank slot (MLX's CPU
-           gather_qmm is 10-25x slower per expert). Equal to mlx-lm's SwitchGLU up to float
+  kernels  every (token, choice) pair of the call in one kernel primitive reading the bank slots
+           in place (cpu.ops.experts_swiglu; MLX's CPU gather_qmm is 10-25x slower per expert;
+           SwiGLU experts, as mlx-lm's SwitchGLU defaults to). Equal to mlx-lm's SwitchGLU up to float
            summation order, and bit-identical across cache sizes, policies and predictors (each
            expert sees the same rows in the same order whatever slot holds it).
   MLX      mlx-lm's gather_qmm / gather_mm (Metal, float experts, widths the kernels lack, or the
@@ -22,6 +23,7 @@ extension built, MLX_FLASH_KERNELS not 0 / `set_kernels_enabled`, default device
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwiGLU
 
 from ..cpu import ops
 from ..errors import FlashError
@@ -113,42 +115,24 @@ class StreamedSwitchGLU(nn.Module):
 
     def _kernel_ok(self, bank, width, x) -> bool:
         """True when this call runs on the CPU kernels: kernels active, at most MAX_KERNEL_ROWS
-        tokens, affine-quantized experts of a width and group size the kernels read, no biases."""
+        tokens, mlx-lm's SwiGLU activation, affine-quantized experts of a width and group size
+        the kernels read, no biases."""
         q = self._store.quantization("up", width)
         return (q is not None and "up.bias" not in bank and "up.biases" in bank
-                and ops.use_kernel(x)
-                and ops.quant_ok(bank["up.weight"][0], bank["up.scales"][0], bank["up.biases"][0],
-                                 q["group_size"], q["bits"]))
+                and isinstance(self.activation, SwiGLU) and ops.use_kernel(x)
+                and ops.bank_ok(bank["up.weight"], bank["up.scales"], bank["up.biases"],
+                                q["group_size"], q["bits"]))
 
     def _switch_kernels(self, bank, width, x, idx):
-        """SwitchGLU output [..., k, hidden] with each expert's routed token rows as the CPU
-        kernels' quantized matmuls on its bank slot: the (token, choice) pairs grouped by slot
-        (tokens in order within a group), each group up, gate, activation, down, the rows put
-        back in order. A row's result depends on its expert's rows only, never on the slot."""
-        q = {role: self._store.quantization(role, width) for role in ("up", "gate", "down")}
-        slots = np.array(idx, copy=False).reshape(-1)  # made on the host from the router's ids
-        k = idx.shape[-1]
-        xf = x.reshape(-1, x.shape[-1])
-        order = np.argsort(slots, kind="stable")
-        ordered = slots[order]
-        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-        ends = np.r_[starts[1:], ordered.size]
-
-        def project(role, v, slot):
-            return ops.quantized_matvec(v, bank[f"{role}.weight"][slot], bank[f"{role}.scales"][slot],
-                                        bank[f"{role}.biases"][slot], q[role]["group_size"],
-                                        q[role]["bits"])
-
-        outs = []
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            slot = int(ordered[a])
-            rows = order[a:b] // k
-            xs = xf if xf.shape[0] == 1 else xf[mx.array(rows)]
-            outs.append(project("down", self.activation(project("up", xs, slot),
-                                                        project("gate", xs, slot)), slot))
-        y = mx.concatenate(outs, axis=0)
-        if not np.array_equal(order, np.arange(order.size)):
-            y = y[mx.array(np.argsort(order))]
+        """SwitchGLU output [..., k, hidden] as one kernel call for every (token, choice) pair
+        (cpu.ops.experts_swiglu): pairs grouped by slot, tokens in order within a group, so a
+        pair's result depends on which tokens its expert serves, never on the slot."""
+        q = {role: self._store.quantization(role, width) for role in ("gate", "down")}
+        banks = [tuple(bank[f"{role}.{part}"] for part in ("weight", "scales", "biases"))
+                 for role in ("gate", "up", "down")]
+        y = ops.experts_swiglu(x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]), *banks,
+                               q["gate"]["group_size"], q["gate"]["bits"], q["down"]["group_size"],
+                               q["down"]["bits"])
         return y.reshape(*idx.shape, y.shape[-1])
 
 
