@@ -104,6 +104,11 @@ def _main(argv):
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
                         help="pack: quantization group size (with --quantize; default 64, "
                              "synthetic MoE shapes 32: llama.cpp's Q4_1 block)")
+    parser.add_argument("--gate-bits", type=int, choices=(2, 3, 4, 8), default=None,
+                        help="pack, gated float models: keep each FFN gate resident, quantized at "
+                             "this many bits (group size 32), out of the neuron bundles: bundles "
+                             "2/3 the size, the model computes with the quantized gate, and "
+                             "calibrate --kind gate-threshold predicts from it exactly (docs/relufy.md)")
     parser.add_argument("--down-bits", type=int, choices=(4, 8, 16), default=16,
                         help="pack, already quantized sources: how to store each down projection "
                              "column (its groups must run the other way): 16 = the source's values "
@@ -195,7 +200,8 @@ def _main(argv):
             expert_bits, routing, quantizer = _calibrate_moe(model_dir, args)
         write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
-                   expert_bits=expert_bits, moe_routing=routing, expert_quantizer=quantizer)
+                   expert_bits=expert_bits, moe_routing=routing, expert_quantizer=quantizer,
+                   gate_bits=args.gate_bits)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

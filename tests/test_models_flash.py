@@ -280,3 +280,24 @@ def test_one_host_sync_per_sparse_layer_keeps_the_logits_bit_identical(tiny_llam
     ref.model.layers[1].mlp.kind = "streamed"
     ref.flash_runtime.eval_sparse = None
     assert_identical(run_steps(mixed), run_steps(ref))
+
+
+def test_resident_gate_pack_runs_every_mode_like_its_dense_model(tiny_llama, tmp_path):
+    """convert --gate-bits: the rows carry no gate; each row takes the resident 4-bit gate's output
+    at its own neuron id (cache rows in cache order, overflow rows from neuron 30 or 50 on)."""
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", gate_bits=4, progress=False)
+    reference = load_model(src, lazy=False)[0]
+    for layer in reference.layers:  # the source model computing with the 4-bit gate's values
+        g = layer.mlp.gate_proj
+        g.weight = mx.dequantize(*mx.quantize(g.weight, group_size=32, bits=4), group_size=32, bits=4)
+    want = run_steps(reference)
+    dense = run_steps(build_flash_model(pack, FlashConfig("dense")))
+    runs = {"naive": build_flash_model(pack, FlashConfig("naive")),
+            "flash": build_flash_model(pack, FlashConfig("flash"), capacity={0: 30, 1: 50},
+                                       predictors={i: all_neurons(96) for i in range(2)})}
+    for got in [dense] + [run_steps(m) for m in runs.values()]:
+        for x, y in zip(got, want):  # float32; 4-bit kernel vs dequantized matmul: rounding only
+            assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
+    s = runs["flash"].flash_stats.summary()
+    assert s["hit_rate"] == pytest.approx(80 / 192) and s["neurons_loaded"] == 112

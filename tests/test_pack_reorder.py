@@ -47,3 +47,23 @@ def test_bad_orders_and_stale_manifests_are_refused(llama_pack):
     with pytest.raises(FlashError, match="crc32 table does not match"):
         reorder_pack(llama_pack, {0: np.arange(count)})
     assert json.loads(old)["bundles"][0].get("neuron_order") is None
+
+
+def test_reorder_permutes_a_resident_gate_with_its_bundles(tiny_llama, tmp_path):
+    from calibration_packs import write_byte_tokenizer
+    from mlx_flash.pack import load_resident, write_pack
+
+    src = tiny_llama("src", vocab=256)
+    write_byte_tokenizer(src)
+    pack = write_pack(src, tmp_path / "pack", gate_bits=4, progress=False)
+    ids = [5, 17, 99, 3, 42]
+    before = decode_logits(mlx_flash.load(str(pack), mode="naive")[0], ids)
+    gate = load_resident(pack)[1]["model.layers.1.mlp.gate_proj.weight"]
+    order = np.random.default_rng(0).permutation(96)
+    reorder_pack(pack, {1: order})
+    assert np.array_equal(np.array(load_resident(pack)[1]["model.layers.1.mlp.gate_proj.weight"]),
+                          np.array(gate)[order])
+    for mode in ("naive", "dense"):  # load_resident checks the rewritten file's length and crc32
+        after = decode_logits(mlx_flash.load(str(pack), mode=mode)[0], ids)
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+    assert not any(p.name.startswith(".") for p in pack.iterdir())

@@ -401,3 +401,34 @@ def test_endor_bundle_file_is_every_row_encoded_in_turn(tmp_path, payload):
     assert index[0] == 0 and entry["length"] == index[-1] == sum(map(len, expected))
     assert data[: entry["length"]] == b"".join(expected)
     assert [int(c) for c in crcs] == [zlib.crc32(b) for b in expected]
+
+
+def test_resident_gate_pack_keeps_the_quantized_gate_out_of_the_bundles(tiny_llama, tmp_path):
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", dtype="float16", gate_bits=4, progress=False)
+    manifest = read_manifest(pack)
+    source = mx.load(str(src / "model.safetensors"))
+    _, resident = load_resident(pack)
+    for b in manifest.bundles:
+        gate = f"model.layers.{b.layer}.mlp.gate_proj"
+        assert b.resident_gate == {"source": gate, "bits": 4, "group_size": 32}
+        assert [c.name for c in b.components] == ["up.weight", "down_t.weight"]  # 2/3 of a gated bundle
+        assert b.gated and b.modules()["gate"] == gate
+        want = mx.quantize(source[f"{gate}.weight"].astype(mx.float16), group_size=32, bits=4)
+        for part, w in zip(("weight", "scales", "biases"), want):
+            assert mx.array_equal(resident[f"{gate}.{part}"], w).item()
+    assert manifest.config["quantization"] == {"bits": 4, "group_size": 32}
+    # only the gates are quantized: the model holds them as QuantizedLinear, the rest in float16
+    config, weights = load_pack_weights(pack)
+    assert sorted(k for k in weights if k.endswith(".scales")) == [
+        f"model.layers.{i}.mlp.gate_proj.scales" for i in range(2)]
+    with pytest.raises(FlashError, match="--gate-bits"):
+        write_pack(src, tmp_path / "q", quantize=4, gate_bits=4, progress=False)
+    with pytest.raises(FlashError, match="--gate-bits"):
+        write_pack(src, tmp_path / "b", gate_bits=5, progress=False)
+    doc = read_manifest(pack).fields
+    del doc["resident"]["tensors"]["model.layers.1.mlp.gate_proj.scales"]
+    pack_writer.write_manifest(pack, doc)
+    with pytest.raises(FlashError, match=r"bundles\[1\]\.resident_gate needs the resident tensor "
+                                         r"model\.layers\.1\.mlp\.gate_proj\.scales"):
+        read_manifest(pack)

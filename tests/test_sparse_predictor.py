@@ -132,3 +132,24 @@ def test_flash_mode_without_predictors_points_at_calibrate(pack):
 def test_unknown_kind_refused():
     with pytest.raises(FlashError, match="unknown kind"):
         LayerPredictor(0, "psychic", 8)
+
+
+def test_gate_threshold_on_a_resident_gate_shares_the_models_arrays(tiny_llama, tmp_path):
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.models.flash import build_flash_model
+    from mlx_flash.pack import load_resident
+
+    pack = write_pack(tiny_llama("src"), tmp_path / "gated", gate_bits=4, progress=False)
+    save_predictors(pack, {"activation": "silu"}, {i: entry("gate-threshold", threshold=0.05) for i in range(2)}, {})
+    preds = load_predictors(pack)
+    assert all(p.resident_gate and p.nbytes == 0 for p in preds.values())  # counted as resident
+    g = load_resident(pack)[1]
+    x = mx.random.normal((3, 64), key=mx.random.key(1))
+    w = mx.dequantize(*(g[f"model.layers.0.mlp.gate_proj.{k}"] for k in ("weight", "scales", "biases")),
+                      group_size=32, bits=4)
+    gate = x @ w.T
+    assert np.array_equal(np.array(preds[0](x)), np.array(mx.abs(nn.silu(gate)) > 0.05))
+    model = build_flash_model(pack, FlashConfig("flash"))
+    for i, layer in enumerate(model.model.layers):
+        held = layer.mlp._current.resident_gate
+        assert model.flash_runtime.predictors[i]._t["gate.weight"] is held["weight"]

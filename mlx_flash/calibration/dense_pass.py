@@ -137,8 +137,7 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
         if entry.kind != "neurons":
             raise FlashError(f"{entry['file']}: layer {entry['layer']} is a MoE layer; neuron "
                              "predictors need a dense FFN")
-        src = {c.name.split(".")[0]: c.source.rsplit(".", 1)[0] for c in entry.components
-               if c.name.endswith(".weight")}
+        src = entry.modules()  # {role: module}, a resident gate's included
         i = entry.layer
         layer = model.layers[i]
         layer_act = f"fatrelu:{model.args.layer_threshold(i)}" if activation == "fatrelu" else activation
@@ -229,7 +228,7 @@ def collect_inputs(pack_dir, text_files, *, max_tokens=None, max_window=MAX_WIND
         raise FlashError("--text: give at least one calibration text file")
     model, tokenizer, config, manifest = load_dense_model(pack)
     activation = ffn_activation(config, manifest)
-    gated = any(c.name == "gate.weight" for c in manifest.bundles[0].components)
+    gated = manifest.bundles[0].gated
     tokens = text_tokens(text_files, tokenizer, max_tokens)
     ffns = install_masked_ffns(model, manifest, activation, config["hidden_size"])
     # never past the model's context: positions beyond it would index learned position tables

@@ -428,7 +428,7 @@ def preflight(pack_dir, text_files, **settings) -> dict:
     if not pack.is_dir():
         raise FlashError(f"--model {pack}: no such pack directory")
     manifest = read_manifest(pack)
-    gated = any(c["name"] == "gate.weight" for c in manifest["bundles"][0]["components"])
+    gated = manifest.bundles[0].gated
     shape = SimpleNamespace(gated=gated, activation=ffn_activation(manifest["config"], manifest),
                             manifest=manifest)
     st = resolve_settings(shape, **settings)

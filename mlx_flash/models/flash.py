@@ -83,7 +83,9 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                     else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                     else "streamed")
             kinds[layer] = kind
-            _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
+            current = _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
+            if getattr((predictors or {}).get(layer), "resident_gate", False):
+                predictors[layer].share_gate(current.resident_gate)  # one copy of the gate in memory
             if kind == "resident":
                 runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count, plan.overflow_stage)
                 cache.load(range(entry.count), step=0)
@@ -131,7 +133,8 @@ def activation_thresholds(predictors) -> dict:
 
 
 def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=None):
-    """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias).
+    """Replace the MLP of `entry`'s layer by a FlashFFN; pops its resident tensors (down bias, a
+    resident gate) and returns its CurrentRows.
     threshold: (activation threshold, act) of the thresholded model, or None."""
     layer = entry.layer
     modules, quant = {}, {}
@@ -141,6 +144,15 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=N
             modules[role] = c.source.rsplit(".", 1)[0]
             if c.quantization:
                 quant[role] = c.quantization
+    resident_gate = None
+    if entry.resident_gate:  # the gate is resident, quantized: not in the rows (CurrentRows)
+        modules["gate"] = source = entry.resident_gate["source"]
+        quant["gate"] = {k: entry.resident_gate[k] for k in ("group_size", "bits")}
+        resident_gate = {part: weights.pop(f"{source}.{part}") for part in ("weight", "scales", "biases", "bias")
+                         if f"{source}.{part}" in weights}
+        if not {"weight", "scales", "biases"} <= set(resident_gate):
+            raise FlashError(f"layer {layer}: the resident gate {source} is not in the resident tensors")
+        mx.eval(resident_gate)
     parents = {m.rsplit(".", 1)[0] for m in modules.values()}
     if len(parents) != 1 or "up" not in modules or "down_t" not in modules:
         raise FlashError(f"layer {layer}: unsupported MLP shape (projections {sorted(modules.values())})")
@@ -150,7 +162,7 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=N
         raise FlashError(f"{holder_path}: not found in the {config.get('model_type')} model")
     down_module = modules["down_t"]
     down_bias = weights.pop(f"{down_module}.bias", None)
-    current = CurrentRows(quant, down_bias)
+    current = CurrentRows(quant, down_bias, resident_gate)
     if getattr(holder, "mlp", 0) is None:
         # OPT-style swap point: the layer computes fc2(relu(fc1 x)) itself unless mlp is set
         mlp = UpDownMLP(nn.relu)
@@ -173,6 +185,7 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=N
     if threshold is not None:
         current.set_threshold(*threshold, "gate" if "gate" in modules else "up")
     setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
+    return current
 
 
 def pack_predictors(pack: Path):

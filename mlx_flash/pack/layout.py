@@ -18,6 +18,10 @@ down.T ([intermediate, hidden]) because a column of an MLX-quantized down matrix
 its groups run along the intermediate axis. When the source down matrix is already quantized, down.T
 holds its dequantized values as floats (the source model; write_pack's down_bits=4/8 re-quantizes
 instead: smaller, lossy, and the manifest says so in `down_requantized` and `down`).
+Resident gate (`convert --gate-bits B`, the layer entry's "resident_gate": {"source": the gate
+module, "bits", "group_size"}): the layer's gate is not in its bundles but in the resident file,
+MLX affine-quantized (SOURCE.weight / .scales / .biases; config "quantization" names the bits and
+group size, and only these modules have scales): a bundle is up row + down column.
 Expert bundle e (kind "experts") = expert e's full gate, up and down matrices in the source (mlx-lm
 SwitchGLU) orientation, with their scales and biases: no transposition, no re-quantization.
 
@@ -191,6 +195,7 @@ class Bundle(_Record):
     groups: tuple | None = None  # "expert-bits" layers: one Bundle per width (its own layout)
     bits: int | None = None  # a width group: the bits of its experts
     experts: tuple | None = None  # a width group: the expert id of each of its bundles
+    resident_gate: dict | None = None  # {"source", "bits", "group_size"}: gate resident, quantized
 
     @property
     def key(self):
@@ -215,8 +220,17 @@ class Bundle(_Record):
         return next((c for c in self.components if c.name == name), None)
 
     def modules(self) -> dict:
-        """{role: mlx-lm module path} of the layer's projections ("up": "model.layers.0.mlp.up_proj")."""
-        return {c.role: c.source.rsplit(".", 1)[0] for c in self.components if c.part == "weight"}
+        """{role: mlx-lm module path} of the layer's projections ("up": "model.layers.0.mlp.up_proj"),
+        a resident gate's included."""
+        out = {c.role: c.source.rsplit(".", 1)[0] for c in self.components if c.part == "weight"}
+        if self.resident_gate:
+            out["gate"] = self.resident_gate["source"]
+        return out
+
+    @property
+    def gated(self) -> bool:
+        """True when the layer's FFN has a gate (in its bundles or resident)."""
+        return self.component("gate.weight") is not None or bool(self.resident_gate)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Bundle":
@@ -231,7 +245,8 @@ class Bundle(_Record):
                    d["file_length"], tuple(Component.from_dict(c) for c in d["components"]),
                    d["checksums"], d.get("arch"), d.get("encoding", "dense"), d.get("neuron_order"),
                    d.get("index"), bits=d.get("bits"),
-                   experts=tuple(d["experts"]) if d.get("experts") is not None else None)
+                   experts=tuple(d["experts"]) if d.get("experts") is not None else None,
+                   resident_gate=d.get("resident_gate"))
 
 
 @dataclass(frozen=True)

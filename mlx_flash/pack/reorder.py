@@ -7,6 +7,9 @@ bundle rows of that layer's file and of its crc32 table; nothing else in the pac
 statistics in original ids can be mapped. The FFN output is a sum over neurons, so the model
 computes the same function (up to float summation order).
 
+A layer whose gate is resident (layout.py "resident_gate") has its gate rows permuted in the
+resident file too (rewritten whole; its length and crc32 in the manifest).
+
 Writes: each new bundle file to a temporary name (fsynced) and renamed, then the manifest
 (temporary name, fsync, rename); a crash between them leaves crc tables whose checksum the old
 manifest refuses, naming the file.
@@ -68,14 +71,48 @@ def reorder_pack(pack_dir, orders: dict) -> dict:
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             renames.append((tmp, path))
             _write_bytes(tmp, [(0, new)], len(new))
+        gates = {entries[layer]["resident_gate"]["source"]: orders[layer] for layer in orders
+                 if entries[layer].get("resident_gate")}
+        if gates:
+            renames.append(_permuted_resident(pack, manifest, gates))
     except BaseException:
         for tmp, _ in renames:
             tmp.unlink(missing_ok=True)
         raise
     for tmp, dst in renames:
         os.replace(tmp, dst)
-    write_manifest(pack, manifest)  # a crash before this leaves crc tables the manifest refuses
+    write_manifest(pack, manifest)  # a crash before this leaves files the manifest refuses
     return manifest
+
+
+def _permuted_resident(pack: Path, manifest: dict, gates: dict) -> tuple:
+    """Write the resident file with the rows of the resident gates permuted ({gate module:
+    order}) to a temporary name, update the manifest's length and crc32; (tmp, path)."""
+    import mlx.core as mx
+
+    from .reader import load_resident
+    from .writer import _file_crc32
+    from ..paths import fsync_file, save_safetensors
+
+    _, weights = load_resident(pack, manifest=read_manifest(pack))
+    for module, order in gates.items():
+        idx = mx.array(np.asarray(order, np.int64))
+        for part in ("weight", "scales", "biases", "bias"):
+            if f"{module}.{part}" in weights:  # quantized rows: groups run along the input
+                weights[f"{module}.{part}"] = weights[f"{module}.{part}"][idx]
+    res = manifest["resident"]
+    path = pack / res["file"]
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        save_safetensors(tmp, weights, metadata={"format": "mlx"})
+        fsync_file(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    res["length"], res["crc32"] = tmp.stat().st_size, _file_crc32(tmp)
+    if res.get("memory_length") is not None:
+        res["memory_length"] = res["length"]  # dense packs only: nothing decoded
+    return tmp, path
 
 
 def neuron_orders(manifest) -> dict:

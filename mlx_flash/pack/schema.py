@@ -417,6 +417,8 @@ def validate_manifest(manifest, path) -> dict:
         if b["layer"] in layers:
             c.fail(f"bundles[{i}].layer", f"= {b['layer']} appears twice")
         layers.add(b["layer"])
+        if b.get("resident_gate") is not None:
+            _check_resident_gate(b, i, res, c)
         if config is not None:
             _check_rows_vs_hidden(b, i, config, c)
             keys = NEURON_KEYS if b["kind"] == "neurons" else EXPERT_KEYS
@@ -433,6 +435,23 @@ def validate_manifest(manifest, path) -> dict:
             c.fail("bundles", f"layer {beyond[0]} is beyond config.num_hidden_layers "
                               f"{config['num_hidden_layers']}")
     return manifest
+
+
+def _check_resident_gate(b, i, res, c: FieldCheck):
+    """A neuron layer whose gate is resident and quantized: its source module, bits and group
+    size, no gate component in its bundles, and the resident file's quantized tensors of it."""
+    f = f"bundles[{i}].resident_gate"
+    g = c.dict(b["resident_gate"], f)
+    source = c.str(c.get(g, "source", f"{f}.source"), f"{f}.source")
+    check_quantization(g, f, c)
+    if b.get("kind") != "neurons" or b.get("encoding", "dense") != "dense":
+        c.fail(f, "is for dense neuron bundles only")
+    if any(str(comp.get("name", "")).startswith("gate.") for comp in b.get("components", ())):
+        c.fail(f, "but the bundles hold gate rows too")
+    tensors = (res or {}).get("tensors", {}) if isinstance(res, dict) else {}
+    for part in ("weight", "scales", "biases"):
+        if res is not None and not isinstance(tensors.get(f"{source}.{part}"), dict):
+            c.fail(f, f"needs the resident tensor {source}.{part}")
 
 
 def _check_moe_routing(r, bundles, c: FieldCheck):

@@ -26,7 +26,8 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
-               expert_bits=None, moe_routing=None, weights=None, expert_quantizer=None) -> Path:
+               expert_bits=None, moe_routing=None, weights=None, expert_quantizer=None,
+               gate_bits=None, gate_group_size=32) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -49,6 +50,11 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
     expert_quantizer: with expert_bits, a function (layer, role "gate"/"up"/"down", expert ids,
       float weights [n, out, in], bits, group_size) -> (packed uint32, scales, biases) in MLX's
       affine format (moe/quantize.py); default `mx.quantize`.
+    gate_bits: None, or 2, 3, 4 or 8: gated neuron FFNs keep each layer's gate resident, MLX
+      affine-quantized at this many bits (`gate_group_size`), instead of in the neuron bundles
+      (layout.py "resident_gate"): bundles hold up and down only (2/3 of a float gated bundle) and
+      the model computes with the quantized gate, from which `calibrate --kind gate-threshold`
+      predicts the active neurons exactly. Float source, no `quantize`, dense encoding only.
     moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
       slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
     weights: {tensor name: mx.array} to convert instead of `src_dir`'s model*.safetensors (which
@@ -70,11 +76,18 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"--encoding {encoding!r}: choose dense or endor")
     if alignment <= 0 or alignment % 512:
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
+    if gate_bits is not None and (gate_bits not in (2, 3, 4, 8) or quantize or encoding != "dense"
+                                  or expert_bits is not None):
+        raise FlashError(f"--gate-bits {gate_bits!r}: choose 2, 3, 4 or 8, for a float pack "
+                         f"(no --quantize, dense encoding)")
+    if gate_bits is not None and gate_group_size not in (32, 64, 128):
+        raise FlashError(f"--gate-group-size {gate_group_size!r}: choose 32, 64 or 128")
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
+    gate = {"bits": gate_bits, "group_size": gate_group_size} if gate_bits else None
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
-               expert_bits, moe_routing, weights, expert_quantizer)
+               expert_bits, moe_routing, weights, expert_quantizer, gate)
     return out
 
 
@@ -119,7 +132,8 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
-           expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None):
+           expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None, gate=None):
+    """gate: {"bits", "group_size"} to keep gated neuron FFNs' gates resident and quantized."""
     config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -144,9 +158,23 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     if quantize:
         config["quantization"] = {"group_size": group_size, "bits": quantize}
         config["quantization_config"] = dict(config["quantization"])
+    # Resident quantized gates: {layer: gate module}; the model quantizes the modules whose scales
+    # the resident file holds (models.build_model), here only these gates.
+    resident_gates = {layer: info["modules"]["gate"] for layer, info in ffn.items()
+                      if gate and info["kind"] == "neurons" and "gate" in info["modules"]}
+    if gate:
+        if src_quant or any(k.endswith(".scales") for k in weights):
+            raise FlashError(f"{src}: already quantized; --gate-bits needs a float source")
+        if not resident_gates:
+            raise FlashError(f"{src}: --gate-bits: the model's FFNs have no gate")
+        config["quantization"] = dict(gate)
+    gate_weights = {f"{m}.weight" for m in resident_gates.values()}
     # Tensors that go into bundles; the rest is resident.
     bundled = set()
-    for info in ffn.values():
+    for layer, info in ffn.items():
+        if layer in resident_gates:
+            info = dict(info, modules={r: m for r, m in info["modules"].items() if r != "gate"})
+            ffn[layer] = info
         for role, module in info["modules"].items():
             bundled.update(k for k in (f"{module}.{p}" for p in ("weight", "scales", "biases"))
                            if k in weights)
@@ -165,9 +193,10 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
-        elif quantize and _should_quantize(k, v, group_size):
+        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights:
             base = k[: -len(".weight")]
-            q, s, b = mx.quantize(v, group_size=group_size, bits=quantize)
+            bits, size = (gate["bits"], gate["group_size"]) if k in gate_weights else (quantize, group_size)
+            q, s, b = mx.quantize(v, group_size=size, bits=bits)
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
         else:
             resident[k] = v
@@ -199,6 +228,8 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
             g["file"] = rel
         bundles.append({"layer": layer, "kind": info["kind"], "arch": info["arch"], "file": rel,
                         **entry})
+        if layer in resident_gates:
+            bundles[-1]["resident_gate"] = {"source": resident_gates[layer], **gate}
         del comps
         # mx.load maps the source lazily; dropping a written layer's tensors frees their memory,
         # so peak memory is one layer's bundles, not the model (a 17 GB MoE source on 23 GB).

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..cpu import endor as cpu_endor
-from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active
+from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active, quantized_matvec
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -42,20 +42,39 @@ class CurrentRows:
     "up"): the thresholded model of sparse/predictor.py. The masked role's output g is replaced by
     0 where |act(g)| <= threshold; act(0) = 0 for every supported activation, so neuron i's
     h_i = act(g_i) * (up_i x) (or act(up_i x)) becomes exactly 0 and the rest is unchanged.
+
+    resident_gate ({"weight", "scales", "biases"} of the whole layer's MLX-quantized gate, bits and
+    group size in quant["gate"]; packs converted with --gate-bits): the rows carry no gate, and the
+    gate projection is the resident gate times x taken at `ids`, the neuron id of each row (None:
+    rows 0..n-1 are neurons 0..n-1).
     """
 
-    def __init__(self, quant: dict, down_bias=None):
+    def __init__(self, quant: dict, down_bias=None, resident_gate=None):
         self.quant = quant  # role -> {"group_size", "bits"} for quantized roles
         self.down_bias = down_bias  # resident per-output bias of the down projection, or None
-        self.rows, self.n, self.add_down_bias = None, 0, True
+        self.resident_gate = resident_gate
+        self.rows, self.n, self.add_down_bias, self.ids = None, 0, True, None
+        self.gate_values = None  # full_gate(x) of the current call, when already computed
         self.threshold, self.act, self.masked_role = 0.0, None, None
 
     def set_threshold(self, threshold: float, act, masked_role: str):
         """Apply |act(g)| > threshold to `masked_role`'s output from now on (0 turns it off)."""
         self.threshold, self.act, self.masked_role = float(threshold), act, masked_role
 
-    def set(self, rows: dict, n: int, add_down_bias=True):
-        self.rows, self.n, self.add_down_bias = rows, n, add_down_bias
+    def set(self, rows: dict, n: int, add_down_bias=True, ids=None):
+        self.rows, self.n, self.add_down_bias, self.ids = rows, n, add_down_bias, ids
+
+    def full_gate(self, x):
+        """The resident gate times x, every neuron [..., n_neurons]."""
+        g, q = self.resident_gate, self.quant["gate"]
+        y = quantized_matvec(x, g["weight"], g["scales"], g["biases"], q["group_size"], q["bits"])
+        return y + g["bias"] if "bias" in g else y
+
+    def gate_from_resident(self, x):
+        """The resident gate's output at the rows' neurons [..., n] (class docstring); reuses
+        `gate_values` (full_gate(x) of this call, set by the sparse FFN) when given."""
+        y = self.full_gate(x) if self.gate_values is None else self.gate_values
+        return y[..., : self.n] if self.ids is None else mx.take(y, self.ids, axis=-1)
 
 
 class RowProjection(nn.Module):
@@ -68,6 +87,11 @@ class RowProjection(nn.Module):
     def __call__(self, x):
         c, role = self._current, self.role
         q = c.quant.get(role, {})
+        if c.resident_gate is not None and role == "gate" and "gate.weight" not in c.rows:
+            y = c.gate_from_resident(x)
+            if c.threshold > 0 and role == c.masked_role:
+                y = mx.where(mx.abs(c.act(y)) > c.threshold, y, mx.zeros_like(y))
+            return y
         y = gather_matvec(x, c.rows[f"{role}.weight"], n=c.n, scales=c.rows.get(f"{role}.scales"),
                           biases=c.rows.get(f"{role}.biases"), group_size=q.get("group_size", 64),
                           bits=q.get("bits"))
@@ -291,12 +315,14 @@ class FlashFFN(nn.Module):
         self._endor_cpu = None  # CPU, ENDOR layer: True once the CPU decode-matvec matched
         self._cpu_layout = None  # the decode-matvec's view of this layer's bundles, False: not taken
 
-    def _run(self, x, rows, n, add_down_bias=True):
-        if self._fused_act is not False and metal_kernels.metal_active():
+    def _run(self, x, rows, n, add_down_bias=True, ids=None):
+        """The MLP on rows[:n]; ids: their neuron ids (mx int32 [n]) for a resident gate."""
+        gate_rows = self._current.resident_gate is None  # the fused kernels take the gate from rows
+        if gate_rows and self._fused_act is not False and metal_kernels.metal_active():
             y = self._run_fused(x, rows, n, add_down_bias)
             if y is not None:
                 return y
-        self._current.set(rows, n, add_down_bias)
+        self._current.set(rows, n, add_down_bias, ids)
         return self.mlp(x)
 
     def _run_fused(self, x, rows, n, add_down_bias):
@@ -501,7 +527,13 @@ class FlashFFN(nn.Module):
         return y
 
     def _sparse(self, x, step):
-        mask = self._rt.predictors[self.layer](x).reshape(-1, self._n).any(axis=0)
+        predictor, c = self._rt.predictors[self.layer], self._current
+        if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
+            c.gate_values = c.full_gate(x)  # one gate matvec for the mask and the rows' gate
+            mask = predictor.mask_from_gate(c.gate_values)
+        else:
+            mask = predictor(x)
+        mask = mask.reshape(-1, self._n).any(axis=0)
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
         mx.eval(mask, x)
@@ -517,18 +549,26 @@ class FlashFFN(nn.Module):
         step.neurons_needed += upd.needed
         step.hits += upd.hits
         step.window.append(upd.window)
-        y = self._run(x, cache.rows, cache.num_used)
+        ids = None if self._current.resident_gate is None else cache.ids[: cache.num_used]
+        y = self._run(x, cache.rows, cache.num_used, ids=_row_ids(ids))
         rt = self._rt
         pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
             if len(upd.overflow) else []
         for k, piece in enumerate(pieces):  # each a ReadPlan: the loader reads it as planned here
             if k:
                 mx.eval(y)  # the streaming buffer is about to be refilled
-            buf = self._read_stream(piece, step)
-            y = y + self._run(x, buf, len(piece), add_down_bias=False)
+            buf = self._read_stream(piece, step)  # row k holds bundle piece.ids[k]
+            y = y + self._run(x, buf, len(piece), add_down_bias=False,
+                              ids=None if self._current.resident_gate is None else _row_ids(piece.ids))
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
+        c.gate_values = None
         return y
+
+
+def _row_ids(ids):
+    """Neuron ids (numpy) of rows as an MLX int32 array, None stays None."""
+    return None if ids is None else mx.array(np.asarray(ids, np.int32))
 
 
 def check_mlp_shape(mlp, current: CurrentRows, roles, hidden: int, path: str):

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..cpu.ops import half_matvec, quantized_matvec
-from ..pack import layer_bundles, read_layer_components, read_manifest
+from ..pack import layer_bundles, load_resident, read_layer_components, read_manifest
 from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
 from ..paths import fsync_file
 
@@ -96,7 +96,8 @@ class LayerPredictor:
     """
 
     def __init__(self, layer, kind, n_neurons, *, threshold=0.0, prob_threshold=0.5, rank=0,
-                 activation="silu", stats=None, tensors=None, quantization=None, cut=0.0):
+                 activation="silu", stats=None, tensors=None, quantization=None, cut=0.0,
+                 resident_gate=False):
         if kind not in KINDS:
             raise FlashError(f"{PREDICTORS_JSON}: layer {layer} has unknown kind {kind!r}")
         self.layer, self.kind, self.n_neurons = layer, kind, int(n_neurons)
@@ -107,7 +108,20 @@ class LayerPredictor:
         self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
         self._act = activation_fn(activation)
         self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
-        self.nbytes = int(sum(a.nbytes for a in self._t.values()))
+        # a pack's resident gate (convert --gate-bits) is counted with the resident tensors, and the
+        # runtime gives this predictor the model's own arrays (share_gate)
+        self.resident_gate = bool(resident_gate)
+        self.nbytes = 0 if self.resident_gate else int(sum(a.nbytes for a in self._t.values()))
+
+    def share_gate(self, tensors: dict):
+        """Use `tensors` ({"weight", "scales", "biases"[, "bias"]}: the model's resident gate) as
+        this predictor's gate rows instead of its own copy."""
+        self._t = {f"gate.{k}": v for k, v in tensors.items()}
+
+    def mask_from_gate(self, g):
+        """"gate-threshold" mask from the gate's output g = gate x [..., n_neurons] computed
+        elsewhere (the runtime's resident gate: one matvec for both)."""
+        return mx.abs(self._act(g)) > self.threshold
 
     def _rows(self, role, x):
         """x @ rows.T (+ bias) for resident `role` rows ("gate" or "up"), quantized or not."""
@@ -152,7 +166,7 @@ class LayerPredictor:
         if self.kind == "exact-relu":
             return self._rows("up", x) > 0
         if self.kind == "gate-threshold":
-            return mx.abs(self.gate_activation(x)) > self.threshold
+            return self.mask_from_gate(self._rows("gate", x))
         if self.kind in GATE_ESTIMATES:
             return self.gate_score(x) > self.cut
         return self.logits(x) > self._logit_cut
@@ -305,6 +319,7 @@ def load_predictors(pack_dir):
         except Exception as e:
             raise FlashError(f"{st_path}: unreadable safetensors ({e})") from None
     bundles = layer_bundles(read_manifest(pack))
+    resident = None  # the pack's resident tensors, read once if a resident gate is needed
     out = {}
     for key, entry in doc["layers"].items():
         i, kind = int(key), entry["kind"]
@@ -330,6 +345,13 @@ def load_predictors(pack_dir):
                     tensors["gate.weight"].shape[1] * 32 // quant["bits"] != tensors["gate.scales"].shape[1] * quant["group_size"]:
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized gate does not match "
                                  f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
+        elif kind == "gate-threshold" and bundles[i].resident_gate:
+            if resident is None:
+                resident = load_resident(pack, verify=False)[1]
+            source, gate = bundles[i].resident_gate["source"], bundles[i].resident_gate
+            tensors = {f"gate.{p}": resident[f"{source}.{p}"] for p in ("weight", "scales", "biases", "bias")
+                       if f"{source}.{p}" in resident}
+            quant = {"group_size": gate["group_size"], "bits": gate["bits"]}
         elif kind in ("exact-relu", "gate-threshold"):
             role = "up" if kind == "exact-relu" else "gate"
             comps = read_layer_components(pack, bundles[i])
@@ -344,7 +366,8 @@ def load_predictors(pack_dir):
                                 rank=entry.get("rank", 0),
                                 activation=entry.get("activation", doc.get("activation", "silu")),
                                 stats=entry.get("stats"), tensors=tensors, quantization=quant,
-                                cut=entry.get("cut", 0.0))
+                                cut=entry.get("cut", 0.0),
+                                resident_gate=kind == "gate-threshold" and bool(bundles[i].resident_gate))
     return out
 
 
