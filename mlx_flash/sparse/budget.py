@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import MemoryBudget, param_named
 from ..errors import FlashError
-from ..io.planner import DEFAULT_MAX_READ, ReadCost, plan_read_arrays
+from ..io.planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, plan_read_arrays
 from .neuron_cache import NeuronCache
 
 
@@ -222,8 +222,15 @@ class _UnreadLoader:
     def alloc(self, layer, rows):
         return {"ids": mx.zeros((rows, 1), mx.uint8)}
 
+    def plan(self, layer, ids):
+        """A ReadPlan of `ids` with no reads (the cache hands it back to `read`)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        index = np.argsort(ids, kind="stable")
+        none = np.zeros(0, np.int64)
+        return ReadPlan(layer, ids[index], index, none, none, none, none, none, 1)
+
     def read(self, layer, ids, rows, slots=None):
-        self.last = np.asarray(ids, np.int64)
+        self.last = np.asarray(getattr(ids, "ids", ids), np.int64)  # a plan's ids, or ids
         return SimpleNamespace(bytes_read=0, decode_seconds=0.0)
 
 
