@@ -81,6 +81,11 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Table 3" in report and "| flash |" in report
     assert "Byte accounting" in report and "equal the bytes the loader read" in report
+    # the flash row's per-layer profile: its layers' bytes add up to the row's
+    per_layer = result["modes"]["flash"]["layers"]
+    assert sum(r["mb_read"] for r in per_layer.values()) * 1e6 == pytest.approx(rows["flash"]["bytes_read"])
+    assert "Flash per layer" in report and report.count("| sparse |") + report.count("| resident |") \
+        + report.count("| streamed |") >= len(per_layer)
     # the flash row's I/O reference: fio at its decode read sizes (whole bytes, 4 KiB units)
     sizes = {int(k): v for k, v in acc["decode_read_sizes"].items()}
     assert sizes and all(k % 4096 == 0 for k in sizes) and acc["decode_reads_per_call"] >= 1

@@ -121,6 +121,15 @@ def test_stats_count_what_the_caches_and_reads_did(tmp_path):
         assert s.bytes_read >= s.neurons_loaded * stride  # whole bundles; merged reads add gaps
     caches = model.flash_runtime.caches.values()
     assert sum(s.neurons_loaded for s in steps) >= sum(c.rows_loaded for c in caches)
+    for s in steps:  # the per-layer records split each step's counters exactly
+        assert sorted(s.layers) == [0, 1] and all(r.kind == "sparse" and r.call_s > 0 for r in s.layers.values())
+        for key in ("neurons_needed", "hits", "neurons_loaded", "bytes_read", "io_s", "mem_s"):
+            assert sum(getattr(r, key) for r in s.layers.values()) == pytest.approx(getattr(s, key))
+    summary = model.flash_stats.summary()
+    layers = summary["layers"]
+    assert sum(r["mb_read"] for r in layers.values()) * 1e6 == pytest.approx(summary["bytes_read"])
+    assert sum(r["loaded"] for r in layers.values()) == pytest.approx(summary["neurons_loaded"])
+    assert all(r["cache_rows"] == 80 for r in layers.values())
 
 
 def test_naive_reads_every_ffn_every_step(tiny_llama, tmp_path):

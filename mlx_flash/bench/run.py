@@ -367,6 +367,7 @@ def aggregate(records) -> dict:
     row["plan"] = ok[0]["value"].get("plan")
     row["tokens"] = summaries[0]["tokens"]
     row["active_fraction"], _ = mean_std([r["value"].get("active_fraction") for r in ok])
+    row["layers"] = layer_means([s.get("layers") or {} for s in summaries])
     row["sparse_layers"] = ok[0]["value"].get("sparse_layers")
     row["ffn_layers"] = ok[0]["value"].get("ffn_layers")
     row["load_s"], row["load_s_std"] = mean_std([r["value"]["load_s"] for r in ok])
@@ -386,6 +387,35 @@ def aggregate(records) -> dict:
         and a["neurons_loaded_stats"] == a["neurons_read_loader"]
         and a["useful_bytes_loader"] == a["useful_bytes_expected"] for a in acc)
     return row
+
+
+def layer_means(per_run: list) -> dict:
+    """{layer: FlashStats.layer_summary values, numbers averaged over the runs} (JSON keys)."""
+    out = {}
+    for layer in sorted({int(k) for run in per_run for k in run}):
+        rows = [run[k] for run in per_run for k in run if int(k) == layer]
+        out[layer] = {k: (statistics.fmean([r[k] for r in rows if r[k] is not None])
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and any(r[k] is not None for r in rows) else v)
+                      for k, v in rows[0].items()}
+    return out
+
+
+def layer_lines(result) -> str:
+    """Markdown: the flash row's per-layer profile per token (decode steps, mean over repeats)."""
+    row = next((r for r in result["modes"].values() if r.get("mode") == "flash" and r.get("layers")), None)
+    if row is None:
+        return ""
+    lines = ["", "Flash per layer, per token (call ms: the FFN call's wall time, its reads and, when "
+             "sparse, the host sync that evaluates the layers before it):", "",
+             "| layer | kind | cache rows | needed | hit rate | loaded | MB read | I/O ms | mem ms | call ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for layer, r in sorted(row["layers"].items(), key=lambda kv: int(kv[0])):
+        hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
+        rows = "-" if r.get("cache_rows") is None else f"{r['cache_rows']:.0f}"
+        lines.append(f"| {layer} | {r['kind']} | {rows} | {r['needed']:.0f} | {hit} | {r['loaded']:.0f} | "
+                     f"{r['mb_read']:.2f} | {r['io_ms']:.2f} | {r['mem_ms']:.2f} | {r['call_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def add_fio_reference(row, bundle_paths, threads, total_bytes=64 << 20, runs=3):
@@ -563,7 +593,7 @@ def run(args) -> int:
     result["speedups"] = report.speedups(result)
     result["plots"] = report.plots(result, out)
     report.write_json(out / "results.json", result)
-    endor_table = (encoding_markdown(result) if endor_pack else "") + fio_lines(result)
+    endor_table = (encoding_markdown(result) if endor_pack else "") + fio_lines(result) + layer_lines(result)
     report.write_text(out / "report.md", report.markdown(result) + endor_table)
     (out / "runs.partial.json").unlink(missing_ok=True)
     print(report.summary(result) + endor_table)

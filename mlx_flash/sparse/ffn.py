@@ -361,6 +361,14 @@ class FlashFFN(nn.Module):
 
     def __call__(self, x):
         step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
+        before = step.counters()
+        t0 = time.perf_counter()
+        try:
+            return self._call(x, step)
+        finally:
+            step.add_layer(self.layer, self.kind, before, time.perf_counter() - t0)
+
+    def _call(self, x, step):
         if self._rt.prefetcher is not None:
             self._rt.prefetcher.pump(step)
         if self.kind == "resident":

@@ -29,10 +29,38 @@ class StepStats:
     neurons_needed: int = 0
     hits: int = 0
     window: list = field(default_factory=list)  # effective window per flash layer (tokens)
+    layers: dict = field(default_factory=dict)  # layer -> LayerStep: this pass's share of the counters
 
     @property
     def wall_s(self) -> float:
         return (self.end or time.perf_counter()) - self.start
+
+    def counters(self) -> tuple:
+        """The per-layer counters' values now (add_layer takes the difference)."""
+        return tuple(getattr(self, k) for k in LAYER_COUNTERS)
+
+    def add_layer(self, layer: int, kind: str, before: tuple, call_s: float):
+        """Record one FFN call: what the counters grew by since `before` and its wall seconds."""
+        grown = {k: getattr(self, k) - b for k, b in zip(LAYER_COUNTERS, before)}
+        self.layers[layer] = LayerStep(kind, call_s=call_s, **grown)
+
+
+LAYER_COUNTERS = ("io_s", "mem_s", "bytes_read", "neurons_loaded", "neurons_needed", "hits")
+
+
+@dataclass
+class LayerStep:
+    """One layer's FFN call in one pass. Seconds, bytes, neurons. call_s: wall time of the call,
+    which includes its reads and, for a sparse layer, its one host sync (evaluating the lazy work
+    of the layers before it: their attention and FFN compute)."""
+    kind: str
+    io_s: float = 0.0
+    mem_s: float = 0.0
+    bytes_read: int = 0
+    neurons_loaded: int = 0
+    neurons_needed: int = 0
+    hits: int = 0
+    call_s: float = 0.0
 
 
 class FlashStats:
@@ -70,7 +98,8 @@ class FlashStats:
         Keys: tokens, io_ms, decode_ms (ENDOR check + decode, part of io_ms), mem_ms, compute_ms,
         total_ms, bytes_read, neurons_loaded, hit_rate,
         window (mean effective window, flash only), prompt_tokens, prompt_ms, prompt_bytes_read,
-        peak_memory (bytes, MLX allocator), peak_rss (bytes, whole process), budget, weights_bytes.
+        peak_memory (bytes, MLX allocator), peak_rss (bytes, whole process), budget, weights_bytes,
+        layers (layer_summary: the same per layer).
         """
         decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
         prompt = [s for s in self.steps if s.tokens > 1 and s.end is not None]
@@ -101,7 +130,27 @@ class FlashStats:
             "peak_rss": rss if sys.platform == "darwin" else rss * 1024,
             "budget": self.plan.budget if self.plan else None,
             "weights_bytes": self.plan.weights if self.plan else None,
+            "layers": self.layer_summary(),
         }
+        return out
+
+    def layer_summary(self) -> dict:
+        """{layer: per-token means over the decode steps}: kind, cache_rows (the plan's, sparse
+        layers), needed (neurons), hit_rate, loaded (neurons read), mb_read, io_ms, mem_ms,
+        call_ms (LayerStep.call_s)."""
+        decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
+        out = {}
+        for layer in sorted({i for s in decode for i in s.layers}):
+            rows = [s.layers[layer] for s in decode if layer in s.layers]
+            n, needed = len(rows), sum(r.neurons_needed for r in rows)
+            rows_held = self.plan.capacity.get(layer) if self.plan is not None else None
+            out[layer] = {"kind": rows[-1].kind, "cache_rows": rows_held, "needed": needed / n,
+                          "hit_rate": sum(r.hits for r in rows) / needed if needed else None,
+                          "loaded": sum(r.neurons_loaded for r in rows) / n,
+                          "mb_read": sum(r.bytes_read for r in rows) / n / 1e6,
+                          "io_ms": 1e3 * sum(r.io_s for r in rows) / n,
+                          "mem_ms": 1e3 * sum(r.mem_s for r in rows) / n,
+                          "call_ms": 1e3 * sum(r.call_s for r in rows) / n}
         return out
 
     def format(self) -> str:
