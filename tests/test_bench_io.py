@@ -150,6 +150,8 @@ def test_expert_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
         assert row["fio_ms_per_call"] == pytest.approx(2 * stride / row["fio_gbps"] / 1e6)
         assert row["over_fio"] == pytest.approx(row["ms_per_call"] / row["fio_ms_per_call"])
         assert f"--bs={stride}" in row["fio_command"] and "--iodepth=2" in row["fio_command"]
+        one = bench_io.expert_reads(bench, 1 << 20, with_fio=True, per_call=1)  # a cached runtime's miss
+        assert one["top_k"] == 1 and "--iodepth=1" in one["fio_command"] and one["calls"] >= 4
     monkeypatch.setattr(shutil, "which", lambda name: None)
     row = bench_io.expert_reads(bench, 1 << 20, with_fio=True)
     assert row["fio"] == "fio not installed" and "over_fio" not in row

@@ -73,6 +73,9 @@ def add_arguments(parser):
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
                         "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio), "
                         "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes)")
+    parser.add_argument("--experts-per-call", type=int, metavar="K",
+                        help="experts part: experts read per call (default: the model's top_k; "
+                        "1-2 = the misses of a cached runtime's layer call), fio at depth K")
     parser.add_argument("--baseline", metavar="DIR",
                         help="large and experts parts: also run the FlashLoader of the mlx_flash "
                         "checkout in DIR (its repository root), alternated with this one and fio")
@@ -430,8 +433,9 @@ class _Calls:
         self.seconds, self.bytes_read = seconds, bytes_read
 
 
-def expert_reads(bench, total_bytes, with_fio):
-    """MoE packs: the expert store's read pattern, cold. Each call reads top_k random experts of
+def expert_reads(bench, total_bytes, with_fio, per_call=None):
+    """MoE packs: the expert store's read pattern, cold. Each call reads top_k (or `per_call`:
+    e.g. 1-2, the misses of a cached runtime's layer call) random experts of
     one MoE layer (one read per expert block) into a slot bank, calls one after another through
     the layers; fio reads the same files at bs = the block size with iodepth = top_k. Returns
     {"top_k", "block_bytes", "calls", "ms_per_call", "device_gbps", fio: "fio_ms_per_call",
@@ -442,7 +446,7 @@ def expert_reads(bench, total_bytes, with_fio):
     experts = {b.layer: b for b in bench.manifest.bundles if b.kind == "experts" and not b.groups}
     if not experts:
         return None
-    top_k = top_k_of(bench.manifest.config)
+    top_k = per_call or top_k_of(bench.manifest.config)
     stride = max(e.stride for e in experts.values())
     calls = max(2 * len(experts), total_bytes // (top_k * stride))
     layers = [list(experts)[i % len(experts)] for i in range(calls)]
@@ -912,7 +916,7 @@ def run(args) -> int:
     if "large" in parts:
         result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio)
     if "experts" in parts:
-        result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio)
+        result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio, args.experts_per_call)
     if "dest" in parts:
         result["destination_kinds"] = destination_kinds(bench, sizes, top, args.large_mb << 20, with_fio)
     result["evict_method"] = ", ".join(sorted(bench.evict_methods))
