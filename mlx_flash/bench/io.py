@@ -291,7 +291,7 @@ def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
 
 
 DEST_KINDS = ("ring_shared", "ring_private", "dest_shared", "dest_private", "dest_fresh",
-              "dest_populate", "dest_hugepage", "dest_mlock", "dest_512", "dest_mlx")
+              "dest_populate", "dest_hugepage", "dest_scattered", "dest_mlock", "dest_512", "dest_mlx")
 
 
 def _mapping(nbytes, private=True, populate=False, hugepage=False, lock=False):
@@ -322,7 +322,9 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
       dest_fresh: one buffer per read, a new untouched private mapping every run (first touch
         inside the read); dest_populate: the same, MAP_POPULATE'd (pre-faulted at allocation);
       dest_hugepage: dest_private advised MADV_HUGEPAGE before its touch (2 MiB pages when the
-        kernel grants them; the row says how many were granted);
+        kernel grants them; the row says how many were granted); dest_scattered: the same memory,
+        each read a vectored read of 4 KiB pieces dealt round-robin over three arrays, as a
+        zero-copy read of neuron bundles lands its gate / up / down rows;
       dest_mlock: dest_private, mlock'd; dest_512: dest_private, each read 512 bytes past a page
         boundary (one more page per read); dest_mlx: an MLX array (mx.zeros: the loader's alloc).
     Returns rows {"size", "reads", "<kind>_gbps", "<kind>_over_fio", "fio_gbps", "fio_command",
@@ -342,14 +344,15 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
 
         def touched(kind):
             if kind not in keep:
-                n = reads * size + 512
+                n = reads * (size + 2 * 4096) + 512  # (dest_scattered: three arrays of whole rows)
                 if kind == "dest_mlx":
                     arr = mx.zeros((n + 4096,), mx.uint8)
                     mx.eval(arr)
                     a = address(memoryview(arr))
                     keep[kind] = (arr, a + (-a % 4096))
                 else:
-                    m, a = _mapping(n, private=kind != "dest_shared", hugepage=kind == "dest_hugepage",
+                    m, a = _mapping(n, private=kind != "dest_shared",
+                                    hugepage=kind in ("dest_hugepage", "dest_scattered"),
                                     lock=kind == "dest_mlock")
                     np.frombuffer(m, np.uint8)[:] = 1
                     keep[kind] = (m, a)
@@ -365,6 +368,15 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
                 ring = reads
             else:
                 m, base, ring = None, touched(kind) + (512 if kind == "dest_512" else 0), reads
+            if kind == "dest_scattered":  # piece j of read i -> array j % 3, row i * rows + j // 3
+                per = size // 4096
+                rows = -(-per // 3)
+                i, j = np.divmod(np.arange(reads * per), per)
+                iov = np.empty(reads * per, aio.IOVEC)
+                iov["base"] = base + (j % 3 * reads * rows + i * rows + j // 3) * 4096
+                iov["len"] = 4096
+                return aio_reads(paths, size, reads, depth, bench.rng, iov.ctypes.data
+                                 + np.arange(reads) * per * aio.IOVEC.itemsize, iovecs=(iov, per))
             return aio_reads(paths, size, reads, depth, bench.rng, base + (np.arange(reads) % ring) * size)
 
         fns = {kind: (lambda k=kind: run(k)) for kind in kinds}
@@ -390,9 +402,11 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
     return rows
 
 
-def aio_reads(paths, read_bytes, reads, depth, rng, addresses):
+def aio_reads(paths, read_bytes, reads, depth, rng, addresses, iovecs=None):
     """`reads` random O_DIRECT reads of `read_bytes` (4 KiB-aligned offsets) over `paths` by
-    io/aio.py alone, `depth` in flight, read i landing at addresses[i]. Timed like ReadStats."""
+    io/aio.py alone, `depth` in flight, read i landing at addresses[i]; iovecs=(IOVEC array,
+    iovecs per read): vectored reads, addresses[i] = the address of read i's first iovec (the
+    array is kept alive here). Timed like ReadStats."""
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     ctx = aio.AioContext(depth)
     try:
@@ -401,8 +415,9 @@ def aio_reads(paths, read_bytes, reads, depth, rng, addresses):
         which = usable[rng.integers(0, len(usable), reads)]
         offsets = (rng.random(reads) * span[which]).astype(np.int64) * 4096
         t0 = time.perf_counter()
-        res = ctx.read(np.array(fds)[which], offsets, np.full(reads, read_bytes),
-                       np.asarray(addresses, np.uint64))
+        counts = np.full(reads, read_bytes if iovecs is None else iovecs[1])
+        res = ctx.read(np.array(fds)[which], offsets, counts, np.asarray(addresses, np.uint64),
+                       None if iovecs is None else np.ones(reads, bool))
         seconds = time.perf_counter() - t0
     finally:
         ctx.close()
