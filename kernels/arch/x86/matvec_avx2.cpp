@@ -43,12 +43,14 @@ FLASH_AVX2 inline void prefetch_span(const void* start, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
 }
 
-// Gathered rows are not where the hardware prefetcher looks. The loops below prefetch the next
-// row's weights line by line as they stream the current row at the same offset (one row of compute
-// ahead; a whole row at once overflows the core's outstanding-miss slots), and its scales / biases
-// of groups [g0, g0 + ng) when they start a row. Returns the next row's weights (nullptr: none).
+// Gathered rows are not where the hardware prefetcher looks, and on dense rows it alone leaves the
+// quantized one-row loop waiting on memory (the loop's compute between lines hides its streams).
+// The loops below prefetch the next row's weights line by line as they stream the current row at
+// the same offset (one row of compute ahead; a whole row at once overflows the core's
+// outstanding-miss slots), and its scales / biases of groups [g0, g0 + ng) when they start a row.
+// Returns the next row's weights (nullptr: none).
 FLASH_AVX2 inline const uint8_t* prefetch_next_row(const Problem& p, int next, int end, int g0 = 0, int ng = 0) {
-  if (!p.rows || next >= end) return nullptr;
+  if (next >= end) return nullptr;
   const int64_t r = row_of(p, next);
   if (bad_row(p, r)) return nullptr;
   if (ng > 0) {
@@ -279,7 +281,7 @@ FLASH_AVX2 void h_t_avx2(const Problem& p, int k0, int k1, float* acc) {
       wr[nr] = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes) + k0;
       idx[nr++] = i;
     }
-    if (const uint8_t* next = prefetch_next_row(p, i, p.n))  // half rows: its first 512 bytes measured best
+    if (const uint8_t* next = p.rows ? prefetch_next_row(p, i, p.n) : nullptr)  // gathered half rows: its first 512 bytes measured best
       prefetch_span(next + 2 * int64_t(k0), std::min<int64_t>(512, 2 * int64_t(len)));
     for (int t = nr; t < R; ++t) wr[t] = wr[0];
     for (int m = 0; m < p.M; ++m) {
@@ -515,7 +517,9 @@ void q_fwd_range(const Problem& p, const FwdInput& in, int i0, int i1) {
     });
     return;
   }
-  with_flags(p.fmt == FMT_Q4, p.rows != nullptr, [&](auto q4, auto pf) {
+  // Prefetching on dense rows too: between two lines of a row the one-row loop computes long enough
+  // that the hardware prefetcher alone keeps too few misses in flight on weights streamed from memory.
+  with_flags(p.fmt == FMT_Q4, true, [&](auto q4, auto pf) {
     q_fwd_avx2_groups<ST, decltype(q4)::value, decltype(pf)::value>(p, in.x, in.xsum, i0, i1);
   });
 }
