@@ -36,15 +36,16 @@ class LoggedReads:
         return getattr(self._loader, name)
 
     def read(self, layer, ids, dest, slots=None):
+        bundle_ids = getattr(ids, "ids", ids)  # ids, or a ReadPlan's (slots follow its ids)
         if self._unbundled is None:
             s = self._loader.read(layer, ids, dest, slots)
         else:
             # one request per matrix, each with only its own destination arrays
             s = self._unbundled.read_many(
-                [(lid, ids, {c.name: dest[c.name] for c in self._unbundled.entry(lid).components},
+                [(lid, bundle_ids, {c.name: dest[c.name] for c in self._unbundled.entry(lid).components},
                   slots) for lid in self._layer_map[layer]])
-        self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
-                         s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, ids)))
+        self.log.append((len(self._stats.steps) - 1, layer, len(bundle_ids), s.bytes_read, s.bytes_useful,
+                         s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, bundle_ids)))
         return s
 
     def read_encoded(self, layer, out=None):
