@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "blas": "Float32 matmul/matvec speed of MLX's CPU backend and the BLAS it uses",
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
     "moe": "MoE expert cache hit rate vs size (with Belady), next-layer predictors, streamed runtime",
+    "moe_profile": "Where an MoE decode token's time goes: attention, router, experts, combine, LM head",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
     "reorder": "Bytes read per token at the same neurons: pack order vs co-activation order",
     "run": "The paper's protocol: cold runs of every mode and the peers, Tables 2-3, sweeps",
