@@ -168,3 +168,22 @@ def test_gpt2_gguf_of_an_opt_pack(tiny_pack, tmp_path):
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
     tokens = [t for _, t in zip(range(3), llm.generate([1, 2, 3], top_k=1, temp=0.0))]
     assert len(tokens) == 3
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_temp_samples_every_row_with_the_repeats_seed(tiny_pack, temp):
+    from types import SimpleNamespace
+
+    from mlx_flash.bench.run import Suite
+
+    suite = object.__new__(Suite)  # only what flash_run reads
+    suite.args = SimpleNamespace(memory_budget="0.5", gen_tokens=4, window=5, threads=4, temp=temp)
+    suite.pack, suite.manifest, suite.extra_paths = tiny_pack, read_manifest(tiny_pack), []
+    calls = []
+    suite.child = lambda group, label, function, kwargs, **kw: calls.append(kwargs)
+    for mode in ("naive", "flash"):
+        suite.flash_run("modes", mode, mode, {"ids": [1, 2, 3], "source": "x"}, repeat=2)
+    if temp:
+        assert all(c["temp"] == temp and c["seed"] == 2 for c in calls)
+    else:
+        assert all("temp" not in c for c in calls)  # greedy: generate_flash's default

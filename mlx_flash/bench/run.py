@@ -102,9 +102,9 @@ def add_arguments(parser):
                         help="MoE packs: each row also runs on MLX's own ops (kernels off), "
                         "alternated with its run on the CPU kernels")
     parser.add_argument("--temp", type=float, default=0.0,
-                        help="MoE packs: sample generated tokens at this temperature (ours and "
-                        "llama.cpp; default greedy). A synthetic model's greedy output repeats "
-                        "tokens, so its routing repeats and flatters every expert cache")
+                        help="sample generated tokens at this temperature (every row, seeded by the "
+                        "repeat; MoE packs: ours and llama.cpp; default greedy). A small or synthetic "
+                        "model's greedy output repeats tokens, which flatters neuron and expert caches")
     parser.add_argument("--moe-policy", default="layer", choices=("lru", "lfu", "layer"),
                         help="MoE packs: expert-cache eviction policy (default: EdgeMoE's layer-aware)")
     parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "
@@ -327,6 +327,8 @@ class Suite:
         # so under a cap below the model size it is reported as not fitting
         weights_budget = None if mode == "dense" else budget
         budget_bytes = resolve_budget(parse_memory_budget(budget, "--memory-budget"), self.manifest)
+        if self.args.temp and "temp" not in kw:  # sampled rows: the same seed for every mode
+            kw = dict(kw, temp=self.args.temp, seed=repeat)
         kwargs = {"pack": str(pack or self.pack), "mode": mode, "prompt": prompt["ids"],
                   "gen_tokens": gen_tokens or self.args.gen_tokens, "budget": weights_budget,
                   "window": window or self.args.window, "threads": self.args.threads, **kw}
