@@ -168,7 +168,15 @@ class ExpertStore:
 
     def banks_for(self, layer, ids: np.ndarray):
         """(row of each expert id [experts] in its width's bank, {width: bank}) with the missing
-        experts of `ids` read first.
+        experts of `ids` read first (`assign`, then `read`)."""
+        lut, banks, reads = self.assign(layer, ids)
+        self.read(layer, reads)
+        return lut, banks
+
+    def assign(self, layer, ids: np.ndarray):
+        """(row of each expert id [experts] in its width's bank, {width: bank}, reads): slots for
+        the experts of `ids`, the missing ones still to be read by `read(layer, reads)` before
+        anything computes with them (reads: [(expert ids, bank rows, bank)]).
 
         A call needing more distinct experts of a width than the layer's slots of that width (a
         long prompt) reads them into a scratch bank of one layer's experts of that width instead
@@ -203,8 +211,7 @@ class ExpertStore:
             mine = np.concatenate(cached)
             slots, misses = self.cache.access(layer, mine.tolist())
             lut[mine] = np.asarray(slots) - self._bases(layer, mine)
-        self._read(layer, scratch_reads + self._bank_requests(layer, misses))
-        return lut, banks
+        return lut, banks, scratch_reads + self._bank_requests(layer, misses)
 
     def _bases(self, layer, experts):
         return np.array([self.base[w] for w in self.width_of[layer][experts].tolist()], np.int64)
@@ -224,15 +231,15 @@ class ExpertStore:
             return
         todo = self.cache.preload(layer, experts)
         if todo:
-            self._pending = self._pool.submit(self._read, layer, self._bank_requests(layer, todo))
+            self._pending = self._pool.submit(self.read, layer, self._bank_requests(layer, todo))
 
     def wait_preload(self):
         if self._pending is not None:
             self._pending.result()
             self._pending = None
 
-    def _read(self, layer, requests):
-        """Read [(expert ids, rows, bank)] of `layer` in one loader call."""
+    def read(self, layer, requests):
+        """Read [(expert ids, rows, bank)] of `layer` in one loader call (`assign`'s reads)."""
         if not requests:
             return
         t0 = time.perf_counter()

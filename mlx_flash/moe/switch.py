@@ -80,21 +80,42 @@ class StreamedSwitchGLU(nn.Module):
         ahead_ids = np.array(ahead, copy=False) if ahead is not None else None
         if self._on_route is not None:
             self._on_route(self._layer, ids, ahead_ids)
-        lut, banks = store.banks_for(self._layer, ids)
+        lut, banks, reads = store.assign(self._layer, ids)
+        if not store.mixed:
+            (width, bank), = banks.items()
+            y = self._hits_while_reading(bank, width, x, ids, lut, reads)
+        else:
+            store.read(self._layer, reads)
+            y = by_width(x, ids, store.width_of[self._layer], lambda w, xw, rows: self._switch(
+                banks[w], w, xw, mx.array(lut[rows], dtype=indices.dtype)))
         if self._next_layer is not None:
             if ahead_ids is not None:
                 store.preload(self._next_layer, _by_votes(ahead_ids))
             elif self._predict_next is not None:
                 for layer, experts in self._predict_next(self._layer, np.unique(ids)):
                     store.preload(layer, experts)
-        if not store.mixed:
-            (width, bank), = banks.items()
-            y = self._switch(bank, width, x, mx.array(lut[ids], dtype=indices.dtype))
-        else:
-            y = by_width(x, ids, store.width_of[self._layer], lambda w, xw, rows: self._switch(
-                banks[w], w, xw, mx.array(lut[rows], dtype=indices.dtype)))
         store.last_output = (y,)
         return y
+
+    def _hits_while_reading(self, bank, width, x, ids, lut, reads):
+        """SwitchGLU output of one width's bank with the missing experts read. A decode token on
+        the kernels computes its cached experts while the missing ones are read (one kernel call
+        each for the hits and the misses, a pair's row from the call that holds its expert: every
+        expert still sees all its rows in one call, so the bits are the one-call ones)."""
+        slots = lut[ids].astype(np.int32)
+        missed = (np.isin(ids, np.concatenate([experts for experts, _, _ in reads]))
+                  if reads else np.zeros(ids.shape, bool))
+        overlap = (0 < missed.sum() < missed.size and ids.size == ids.shape[-1]
+                   and self._kernel_ok(bank, width, x))
+        if not overlap:
+            self._store.read(self._layer, reads)
+            return self._switch(bank, width, x, mx.array(slots))
+        # slot -1 is outside the bank: the kernel skips those pairs (NaN rows, never selected)
+        hits = self._switch(bank, width, x, mx.array(np.where(missed, -1, slots)))
+        mx.async_eval(hits)
+        self._store.read(self._layer, reads)
+        late = self._switch(bank, width, x, mx.array(np.where(missed, slots, -1)))
+        return mx.where(mx.array(missed)[..., None], late, hits)
 
     def _switch(self, bank, width, x, idx):
         """The body of mlx-lm's SwitchGLU.__call__, on bank slots `idx` instead of expert ids."""
