@@ -719,8 +719,13 @@ class FlashLoader:
                 job.decode_s += time.perf_counter() - t0
 
     def _check(self, job, flat, offs):
-        """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table."""
+        """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table: bundles whose
+        components are packed back to back in one kernel pass (GIL released), others one by one."""
         crc_table, tight = job.f.crc, job.tight
+        if tight:
+            check_crc32s(flat, offs, np.full(len(offs), tight), crc_table[job.ids], str(job.f.path),
+                         offsets=job.starts, ids=job.ids)
+            return
         for i, o in enumerate(offs.tolist()):
             crc = crc32(flat[o: o + tight]) if tight else bundle_crc32(flat[o:], job.pieces, crc32)
             if crc != crc_table[job.ids[i]]:
