@@ -93,7 +93,12 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
         assert ok["loader_over_fio"] == ok["device_gbps"] / ok["fio_gbps"]
     monkeypatch.setattr(shutil, "which", lambda name: None)
     ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=True))
-    assert ok["fio"] == "fio not installed" and "fio_gbps" not in ok
+    assert ok["fio"] == "fio not installed" and "fio_gbps" not in ok and ok["verify"] is False
+    checked = []  # --large-verify: the loaders check crc32s as a runtime does
+    real = bench_io.FlashLoader._check
+    monkeypatch.setattr(bench_io.FlashLoader, "_check", lambda *a: checked.append(1) or real(*a))
+    ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=False, verify=True))
+    assert ok["verify"] is True and checked
     assert bench_io.fio_throughput(bench.paths(), {4096: 1}, 2, 1 << 20) is None
 
 

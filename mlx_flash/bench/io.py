@@ -73,6 +73,9 @@ def add_arguments(parser):
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
                         "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio), "
                         "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes)")
+    parser.add_argument("--large-verify", action="store_true",
+                        help="large part: the loaders check each bundle's crc32, as a runtime does "
+                        "(default off: the device's throughput alone)")
     parser.add_argument("--experts-per-call", type=int, metavar="K",
                         help="experts part: experts read per call (default: the model's top_k; "
                         "1-2 = the misses of a cached runtime's layer call), fio at depth K")
@@ -205,7 +208,7 @@ def parse_size(text) -> int:
         raise FlashError(f"--large-sizes: {text!r} is not a size (bytes, or with K or M)") from None
 
 
-def large_reads(bench, sizes, depth, total_bytes, with_fio):
+def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
     """Per read size: random runs of k consecutive bundles (k x stride ~ the size) of every bundle
     file, read cold through FlashLoader.read_many into `alloc` destinations with `depth` reads in
     flight, and fio at the loader's read size, depth and files; the two take turns (--repeat).
@@ -237,7 +240,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
             rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
             continue
         max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
-        loaders = {name: cls(bench.pack, threads=depth, verify=False, cost=ReadCost(0.0, 1e9),
+        loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=ReadCost(0.0, 1e9),
                              max_read=max_read) for name, cls in loader_classes(bench).items()}
         try:
             dests = {name: _alloc(ld, sets) for name, ld in loaders.items()}
@@ -263,7 +266,8 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio):
         s = res["loader"]
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
                "zero_copy": s.zero_copy_reads == s.reads, "gbps": _gb(s.bytes_useful, s.seconds),
-               "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth}
+               "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth,
+               "verify": verify}
         for name in ("aio_ring", "aio_dest", "baseline"):
             if name in res:
                 row[f"{name}_gbps"] = _gb(res[name].bytes_read, res[name].seconds)
@@ -532,7 +536,8 @@ def print_expert_reads(row):
 def print_large_reads(rows, depth):
     print(f"\nlarge reads: k consecutive bundles per read into alloc() destinations, {depth} in "
           f"flight, vs fio --rw=randread --ioengine=libaio --iodepth={depth} --bs=<read bytes> on "
-          f"the same files, runs interleaved (device GB/s)")
+          f"the same files, runs interleaved (device GB/s)"
+          + ("; the loaders check every bundle's crc32" if any(r.get("verify") for r in rows) else ""))
     print("(aio ring: io/aio.py alone, the same number of reads of that size, into a ring of "
           f"{depth} buffers as fio does; aio dest: the same into one buffer per read, as large as "
           "the loader's destinations, where the loader lands its reads; baseline: --baseline's loader)")
@@ -929,7 +934,7 @@ def run(args) -> int:
         if with_fio and not result["fio"]:
             print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
     if "large" in parts:
-        result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio)
+        result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio, args.large_verify)
     if "experts" in parts:
         result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio, args.experts_per_call)
     if "dest" in parts:
