@@ -143,6 +143,25 @@ void bind_endor(nb::module_& m) {
       "activation is not above threshold are skipped. Returns the first bundle whose blocks do not "
       "add up to its length, or -1.");
   m.def(
+      "crc32_ranges",
+      [](Bytes1 flat, Index starts, int64_t length, nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> crcs,
+         const std::optional<std::string>& isa_name) {
+        const size_t count = starts.shape(0);
+        if (crcs.shape(0) != count) throw std::invalid_argument("crc32_ranges: starts and crcs differ in length");
+        const int64_t size = static_cast<int64_t>(flat.shape(0));
+        const int64_t* start = starts.data();
+        for (size_t b = 0; b < count; ++b)
+          if (length < 0 || start[b] < 0 || start[b] > size - length)
+            throw std::invalid_argument("crc32_ranges: a range runs outside flat");
+        const flash::Isa isa = chosen_isa(isa_name);
+        uint32_t* crc = crcs.data();
+        nb::gil_scoped_release release;
+        for (size_t b = 0; b < count; ++b) crc[b] = flash::endor::crc32(crc[b], flat.data() + start[b], length, isa);
+      },
+      nb::arg("flat"), nb::arg("starts"), nb::arg("length"), nb::arg("crcs"), nb::arg("isa").none() = nb::none(),
+      "crcs[b] = zlib.crc32(flat[starts[b]:starts[b]+length], crcs[b]) for every b, in place, GIL released: the "
+      "crc32 of bundles whose components sit in separate arrays, one call per component array.");
+  m.def(
       "endor_crc32",
       [](Bytes1 data, uint32_t crc, const std::optional<std::string>& isa_name) {
         const flash::Isa isa = chosen_isa(isa_name);

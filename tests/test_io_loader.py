@@ -656,6 +656,23 @@ def test_crc32_equals_zlib():
         assert loader_module.crc32(data[n // 3:], 12345) == zlib.crc32(data[n // 3:], 12345)
 
 
+@pytest.mark.skipif(loader_module.crc32_ranges is None, reason="the kernels' crc32_ranges")
+def test_crc32_ranges_chain_like_zlib():
+    """crc32_ranges: each range's crc32 chained on the crc passed in (a bundle's components held
+    in separate arrays, one call per array); ranges outside the buffer are refused."""
+    import zlib
+
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 256, (2, 50, 300), dtype=np.uint8)
+    rows = np.array([3, 0, 49, 17])
+    crcs = np.zeros(len(rows), np.uint32)
+    loader_module.crc32_ranges(a.reshape(-1), rows * 300, 300, crcs)
+    loader_module.crc32_ranges(b.reshape(-1), rows * 300 + 10, 200, crcs)
+    assert crcs.tolist() == [zlib.crc32(b[r, 10:210], zlib.crc32(a[r])) for r in rows]
+    with pytest.raises(ValueError, match="outside"):
+        loader_module.crc32_ranges(a.reshape(-1), np.array([49 * 300 + 1]), 300, np.zeros(1, np.uint32))
+
+
 @pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
 def test_expert_blocks_are_zero_copy_vectored_reads_into_the_slot_bank(tmp_path, monkeypatch):
     # float32 experts of 64 x 64: every component is 16 KiB, so a block lands in the bank's rows
