@@ -114,3 +114,15 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     with pytest.raises(SystemExit) as e:
         main(["--model", str(src), "--expert-bits", "3", "--out", str(tmp_path / "q")])
     assert e.value.code == 2 and "--calib-text" in capsys.readouterr().err
+
+
+def test_gate_bits_flag_keeps_the_gate_resident(tiny_llama, tmp_path, capsys):
+    src = tiny_llama("src", dtype="float16")
+    out = tmp_path / "pack"
+    assert main(["--model", str(src), "--gate-bits", "4", "--out", str(out)]) == 0
+    bundles = json.loads((out / "manifest.json").read_text())["bundles"]
+    assert all(b["resident_gate"]["bits"] == 4 and [c["name"] for c in b["components"]] == ["up.weight", "down_t.weight"]
+               for b in bundles)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(src), "--gate-bits", "4", "--quantize", "4", "--out", str(tmp_path / "q")])
+    assert e.value.code == 2 and "--gate-bits" in capsys.readouterr().err
