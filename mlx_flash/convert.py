@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
@@ -62,6 +64,8 @@ def _calibrate_moe(model_dir, args) -> tuple:
                   f"{found_bits['mean_bits']:.3f} bits", file=sys.stderr)
         else:
             bits = assign_widths(errors, args.expert_bits, widths=widths)
+        if args.expert_tune:
+            quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args)
         quantizer = stored_quantizer(quantized) if quantized else None
         # scales and biases are stored in the experts' float dtype (--dtype's when given)
         itemsize = ({"float32": 4, "float16": 2, "bfloat16": 2}.get(args.dtype)
@@ -76,6 +80,27 @@ def _calibrate_moe(model_dir, args) -> tuple:
     if not k:
         raise FlashError(f"{model_dir}/config.json: no num_experts_per_tok")
     return bits, routing_statistics(model, tokens, int(k), n_experts), quantizer
+
+
+def _tune_experts(model_dir, teacher, quantized, bits, group_size, args) -> dict:
+    """`quantized` with each expert's scales/biases at its width tuned end to end against the
+    float model on --calib-text (calibration/expert_tune.py)."""
+    from .calibration.dense_pass import text_tokens
+    from .calibration.expert_tune import quantize_resident, tune_expert_scales
+    from .models import load_model, load_tokenizer
+
+    student, _ = load_model(model_dir, lazy=False)
+    if args.quantize:
+        quantize_resident(student, args.quantize, args.group_size or 64)
+    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.expert_tune_tokens,
+                         flag="--calib-text")
+    out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=args.expert_tune,
+                             group_size=group_size, lr=args.expert_tune_lr)
+    head, tail = (float(np.mean(out["kl"][s])) for s in (slice(0, 10), slice(-10, None)))
+    print(f"--expert-tune {args.expert_tune}: KL from the float model {head:.4f} -> {tail:.4f} "
+          f"nats/token (first / last 10 steps, {len(tokens)} tokens, {out['seconds']:.0f} s)",
+          file=sys.stderr)
+    return out["quantized"]
 
 
 def _main(argv):
@@ -134,13 +159,26 @@ def _main(argv):
                         metavar="BITS", help="--expert-bits: the widths an expert may get "
                                              "(default 2 3 4 8; e.g. 4 with --expert-bits 4: every "
                                              "expert at 4 bits, by --expert-quantizer)")
-    parser.add_argument("--expert-quantizer", choices=("mlx", "minmax", "clip", "gptq"),
-                        default="gptq",
+    parser.add_argument("--expert-quantizer", choices=("mlx", "minmax", "clip", "gptq", "gptq-fit"),
+                        default="gptq-fit",
                         help="--expert-bits: how each expert is rounded to its width, always in "
                              "MLX's affine format: mlx = mx.quantize; minmax = each group's own "
                              "min..max grid; clip = the range shrink with the least error on the "
                              "calibration inputs; gptq = clip plus GPTQ's error-compensating "
-                             "rounding with each expert's routed inputs (default). See docs/moe.md")
+                             "rounding with each expert's routed inputs; gptq-fit = gptq, then "
+                             "each row's scales and biases refit to the least error on those "
+                             "inputs (default). See docs/moe.md")
+    parser.add_argument("--expert-tune", type=int, default=0, metavar="STEPS",
+                        help="with --expert-bits: after rounding, train each expert's scales and "
+                             "biases (integers fixed) for STEPS steps of 256 --calib-text tokens "
+                             "so the quantized model's next-token distribution matches the float "
+                             "model's (KL); the pack format is unchanged. See docs/moe.md")
+    parser.add_argument("--expert-tune-lr", type=float, default=2e-3,
+                        help="--expert-tune: Adam learning rate, relative to each scale "
+                             "(default 2e-3)")
+    parser.add_argument("--expert-tune-tokens", type=int, default=65536,
+                        help="--expert-tune: --calib-text tokens it draws its windows from "
+                             "(default 65536)")
     parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
                         help="MoE models: calibration text files (never the text you evaluate on): "
                              "the routing statistics that split --memory-budget's expert slots "
@@ -162,6 +200,12 @@ def _main(argv):
     if args.expert_bits_tolerance is not None and args.expert_bits_tolerance < 0:
         raise FlashError(f"--expert-bits-tolerance {args.expert_bits_tolerance:g}: must be >= 0")
     wants_bits = args.expert_bits is not None or args.expert_bits_tolerance is not None
+    if args.expert_tune < 0:
+        raise FlashError(f"--expert-tune {args.expert_tune}: must be >= 0")
+    if args.expert_tune and not wants_bits:
+        raise FlashError("--expert-tune: only with --expert-bits or --expert-bits-tolerance")
+    if args.expert_tune and args.expert_quantizer == "mlx":
+        raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip, gptq or gptq-fit")
     if args.expert_widths and not wants_bits:
         raise FlashError("--expert-widths: only with --expert-bits or --expert-bits-tolerance")
     for flag, value in (("--expert-bits", args.expert_bits), ("--calib-text", args.calib_text),

@@ -46,6 +46,7 @@ def test_gptq_and_clip_cut_the_output_error_on_the_calibration_inputs(bits):
 
     minmax, clip, gptq = output_error("minmax"), output_error("clip"), output_error("gptq")
     assert clip < minmax and gptq < 0.8 * clip, (minmax, clip, gptq)
+    assert output_error("gptq-fit") < 0.97 * gptq
 
 
 def test_bad_method_and_gptq_without_statistics_fail_with_the_flag():
@@ -54,3 +55,34 @@ def test_bad_method_and_gptq_without_statistics_fail_with_the_flag():
         quantize_experts(w, 3, 32, "best")
     with pytest.raises(FlashError, match="gptq: needs calibration text"):
         quantize_experts(w, 3, 32, "gptq")
+    with pytest.raises(FlashError, match="gptq-fit: needs calibration text"):
+        quantize_experts(w, 3, 32, "gptq-fit", factor={})
+
+
+def test_refit_scales_biases_lowers_the_weighted_error_and_keeps_an_exact_grid():
+    from mlx_flash.moe.quantize import gptq, gptq_factor, refit_scales_biases
+
+    rng = np.random.default_rng(7)
+    n_in, out, e = 64, 8, 2
+    x = rng.normal(size=(e, 128, n_in)) @ (rng.normal(size=(n_in, n_in)) * rng.uniform(0.1, 2, n_in))
+    h = np.einsum("eti,etj->eij", x, x)
+    w = rng.normal(size=(e, out, n_in))
+
+    def error(q, s, b):
+        d = np.repeat(s, 32, -1) * q + np.repeat(b, 32, -1) - w
+        return float(np.einsum("eoi,eij,eoj->", d, h, d))
+
+    q, s, b = gptq(w, gptq_factor(h), 2, 32)
+    s2, b2 = refit_scales_biases(w, q, s, b, h, 32)
+    assert error(q, s2, b2) < 0.97 * error(q, s, b)
+    # the optimum: no small move of any one scale or bias lowers the error
+    for arr in (s2, b2):
+        for sign in (1, -1):
+            moved = arr.copy()
+            moved[1, 3, 1] += sign * 1e-3 * abs(moved[1, 3, 1])
+            args = (moved, b2) if arr is s2 else (s2, moved)
+            assert error(q, *args) >= error(q, s2, b2)
+    # weights already on the grid come back unchanged
+    exact = np.repeat(s, 32, -1) * q + np.repeat(b, 32, -1)
+    s3, b3 = refit_scales_biases(exact, q, s, b, h, 32)
+    assert np.allclose(s3, s, rtol=1e-6) and np.allclose(b3, b, rtol=1e-6, atol=1e-9)

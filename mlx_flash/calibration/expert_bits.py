@@ -107,7 +107,7 @@ def measure_errors(model, tokens, group_size, widths=WIDTHS, progress=True, meth
         deq = None
         if method != "mlx":
             moments = input_moments(x, ids, stacks[i], activation)
-            factors = {k: gptq_factor(h) for k, h in moments.items()} if method == "gptq" else {}
+            factors = {k: gptq_factor(h) for k, h in moments.items()} if method.startswith("gptq") else {}
             deq = {}
             for b in widths:
                 layer_q = {}

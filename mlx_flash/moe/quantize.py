@@ -15,6 +15,8 @@ these quantizers pick them to minimise the error instead and round with error co
   H = sum_t x_t x_t^T: columns are rounded in order and each one's rounding error is spread over
   the columns not yet rounded (H^-1's Cholesky factor), each group's scale/bias chosen as "clip"
   does when the group starts. Needs H.
+- "gptq-fit": GPTQ's integers, then every row's scales and biases refit to the least error on the
+  routed inputs, (w_hat - w)^T H (w_hat - w) (`refit_scales_biases`: a closed-form solve).
 
 All work in float64 NumPy on one MoE layer's stack of experts at a time ([E, out, in]).
 """
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..errors import FlashError
 
-METHODS = ("mlx", "minmax", "clip", "gptq")
+METHODS = ("mlx", "minmax", "clip", "gptq", "gptq-fit")
 CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.7, 13), 4))
 GPTQ_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean (the GPTQ paper's default)
 
@@ -116,23 +118,61 @@ def gptq(w: np.ndarray, factor: dict, bits: int, group_size: int, ratios=CLIP_RA
     return q, scales, biases
 
 
+def refit_scales_biases(w: np.ndarray, q: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                        hessian: np.ndarray, group_size: int, ridge: float = 1e-6) -> tuple:
+    """(scales, biases) [E, out, in / group_size] float64 that minimise each output row's error
+    on the routed inputs, (w_hat - w)^T H (w_hat - w) with w_hat = scale * q + bias per group,
+    for fixed integers q [E, out, in] (GPTQ's). w [E, out, in]; hessian [E, in, in] (H).
+
+    The error is quadratic in the row's 2 * groups scales and biases, so the optimum is one small
+    linear solve per row; a ridge (`ridge` times the system's mean diagonal) toward the given
+    scales/biases keeps groups whose q is constant, or whose inputs no token uses, where they were.
+    The given scales/biases are a feasible point, so the error never grows.
+    """
+    e, out, n = w.shape
+    g = n // group_size
+    s_new, b_new = np.empty(scales.shape), np.empty(biases.shape)
+    for i in range(e):
+        h = hessian[i].astype(np.float64)
+        qi = q[i].astype(np.float64)
+        hw = w[i].astype(np.float64) @ h                                    # [out, in]
+        # t[r, g1, j] = sum over inputs k of group g1 of q[r, k] H[k, j]
+        t = np.einsum("rgk,gkj->rgj", qi.reshape(out, g, group_size), h.reshape(g, group_size, n))
+        t = t.reshape(out, g, g, group_size)
+        m = np.empty((out, 2 * g, 2 * g))
+        m[:, :g, :g] = (t * qi.reshape(out, 1, g, group_size)).sum(-1)     # scale x scale
+        m[:, :g, g:] = t.sum(-1)                                            # scale x bias
+        m[:, g:, :g] = np.swapaxes(m[:, :g, g:], 1, 2)
+        m[:, g:, g:] = h.reshape(g, group_size, g, group_size).sum((1, 3))  # bias x bias
+        v = np.concatenate([(qi * hw).reshape(out, g, group_size).sum(-1),
+                            hw.reshape(out, g, group_size).sum(-1)], axis=-1)
+        theta0 = np.concatenate([scales[i], biases[i]], axis=-1).astype(np.float64)
+        lam = ridge * np.maximum(np.einsum("rii->r", m) / (2 * g), 1e-30)[:, None]
+        m[:, np.arange(2 * g), np.arange(2 * g)] += lam
+        theta = np.linalg.solve(m, (v + lam * theta0)[..., None])[..., 0]
+        s_new[i], b_new[i] = theta[:, :g], theta[:, g:]
+    return s_new, b_new
+
+
 def quantize_experts(w, bits: int, group_size: int, method: str = "mlx", hessian=None,
                      factor=None) -> tuple:
     """(packed uint32, scales, biases) mx.arrays of the expert stack w [E, out, in] in MLX's affine
     format (as `mx.quantize` returns them; scales/biases in w's float dtype), by `method`
     (module docstring; "mlx" is `mx.quantize`). hessian [E, in, in]: the routed inputs' second
-    moment ("gptq" needs it or its `gptq_factor` `factor`; "clip" weights its errors by its
-    diagonal when given)."""
+    moment ("gptq" needs it or its `gptq_factor` `factor`, "gptq-fit" needs it; "clip" weights
+    its errors by its diagonal when given)."""
     if method == "mlx":
         return mx.quantize(w, group_size=group_size, bits=bits)
     if method not in METHODS:
         raise FlashError(f"--expert-quantizer {method}: not one of {', '.join(METHODS)}")
     dtype = w.dtype
     wn = np.array(w.astype(mx.float32), dtype=np.float64)
-    if method == "gptq":
-        if hessian is None and factor is None:
-            raise FlashError("--expert-quantizer gptq: needs calibration text (--calib-text)")
+    if method in ("gptq", "gptq-fit"):
+        if hessian is None and factor is None or method == "gptq-fit" and hessian is None:
+            raise FlashError(f"--expert-quantizer {method}: needs calibration text (--calib-text)")
         q, s, b = gptq(wn, factor or gptq_factor(hessian), bits, group_size)
+        if method == "gptq-fit":
+            s, b = refit_scales_biases(wn, q, s, b, hessian, group_size)
     elif method == "clip":
         col = None if hessian is None else np.einsum("eii->ei", hessian)
         q, s, b = round_to_grid(wn, bits, group_size, CLIP_RATIOS, col)

@@ -1,0 +1,168 @@
+"""End-to-end tuning of quantized experts' scales and biases against the float model.
+
+After each expert is rounded at its width (moe/quantize.py), its integers stay fixed and only its
+affine scales and biases move: every group's w_hat = scale * (1 + a) * q + bias + scale * c, with
+a and c trained by Adam to minimise the KL divergence from the float model's next-token
+distribution to the quantized model's on calibration text. The pack keeps MLX's affine format
+(same integers, new scales and biases), so the runtime and kernels read it unchanged.
+
+The student is the model as the pack will hold it: non-expert weights quantized-dequantized as
+`--quantize` stores them, experts at their widths. Experts are computed densely during tuning
+(every expert on every token, the routed ones gathered): the same values as mlx-lm's SwitchGLU,
+a few large matmuls instead of MLX's per-expert gathers (tens of times faster on the CPU).
+"""
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import FlashError
+from .expert_bits import switch_glus
+
+ROLES = ("gate", "up", "down")
+
+
+class _DenseExperts(nn.Module):
+    """Stands in for an mlx-lm SwitchGLU: the same call (x, indices) -> [..., k, hidden], each
+    token through every expert (one matmul per projection), the routed outputs gathered."""
+
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    def __call__(self, x, indices):
+        sw = self.switch
+        wu, wg, wd = sw.up_proj.weight, sw.gate_proj.weight, sw.down_proj.weight
+        n_exp, ffn, hid = wu.shape
+        k = indices.shape[-1]
+        xf = x.reshape(-1, hid)
+        n = xf.shape[0]
+        up = (xf @ wu.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
+        gate = (xf @ wg.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
+        out = mx.matmul(sw.activation(up, gate).transpose(1, 0, 2), wd.transpose(0, 2, 1))
+        idx = mx.stop_gradient(indices).reshape(n, k)
+        return out[idx, mx.arange(n)[:, None]].reshape(*x.shape[:-1], k, hid)
+
+
+def dense_experts(model):
+    """Context manager: `model`'s SwitchGLUs computed densely (`_DenseExperts`), restored on exit."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def swap():
+        found = switch_glus(model)
+        try:
+            for parent, name, switch in found.values():
+                setattr(parent, name, _DenseExperts(switch))
+            yield model
+        finally:
+            for parent, name, switch in found.values():
+                setattr(parent, name, switch)
+    return swap()
+
+
+def quantize_resident(model, bits: int, group_size: int):
+    """Non-expert linear / embedding weights of `model` replaced, in place, by their MLX affine
+    quantization at `bits` dequantized (float): the values a pack written with `--quantize bits`
+    holds, on float matmuls."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    for _, m in model.named_modules():
+        if (hasattr(m, "to_quantized") and not isinstance(m, SwitchLinear) and "weight" in m
+                and m.weight.ndim == 2 and m.weight.shape[-1] % group_size == 0):
+            q = mx.quantize(m.weight, group_size=group_size, bits=bits)
+            m.weight = mx.dequantize(*q, group_size=group_size, bits=bits).astype(m.weight.dtype)
+
+
+def _expert_grids(quantized, bits, group_size):
+    """{(layer, role): (q float32 [E, out, in], scale0, bias0 float32 [E, out, groups])} with each
+    expert's rows taken from its own width."""
+    grids = {}
+    for layer, widths in bits.items():
+        for role in ROLES:
+            qs, ss, bs = [], [], []
+            for e, b in enumerate(widths):
+                packed, s, bias = (a[e] for a in quantized[(layer, b)][role])
+                ones = mx.ones(s.shape, mx.float32)
+                qs.append(mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=group_size,
+                                        bits=b))
+                ss.append(s.astype(mx.float32))
+                bs.append(bias.astype(mx.float32))
+            grids[(layer, role)] = (mx.stack(qs), mx.stack(ss), mx.stack(bs))
+    return grids
+
+
+def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np.ndarray, *,
+                       steps: int, group_size: int, lr: float = 2e-3, seq_len: int = 256,
+                       seed: int = 0, progress: bool = True) -> dict:
+    """Train the scales and biases of each expert at its width (module docstring).
+
+    student / teacher: the same MoE architecture (student: non-expert weights as the pack holds
+    them, `quantize_resident`; teacher: the float model). quantized: {(layer, bits): {"gate",
+    "up", "down": (packed, scales, biases)}} (calibration.expert_bits.measure_errors); bits:
+    {layer: [bits per expert]}. tokens: int32 training ids (never the evaluation text); each
+    step is one random window of seq_len tokens.
+
+    Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases for the
+    experts at that width (integers and other rows unchanged), "kl": [nats per token, each
+    step], "seconds"}. `student`'s experts are restored to their float weights.
+    """
+    import mlx.optimizers as optim
+
+    if len(tokens) < seq_len + 1:
+        raise FlashError(f"--expert-tune: needs more than {seq_len} calibration tokens "
+                         f"(got {len(tokens)})")
+    grids = _expert_grids(quantized, bits, group_size)
+    found = switch_glus(student)
+    saved = {(layer, r): getattr(found[layer][2], f"{r}_proj").weight for layer, r in grids}
+    params = {f"{layer}.{r}": {"a": mx.zeros(g[1].shape), "c": mx.zeros(g[1].shape)}
+              for (layer, r), g in grids.items()}
+
+    def expert_weights(p):
+        for (layer, r), (q, s0, b0) in grids.items():
+            a, c = p[f"{layer}.{r}"]["a"], p[f"{layer}.{r}"]["c"]
+            n_exp, out, n = q.shape
+            w = q.reshape(n_exp, out, n // group_size, group_size) * (s0 * (1 + a))[..., None]
+            w = (w + (b0 + s0 * c)[..., None]).reshape(n_exp, out, n)
+            getattr(found[layer][2], f"{r}_proj").weight = w.astype(saved[(layer, r)].dtype)
+
+    def loss_fn(p, x, teacher_logp):
+        expert_weights(p)
+        logp = nn.log_softmax(student(x).astype(mx.float32), axis=-1)
+        return mx.mean(mx.sum(mx.exp(teacher_logp) * (teacher_logp - logp), axis=-1))
+
+    value_and_grad = mx.value_and_grad(loss_fn)
+    opt = optim.Adam(learning_rate=lr)
+    rng = np.random.default_rng(seed)
+    kl = []
+    t0 = time.perf_counter()
+    from tqdm import tqdm
+
+    try:
+        with dense_experts(student), dense_experts(teacher):
+            for _ in tqdm(range(steps), desc="expert tune", unit="step", disable=not progress):
+                start = int(rng.integers(0, len(tokens) - seq_len))
+                x = mx.array(tokens[start: start + seq_len])[None]
+                teacher_logp = nn.log_softmax(teacher(x).astype(mx.float32), axis=-1)
+                loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logp))
+                opt.update(params, grads)
+                mx.eval(params, opt.state, loss)
+                kl.append(float(loss))
+    finally:
+        for (layer, r), w in saved.items():
+            getattr(found[layer][2], f"{r}_proj").weight = w
+
+    tuned = {key: dict(stacks) for key, stacks in quantized.items()}
+    for (layer, r), (_, s0, b0) in grids.items():
+        a, c = params[f"{layer}.{r}"]["a"], params[f"{layer}.{r}"]["c"]
+        scale, bias = np.array(s0 * (1 + a)), np.array(b0 + s0 * c)
+        for b in set(bits[layer]):
+            rows = [e for e, w in enumerate(bits[layer]) if w == b]
+            packed, s, bb = tuned[(layer, b)][r]
+            s_new, b_new = np.array(s.astype(mx.float32)), np.array(bb.astype(mx.float32))
+            s_new[rows], b_new[rows] = scale[rows], bias[rows]
+            tuned[(layer, b)][r] = (packed, mx.array(s_new).astype(s.dtype),
+                                    mx.array(b_new).astype(bb.dtype))
+    return {"quantized": tuned, "kl": kl, "seconds": time.perf_counter() - t0}

@@ -1,0 +1,80 @@
+"""calibration/expert_tune.py: experts' scales/biases tuned end to end against the float model."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import write_tiny_moe
+
+from mlx_flash.calibration.expert_bits import experts_at_widths, measure_errors
+from mlx_flash.calibration.expert_tune import (dense_experts, quantize_resident,
+                                               tune_expert_scales)
+from mlx_flash.errors import FlashError
+from mlx_flash.models import load_model
+from mlx_flash.moe.bitwidths import assign_widths
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    src = write_tiny_moe(tmp_path_factory.mktemp("tune") / "src", "mixtral", experts=6, layers=2)
+    out = []
+    for _ in range(2):
+        model, _ = load_model(src, lazy=False)
+        for layer in model.layers:  # experts that move the logits (the random ones barely do)
+            up = layer.block_sparse_moe.switch_mlp.up_proj
+            up.weight = up.weight * 20
+        model.lm_head.weight = model.lm_head.weight * 30  # a peaked next-token distribution
+        out.append(model)
+    return out
+
+
+def _kl(teacher, student, tokens):
+    x = mx.array(tokens)[None]
+    t = nn.log_softmax(teacher(x), axis=-1)
+    s = nn.log_softmax(student(x), axis=-1)
+    return float(mx.mean(mx.sum(mx.exp(t) * (t - s), axis=-1)))
+
+
+def test_dense_experts_give_the_switch_glu_outputs(models):
+    teacher, _ = models
+    x = mx.array(np.random.default_rng(0).integers(0, 128, 80).astype(np.int32))[None]
+    want = teacher(x)
+    with dense_experts(teacher):
+        got = teacher(x)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0,
+                               atol=1e-5 * float(mx.abs(want).max()))
+    assert type(teacher.layers[0].block_sparse_moe.switch_mlp).__name__ == "SwitchGLU"
+
+
+def test_tuning_lowers_the_kl_keeps_the_integers_and_restores_the_student(models):
+    teacher, student = models
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 128, 600).astype(np.int32)
+    quantized = {}
+    errors = measure_errors(teacher, tokens[:300], 32, (2, 3, 4), progress=False,
+                            method="gptq-fit", quantized=quantized)
+    bits = assign_widths(errors, 2.5, widths=(2, 3, 4))
+    quantize_resident(student, 4, 32)
+    before_w = student.layers[0].block_sparse_moe.switch_mlp.up_proj.weight
+    held = tokens[300:]
+    with experts_at_widths(student, bits, 32, quantized):
+        kl_before = _kl(teacher, student, held)
+    out = tune_expert_scales(student, teacher, quantized, bits, tokens[:300], steps=25,
+                             group_size=32, lr=2e-2, seq_len=64, progress=False)
+    assert student.layers[0].block_sparse_moe.switch_mlp.up_proj.weight is before_w
+    with experts_at_widths(student, bits, 32, out["quantized"]):
+        kl_after = _kl(teacher, student, held)
+    assert kl_after < 0.8 * kl_before, (kl_before, kl_after)
+    for key, stacks in quantized.items():
+        layer, b = key
+        rows = [e for e, w in enumerate(bits[layer]) if w == b]
+        others = [e for e in range(6) if e not in rows]
+        for role, (packed, s, bias) in stacks.items():
+            new = out["quantized"][key][role]
+            assert new[0] is packed  # the integers never move
+            assert np.array_equal(np.array(new[1])[others], np.array(s)[others])
+            if rows:
+                assert not np.array_equal(np.array(new[1])[rows], np.array(s)[rows])
+    with pytest.raises(FlashError, match="--expert-tune: needs more than 64"):
+        tune_expert_scales(student, teacher, quantized, bits, tokens[:50], steps=1,
+                           group_size=32, seq_len=64, progress=False)
