@@ -140,6 +140,10 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     t0 = time.perf_counter()
     from tqdm import tqdm
 
+    from ..cpu import ops
+
+    kernels = ops.kernels_active()
+    ops.set_kernels_enabled(False)  # our CPU kernels (attention, norms) have no gradients (vjp)
     try:
         with dense_experts(student), dense_experts(teacher):
             for _ in tqdm(range(steps), desc="expert tune", unit="step", disable=not progress):
@@ -151,6 +155,7 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                 mx.eval(params, opt.state, loss)
                 kl.append(float(loss))
     finally:
+        ops.set_kernels_enabled(kernels)
         for (layer, r), w in saved.items():
             getattr(found[layer][2], f"{r}_proj").weight = w
 
