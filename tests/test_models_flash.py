@@ -73,6 +73,8 @@ def test_flash_overflow_past_the_cache_stays_exact_up_to_rounding(tiny_llama, tm
         for cache in rt.caches.values():
             cache.max_read_bytes = rt.max_read_bytes
         rt.loader._local.staging = None
+    calls, read_many = [], rt.loader.read_many
+    rt.loader.read_many = lambda requests: calls.append(len(requests)) or read_many(requests)
     got = run_steps(model)
     for x, y in zip(got, dense):  # float32, sums split in parts: rounding only
         assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
@@ -82,6 +84,8 @@ def test_flash_overflow_past_the_cache_stays_exact_up_to_rounding(tiny_llama, tm
     s = model.flash_stats.summary()
     # every step needs all 192 neurons: 80 cached rows stay (hits), 112 stream as overflow
     assert s["hit_rate"] == pytest.approx(80 / 192) and s["neurons_loaded"] == 112
+    if not in_pieces:  # the prompt's cache fill and its first overflow piece: one loader call per layer
+        assert calls[:2] == [2, 2] and set(calls[2:]) == {1}
 
 
 def opt_pack_with_exact_predictors(tmp_path):

@@ -48,6 +48,25 @@ class LoggedReads:
                          s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, bundle_ids)))
         return s
 
+    def read_many(self, requests):
+        """FlashLoader.read_many, one log row per request (its plan's reads and bytes; the call's
+        seconds shared by bytes). Unbundled copies: each request through `read`."""
+        if self._unbundled is not None or not all(hasattr(r[1], "r0") for r in requests):
+            stats = [self.read(*r) for r in requests]
+            for other in stats[1:]:
+                stats[0].add(other)
+            return stats[0]
+        s = self._loader.read_many(requests)
+        sizes = [int((plan.r1 - plan.r0).sum()) for _, plan, _, _ in requests]
+        useful = [self._pack_bytes(layer, plan.ids) for layer, plan, _, _ in requests]
+        # the last row takes the rest of the loader's own totals: the log adds up to what it read
+        sizes[-1], useful[-1] = s.bytes_read - sum(sizes[:-1]), s.bytes_useful - sum(useful[:-1])
+        for (layer, plan, dest, _), nbytes, used in zip(requests, sizes, useful):
+            self.log.append((len(self._stats.steps) - 1, layer, len(plan.ids), nbytes, used, len(plan.r0),
+                             s.seconds * nbytes / max(1, s.bytes_read), id(dest) in self._cache_dests,
+                             self._pack_bytes(layer, plan.ids)))
+        return s
+
     def read_encoded(self, layer, out=None):
         """FlashLoader.read_encoded (a whole ENDOR layer as stored, for the decode-matvec kernels), logged."""
         words, offsets, s = self._loader.read_encoded(layer, out)

@@ -534,6 +534,28 @@ class FlashFFN(nn.Module):
             pf.release(slot, step)
         return y
 
+    def _fill(self, cache, upd, piece, step):
+        """Read the neurons the cache update gave rows (upd.fill) into them; with the first
+        overflow piece in the same loader call when it is one read plan and both stage no more
+        than the streaming buffer's bytes: the reads go out together (one wait, more in flight).
+        Returns the streaming buffer when `piece` was read into it, else None."""
+        rt = self._rt
+        if upd.fill is None or not len(upd.fill):
+            return None
+        fills = plan_chunks(rt.loader, self.layer, upd.fill, cache.max_read_bytes)
+        requests = [(self.layer, p, cache.rows, upd.fill_slots[p.index]) for p in fills]
+        buf = None
+        if piece is not None and len(fills) == 1 and \
+                (rt.max_read_bytes is None or _staged(fills[0]) + _staged(piece) <= rt.max_read_bytes):
+            buf = rt.stream_rows(self.layer)
+            requests.append((self.layer, piece, buf, np.arange(len(piece))))
+        for batch in ([requests] if buf is not None else [[r] for r in requests]):
+            t0 = time.perf_counter()
+            stats = rt.loader.read_many(batch)
+            # the fill's neurons are counted by the cache update (upd.loaded)
+            _count_read(step, stats, time.perf_counter() - t0, len(piece) if buf is not None else 0)
+        return buf
+
     def _sparse(self, x, step):
         predictor, c = self._rt.predictors[self.layer], self._current
         if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
@@ -547,7 +569,7 @@ class FlashFFN(nn.Module):
         mx.eval(mask, x)
         active = np.nonzero(np.array(mask))[0]
         cache = self._rt.caches[self.layer]
-        upd = cache.update(active, len(self._rt.stats.steps), self._rt.window)
+        upd = cache.update(active, len(self._rt.stats.steps), self._rt.window, read=False)
         step.io_s += upd.io_s
         step.io_read_s += upd.io_s
         step.decode_s += upd.decode_s
@@ -557,21 +579,28 @@ class FlashFFN(nn.Module):
         step.neurons_needed += upd.needed
         step.hits += upd.hits
         step.window.append(upd.window)
-        ids = None if self._current.resident_gate is None else cache.ids[: cache.num_used]
-        y = self._run(x, cache.rows, cache.num_used, ids=_row_ids(ids))
         rt = self._rt
         pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
             if len(upd.overflow) else []
+        first = self._fill(cache, upd, pieces[0] if pieces else None, step)
+        ids = None if self._current.resident_gate is None else cache.ids[: cache.num_used]
+        y = self._run(x, cache.rows, cache.num_used, ids=_row_ids(ids))
         for k, piece in enumerate(pieces):  # each a ReadPlan: the loader reads it as planned here
             if k:
                 mx.eval(y)  # the streaming buffer is about to be refilled
-            buf = self._read_stream(piece, step)  # row k holds bundle piece.ids[k]
+            # row k holds bundle piece.ids[k]; the first piece may have come with the cache fill
+            buf = first if k == 0 and first is not None else self._read_stream(piece, step)
             y = y + self._run(x, buf, len(piece), add_down_bias=False,
                               ids=None if self._current.resident_gate is None else _row_ids(piece.ids))
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None
         return y
+
+
+def _staged(plan) -> int:
+    """Bytes a ReadPlan's reads stage."""
+    return int((plan.r1 - plan.r0).sum())
 
 
 def _row_ids(ids):

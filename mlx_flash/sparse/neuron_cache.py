@@ -27,6 +27,8 @@ class CacheUpdate:
     evicted: int = 0
     rows_moved: int = 0  # rows copied by swap-delete
     overflow: np.ndarray = None  # needed neurons that did not fit (the caller streams them)
+    fill: np.ndarray = None  # update(read=False): neurons given rows `fill_slots`, still to be read
+    fill_slots: np.ndarray = None
     window: int = 0  # effective window after the update (tokens)
     io_s: float = 0.0
     decode_s: float = 0.0  # ENDOR: check + decode of the loaded bundles (part of io_s)
@@ -123,22 +125,32 @@ class NeuronCache:
     def load(self, neuron_ids, step: int):
         """Read `neuron_ids` (not cached, fitting) from flash into rows num_used..; ReadStats."""
         neuron_ids = np.asarray(neuron_ids, np.int64)
+        slots = np.arange(self.num_used, self.num_used + len(neuron_ids))
+        stats = read_in_chunks(self.loader, self.layer, neuron_ids, self.rows, slots, self.max_read_bytes)
+        self.claim(neuron_ids, step)
+        return stats
+
+    def claim(self, neuron_ids, step: int) -> np.ndarray:
+        """Give `neuron_ids` (not cached, fitting) rows num_used.. without reading them: the caller
+        reads them into the returned rows before anything computes with them."""
+        neuron_ids = np.asarray(neuron_ids, np.int64)
         k = len(neuron_ids)
         slots = np.arange(self.num_used, self.num_used + k)
-        stats = read_in_chunks(self.loader, self.layer, neuron_ids, self.rows, slots, self.max_read_bytes)
         self.ids[slots] = neuron_ids
         self.slot_of[neuron_ids] = slots
         self.last_active[slots] = step
         self.num_used += k
         self.rows_loaded += k
-        return stats
+        return slots
 
-    def update(self, active, step: int, window: int) -> CacheUpdate:
+    def update(self, active, step: int, window: int, read=True) -> CacheUpdate:
         """Make the cache hold the neurons `active` (sorted unique ids) at `step`.
 
         Neurons last active `window` or more steps ago leave; if the survivors and the new
         neurons still do not fit, the oldest survivors leave too (the window shrinks). Needed
-        neurons beyond the capacity are returned in `overflow`, not cached.
+        neurons beyond the capacity are returned in `overflow`, not cached. read=False: the neurons
+        that fit get their rows (`fill`, `fill_slots`) but are not read (the caller reads them,
+        e.g. in one loader call with the overflow).
         """
         t0 = time.perf_counter()
         active = np.asarray(active, np.int64)
@@ -161,7 +173,9 @@ class NeuronCache:
         out.rows_moved = self.delete(expired)
         fit, out.overflow = new[:room], new[room:]
         t1 = time.perf_counter()
-        if len(fit):
+        if len(fit) and not read:
+            out.fill, out.fill_slots, out.loaded = fit, self.claim(fit, step), len(fit)
+        elif len(fit):
             stats = self.load(fit, step)
             out.loaded, out.bytes_read, out.decode_s = len(fit), stats.bytes_read, stats.decode_seconds
         t2 = time.perf_counter()
