@@ -90,9 +90,9 @@ class LoggedReads:
 def _empty_before_update(cache):
     update = cache.update
 
-    def emptied_update(active, step, window):
+    def emptied_update(active, step, window, read=True):
         cache.delete(np.arange(cache.num_used))
-        return update(active, step, window)
+        return update(active, step, window, read=read)
 
     cache.update = emptied_update
 
