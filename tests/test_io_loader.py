@@ -359,6 +359,37 @@ def test_checksum_mismatch_is_caught(make_pack, raw):
         loader.read(0, [7], loader.alloc(0, 1))  # verification is what caught it
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_checksum_of_staged_bundles_with_padding_between_components(make_pack, monkeypatch, kernels):
+    # 4-bit group-32 rows of 96 with float16 scales: 6-byte scales/biases, each component at a
+    # 4-byte boundary, so the bundle's crc32 chains over pieces and skips the padding
+    import mlx_flash.io.loader as loader_module
+
+    if not kernels:
+        monkeypatch.setattr(loader_module, "crc32_ranges", None)
+    pack = make_pack(quantize=(4, 32), dtype="float16", hidden=96)
+    entry = read_manifest(pack)["bundles"][0]
+    pieces = [(c["offset"], c["length"]) for c in entry["components"]]
+    assert any(o != sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces))  # not tight
+    path = pack / entry["file"]
+    original = path.read_bytes()
+    pad = pieces[1][0] + pieces[1][1]  # the byte after the first scales: padding
+    assert pad < pieces[2][0]
+    for at, caught in ((entry["offset"] + 7 * entry["stride"] + pad, False),
+                       (entry["offset"] + 7 * entry["stride"] + pieces[-1][0] + 3, True)):
+        data = bytearray(original)
+        data[at] ^= 0x40
+        path.write_bytes(bytes(data))
+        with FlashLoader(pack, threads=2, cost=COST) as loader:
+            dest = loader.alloc(0, 3)
+            loader.read(0, [5, 6, 8], dest)  # neighbours are fine
+            if caught:
+                with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+                    loader.read(0, [6, 7, 8], dest)
+            else:
+                loader.read(0, [6, 7, 8], dest)
+
+
 def test_other_format_version_is_refused(make_pack):
     pack = make_pack()
     m = json.loads((pack / "manifest.json").read_text())

@@ -733,17 +733,26 @@ class FlashLoader:
 
     def _check(self, job, flat, offs):
         """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table: bundles whose
-        components are packed back to back in one kernel pass (GIL released), others one by one."""
+        components are packed back to back in one kernel pass (GIL released); bundles with padding
+        between components one crc32_ranges call per component (the crcs chain through them),
+        or one by one without the kernels."""
         crc_table, tight = job.f.crc, job.tight
         if tight:
             check_crc32s(flat, offs, np.full(len(offs), tight), crc_table[job.ids], str(job.f.path),
                          offsets=job.starts, ids=job.ids)
             return
-        for i, o in enumerate(offs.tolist()):
-            crc = crc32(flat[o: o + tight]) if tight else bundle_crc32(flat[o:], job.pieces, crc32)
-            if crc != crc_table[job.ids[i]]:
-                raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
-                                 f"(offset {int(job.starts[i])})")
+        if crc32_ranges is not None:
+            starts, crcs = np.asarray(offs, np.int64), np.zeros(len(offs), np.uint32)
+            for off, n in job.pieces:
+                crc32_ranges(flat, starts + off, n, crcs)
+            bad = np.flatnonzero(crcs != crc_table[job.ids])
+        else:
+            bad = [i for i, o in enumerate(offs.tolist())
+                   if bundle_crc32(flat[o:], job.pieces, crc32) != crc_table[job.ids[i]]]
+        if len(bad):
+            i = int(bad[0])
+            raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
+                             f"(offset {int(job.starts[i])})")
 
     def _check_rows(self, job, members):
         """crc32 of bundles that were read straight into their destination rows: with the kernels,
