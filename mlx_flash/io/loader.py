@@ -81,6 +81,11 @@ def _crc32_ranges_function():
 crc32_ranges = _crc32_ranges_function()
 
 
+def _checksum_mismatch(job, i: int) -> FlashError:
+    """The error for bundle job.ids[i] of a request whose bytes fail their crc32."""
+    return FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} (offset {int(job.starts[i])})")
+
+
 @dataclass
 class ReadStats:
     """What one `read` call did. Bytes are file bytes; seconds is wall time of the call."""
@@ -750,9 +755,7 @@ class FlashLoader:
             bad = [i for i, o in enumerate(offs.tolist())
                    if bundle_crc32(flat[o:], job.pieces, crc32) != crc_table[job.ids[i]]]
         if len(bad):
-            i = int(bad[0])
-            raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} "
-                             f"(offset {int(job.starts[i])})")
+            raise _checksum_mismatch(job, int(bad[0]))
 
     def _check_rows(self, job, members):
         """crc32 of bundles that were read straight into their destination rows: with the kernels,
@@ -764,9 +767,7 @@ class FlashLoader:
                 crc32_ranges(mat.reshape(-1), slots * mat.shape[1], n, crcs)
             bad = np.flatnonzero(crcs != job.f.crc[job.ids[members]])
             if len(bad):
-                m = int(members[bad[0]])
-                raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[m]} "
-                                 f"(offset {int(job.starts[m])})")
+                raise _checksum_mismatch(job, int(members[bad[0]]))
             return
         for m in members.tolist():
             slot, crc = int(job.slots[m]), 0
@@ -776,8 +777,7 @@ class FlashLoader:
                 for off, n, mat in job.targets:
                     crc = crc32(mat[slot, :n], crc)
             if crc != job.f.crc[job.ids[m]]:
-                raise FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[m]} "
-                                 f"(offset {int(job.starts[m])})")
+                raise _checksum_mismatch(job, m)
 
     def _staging(self, n) -> memoryview:
         """The calling thread's page-aligned staging buffer (kept and grown: size = its largest
