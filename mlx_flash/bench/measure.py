@@ -57,7 +57,7 @@ class LoggedReads:
                 stats[0].add(other)
             return stats[0]
         s = self._loader.read_many(requests)
-        sizes = [int((plan.r1 - plan.r0).sum()) for _, plan, _, _ in requests]
+        sizes = [plan.read_bytes for _, plan, _, _ in requests]
         useful = [self._pack_bytes(layer, plan.ids) for layer, plan, _, _ in requests]
         # the last row takes the rest of the loader's own totals: the log adds up to what it read
         sizes[-1], useful[-1] = s.bytes_read - sum(sizes[:-1]), s.bytes_useful - sum(useful[:-1])

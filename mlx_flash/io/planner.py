@@ -164,6 +164,11 @@ class ReadPlan:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def read_bytes(self) -> int:
+        """Bytes its reads cover (what they stage)."""
+        return int((self.r1 - self.r0).sum())
+
     def take(self, lo: int, hi: int) -> "ReadPlan":
         """The plan of bundles ids[lo:hi] alone: the reads between keep their bounds; a read cut
         at either end covers just its bundles on this side, rounded out to `align`."""

@@ -546,7 +546,7 @@ class FlashFFN(nn.Module):
         requests = [(self.layer, p, cache.rows, upd.fill_slots[p.index]) for p in fills]
         buf = None
         if piece is not None and len(fills) == 1 and \
-                (rt.max_read_bytes is None or _staged(fills[0]) + _staged(piece) <= rt.max_read_bytes):
+                (rt.max_read_bytes is None or fills[0].read_bytes + piece.read_bytes <= rt.max_read_bytes):
             buf = rt.stream_rows(self.layer)
             requests.append((self.layer, piece, buf, np.arange(len(piece))))
         for batch in ([requests] if buf is not None else [[r] for r in requests]):
@@ -596,11 +596,6 @@ class FlashFFN(nn.Module):
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None
         return y
-
-
-def _staged(plan) -> int:
-    """Bytes a ReadPlan's reads stage."""
-    return int((plan.r1 - plan.r0).sum())
 
 
 def _row_ids(ids):
