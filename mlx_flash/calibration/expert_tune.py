@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import FlashError
 from .expert_bits import switch_glus
+from .relufication import distill_kl
 
 ROLES = ("gate", "up", "down")
 
@@ -128,10 +129,9 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
             w = (w + (b0 + s0 * c)[..., None]).reshape(n_exp, out, n)
             getattr(found[layer][2], f"{r}_proj").weight = w.astype(saved[(layer, r)].dtype)
 
-    def loss_fn(p, x, teacher_logp):
+    def loss_fn(p, x, teacher_logits):
         expert_weights(p)
-        logp = nn.log_softmax(student(x).astype(mx.float32), axis=-1)
-        return mx.mean(mx.sum(mx.exp(teacher_logp) * (teacher_logp - logp), axis=-1))
+        return distill_kl(student(x).astype(mx.float32), teacher_logits)
 
     value_and_grad = mx.value_and_grad(loss_fn)
     opt = optim.Adam(learning_rate=lr)
@@ -149,8 +149,8 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
             for _ in tqdm(range(steps), desc="expert tune", unit="step", disable=not progress):
                 start = int(rng.integers(0, len(tokens) - seq_len))
                 x = mx.array(tokens[start: start + seq_len])[None]
-                teacher_logp = nn.log_softmax(teacher(x).astype(mx.float32), axis=-1)
-                loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logp))
+                teacher_logits = teacher(x).astype(mx.float32)
+                loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logits))
                 opt.update(params, grads)
                 mx.eval(params, opt.state, loss)
                 kl.append(float(loss))
