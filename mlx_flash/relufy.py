@@ -1,7 +1,7 @@
 """python -m mlx_flash.relufy: make a SwiGLU llama's FFN sparse (ReLU-family activation + fine-tuning).
 
     python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
-        [--activation relu|fatrelu:T|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
+        [--activation relu|fatrelu[:T]|cats[:T]|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
         [--checkpoint-every 50] [--resume] [--max-minutes M] [--eval-text FILE ...]
         [--layerwise-tokens 8192] [--layerwise-ridge 1e-3]
     python -m mlx_flash.relufy --curve DIR --eval-text FILE [FILE ...] [--markdown OUT] [--json OUT]
@@ -34,11 +34,11 @@ def build_parser():
                    help="held-out text (default: every 10th --text file, not trained on)")
     p.add_argument("--out", default=None, help="output model folder (holds checkpoints/ too)")
     p.add_argument("--activation", default="relu",
-                   help="relu (default), fatrelu:T (gate values > T kept), fatrelu (per-layer T from "
-                        "--target-sparsity) or drelu")
+                   help="relu (default), fatrelu:T (gate values > T kept), cats:T (SiLU kept where "
+                        "|silu| > T), fatrelu / cats (per-layer T from --target-sparsity) or drelu")
     p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
-                   help="with --activation fatrelu: each layer's threshold silences this fraction of its "
-                        "gate values on the first training sequences (e.g. 0.85)")
+                   help="with --activation fatrelu or cats: each layer's threshold silences this fraction "
+                        "of its gate values on the first training sequences (e.g. 0.85)")
     p.add_argument("--layerwise-tokens", type=int, default=8192, metavar="N",
                    help="before end-to-end training, refit each layer's down projection in closed form "
                         "on N training tokens so the layer reproduces the original model's residual "

@@ -26,7 +26,7 @@ def texts(tmp_path):
     return [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
 
 
-@pytest.mark.parametrize("spec", ["relu", "fatrelu:0.05", "drelu"])
+@pytest.mark.parametrize("spec", ["relu", "fatrelu:0.05", "drelu", "cats:0.1"])
 def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
     teacher, config = R.load_float32(src)
     act, t = R.parse_activation(spec)
@@ -39,6 +39,9 @@ def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
             h = np.maximum(g, 0) * u
         elif act == "fatrelu":
             h = np.where(g > t, g, 0) * u
+        elif act == "cats":
+            a = g / (1 + np.exp(-g))
+            h = np.where(np.abs(a) > t, a, 0) * u
         else:
             h = np.maximum(g, 0) * np.maximum(u, 0)
         want = h @ w["down_proj"].T
@@ -51,7 +54,8 @@ def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
 def test_parse_activation_rejects_bad_specs():
     assert R.parse_activation("fatrelu:0.25") == ("fatrelu", 0.25)
     assert R.parse_activation("fatrelu") == ("fatrelu", None)  # per-layer, from --target-sparsity
-    for bad in ("gelu", "relu:0.1", "relu:", "fatrelu:x", "fatrelu:-1"):
+    assert R.parse_activation("cats:0.1") == ("cats", 0.1) and R.parse_activation("cats") == ("cats", None)
+    for bad in ("gelu", "relu:0.1", "relu:", "fatrelu:x", "fatrelu:-1", "cats:-0.5", "drelu:1"):
         with pytest.raises(FlashError, match="--activation"):
             R.parse_activation(bad)
 
@@ -150,8 +154,9 @@ def test_measure_counts_zero_hidden_values(src, texts):
     assert dense["sparsity"] is None and dense["ppl"] > 1
 
 
-def test_target_sparsity_sets_per_layer_thresholds_kept_on_resume(src, texts, tmp_path):
-    kw = dict(activation="fatrelu", target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,
+@pytest.mark.parametrize("activation", ["fatrelu", "cats"])
+def test_target_sparsity_sets_per_layer_thresholds_kept_on_resume(src, texts, tmp_path, activation):
+    kw = dict(activation=activation, target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,
               progress=False, log=lambda *a: None)
     R.relufy(src, texts[:1], tmp_path / "run", steps=1, eval_files=texts[1:], eval_tokens=128, **kw)
     config = json.loads((tmp_path / "run" / "config.json").read_text())

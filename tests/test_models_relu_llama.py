@@ -1,6 +1,7 @@
 """models/relu_llama: config checks, per-layer FATReLU thresholds, active-fraction recording."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_flash.models import get_model_classes
@@ -20,11 +21,16 @@ def test_found_by_model_type_and_thresholds_per_layer():
     u = mx.array([[2.0, 2.0, 2.0, 2.0]])
     assert rl.gated_hidden(g, u, "fatrelu", 0.5).tolist() == [[0.0, 0.0, 2.0, 6.0]]
     assert rl.gated_hidden(g, -u, "drelu").tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    # cats keeps silu(g) where |silu(g)| > t: silu(-1) = -0.269, silu(0.5) = 0.311
+    np.testing.assert_allclose(rl.gated_hidden(g, u, "cats", 0.3).tolist(),
+                               [[0.0, 2 * 0.5 / (1 + np.exp(-0.5)), 2 * 1 / (1 + np.exp(-1.0)), 6 / (1 + np.exp(-3.0))]],
+                               rtol=1e-5)
+    assert rl.gated_hidden(g, u, "cats", 0.2).tolist()[0][0] != 0.0  # |silu(-1)| > 0.2: kept
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"hidden_act": "silu"}, "hidden_act 'silu'"),
-    ({"hidden_act": "relu", "activation_threshold": 0.1}, "needs hidden_act fatrelu"),
+    ({"hidden_act": "relu", "activation_threshold": 0.1}, "needs hidden_act fatrelu or cats"),
     ({"hidden_act": "fatrelu", "activation_threshold": [0.1]}, "1 values for 2 layers"),
 ])
 def test_bad_configs_are_refused(extra, message):

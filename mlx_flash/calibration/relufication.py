@@ -2,8 +2,8 @@
 ReLU-family one and fine-tuning (LLM in a flash, section 3.1 and appendix C.4; Mirzadeh et al.
 2023; FATReLU: Song et al. 2024).
 
-The swap: silu(gate x) * up x  ->  relu(gate x) * up x  (or FATReLU with a threshold t, or dReLU
-relu(gate x) * relu(up x)); the model becomes mlx-flash's `relu_llama` type (models/relu_llama.py,
+The swap: silu(gate x) * up x  ->  relu(gate x) * up x  (or FATReLU with a threshold t, dReLU
+relu(gate x) * relu(up x), or CATS: silu kept where |silu(gate x)| > t, else 0); the model becomes mlx-flash's `relu_llama` type (models/relu_llama.py,
 mlx-lm's llama with that MLP, same weight names). Fine-tuning runs with MLX on the CPU in float32
 (quantized sources are dequantized): AdamW on every weight but the (tied) embeddings, loss =
 next-token cross-entropy + `distill` x KL(teacher || student) where the teacher is the frozen
@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..paths import fsync_file
-from ..models.relu_llama import ACTIVATIONS, ActiveFractions, gated_hidden
+from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
 CHECKPOINTS = "checkpoints"
@@ -48,12 +48,13 @@ FROZEN = ("model.embed_tokens",)                   # tied input/output embedding
 # ---- activation and model ------------------------------------------------------------------------
 
 def parse_activation(spec: str) -> tuple:
-    """(hidden_act, threshold) from "relu", "fatrelu:T" (T >= 0, gate units), "fatrelu" (threshold
-    None: per-layer thresholds from a target sparsity, see gate_thresholds) or "drelu"."""
+    """(hidden_act, threshold) from "relu", "fatrelu:T" / "cats:T" (T >= 0: gate units for fatrelu,
+    |silu| units for cats), "fatrelu" / "cats" (threshold None: per-layer thresholds from a target
+    sparsity, see gate_thresholds) or "drelu"."""
     name, sep, arg = str(spec).partition(":")
     if name not in ACTIVATIONS:
-        raise FlashError(f"--activation {spec}: expected relu, fatrelu:T, fatrelu or drelu")
-    if name != "fatrelu":
+        raise FlashError(f"--activation {spec}: expected relu, fatrelu[:T], cats[:T] or drelu")
+    if name not in THRESHOLDED:
         if sep:
             raise FlashError(f"--activation {spec}: {name} takes no threshold")
         return name, 0.0
@@ -62,7 +63,7 @@ def parse_activation(spec: str) -> tuple:
     try:
         threshold = float(arg)
     except ValueError:
-        raise FlashError(f"--activation {spec}: fatrelu needs a threshold, e.g. fatrelu:0.1") from None
+        raise FlashError(f"--activation {spec}: {name} needs a number after the colon, e.g. {name}:0.1") from None
     if not math.isfinite(threshold) or threshold < 0:
         raise FlashError(f"--activation {spec}: the threshold must be a finite number >= 0")
     return name, threshold
@@ -110,10 +111,10 @@ class _GateRecorder(nn.Module):
         return y
 
 
-def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float) -> list:
-    """Per layer, the `target_sparsity` quantile of the gate pre-activations gate x of `model` (the
-    original SiLU model) over `sequences`, floored at 0: FATReLU thresholds that silence that
-    fraction of each layer's neurons on this text."""
+def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float, hidden_act: str = "fatrelu") -> list:
+    """Per layer, the threshold that silences `target_sparsity` of the gate values of `model` (the
+    original SiLU model) over `sequences`: for "fatrelu" the quantile of gate x, floored at 0; for
+    "cats" the quantile of |silu(gate x)|."""
     store = []
     layers = mlps(model)
     for mlp in layers:
@@ -124,6 +125,8 @@ def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float) -> lis
     finally:
         for mlp in layers:
             mlp.gate_proj = mlp.gate_proj.linear
+    if hidden_act == "cats":
+        store = [mx.abs(nn.silu(g)) for g in store]
     return [max(0.0, float(np.quantile(np.array(g).ravel(), target_sparsity))) for g in store]
 
 
@@ -449,7 +452,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     """Swap src's gate activation for `activation` and fine-tune it for `steps` AdamW steps of
     batch_size x seq_len tokens on train_files; write checkpoints and the final model to `out`.
 
-    target_sparsity: with activation "fatrelu" (no threshold), per-layer thresholds from
+    target_sparsity: with activation "fatrelu" or "cats" (no threshold), per-layer thresholds from
     gate_thresholds on the first `threshold_sequences` training sequences (fixed for the run).
     max_minutes: stop early (after the step that crosses it), checkpoint, and write the model.
     layerwise_tokens: before the first step, fit_layerwise on this many training tokens (whole
@@ -467,7 +470,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     hidden_act, threshold = parse_activation(activation)
     if (threshold is None) != (target_sparsity is not None):
         raise FlashError(f"--activation {activation}: a per-layer threshold needs --target-sparsity and "
-                         "--target-sparsity needs --activation fatrelu (without :T)")
+                         "--target-sparsity needs --activation fatrelu or cats (without :T)")
     if target_sparsity is not None and not 0 < target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be between 0 and 1")
     existing = checkpoint_dirs(out)
@@ -482,7 +485,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     teacher, src_config = load_float32(src)
     sequences = text_sequences(train_files, tokenizer, seq_len, max_train_tokens)
     if threshold is None and not resume:
-        threshold = gate_thresholds(teacher, sequences[:threshold_sequences], target_sparsity)
+        threshold = gate_thresholds(teacher, sequences[:threshold_sequences], target_sparsity, hidden_act)
     config = relufied_config(src_config, hidden_act, 0.0 if threshold is None else threshold)
     config["relufied_from"] = src_config.get("relufied_from") or str(src)
     eval_seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text") \

@@ -10,6 +10,9 @@ loads as is) and swaps only each block's MLP for one whose activation config.jso
                           t = activation_threshold: one number, or one per layer
                           (FATReLU, Song et al. 2024)
     hidden_act "drelu"    down(relu(gate x) * relu(up x))   (dReLU: both branches sparse)
+    hidden_act "cats"     down(cats(gate x) * up x), cats(g) = silu(g) where |silu(g)| > t else 0,
+                          t = activation_threshold as for fatrelu (CATS, Lee et al. 2024: the
+                          SiLU kept, its small values silenced)
 
 config.json: {"model_type": "relu_llama", "hidden_act": ..., "activation_threshold": t, ...plus
 every llama field}. Neuron i of a layer is inactive (contributes nothing, its weights need not be
@@ -23,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-ACTIVATIONS = ("relu", "fatrelu", "drelu")
+ACTIVATIONS = ("relu", "fatrelu", "drelu", "cats")
+THRESHOLDED = ("fatrelu", "cats")  # activations with activation_threshold
 
 
 @dataclass
@@ -39,8 +43,8 @@ class ModelArgs(llama.ModelArgs):
         if isinstance(t, list) and len(t) != self.num_hidden_layers:
             raise ValueError(f"relu_llama activation_threshold has {len(t)} values for "
                              f"{self.num_hidden_layers} layers")
-        if self.hidden_act != "fatrelu" and any(v != 0 for v in (t if isinstance(t, list) else [t])):
-            raise ValueError(f"relu_llama activation_threshold {t} needs hidden_act fatrelu")
+        if self.hidden_act not in THRESHOLDED and any(v != 0 for v in (t if isinstance(t, list) else [t])):
+            raise ValueError(f"relu_llama activation_threshold {t} needs hidden_act fatrelu or cats")
 
     def layer_threshold(self, layer: int) -> float:
         t = self.activation_threshold
@@ -55,6 +59,9 @@ def gated_hidden(gate: mx.array, up: mx.array, hidden_act: str, threshold: float
         return mx.where(gate > threshold, gate, mx.zeros_like(gate)) * up
     if hidden_act == "drelu":
         return nn.relu(gate) * nn.relu(up)
+    if hidden_act == "cats":
+        a = nn.silu(gate)
+        return mx.where(mx.abs(a) > threshold, a, mx.zeros_like(a)) * up
     raise ValueError(f"unknown hidden_act {hidden_act!r}")
 
 
