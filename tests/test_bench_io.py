@@ -164,39 +164,6 @@ def test_expert_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     assert bench_io.expert_reads(bench_of(dense), 1 << 20, with_fio=False) is None
 
 
-def test_expert_io_vs_fio_lines(tiny_llama, tmp_path, monkeypatch):
-    import shutil
-
-    import pytest
-
-    from conftest import write_tiny_moe
-    from mlx_flash.bench import io as bench_io
-    from mlx_flash.pack import read_manifest, write_pack
-
-    pack = write_pack(write_tiny_moe(tmp_path / "moe", "olmoe", layers=2), tmp_path / "moe.pack",
-                      progress=False)
-    block = next(b.stride for b in read_manifest(pack).bundles if b.kind == "experts")
-    rows = [{"label": "IO-QEXP", "pack": str(pack), "io_ms": 4.0, "bytes_read": 2 * 3 * block,
-             "preload_bytes": 0},  # 3 misses per layer call on 2 MoE layers
-            {"label": "ours", "pack": str(pack), "io_ms": 1.0, "bytes_read": 2 * block,
-             "preload_bytes": block},
-            {"label": "IO-FREE", "pack": str(pack), "io_ms": 0.0, "bytes_read": 0}]
-    if shutil.which("fio"):
-        got = bench_io.expert_io_vs_fio(rows, threads=32, total_bytes=1 << 20)
-        assert [(e["label"], e["depth"], e["preloads"]) for e in got] == [("IO-QEXP", 3, False),
-                                                                          ("ours", 1, True)]
-        runs = got[0]["fio_gbps_runs"]  # the median of 3 fio runs is the reference
-        assert len(runs) == 3 and got[0]["fio_gbps"] == sorted(runs)[1]
-        assert got[0]["fio_ms"] == pytest.approx(6 * block / (got[0]["fio_gbps"] * 1e9) * 1e3)
-        assert got[0]["over_fio"] == pytest.approx(4.0 / got[0]["fio_ms"])
-        assert bench_io.expert_io_vs_fio(rows[:1], threads=2, total_bytes=1 << 20)[0]["depth"] == 2
-        text = bench_io.expert_io_text(got)
-        assert "- IO-QEXP: I/O 4.0 ms/token" in text and "at depth 3" in text and "--iodepth" in text
-    assert bench_io.expert_io_text([]) == ""
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert bench_io.expert_io_vs_fio(rows, threads=32) == []
-
-
 def test_baseline_loader_takes_turns(tiny_llama, tmp_path, monkeypatch):
     """--baseline DIR: another checkout's FlashLoader (here this one's, imported again as
     mlx_flash_baseline) runs in the large and experts parts next to this one and fio."""

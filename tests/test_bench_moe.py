@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from mlx_flash.bench.__main__ import main as bench_main
-from mlx_flash.bench.moe import MLX_ROW, generate_moe, hit_rate_vs_slots, with_compute_paths
+from mlx_flash.bench.moe import (MLX_ROW, expert_io_accounting, expert_io_lines, generate_moe,
+                                  hit_rate_vs_slots, with_compute_paths)
 from mlx_flash.convert import main as convert_main
 from mlx_flash.moe.store import expert_layers, scratch_bank_bytes
 from mlx_flash.cpu import ops
@@ -89,7 +90,7 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
     assert "SYNTHETIC" in report and "Belady" in report and "bench run" in report
     if shutil.which("fio"):  # rows that read experts, next to fio's time for their bytes
         assert "IO-QEXP" in {e["label"].split(" (")[0] for e in result["io_vs_fio"]}
-        assert "Expert I/O vs fio" in report and "- IO-QEXP" in report
+        assert "Expert I/O per decode token vs fio" in report and "| IO-QEXP" in report
 
 
 def test_a_prompt_routed_past_the_slots_stays_within_the_budget(moe_pack):
@@ -123,3 +124,45 @@ def test_mlx_rows_alternate_each_row_with_the_kernels_off(moe_pack):
         ops.set_kernels_enabled(True)
     on = generate_moe(str(moe_pack), "dense", PROMPT, 2)
     assert off["kernels"] is False and on["kernels"] is ops.EXTENSION_AVAILABLE
+
+
+def test_io_log_splits_demand_reads_from_preloads(moe_pack):
+    m = read_manifest(moe_pack)
+    layers, top_k = len(m.bundles), m.config["num_experts_per_tok"]
+    naive = generate_moe(str(moe_pack), "naive", PROMPT, 5)["summary"]
+    log = naive["io_log"]
+    # naive: every layer call reads its top_k experts on demand, nothing in the background
+    assert log["preload"] == {} and log["preload_wait"] == {}
+    assert sum(v[0] for v in log["demand"].values()) == pytest.approx(layers)
+    assert sum(v[1] for v in log["demand"].values()) == naive["bytes_read"] > 0
+    assert set(log["demand"]) <= {str(d) for d in range(1, top_k + 1)}  # reads in flight per call
+    assert naive["io_ms"] == pytest.approx(1e3 * sum(v[2] for v in log["demand"].values()))
+    flash = generate_moe(str(moe_pack), "flash", PROMPT, 5, capacity=2 * top_k)["summary"]
+    assert flash["preload_bytes"] == sum(v[1] for v in flash["io_log"]["preload"].values()) > 0
+    waited = flash["io_log"]["preload_wait"]
+    assert flash["waited_preload_bytes"] == sum(v[1] for v in waited.values())
+    assert flash["io_ms"] == pytest.approx(1e3 * sum(
+        v[2] for kind in ("demand", "preload_wait") for v in flash["io_log"][kind].values()))
+
+
+def test_expert_io_accounting_prices_each_depth_at_its_fio_throughput():
+    gbps = {1: 1.0, 2: 2.0, 4: 4.0}
+    ref = lambda pack, depth: {"gbps": gbps[depth], "command": f"fio --iodepth={depth}"}  # noqa: E731
+    rows = [{"label": "ours", "pack": "p", "io_log": {
+        "demand": {"1": [3, 3e6, 0.006], "2": [1, 4e6, 0.003]},    # 3 calls of 1 read, 1 of 2
+        "preload": {"1": [5, 9e6, 0.02]},                           # background: not waited on
+        "preload_wait": {"4": [1, 8e6, 0.001]}}},
+        {"label": "IO-FREE", "pack": "p", "io_log": {"demand": {}, "preload": {}, "preload_wait": {}}},
+        {"label": "deep", "pack": "p", "io_log": {"demand": {"64": [1, 4e6, 0.001]}}}]
+    got = expert_io_accounting(rows, threads=4, reference=ref)
+    assert [e["label"] for e in got] == ["ours", "deep"]  # a row that waited for nothing is left out
+    e = got[0]
+    assert e["demand_mb"] == pytest.approx(7.0) and e["demand_ms"] == pytest.approx(9.0)
+    assert e["demand_fio_ms"] == pytest.approx(3e6 / 1e9 * 1e3 + 4e6 / 2e9 * 1e3)  # 3 + 2 ms
+    assert e["preload_wait_fio_ms"] == pytest.approx(2.0) and e["preload_mb"] == pytest.approx(9.0)
+    assert e["over_fio"] == pytest.approx((9.0 + 1.0) / (5.0 + 2.0))
+    assert got[1]["fio"] == {4: 4.0}  # depth capped at the loader's reads in flight
+    text = expert_io_lines(got)
+    assert "| ours | 7.0 | 9.0 | 5.0 | 8.0 | 1.0 | 2.0 | 9.0 | 1.43x |" in text
+    assert "fio GB/s by depth: 1: 1.000, 2: 2.000, 4: 4.000 (`fio --iodepth=" in text
+    assert expert_io_lines([]) == ""

@@ -672,57 +672,6 @@ def fio_ms(nbytes, reference) -> float:
     return nbytes / (reference["gbps"] * 1e9) * 1e3
 
 
-def expert_io_vs_fio(rows, threads, total_bytes=128 << 20, runs=3) -> list:
-    """`bench run` on a MoE pack: each row that waited for expert reads, its I/O ms per decode
-    token next to fio's time for the same device bytes (fio_ms at expert_fio_reference of the
-    row's pack), with as many reads in flight as the row's loader calls had: misses per MoE
-    layer call = bytes read per token / mean expert block / MoE layers, at most `threads`.
-    rows: bench.moe aggregate_moe rows ("label", "pack", "io_ms", "bytes_read", "preload_bytes").
-    fio runs `runs` times per depth and its median throughput is the reference (all in
-    "fio_gbps_runs": a shared disk moves it between runs).
-    Returns [{"label", "io_ms", "bytes_read", "depth", "fio_ms", "over_fio", "fio_gbps",
-    "fio_gbps_runs", "preloads", "command"}] ([] without fio). A row that also preloads (preloads True) waited
-    for background reads whose bytes are not in bytes_read: its ratio overstates."""
-    out, refs = [], {}
-    for row in rows:
-        if not row.get("io_ms") or not row.get("bytes_read"):
-            continue
-        experts = [b for b in read_manifest(row["pack"]).bundles if b.kind == "experts"]
-        blocks = [(g.stride, g.count) for b in experts for g in (b.groups or (b,))]
-        mean_block = sum(s * c for s, c in blocks) / sum(c for _, c in blocks)
-        depth = max(1, min(int(threads), round(row["bytes_read"] / mean_block / len(experts))))
-        key = (row["pack"], depth)
-        if key not in refs:
-            got = [expert_fio_reference(row["pack"], depth, total_bytes) for _ in range(max(1, runs))]
-            refs[key] = None if got[0] is None else {
-                **sorted(got, key=lambda r: r["gbps"])[len(got) // 2], "runs": [r["gbps"] for r in got]}
-        ref = refs[key]
-        if ref is None:
-            return []
-        ms = fio_ms(row["bytes_read"], ref)
-        out.append({"label": row["label"], "io_ms": row["io_ms"], "bytes_read": row["bytes_read"],
-                    "depth": depth, "fio_ms": ms, "over_fio": row["io_ms"] / ms,
-                    "fio_gbps": ref["gbps"], "fio_gbps_runs": ref["runs"],
-                    "preloads": bool(row.get("preload_bytes")), "command": ref["command"]})
-    return out
-
-
-def expert_io_text(entries) -> str:
-    """expert_io_vs_fio's rows as report lines ('' when there are none)."""
-    if not entries:
-        return ""
-    lines = ["", "Expert I/O vs fio (I/O ms per decode token vs fio's time for the same bytes at "
-             "the expert block size, depth = the row's misses per MoE layer call; target <= 1.3x):"]
-    for e in entries:
-        lines.append(f"- {e['label']}: I/O {e['io_ms']:.1f} ms/token for {e['bytes_read'] / 1e6:.1f} MB "
-                     f"vs fio {e['fio_ms']:.1f} ms at depth {e['depth']} ({e['fio_gbps']:.3f} GB/s, "
-                     f"median of {' / '.join(f'{g:.3f}' for g in e['fio_gbps_runs'])}): "
-                     f"{e['over_fio']:.2f}x" + (" (includes waits on background preloads, whose "
-                                                 "bytes are not counted)" if e["preloads"] else ""))
-    lines.append(f"  fio: `{entries[0]['command']}` (--iodepth per row as above)")
-    return "\n".join(lines) + "\n"
-
-
 def run_fio(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:

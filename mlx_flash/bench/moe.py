@@ -281,7 +281,6 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     """
     import resource
     import sys
-    import threading
 
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
@@ -303,28 +302,6 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
     tokenizer = load_tokenizer(Path(pack))
     load_s = time.perf_counter() - t0
     store = model.moe_store
-    counters = {"fg_s": 0.0, "wait_s": 0.0, "fg_bytes": 0, "bg_bytes": 0, "useful": 0}
-    main_thread = threading.get_ident()
-    if store is not None:
-        loader_read, wait = store.loader.read_many, store.wait_preload
-
-        def timed_read(calls):
-            t = time.perf_counter()
-            stats = loader_read(calls)
-            if threading.get_ident() == main_thread:
-                counters["fg_s"] += time.perf_counter() - t
-                counters["fg_bytes"] += stats.bytes_read
-            else:
-                counters["bg_bytes"] += stats.bytes_read
-            counters["useful"] += stats.bytes_useful
-            return stats
-
-        def timed_wait():
-            t = time.perf_counter()
-            wait()
-            counters["wait_s"] += time.perf_counter() - t
-
-        store.loader.read_many, store.wait_preload = timed_read, timed_wait
     routes = []
     if record and store is not None:
         for module in (m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)):
@@ -332,9 +309,7 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
 
     def snapshot():
         s = store
-        return {"t": time.perf_counter(), "io_s": counters["fg_s"] + counters["wait_s"],
-                "bytes": counters["fg_bytes"], "preload_bytes": counters["bg_bytes"],
-                "useful": counters["useful"],
+        return {"t": time.perf_counter(), "io": s.io_snapshot() if s else None,
                 "hits": s.cache.stats.hits if s and s.keep else 0,
                 "misses": s.cache.stats.misses if s and s.keep else 0,
                 "syncs": s.host_syncs if s else 0, "routes": len(routes)}
@@ -353,11 +328,14 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
         return (last[key] - first[key]) / n
 
     total_ms = 1e3 * per_token("t")
-    io_ms = 1e3 * per_token("io_s")
+    io_log = io_per_token(first["io"], last["io"], n)
+    io_ms = 1e3 * sum(v[2] for kind in ("demand", "preload_wait") for v in io_log[kind].values())
     accesses = (last["hits"] - first["hits"]) + (last["misses"] - first["misses"])
     summary = {"total_ms": total_ms, "io_ms": io_ms, "compute_ms": total_ms - io_ms,
-               "bytes_read": per_token("bytes"), "preload_bytes": per_token("preload_bytes"),
-               "useful_bytes": per_token("useful"),
+               "bytes_read": sum(v[1] for v in io_log["demand"].values()),
+               "preload_bytes": sum(v[1] for v in io_log["preload"].values()),
+               "waited_preload_bytes": sum(v[1] for v in io_log["preload_wait"].values()),
+               "useful_bytes": io_log["useful"], "io_log": io_log,
                "hit_rate": (last["hits"] - first["hits"]) / accesses if accesses else None,
                "host_syncs": per_token("syncs"), "prompt_ms": 1e3 * (first["t"] - t1),
                "tokens": len(marks), "peak_memory": mx.get_peak_memory(),
@@ -377,6 +355,26 @@ def generate_moe(pack, mode, prompt, gen_tokens, budget=None, threads=32, capaci
                                if store is not None and store.keep else None)}
     if record:
         out["routes"] = [(int(layer), ids.reshape(-1).tolist()) for layer, ids in routes[first["routes"]:]]
+    return out
+
+
+IO_KINDS = ("demand", "preload", "preload_wait")
+
+
+def io_per_token(first, last, tokens) -> dict:
+    """ExpertStore.io_snapshot's difference between two marks, per token: {kind: {str(reads in
+    flight): [loader calls, device bytes, seconds]}, "useful": bytes} (zeros without a store)."""
+    out = {kind: {} for kind in IO_KINDS}
+    out["useful"] = 0.0
+    if first is None:
+        return out
+    for kind in IO_KINDS:
+        for depth, now in last[kind].items():
+            before = first[kind].get(depth, [0, 0, 0.0])
+            delta = [(a - b) / tokens for a, b in zip(now, before)]
+            if delta[0] > 0:
+                out[kind][str(depth)] = delta
+    out["useful"] = (last["useful"] - first["useful"]) / tokens
     return out
 
 
@@ -437,17 +435,96 @@ def aggregate_moe(records) -> dict:
            "mode": records[0]["kwargs"]["mode"]}
     if not ok:
         return row
-    for key in ("total_ms", "io_ms", "compute_ms", "bytes_read", "preload_bytes", "hit_rate",
-                "host_syncs", "prompt_ms", "peak_memory", "peak_rss"):
-        vals = [r["value"]["summary"][key] for r in ok if r["value"]["summary"][key] is not None]
+    for key in ("total_ms", "io_ms", "compute_ms", "bytes_read", "preload_bytes",
+                "waited_preload_bytes", "hit_rate", "host_syncs", "prompt_ms", "peak_memory",
+                "peak_rss"):
+        vals = [r["value"]["summary"].get(key) for r in ok]
+        vals = [v for v in vals if v is not None]
         row[key] = statistics.fmean(vals) if vals else None
         row[key + "_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
     row["tok_s"] = 1e3 / row["total_ms"] if row["total_ms"] else None
+    logs = [r["value"]["summary"].get("io_log") or {} for r in ok]
+    row["io_log"] = {kind: {d: [sum(log.get(kind, {}).get(d, [0, 0, 0.0])[i] for log in logs) / len(logs)
+                                for i in range(3)]
+                            for d in sorted({d for log in logs for d in log.get(kind, {})}, key=int)}
+                     for kind in IO_KINDS}
     row["tokens"] = ok[0]["value"]["summary"]["tokens"]
     row["plan_weights_bytes"] = ok[0]["value"]["plan_weights_bytes"]
     row["slots_per_layer"] = ok[0]["value"]["slots_per_layer"]
     row["load_s"] = statistics.fmean(r["value"]["load_s"] for r in ok)
     return row
+
+
+def expert_io_accounting(rows, threads, total_bytes=128 << 20, runs=3, reference=None) -> list:
+    """Per row that waited for expert bytes: what the token waited for and fio's time for the same
+    bytes. rows: aggregate_moe rows ("label", "pack", "io_log" per token). For each kind of wait
+    ("demand" reads, "preload_wait" on a preload that had not landed; waited preload bytes count
+    as bytes) the fio-equivalent ms is the sum over the loader calls' depths (reads in flight,
+    at most `threads`) of their bytes / fio's throughput on the pack's expert blocks at that
+    depth (median of `runs` fio runs: a shared disk moves it). reference: (pack, depth) -> fio
+    reference dict (bench.io.expert_fio_reference by default; tests pass their own).
+    Returns [{"label", "<kind>_mb", "<kind>_ms", "<kind>_fio_ms" for demand and preload_wait,
+    "preload_mb", "wait_ms", "fio_ms", "over_fio", "fio": {depth: GB/s}, "command"}] ([] without fio).
+    """
+    from .io import expert_fio_reference, fio_ms
+
+    refs = {}
+
+    def gbps(pack, depth):
+        if (pack, depth) not in refs:
+            if reference is not None:
+                got = [reference(pack, depth)]
+            else:
+                got = [expert_fio_reference(pack, depth, total_bytes) for _ in range(max(1, runs))]
+            refs[(pack, depth)] = (None if got[0] is None
+                                   else sorted(got, key=lambda r: r["gbps"])[len(got) // 2])
+        return refs[(pack, depth)]
+
+    out = []
+    for row in rows:
+        log = row.get("io_log") or {}
+        waited = {kind: log.get(kind, {}) for kind in ("demand", "preload_wait")}
+        if not any(v[1] for kind in waited.values() for v in kind.values()):
+            continue
+        entry = {"label": row["label"], "fio": {}}
+        for kind, by_depth in waited.items():
+            entry[f"{kind}_mb"] = sum(v[1] for v in by_depth.values()) / 1e6
+            entry[f"{kind}_ms"] = 1e3 * sum(v[2] for v in by_depth.values())
+            fio = 0.0
+            for depth, (_, nbytes, _) in by_depth.items():
+                depth = max(1, min(int(threads), int(depth)))
+                ref = gbps(row["pack"], depth)
+                if ref is None:
+                    return []
+                entry["fio"][depth] = ref["gbps"]
+                entry["command"] = ref["command"]
+                fio += fio_ms(nbytes, ref)
+            entry[f"{kind}_fio_ms"] = fio
+        entry["preload_mb"] = sum(v[1] for v in log.get("preload", {}).values()) / 1e6
+        entry["wait_ms"] = entry["demand_ms"] + entry["preload_wait_ms"]
+        entry["fio_ms"] = entry["demand_fio_ms"] + entry["preload_wait_fio_ms"]
+        entry["over_fio"] = entry["wait_ms"] / entry["fio_ms"] if entry["fio_ms"] else None
+        out.append(entry)
+    return out
+
+
+def expert_io_lines(entries) -> str:
+    """expert_io_accounting's rows as report lines ('' when there are none)."""
+    if not entries:
+        return ""
+    lines = ["", "Expert I/O per decode token vs fio's time for the same bytes (O_DIRECT random "
+             "reads of the pack's expert blocks at each loader call's depth; target <= 1.3x):", "",
+             "| row | demand MB | demand ms | fio ms | waited preload MB | preload wait ms | fio ms "
+             "| background preload MB | waited / fio |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        lines.append(f"| {e['label']} | {e['demand_mb']:.1f} | {e['demand_ms']:.1f} | "
+                     f"{e['demand_fio_ms']:.1f} | {e['preload_wait_mb']:.1f} | "
+                     f"{e['preload_wait_ms']:.1f} | {e['preload_wait_fio_ms']:.1f} | "
+                     f"{e['preload_mb']:.1f} | {e['over_fio']:.2f}x |")
+    depths = sorted({d: g for e in entries for d, g in e["fio"].items()}.items())
+    lines.append("fio GB/s by depth: " + ", ".join(f"{d}: {g:.3f}" for d, g in depths)
+                 + f" (`{entries[0]['command']}`, --iodepth per depth)")
+    return "\n".join(lines) + "\n"
 
 
 def hit_rate_vs_slots(routes, n_experts, top_k, measured=None) -> list:
@@ -473,7 +550,6 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
     from ..cpu import ops
     from ..models.moe import _n_experts, top_k_of
     from . import peers as peer_mod
-    from .io import expert_io_text, expert_io_vs_fio
     from .report import write_json, write_text
 
     manifest = suite.manifest
@@ -520,9 +596,9 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
                  for r in suite.runs],
     }
     result["speedups"] = moe_speedups(table, peer_results)
-    result["io_vs_fio"] = expert_io_vs_fio(table, args.threads)
+    result["io_vs_fio"] = expert_io_accounting(table, args.threads)
     write_json(out / "results.json", result)
-    text = moe_markdown(result) + expert_io_text(result["io_vs_fio"])
+    text = moe_markdown(result) + expert_io_lines(result["io_vs_fio"])
     write_text(out / "report.md", text)
     (out / "runs.partial.json").unlink(missing_ok=True)
     print(text)

@@ -13,6 +13,7 @@ evaluates that computation: the streamed layer evaluates the previous call's pro
 pack.
 """
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,6 +147,12 @@ class ExpertStore:
         self.overflow_reads = 0
         self.bytes_read = 0
         self.read_seconds = 0.0
+        # {kind: {reads in flight: [loader calls, device bytes, seconds]}}: "demand" reads the
+        # caller blocked on, "preload" background reads, "preload_wait" waits on a preload that
+        # had not landed (its bytes, the time blocked); the bench's fio-equivalent time per depth
+        self.io_log = {"demand": {}, "preload": {}, "preload_wait": {}}
+        self.bytes_useful = 0  # expert block bytes asked for (demand and preload)
+        self._log_lock = threading.Lock()
         self.host_syncs = 0
         self.last_output = ()  # the last layer call's (lazy) product, evaluated by the next sync
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="expert-preload")
@@ -231,17 +238,39 @@ class ExpertStore:
             return
         todo = self.cache.preload(layer, experts)
         if todo:
-            self._pending = self._pool.submit(self.read, layer, self._bank_requests(layer, todo))
+            self._pending = self._pool.submit(self.read, layer, self._bank_requests(layer, todo),
+                                              "preload")
 
     def wait_preload(self):
+        """Block until the background preload has landed (logged as "preload_wait" when it had not)."""
         if self._pending is not None:
-            self._pending.result()
+            t0 = time.perf_counter()
+            landed = self._pending.done()
+            stats = self._pending.result()
+            if not landed and stats is not None:
+                self._log("preload_wait", stats, time.perf_counter() - t0)
             self._pending = None
 
-    def read(self, layer, requests):
-        """Read [(expert ids, rows, bank)] of `layer` in one loader call (`assign`'s reads)."""
+    def _log(self, kind, stats, seconds):
+        with self._log_lock:
+            entry = self.io_log[kind].setdefault(stats.reads, [0, 0, 0.0])
+            entry[0] += 1
+            entry[1] += stats.bytes_read
+            entry[2] += seconds
+            if kind != "preload_wait":
+                self.bytes_useful += stats.bytes_useful
+
+    def io_snapshot(self) -> dict:
+        """A copy of `io_log` plus "useful" (bytes_useful), safe while a preload is running."""
+        with self._log_lock:
+            return {"useful": self.bytes_useful,
+                    **{kind: {d: list(v) for d, v in log.items()} for kind, log in self.io_log.items()}}
+
+    def read(self, layer, requests, kind="demand"):
+        """Read [(expert ids, rows, bank)] of `layer` in one loader call (`assign`'s reads);
+        returns the loader's ReadStats (None when there was nothing to read)."""
         if not requests:
-            return
+            return None
         t0 = time.perf_counter()
         calls = []
         for experts, rows, bank in requests:
@@ -250,8 +279,11 @@ class ExpertStore:
             order = np.argsort(local)
             calls.append((self.groups[layer][w][0], local[order], bank, rows[order]))
         stats = self.loader.read_many(calls)
+        seconds = time.perf_counter() - t0
         self.bytes_read += stats.bytes_read
-        self.read_seconds += time.perf_counter() - t0
+        self.read_seconds += seconds
+        self._log(kind, stats, seconds)
+        return stats
 
     def close(self):
         self.wait_preload()
