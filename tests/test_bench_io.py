@@ -83,6 +83,8 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
         assert ok["read_bytes"] >= ok["bundles_per_read"] * stride and ok["device_gbps"] > 0
         assert ok["aio_ring_gbps"] > 0 or not aio.available()  # the engine alone, fio's footprint
         assert ok["aio_dest_gbps"] > 0 or not aio.available()  # ... and the loader's footprint
+        # the device profile's terms that chose zero copy or staging (io.read_cost)
+        assert ok["segment_s"] >= 0 and ok["copy_bandwidth"] >= 0
         assert small == {"size": 64, "skipped": f"bundles are {stride} bytes"}
         assert few["skipped"].startswith("bundle files hold fewer than")
         return ok
@@ -233,3 +235,51 @@ def test_destination_kinds(tiny_llama, tmp_path):
     base = buf.ctypes.data + (-buf.ctypes.data % 4096)
     run = bench_io.aio_reads([path], 16384, 3, 2, np.random.default_rng(0), base + np.arange(3) * 16384)
     assert run.bytes_read == 3 * 16384 and buf.any()
+
+
+def test_segment_kinds_land_the_same_bytes_as_one_piece(tiny_llama, tmp_path):
+    """--parts segments: the same reads as 1, 3 or size / 4 KiB iovec segments, next to fio; each
+    kind puts every 4 KiB piece of the file where io.read_cost.segment_iovecs says."""
+    import argparse
+    import shutil
+
+    import pytest
+
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.io import aio
+    from mlx_flash.io.read_cost import segment_iovecs
+    from mlx_flash.pack import write_pack
+
+    if not aio.available():
+        pytest.skip("native AIO: Linux")
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+    with_fio = bool(shutil.which("fio"))
+    (row,) = bench_io.destination_kinds(bench, [20480], 2, 1 << 20, with_fio, bench_io.SEGMENT_KINDS)
+    assert row["size"] == 20480 and row["reads"] == 51
+    for kind in bench_io.SEGMENT_KINDS:
+        assert row[f"{kind}_gbps"] > 0
+        assert (f"{kind}_over_fio" in row) == with_fio
+    # a file of one read plus a block: every read is at offset 0, so each lands the same bytes
+    src = tmp_path / "one.bin"
+    data = np.random.default_rng(1).integers(0, 256, 5 * 4096 + 4096, np.uint8)
+    src.write_bytes(data.tobytes())
+    for kind in bench_io.VECTORED_KINDS:
+        buf = np.zeros(2 * (5 * 4096 + 2 * 4096) + 4096, np.uint8)
+        base = buf.ctypes.data + (-buf.ctypes.data % 4096)
+        iov = segment_iovecs(kind, base, 5 * 4096, 2)
+        per = len(iov) // 2
+        got = bench_io.aio_reads([src], 5 * 4096, 2, 2, np.random.default_rng(0),
+                                 iov.ctypes.data + np.arange(2) * per * aio.IOVEC.itemsize, iovecs=(iov, per))
+        assert got.bytes_read == 2 * 5 * 4096
+        skip = base - buf.ctypes.data
+        for read in range(2):
+            pos = 0
+            for piece in iov[read * per: (read + 1) * per]:
+                at, n = int(piece["base"] - base) + skip, int(piece["len"])
+                assert (buf[at: at + n] == data[pos: pos + n]).all(), kind
+                pos += n
+            assert pos == 5 * 4096

@@ -740,3 +740,47 @@ def test_zero_copy_rows_are_checked_as_their_reads_land(make_pack):
         assert stats.zero_copy_reads == stats.reads == 4
         with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
             loader.read(0, [1, 7, 13], dest)
+
+
+@pytest.mark.parametrize("engine", ["aio", "threads"])
+def test_reads_are_staged_when_the_cost_model_prices_segments_above_the_copy(make_pack, engine):
+    """A zero-copy read lands each bundle's gate / up / down rows as three segments in three
+    arrays; when the cost model says copying a read's bytes out of staging takes less than its
+    extra segments, the read lands contiguously in staging instead; the same rows either way."""
+    pack = make_pack(**ALIGNED)
+    if engine == "aio" and not aio.available():
+        pytest.skip("Linux native AIO")
+    ids, slots = [1, 2, 3, 9, 15, 0], [7, 0, 3, 12, 5, 9]
+    # 12 KiB bundles: copying one (12 us at 1 GB/s) vs its 2 extra segments (2 ms, or 2 ns)
+    for cost, staged in ((ReadCost(0.0, 1e9, segment_s=1e-3, copy_bandwidth=1e9), True),
+                         (ReadCost(0.0, 1e9, segment_s=1e-9, copy_bandwidth=1e9), False),
+                         (ReadCost(0.0, 1e9, segment_s=1e-3), False)):  # copy unmeasured: zero copy
+        with FlashLoader(pack, threads=4, cost=cost, engine=engine) as loader:
+            dest = loader.alloc(0, 16)
+            stats = loader.read(0, ids, dest, slots)
+            if not stats.direct:
+                pytest.skip("filesystem refuses O_DIRECT")
+            assert stats.reads == 3  # touching bundles merged: 0-3, 9, 15
+            assert (stats.bounced_reads, stats.zero_copy_reads) == ((3, 0) if staged else (0, 3))
+            check_rows(pack, loader, 0, ids, dest, slots)
+            # whole bundles into consecutive rows: one segment per read, nothing to save
+            raw = loader.alloc_raw(0, 3)
+            assert loader.read(0, [4, 5, 6], raw).zero_copy_reads == 1
+            check_rows(pack, loader, 0, [4, 5, 6], raw, [0, 1, 2])
+
+
+def test_staged_reads_of_aligned_bundles_keep_their_checks(make_pack):
+    pack = make_pack(**ALIGNED)
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 7 * entry["stride"] + 5000] ^= 0x01  # bundle 7's up row
+    path.write_bytes(bytes(data))
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9, 1e-3, 1e9)) as loader:
+        dest = loader.alloc(0, 4)
+        stats = loader.read(0, [2, 4, 9, 12], dest)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.bounced_reads == stats.reads == 4
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+            loader.read(0, [1, 7, 13], dest)

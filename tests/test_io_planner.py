@@ -56,3 +56,24 @@ def test_only_runs_longer_than_max_read_are_split():
     got = plan_reads(starts, 12288, align=4096, cost=ReadCost(0.0, 1e9), max_read=65536)
     want = greedy_reference(starts, 12288, 4096, 0, 65536)
     assert got == want and len(got) > 60 and max(r[1] - r[0] for r in got) <= 65536
+
+
+def test_an_aio_curve_without_the_segment_term_is_measured_again(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from mlx_flash.io.read_cost import ReadCostCurve
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path))
+    dev = os.stat(tmp_path).st_dev
+    curve = ReadCostCurve([4096, 65536], [1, 32], [[2e-5, 4e-5], [1e-5, 3e-5]], segment_s=1.5e-6,
+                          copy_bandwidth=5e9)
+    old = {"sizes": curve.sizes, "depths": curve.depths, "table": curve.table}
+    (tmp_path / "io_profile.json").write_text(json.dumps(
+        {f"dev{dev}-aio-curve": old, f"dev{dev}-threads-curve": old}))
+    assert load_cost(tmp_path, 32, "aio") is None  # stored before segments were priced
+    assert load_cost(tmp_path, 32, "threads").segment_s == 0  # threads never price them
+    from mlx_flash.io.planner import save_cost
+    save_cost(tmp_path, 32, curve, "aio")
+    got = load_cost(tmp_path, 32, "aio")
+    assert (got.segment_s, got.copy_bandwidth) == (1.5e-6, 5e9)

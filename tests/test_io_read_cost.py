@@ -60,3 +60,52 @@ def test_planner_merges_by_the_curves_gap_for_the_request_size():
     starts = [0, 1024 + gap, 2 * 1024 + 2 * gap + 4096]  # the second gap is one block too wide
     assert [r[2] for r in plan_reads(starts, 1024, cost=c)] == [[0, 1], [2]]
     assert c.merge_gap_for(65536) < gap  # larger requests: reading through a gap is worth less
+
+
+def test_staging_is_chosen_when_the_copy_costs_less_than_the_extra_segments():
+    from mlx_flash.io.planner import ReadCost
+    from mlx_flash.io.read_cost import stage_saves_time
+
+    # a 64 KiB read landing as 16 pieces: 15 extra segments of 1 us = 15 us, vs copying 64 KiB
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32, segment_s=1e-6, copy_bandwidth=8e9)  # 8.2 us
+    assert stage_saves_time(c, np.array([65536]), np.array([16]))
+    assert not stage_saves_time(c, np.array([65536]), np.array([1]))  # one piece: nothing to save
+    slow_copy = ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=1e-6, copy_bandwidth=4e9)  # 16.4 us
+    assert not stage_saves_time(slow_copy, [65536], [16])
+    assert not stage_saves_time(c, [65536, 65536], [16, 2])  # 16.4 us of copy vs 16 us of segments
+    assert stage_saves_time(c, [65536, 65536], [16, 3])  # vs 17 us
+    for unmeasured in (ReadCostCurve(SIZES, DEPTHS, TABLE), ReadCost(1e-5, 1e9), None):
+        assert not stage_saves_time(unmeasured, [65536], [16])
+    assert stage_saves_time(ReadCost(1e-5, 1e9, 1e-6, 8e9), [65536], [16])
+    assert not stage_saves_time(c, [], [])
+    # the terms survive the profile round trip and a change of depth
+    back = ReadCostCurve.from_dict(c.to_dict(), depth=4)
+    assert (back.segment_s, back.copy_bandwidth) == (1e-6, 8e9) == (c.at_depth(1).segment_s, 8e9)
+    assert ReadCostCurve.from_dict({"sizes": SIZES, "depths": DEPTHS, "table": TABLE}).segment_s == 0
+
+
+@pytest.mark.parametrize("kind,want", [
+    # 5 pieces of 4 KiB per read, 2 reads: rows = 2 per array per read
+    ("dest_scattered", [[0, 4, 8, 1, 5], [2, 6, 10, 3, 7]]),
+    ("dest_adjacent", [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),
+    ("dest_thirds", [[0, 4, 8], [2, 6, 10]]),
+])
+def test_segment_iovecs(kind, want):
+    from mlx_flash.io.read_cost import segment_iovecs
+
+    iov = segment_iovecs(kind, 1 << 20, 5 * 4096, 2)
+    assert ((iov["base"] - (1 << 20)) // 4096).reshape(2, -1).tolist() == want
+    lens = iov["len"].reshape(2, -1) // 4096
+    assert (lens.sum(axis=1) == 5).all()
+    assert lens[0].tolist() == ([2, 2, 1] if kind == "dest_thirds" else [1] * 5)
+
+
+def test_measure_curve_with_aio_prices_segments_and_the_copy(tmp_path):
+    from mlx_flash.io import aio
+
+    c = measure_curve(tmp_path, sizes=(4096, 65536), depths=(4,), file_bytes=8 << 20, repeats=1,
+                      max_reads=64, engine="aio")
+    if c.engine != "aio" or not aio.available():
+        pytest.skip("native AIO with O_DIRECT")
+    assert c.segment_s >= 0 and c.copy_bandwidth > 1e8
+    assert not list(tmp_path.iterdir())

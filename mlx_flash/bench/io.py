@@ -17,8 +17,11 @@ is reported) and the loader reads with O_DIRECT. Measured:
   8. where reads land: the AIO engine alone reading into memory of several kinds (a ring of fio's
      footprint, one buffer per read in shared / private / fresh / pre-faulted / huge-page /
      mlock'd / 512-byte-offset pages, an MLX array), next to fio (destination_kinds).
---parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7, dest = 8; the
-default is all but dest). --baseline DIR runs
+  9. segments per read: the same reads into the same huge-page memory as one piece, three pieces
+     or size / 4 KiB iovecs (end to end, or dealt over three arrays as zero-copy neuron reads
+     land), next to fio (--parts segments; destination_kinds with SEGMENT_KINDS).
+--parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7, dest = 8,
+segments = 9; the default is all but dest and segments). --baseline DIR runs
 the FlashLoader of another checkout (DIR/mlx_flash, e.g. a worktree of an older commit) in 6 and 7
 too, taking turns with this one and fio: old and new measured in one run under the same load.
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
@@ -40,6 +43,7 @@ import numpy as np
 from ..errors import FlashError
 from ..io import FlashLoader, ReadCost, evict, load_cost
 from ..io.loader import measure_cost
+from ..io.read_cost import segment_iovecs
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
@@ -72,7 +76,8 @@ def add_arguments(parser):
                         help="what to measure: sweep (chunk sweep + sequential ceiling), compare "
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
                         "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio), "
-                        "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes)")
+                        "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes), "
+                        "segments (the same reads as 1, 3 or size / 4 KiB iovec segments vs fio)")
     parser.add_argument("--large-verify", action="store_true",
                         help="large part: the loaders check each bundle's crc32, as a runtime does "
                         "(default off: the device's throughput alone)")
@@ -222,6 +227,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
         probe.close()
     stride = max(e.stride for e in loader_keys.values())
     align = bench.manifest.alignment
+    landing = device_landing(bench, depth)
     rows = []
     for size in sizes:
         k = max(1, round(size / stride))
@@ -240,7 +246,9 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
             rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
             continue
         max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
-        loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=ReadCost(0.0, 1e9),
+        # merge gap 0; the device's segment and copy terms choose zero copy or staging
+        cost = ReadCost(0.0, 1e9, *landing)
+        loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=cost,
                              max_read=max_read) for name, cls in loader_classes(bench).items()}
         try:
             dests = {name: _alloc(ld, sets) for name, ld in loaders.items()}
@@ -265,7 +273,8 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
                 ld.close()
         s = res["loader"]
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
-               "zero_copy": s.zero_copy_reads == s.reads, "gbps": _gb(s.bytes_useful, s.seconds),
+               "zero_copy": s.zero_copy_reads == s.reads, "segment_s": landing[0],
+               "copy_bandwidth": landing[1], "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth,
                "verify": verify}
         for name in ("aio_ring", "aio_dest", "baseline"):
@@ -282,6 +291,21 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
     return rows
 
 
+def device_landing(bench, depth) -> tuple:
+    """(segment_s, copy_bandwidth) of the pack's device from its stored read-cost profile
+    (measured now when there is none, or --calibrate): the terms with which the loader chooses
+    zero copy or staging (io.read_cost.stage_saves_time); (0, 0) without one."""
+    paths = bench.paths()
+    probe = FlashLoader(bench.pack, threads=depth, plan=False)
+    kind = probe.cost_engine()
+    probe.close()
+    cost = None if bench.args.calibrate else load_cost(paths[0], depth, kind)
+    if cost is None:
+        print(f"measuring the read cost model ({depth} in flight, {kind})...", file=sys.stderr)
+        cost = measure_cost(paths, depth, kind)
+    return (getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0))
+
+
 def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
     """`reads` random O_DIRECT reads of `read_bytes` (4 KiB-aligned offsets) over `paths` by
     io/aio.py alone, `depth` in flight, into `ring` buffers (default `depth`: fio's buffer
@@ -296,6 +320,10 @@ def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
 
 DEST_KINDS = ("ring_shared", "ring_private", "dest_shared", "dest_private", "dest_fresh",
               "dest_populate", "dest_hugepage", "dest_scattered", "dest_mlock", "dest_512", "dest_mlx")
+# --parts segments: the same bytes into the same huge-page memory, one read = 1 segment (contiguous),
+# 3 (one piece per component array), or size / 4 KiB iovecs (adjacent, or dealt over three arrays)
+SEGMENT_KINDS = ("dest_hugepage", "dest_thirds", "dest_adjacent", "dest_scattered")
+VECTORED_KINDS = ("dest_thirds", "dest_adjacent", "dest_scattered")
 
 
 def _mapping(nbytes, private=True, populate=False, hugepage=False, lock=False):
@@ -328,7 +356,10 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
       dest_hugepage: dest_private advised MADV_HUGEPAGE before its touch (2 MiB pages when the
         kernel grants them; the row says how many were granted); dest_scattered: the same memory,
         each read a vectored read of 4 KiB pieces dealt round-robin over three arrays, as a
-        zero-copy read of neuron bundles lands its gate / up / down rows;
+        zero-copy read of neuron bundles lands its gate / up / down rows; dest_adjacent: the same
+        memory, each read size / 4 KiB iovecs of 4 KiB laid end to end (as contiguous as
+        dest_hugepage: iovecs alone); dest_thirds: the same memory, each read 3 iovecs, one run of
+        whole rows per array (bundles stored component-major: 3 segments per read);
       dest_mlock: dest_private, mlock'd; dest_512: dest_private, each read 512 bytes past a page
         boundary (one more page per read); dest_mlx: an MLX array (mx.zeros: the loader's alloc).
     Returns rows {"size", "reads", "<kind>_gbps", "<kind>_over_fio", "fio_gbps", "fio_command",
@@ -356,7 +387,7 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
                     keep[kind] = (arr, a + (-a % 4096))
                 else:
                     m, a = _mapping(n, private=kind != "dest_shared",
-                                    hugepage=kind in ("dest_hugepage", "dest_scattered"),
+                                    hugepage=kind == "dest_hugepage" or kind in VECTORED_KINDS,
                                     lock=kind == "dest_mlock")
                     np.frombuffer(m, np.uint8)[:] = 1
                     keep[kind] = (m, a)
@@ -372,13 +403,9 @@ def destination_kinds(bench, sizes, depth, total_bytes, with_fio, kinds=DEST_KIN
                 ring = reads
             else:
                 m, base, ring = None, touched(kind) + (512 if kind == "dest_512" else 0), reads
-            if kind == "dest_scattered":  # piece j of read i -> array j % 3, row i * rows + j // 3
-                per = size // 4096
-                rows = -(-per // 3)
-                i, j = np.divmod(np.arange(reads * per), per)
-                iov = np.empty(reads * per, aio.IOVEC)
-                iov["base"] = base + (j % 3 * reads * rows + i * rows + j // 3) * 4096
-                iov["len"] = 4096
+            if kind in VECTORED_KINDS:
+                iov = segment_iovecs(kind, base, size, reads)
+                per = len(iov) // reads
                 return aio_reads(paths, size, reads, depth, bench.rng, iov.ctypes.data
                                  + np.arange(reads) * per * aio.IOVEC.itemsize, iovecs=(iov, per))
             return aio_reads(paths, size, reads, depth, bench.rng, base + (np.arange(reads) % ring) * size)
@@ -431,9 +458,16 @@ def aio_reads(paths, read_bytes, reads, depth, rng, addresses, iovecs=None):
 
 
 def print_destination_kinds(rows, kinds=DEST_KINDS):
-    print("\nwhere reads land (io/aio.py alone, no loader; device GB/s, % of fio in the same run; "
-          "ring = fio's footprint of depth buffers, dest = one buffer per read; see "
-          "bench.io.destination_kinds)")
+    if kinds == SEGMENT_KINDS:
+        print("\nsegments per read (io/aio.py alone, no loader; device GB/s, % of fio in the same "
+              "run): the same reads into the same huge-page memory as 1 piece (dest_hugepage), 3 "
+              "pieces (dest_thirds), or 4 KiB iovecs end to end (dest_adjacent) or dealt over "
+              "three arrays (dest_scattered: a zero-copy read of neuron bundles); see "
+              "io.read_cost.segment_iovecs")
+    else:
+        print("\nwhere reads land (io/aio.py alone, no loader; device GB/s, % of fio in the same run; "
+              "ring = fio's footprint of depth buffers, dest = one buffer per read; see "
+              "bench.io.destination_kinds)")
     for r in rows:
         if "skipped" in r:
             print(f"  {r['size']}: skipped: {r['skipped']}")
@@ -541,6 +575,10 @@ def print_large_reads(rows, depth):
     print("(aio ring: io/aio.py alone, the same number of reads of that size, into a ring of "
           f"{depth} buffers as fio does; aio dest: the same into one buffer per read, as large as "
           "the loader's destinations, where the loader lands its reads; baseline: --baseline's loader)")
+    if rows and "segment_s" in rows[0]:
+        print(f"(path: zero-copy or staged, chosen by the device profile's segment term "
+              f"{rows[0]['segment_s'] * 1e6:.2f} us per extra segment and copy "
+              f"{rows[0]['copy_bandwidth'] / 1e9:.2f} GB/s: io.read_cost.stage_saves_time)")
     base = any("baseline_gbps" in r for r in rows)
     print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
           f"{'aio ring':>8} {'aio dest':>8} {'fio':>7} {'loader/fio':>10}"
@@ -855,7 +893,7 @@ def print_compare(result, args, top):
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
 
 
-PARTS = ("sweep", "compare", "large", "experts", "dest")
+PARTS = ("sweep", "compare", "large", "experts", "dest", "segments")
 
 
 def run(args) -> int:
@@ -888,6 +926,9 @@ def run(args) -> int:
         result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio, args.experts_per_call)
     if "dest" in parts:
         result["destination_kinds"] = destination_kinds(bench, sizes, top, args.large_mb << 20, with_fio)
+    if "segments" in parts:
+        result["segment_kinds"] = destination_kinds(bench, sizes, top, args.large_mb << 20, with_fio,
+                                                    SEGMENT_KINDS)
     result["evict_method"] = ", ".join(sorted(bench.evict_methods))
 
     print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
@@ -903,6 +944,8 @@ def run(args) -> int:
         print_expert_reads(result["expert_reads"])
     if "dest" in parts:
         print_destination_kinds(result["destination_kinds"])
+    if "segments" in parts:
+        print_destination_kinds(result["segment_kinds"], SEGMENT_KINDS)
     if args.json:
         tmp = Path(f"{args.json}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(result, indent=1))

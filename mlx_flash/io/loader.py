@@ -22,6 +22,7 @@ from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full, use_huge_pages
 from .planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, plan_read_arrays
+from .read_cost import stage_saves_time
 
 # Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
 # cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
@@ -86,6 +87,21 @@ def _checksum_mismatch(job, i: int) -> FlashError:
     return FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} (offset {int(job.starts[i])})")
 
 
+def _segments_per_read(targets, slots, first) -> np.ndarray:
+    """Destination pieces of each planned read landing zero copy (read k holds bundles
+    first[k]..first[k + 1] - 1 going to rows slots[...]): one per bundle and component when a
+    bundle goes to several arrays, else one per run of consecutive rows (memory contiguous).
+    Merge gaps and edges, which land in scratch, are not counted."""
+    if len(first) == 0:
+        return np.zeros(0, np.int64)
+    if len(targets) > 1:
+        return np.diff(np.append(first, len(slots))) * len(targets)
+    breaks = np.zeros(len(slots), np.int64)
+    breaks[1:] = np.diff(slots) != 1
+    breaks[first] = 0  # every read starts a piece of its own
+    return 1 + np.add.reduceat(breaks, first)
+
+
 @dataclass
 class ReadStats:
     """What one `read` call did. Bytes are file bytes; seconds is wall time of the call."""
@@ -139,7 +155,7 @@ class _Job:
     slots: np.ndarray  # destination row of each id
     starts: np.ndarray  # file offset of each bundle
     stride: int
-    zero_copy: bool  # every iovec meets the direct-I/O alignment: read straight into dest
+    zero_copy: bool  # read straight into dest: every iovec aligned, and no dearer than staging
     pieces: list  # [(offset, length)] of the components inside a bundle
     tight: int  # bytes covered by the components when they are packed without padding, else 0
     r0: np.ndarray  # file offset of each planned read
@@ -163,7 +179,9 @@ class FlashLoader:
     verify: check each bundle's crc32 after reading it (the kernels' crc32 when built: ~20 GB/s of
       one core here; zlib's: ~4 GB/s).
     plan: merge neighbouring bundles into larger reads using `cost` (a ReadCost); cost=None
-      loads the machine profile, calibrating once (a few seconds) if there is none.
+      loads the machine profile, calibrating once (a few seconds) if there is none. The cost's
+      segment and copy terms also decide whether reads whose destination is many pieces land
+      there directly or in one contiguous staging buffer, copied out (read_cost.stage_saves_time).
     files: the FileLayer (inject faults in tests).
     """
 
@@ -631,6 +649,8 @@ class FlashLoader:
         zero_copy = stride % align == 0 and all(
             off % align == 0 and n % align == 0 and address(mat) % align == 0
             for off, n, mat in targets)
+        if zero_copy and stage_saves_time(self.cost, r1 - r0, _segments_per_read(targets, slots, first)):
+            zero_copy = False  # one contiguous landing + a copy beats many small segments here
         return _Job(f, entry, targets, raw, ids, slots, plan.starts, stride, zero_copy, pieces, tight,
                     r0, r1, first, member_read)
 

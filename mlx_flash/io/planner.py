@@ -26,9 +26,13 @@ DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost p
 
 @dataclass
 class ReadCost:
-    """Per-read latency (seconds) and streaming bandwidth (bytes/second) of one device."""
+    """Per-read latency (seconds) and streaming bandwidth (bytes/second) of one device; optionally
+    the seconds per destination segment beyond a read's first and the bytes/second of copying
+    staged rows out (read_cost.stage_saves_time; 0: unmeasured, reads land zero copy)."""
     latency_s: float
     bandwidth: float
+    segment_s: float = 0.0
+    copy_bandwidth: float = 0.0
 
     def seconds(self, nbytes):
         """Seconds per read of `nbytes` (scalar or numpy array)."""
@@ -55,15 +59,18 @@ def _curve_key(path, engine) -> str:
 def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | None:
     """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
     or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
-    profile measured at exactly `threads`, else None."""
+    profile measured at exactly `threads`, else None. An AIO curve stored before the segment
+    term was measured (no "segment_s") counts as none: it is measured again once."""
     f = flash_home() / "io_profile.json"
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
     curve = data.get(_curve_key(path, engine))
-    if curve:
+    if curve and (engine != "aio" or "segment_s" in curve):
         return ReadCostCurve.from_dict(curve, depth=threads)
+    if curve:
+        return None
     entry = data.get(_profile_key(path, threads, engine))
     return ReadCost(entry["latency_s"], entry["bandwidth"]) if entry else None
 

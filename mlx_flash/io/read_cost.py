@@ -11,6 +11,13 @@ ones are interpolated linearly in log2(depth).
 Used by the read planner (io/planner.py: a gap between two requests is read through when one read
 of both costs less than two reads) and by the memory plan (sparse/budget.py prices a layer's
 planned reads with it). Stored per machine, device and engine in $MLX_FLASH_HOME/io_profile.json.
+
+Segments: the curve is measured with reads landing in one contiguous buffer. A read whose
+destination is many pieces (a zero-copy read of neuron bundles puts each 4 KiB gate / up / down
+row in its own array: one physical segment each) costs more on some devices (a KVM virtio disk
+here: ~1-2 us per extra segment at depth 32, whatever the read size; `bench io --parts segments`).
+`segment_s` prices that, and `copy_bandwidth` the copy out of a contiguous staging buffer that
+avoids it; `stage_saves_time` compares the two for the loader.
 """
 
 import random
@@ -23,6 +30,8 @@ import numpy as np
 DEFAULT_SIZES = (4096, 16384, 65536, 262144, 1048576)  # bytes
 DEFAULT_DEPTHS = (1, 4, 16, 32)                          # reads in flight
 GAP_STEP = 4096                                          # merge gaps are searched in blocks
+SEGMENT_SIZE = 65536  # bytes per read measuring the segment term: 16 pieces of 4 KiB vs one
+SEGMENT_REPEATS = 5  # alternated runs of each (best kept): a difference of ~20% needs several
 
 
 @dataclass
@@ -34,6 +43,8 @@ class ReadCostCurve:
     table: list
     depth: int = 32
     engine: str = field(default="threads", compare=False)  # how the measured reads were issued
+    segment_s: float = 0.0  # seconds a read costs per destination segment beyond its first (0: none)
+    copy_bandwidth: float = 0.0  # bytes/second copying staged rows out (0: unmeasured, never stage)
     _row: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -49,7 +60,8 @@ class ReadCostCurve:
         self._gaps = {}
 
     def at_depth(self, depth: int) -> "ReadCostCurve":
-        return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine)
+        return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine, self.segment_s,
+                             self.copy_bandwidth)
 
     def seconds(self, nbytes):
         """Seconds per read of `nbytes` (scalar or array) at this curve's depth."""
@@ -84,11 +96,106 @@ class ReadCostCurve:
         return self.merge_gap_for(GAP_STEP)
 
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist()}
+        return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist(),
+                "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth}
 
     @classmethod
     def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
-        return cls(d["sizes"], d["depths"], d["table"], depth)
+        return cls(d["sizes"], d["depths"], d["table"], depth, segment_s=d.get("segment_s", 0.0),
+                   copy_bandwidth=d.get("copy_bandwidth", 0.0))
+
+
+def stage_saves_time(cost, read_bytes, segments) -> bool:
+    """Whether reads of `read_bytes` (array, bytes each) whose destinations are `segments` pieces
+    each (array) cost less landing in one contiguous staging buffer and copied out than landing
+    in their pieces: copying a read's bytes (at cost.copy_bandwidth) takes less than its extra
+    segments ((segments - 1) x cost.segment_s). The copy is priced as if it did not overlap the
+    reads (on two busy cores it competes with them). False when the cost model (a ReadCostCurve
+    or planner.ReadCost) has no measured segment or copy term."""
+    seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
+    if seg <= 0 or copy_bw <= 0 or len(read_bytes) == 0:
+        return False
+    copy_s = float(np.sum(np.asarray(read_bytes, np.float64))) / copy_bw
+    return copy_s < float(np.sum(np.asarray(segments, np.float64) - 1)) * seg
+
+
+def segment_iovecs(kind, base, size, reads) -> np.ndarray:
+    """aio.IOVEC array of `reads` vectored reads of `size` bytes (a multiple of 4 KiB) into memory
+    at `base` (room for reads x (size + 8 KiB)), len // reads iovecs per read, read after read:
+      dest_scattered: 4 KiB pieces, piece j of read i -> array j % 3, row i x rows + j // 3 (a
+        zero-copy read of neuron bundles: gate / up / down rows, one iovec and segment each);
+      dest_adjacent: 4 KiB pieces end to end, read i at base + i x size (iovecs, one segment);
+      dest_thirds: 3 pieces per read, piece j (a third of the read in whole 4 KiB rows) -> array j."""
+    from .aio import IOVEC
+
+    per = size // 4096
+    rows = -(-per // 3)  # 4 KiB rows per array per read
+    if kind == "dest_thirds":
+        i, j = np.divmod(np.arange(reads * 3), 3)
+        iov = np.empty(reads * 3, IOVEC)
+        iov["base"] = base + (j * reads * rows + i * rows) * 4096
+        iov["len"] = np.minimum(rows, np.maximum(per - j * rows, 0)) * 4096
+        return iov
+    i, j = np.divmod(np.arange(reads * per), per)
+    iov = np.empty(reads * per, IOVEC)
+    if kind == "dest_scattered":
+        iov["base"] = base + (j % 3 * reads * rows + i * rows + j // 3) * 4096
+    elif kind == "dest_adjacent":
+        iov["base"] = base + (i * per + j) * 4096
+    else:
+        raise ValueError(f"segment_iovecs: unknown kind {kind!r}")
+    iov["len"] = 4096
+    return iov
+
+
+def timed_segment_reads(fd, path, file_bytes, size, n, ctx) -> tuple:
+    """(contiguous, scattered): amortized seconds per read of `n` random aligned `size`-byte reads
+    of an evicted file through the AIO context `ctx`, landing in one contiguous huge-page buffer,
+    then the same number of reads as size / 4 KiB pieces dealt over three arrays (segment_iovecs
+    'dest_scattered': a zero-copy read of neuron bundles)."""
+    from .cache import evict
+    from .files import address, aligned_buffer
+
+    buf = aligned_buffer(n * (size + 2 * 4096))
+    base = address(buf)
+    out = []
+    for scattered in (False, True):
+        evict([path])
+        offsets = np.array([random.randrange(0, file_bytes - size + 1) // 4096 * 4096 for _ in range(n)])
+        fds = np.full(n, fd)
+        if scattered:
+            iov = segment_iovecs("dest_scattered", base, size, n)
+            per = len(iov) // n
+            args = (fds, offsets, np.full(n, per), iov.ctypes.data + np.arange(n, dtype=np.uint64)
+                    * np.uint64(per * iov.itemsize), np.ones(n, bool))
+        else:
+            args = (fds, offsets, np.full(n, size), base + size * np.arange(n, dtype=np.uint64))
+        t0 = time.perf_counter()
+        res = ctx.read(*args)
+        if (res != size).any():
+            raise OSError(f"calibration read failed on {path}")
+        out.append((time.perf_counter() - t0) / n)
+    return tuple(out)
+
+
+def measure_copy_bandwidth(nbytes=32 << 20, row=4096, rows_per_copy=16, repeats=3) -> float:
+    """Bytes/second of copying staged bundles of three `row`-byte components out into three row
+    arrays, `rows_per_copy` bundles per strided numpy copy (a 64 KiB read of 4 KiB rows), as the
+    loader scatters staged reads: best of `repeats` (background load only slows a run)."""
+    from .files import aligned_buffer
+
+    bundles = nbytes // (3 * row)
+    src = np.frombuffer(aligned_buffer(bundles * 3 * row), np.uint8)
+    dst = [np.ones((bundles, row), np.uint8) for _ in range(3)]  # touched: a cache's rows
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for a in range(0, bundles, rows_per_copy):
+            k = min(rows_per_copy, bundles - a)
+            for c, mat in enumerate(dst):
+                mat[a: a + k] = np.ndarray((k, row), np.uint8, src, a * 3 * row + c * row, (3 * row, 1))
+        best = min(best, time.perf_counter() - t0)
+    return bundles * 3 * row / best
 
 
 def timed_reads(fd, path, file_bytes, size, n, depth, *, files, ctx=None) -> float:
@@ -127,7 +234,10 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
 
     Per (depth, size): min(max_reads, file_bytes / size) (at least 4 x depth) random aligned reads,
     the file evicted before each of `repeats` runs, the best kept (background load only ever
-    slows a run). engine 'aio' uses Linux native AIO when direct I/O works, else threads.
+    slows a run). engine 'aio' uses Linux native AIO when direct I/O works, else threads; with
+    AIO the segment term (64 KiB reads as 16 scattered 4 KiB pieces vs one piece, at the largest
+    depth, each the best of max(repeats, SEGMENT_REPEATS) alternated runs) and the copy bandwidth
+    are measured too.
     """
     import os
     from pathlib import Path
@@ -145,7 +255,7 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         file_bytes = path.stat().st_size
     sizes = [s for s in sizes if s <= file_bytes // 2] or [min(sizes)]
     table = np.zeros((len(depths), len(sizes)))
-    used = "threads"
+    used, segment_s, copy_bandwidth = "threads", 0.0, 0.0
     try:
         if read_path is None:
             with open(path, "wb") as f:
@@ -162,6 +272,13 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
                         n = max(4 * depth, min(max_reads, file_bytes // size))
                         table[i, j] = min(timed_reads(fd, path, file_bytes, size, n, depth, files=files, ctx=ctx)
                                           for _ in range(repeats))
+                    if ctx is not None and depth == max(depths) and file_bytes >= 2 * SEGMENT_SIZE:
+                        n = max(4 * depth, min(2 * max_reads, file_bytes // SEGMENT_SIZE))
+                        runs = [timed_segment_reads(fd, path, file_bytes, SEGMENT_SIZE, n, ctx)
+                                for _ in range(max(repeats, SEGMENT_REPEATS))]
+                        extra = min(s for _, s in runs) - min(c for c, _ in runs)
+                        segment_s = max(0.0, extra / (SEGMENT_SIZE // 4096 - 1))
+                        copy_bandwidth = measure_copy_bandwidth()
                 finally:
                     if ctx is not None:
                         ctx.close()
@@ -171,4 +288,5 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         if read_path is None:
             path.unlink(missing_ok=True)
     table = np.maximum.accumulate(table, axis=1)  # a larger read never costs less: noise otherwise
-    return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used)
+    return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used, segment_s=segment_s,
+                         copy_bandwidth=copy_bandwidth)
