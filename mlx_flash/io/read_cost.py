@@ -273,7 +273,7 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
                         table[i, j] = min(timed_reads(fd, path, file_bytes, size, n, depth, files=files, ctx=ctx)
                                           for _ in range(repeats))
                     if ctx is not None and depth == max(depths) and file_bytes >= 2 * SEGMENT_SIZE:
-                        n = max(4 * depth, min(2 * max_reads, file_bytes // SEGMENT_SIZE))
+                        n = max(4 * depth, min(max_reads, file_bytes // SEGMENT_SIZE))
                         runs = [timed_segment_reads(fd, path, file_bytes, SEGMENT_SIZE, n, ctx)
                                 for _ in range(max(repeats, SEGMENT_REPEATS))]
                         extra = min(s for _, s in runs) - min(c for c, _ in runs)
