@@ -203,24 +203,32 @@ def test_baseline_loader_takes_turns(tiny_llama, tmp_path, monkeypatch):
         bench_io.baseline_loader(tmp_path)
 
 
+def tiny_bench(tiny_llama, tmp_path):
+    """A bench.io Bench (--repeat 1) on a float16 pack of a tiny llama."""
+    import argparse
+
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.pack import write_pack
+
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    return bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+
+
 def test_destination_kinds(tiny_llama, tmp_path):
     """--parts dest: the AIO engine alone into memory of each kind, next to fio."""
-    import argparse
     import shutil
 
     import pytest
 
     from mlx_flash.bench import io as bench_io
     from mlx_flash.io import aio
-    from mlx_flash.pack import write_pack
 
     if not aio.available():
         pytest.skip("native AIO: Linux")
-    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
-                      progress=False)
-    parser = argparse.ArgumentParser()
-    bench_io.add_arguments(parser)
-    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+    bench = tiny_bench(tiny_llama, tmp_path)
     rows = bench_io.destination_kinds(bench, [16384, 1 << 30], 2, 1 << 20, with_fio=bool(shutil.which("fio")))
     ok, big = rows
     assert ok["size"] == 16384 and ok["reads"] == 64 and ok["depth"] == 2
@@ -240,7 +248,6 @@ def test_destination_kinds(tiny_llama, tmp_path):
 def test_segment_kinds_land_the_same_bytes_as_one_piece(tiny_llama, tmp_path):
     """--parts segments: the same reads as 1, 3 or size / 4 KiB iovec segments, next to fio; each
     kind puts every 4 KiB piece of the file where io.read_cost.segment_iovecs says."""
-    import argparse
     import shutil
 
     import pytest
@@ -248,15 +255,10 @@ def test_segment_kinds_land_the_same_bytes_as_one_piece(tiny_llama, tmp_path):
     from mlx_flash.bench import io as bench_io
     from mlx_flash.io import aio
     from mlx_flash.io.read_cost import segment_iovecs
-    from mlx_flash.pack import write_pack
 
     if not aio.available():
         pytest.skip("native AIO: Linux")
-    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
-                      progress=False)
-    parser = argparse.ArgumentParser()
-    bench_io.add_arguments(parser)
-    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1"]))
+    bench = tiny_bench(tiny_llama, tmp_path)
     with_fio = bool(shutil.which("fio"))
     (row,) = bench_io.destination_kinds(bench, [20480], 2, 1 << 20, with_fio, bench_io.SEGMENT_KINDS)
     assert row["size"] == 20480 and row["reads"] == 51
