@@ -38,6 +38,17 @@ def tiny_llama_pack(tiny_llama, tmp_path, name="pack", **kwargs):
     return write_pack(src, tmp_path / name, progress=False)
 
 
+def tiny_cats_pack(tiny_llama, tmp_path, thresholds, name="cats", **pack_kwargs):
+    """A tiny CATS relu_llama flash pack (byte tokenizer, vocab 256, intermediate 96): the tiny
+    llama's weights with h = silu(g) where |silu(g)| > thresholds[layer] else 0, times up x."""
+    src = tiny_llama(f"{name}-src", vocab=256, layers=len(thresholds), intermediate=96)
+    write_byte_tokenizer(src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="relu_llama", hidden_act="cats", activation_threshold=list(thresholds))
+    (src / "config.json").write_text(json.dumps(config))
+    return write_pack(src, tmp_path / name, progress=False, **pack_kwargs)
+
+
 def tiny_opt_pack(tmp_path, name="opt"):
     """A tiny float32 OPT flash pack (ReLU FFN with biases; byte tokenizer)."""
     from mlx_flash.models import opt

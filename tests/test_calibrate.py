@@ -1,5 +1,6 @@
 """python -m mlx_flash.calibrate: writes predictors into the pack; bad input is one line, exit 2."""
 
+import numpy as np
 import pytest
 
 from mlx_flash import calibrate as calibrate_cli
@@ -71,3 +72,51 @@ def test_read_only_pack_is_refused_before_the_dense_pass(llama_pack, text, capsy
         calibrate_cli.main(["--model", str(llama_pack), "--text", str(text)])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "cannot write into it (Read-only file system)" in err
+
+
+CATS_THRESHOLDS = [0.03, 0.06]  # |silu(gate x)| cuts of the tiny CATS model's two layers
+
+
+def cats_pack(tiny_llama, tmp_path, **pack_kwargs):
+    """A float16 CATS relu_llama pack and calibration text."""
+    from calibration_packs import tiny_cats_pack, write_text
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, CATS_THRESHOLDS, dtype="float16", **pack_kwargs)
+    return pack, [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+
+
+@pytest.mark.parametrize("kind, gate_bits, tolerance", [("gate-threshold", 4, 1e-3), ("quant-gate", None, 3e-2)])
+def test_cats_model_calibrates_with_its_own_thresholds_and_every_mode_computes_it(tiny_llama, tmp_path, kind,
+                                                                                  gate_bits, tolerance):
+    """The predictors' thresholds are the model's trained ones, so flash (every layer sparse) and
+    naive compute the dense CATS model: exactly with the resident gate's exact predictor (the
+    relufied model's recipe: convert --dtype float16 --gate-bits 4, calibrate --kind
+    gate-threshold), up to the 4-bit gate copy's missed neurons with quant-gate."""
+    from calibration_packs import decode_logits
+    from mlx_flash.calibration.quality import load_mode
+
+    pack, texts = cats_pack(tiny_llama, tmp_path, gate_bits=gate_bits)
+    assert calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--kind", kind,
+                               "--reorder", "--quiet"]) == 0
+    doc = read_predictors_json(pack)
+    assert doc["activation"] == "cats"
+    assert [doc["layers"][str(i)]["threshold"] for i in range(2)] == pytest.approx(CATS_THRESHOLDS)
+    stats = [doc["layers"][str(i)]["stats"] for i in range(2)]
+    assert all(0.05 < s["active"] < 0.95 for s in stats), stats  # the thresholds cut, not all or nothing
+    if kind == "gate-threshold":
+        assert all(s["predicted"] == s["active"] and s["recall"] == 1 for s in stats)
+    ids = [5, 17, 99, 3, 42, 7, 61]
+    dense = decode_logits(load_mode(pack, "dense")[0], ids)
+    np.testing.assert_allclose(decode_logits(load_mode(pack, "naive")[0], ids), dense, rtol=1e-3, atol=1e-3)
+    flash, _ = load_mode(pack, "flash", all_sparse=True)
+    np.testing.assert_allclose(decode_logits(flash, ids), dense, rtol=tolerance, atol=tolerance)
+    needed = [step.neurons_needed for step in flash.flash_stats.steps]
+    assert len(needed) == len(ids) and max(needed) < 0.95 * 2 * 96  # the mask skips neurons
+
+
+def test_cats_model_refuses_a_target_sparsity(tiny_llama, tmp_path, capsys):
+    pack, texts = cats_pack(tiny_llama, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--target-sparsity", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "CATS model's thresholds are its own" in err[0], err

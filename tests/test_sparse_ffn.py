@@ -146,9 +146,12 @@ def relu_llama_pack(tiny_llama, tmp_path, **act):
     return write_pack(src, tmp_path / "pack", progress=False)
 
 
-def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monkeypatch):
-    """relu_llama with FATReLU (threshold 0.05): the gated-ReLU kernel with the threshold as its mask."""
-    pack = relu_llama_pack(tiny_llama, tmp_path, hidden_act="fatrelu", activation_threshold=0.05)
+@pytest.mark.parametrize("hidden_act, kernel_act", [("fatrelu", "relu_gated"), ("cats", "silu")])
+def test_gpu_path_runs_thresholded_relu_llamas_on_the_kernels(tiny_llama, tmp_path, monkeypatch, hidden_act,
+                                                              kernel_act):
+    """relu_llama with FATReLU or CATS (threshold 0.05, predictors without one): the gated-ReLU or
+    SiLU kernel with the model's threshold as its mask."""
+    pack = relu_llama_pack(tiny_llama, tmp_path, hidden_act=hidden_act, activation_threshold=0.05)
     predictors = {i: all_neurons(96) for i in range(2)}
     capacity = {0: 40, 1: 96}
     want = run_steps(build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity=capacity))
@@ -156,7 +159,7 @@ def test_gpu_path_runs_fatrelu_llamas_on_the_kernels(tiny_llama, tmp_path, monke
     model = build_flash_model(pack, FlashConfig("flash"), predictors=predictors, capacity=capacity)
     got = run_steps(model)
     assert ran.count("sparse_up") >= 2 * len(TOKENS)
-    assert {layer.mlp._fused_act for layer in model.layers} == {"relu_gated"}
+    assert {layer.mlp._fused_act for layer in model.layers} == {kernel_act}
     for x, y in zip(got, want):
         assert mx.allclose(x, y, atol=1e-3, rtol=1e-3).item()
 

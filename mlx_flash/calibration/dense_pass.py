@@ -64,7 +64,8 @@ def dequantized(weights: dict, quantization) -> dict:
 
 def ffn_activation(config, manifest) -> str:
     """Name (predictor.activation_fn) of the FFN activation of the pack's model; "fatrelu" for a
-    relu_llama with FATReLU, whose threshold is per layer."""
+    relu_llama with FATReLU, whose threshold is per layer; "cats" for a relu_llama with CATS
+    (silu, each layer's |silu| threshold the model's own: install_masked_ffns)."""
     arch = manifest.bundles[0].arch
     if arch == "opt":
         return "relu"
@@ -72,9 +73,9 @@ def ffn_activation(config, manifest) -> str:
         return "gelu_approx"
     if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "drelu":
         raise FlashError("config.json: hidden_act drelu (ReLU on gate and up) is not supported for "
-                         "calibration; relufy with relu or fatrelu")
-    if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "fatrelu":
-        return "fatrelu"  # per layer "fatrelu:T" (install_masked_ffns)
+                         "calibration; relufy with relu, fatrelu or cats")
+    if config.get("model_type") == "relu_llama" and config.get("hidden_act") in ("fatrelu", "cats"):
+        return config["hidden_act"]  # per layer "fatrelu:T", or silu with threshold T (install_masked_ffns)
     name = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     names = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu",
              "gelu_new": "gelu_approx", "gelu_pytorch_tanh": "gelu_approx"}
@@ -131,6 +132,8 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
     """Swap every layer's `mlp` for a MaskedFFN on the same weights; returns {layer: MaskedFFN}.
 
     Each swap is checked against the original FFN on a probe input (catches a wrong activation).
+    activation "cats": each layer's MaskedFFN is silu with the model's threshold for that layer,
+    which is CATS exactly (h_i = silu(g_i) up_i x where |silu(g_i)| > t, else 0).
     """
     ffns = {}
     for entry in manifest.bundles:
@@ -140,9 +143,11 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
         src = entry.modules()  # {role: module}, a resident gate's included
         i = entry.layer
         layer = model.layers[i]
-        layer_act = f"fatrelu:{model.args.layer_threshold(i)}" if activation == "fatrelu" else activation
+        layer_act = f"fatrelu:{model.args.layer_threshold(i)}" if activation == "fatrelu" \
+            else "silu" if activation == "cats" else activation
+        threshold = model.args.layer_threshold(i) if activation == "cats" else 0.0
         ffn = MaskedFFN(_module_at(model, src["gate"]) if "gate" in src else None,
-                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), layer_act)
+                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), layer_act, threshold)
         old = getattr(layer, "mlp", None)
         if old is not None:
             probe = mx.random.normal((1, 3, hidden), key=mx.random.key(i))

@@ -62,6 +62,15 @@ def sparsity_threshold(abs_act: np.ndarray, target_sparsity: float) -> float:
     return float(np.quantile(abs_act, target_sparsity))
 
 
+def layer_threshold(ffn, abs_act_train: np.ndarray, target_sparsity: float) -> float:
+    """The layer's activation threshold (|act| units): the model's own when it has one (a CATS
+    relu_llama: the trained threshold, so every mode computes the same model), else the
+    `target_sparsity` quantile of the training tokens' |act| (abs_act_train)."""
+    if ffn.threshold > 0:
+        return float(ffn.threshold)
+    return sparsity_threshold(abs_act_train, target_sparsity)
+
+
 class LowRankClassifier(nn.Module):
     """logits = B (A x) + bias: the paper's low-rank predictor before its sigmoid."""
 
@@ -278,7 +287,7 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     read per token (sparse.budget.measured_read_seconds), for the memory plan."""
     abs_act = layer_activations(ffn, x, dtype)
     n = abs_act.shape[1]
-    threshold = sparsity_threshold(abs_act[:n_train], target_sparsity)
+    threshold = layer_threshold(ffn, abs_act[:n_train], target_sparsity)
     active = abs_act > threshold
     del abs_act
     factors, cut, quant = None, 0.0, None
@@ -337,13 +346,16 @@ def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, 
     kind = kind or default_kind(gated, activation)
     check_kind(kind, gated, activation)
     relu = activation == "relu" and not gated
-    if target_sparsity is None:
-        target_sparsity = 0.0 if relu else DEFAULTS["target_sparsity"]
+    if target_sparsity is None:  # relufied models: their own sparsity (FATReLU zeros, CATS thresholds)
+        target_sparsity = 0.0 if relu or activation in ("fatrelu", "cats") else DEFAULTS["target_sparsity"]
     if not 0 <= target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be in [0, 1)")
     if relu and target_sparsity > 0:
         raise FlashError(f"--target-sparsity {target_sparsity}: ReLU models use their natural "
                          "sparsity (threshold 0); leave it out")
+    if activation == "cats" and target_sparsity > 0:
+        raise FlashError(f"--target-sparsity {target_sparsity}: a CATS model's thresholds are its own "
+                         "(config.json activation_threshold); leave it out")
     if kind in ("all", "exact-relu"):
         target_sparsity = 0.0
     prob_threshold = DEFAULTS["threshold"] if threshold is None else float(threshold)

@@ -17,7 +17,7 @@ from ..pack.reorder import reorder_pack
 from ..sparse.neuron_order import bytes_per_token, coactivation_order, frequency_order
 from ..sparse.predictor import PREDICTORS_FILE, PREDICTORS_JSON
 from .dense_pass import CalibrationData
-from .fit import layer_activations, sparsity_threshold
+from .fit import layer_activations, layer_threshold
 
 MAX_ORDER_TOKENS = 4096  # activity rows the order is fitted on (cost grows with tokens x neurons)
 
@@ -26,7 +26,7 @@ def layer_activity(data: CalibrationData, layer: int, target_sparsity: float) ->
     """bool [tokens, n]: the thresholded model's active neurons of `layer` on every calibration
     token (threshold from the training tokens, as calibrate_layer sets it)."""
     abs_act = layer_activations(data.ffns[layer], data.xs[layer], data.dtype)
-    return abs_act > sparsity_threshold(abs_act[: data.n_train], target_sparsity)
+    return abs_act > layer_threshold(data.ffns[layer], abs_act[: data.n_train], target_sparsity)
 
 
 def neurons_per_block(entry: dict, alignment: int) -> int:

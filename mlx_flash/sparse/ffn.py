@@ -355,8 +355,11 @@ class FlashFFN(nn.Module):
         c = self._current
         if not gated:
             return "relu", c.threshold
+        own = float(getattr(self.mlp, "threshold", 0.0))  # relu_llama's FATReLU / CATS threshold
         if getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
-            return "relu_gated", max(float(getattr(self.mlp, "threshold", 0.0)), c.threshold)
+            return "relu_gated", max(own, c.threshold)
+        if getattr(self.mlp, "hidden_act", "silu") == "cats":
+            return "silu", max(own, c.threshold)
         return "silu", c.threshold  # the predictor's thresholded model (CurrentRows)
 
     def __call__(self, x):

@@ -17,7 +17,7 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
     "all"             sparsity off: every neuron
     "exact-relu"      ReLU models, resident up projection: mask = up(x) + b > 0 (exact)
     "gate-threshold"  gated models, resident gate: mask = |act(gate x)| > threshold (exact for the
-                      thresholded model)
+                      thresholded model; a CATS relu_llama's threshold is its trained one)
     "low-rank"        the paper's predictor: mask = sigmoid(B (A x) + bias) > prob_threshold
     "low-rank-gate"   gated models, gate streamed with the bundle: g = B (A x) + bias is a rank-r
                       approximation of gate x (fitted to calibration activations), and
@@ -247,7 +247,7 @@ def validate_predictors(doc: dict, path, manifest) -> None:
     1..n non-decreasing, a known activation."""
     c = FieldCheck(path)
     check_checksum(doc, path)
-    c.str(doc.get("activation", "silu"), "activation", (*ACTIVATIONS, "fatrelu"))
+    c.str(doc.get("activation", "silu"), "activation", (*ACTIVATIONS, "fatrelu", "cats"))
     if doc.get("tensors_file") is not None:
         c.str(doc["tensors_file"], "tensors_file", (PREDICTORS_FILE,))
         c.int(c.get(doc, "tensors_crc32"), "tensors_crc32", 0, 2 ** 32 - 1)
