@@ -7,7 +7,8 @@
 Runs the pack's model dense (float32) over the text, records every layer's FFN input x (the
 normalised attention output), then per layer:
   * threshold t: for gated (SwiGLU) models the |act(gate x)| value below which --target-sparsity
-    of the calibration activations lie (CATS); ReLU models use t = 0 (their natural sparsity);
+    of the calibration activations lie (CATS); ReLU models use t = 0 (their natural sparsity); a
+    relu_llama relufied with CATS uses its own trained per-layer thresholds;
   * predictor (--kind), fitted on the first 90% of the tokens:
       "low-rank-gate" (gated default): B (A x) + bias, the best rank-r estimate of gate x on the
         calibration inputs (PCA of the gate pre-activations); mask = |act(estimate)| > cut, the
@@ -51,7 +52,8 @@ def build_parser():
                              "exact-relu (ReLU models, resident up, exact), all (sparsity off)")
     parser.add_argument("--target-sparsity", type=float, default=None,
                         help="gated models: fraction of |act(gate x)| thresholded to zero "
-                             f"(default {DEFAULTS['target_sparsity']}); ReLU models: natural sparsity")
+                             f"(default {DEFAULTS['target_sparsity']}); ReLU and FATReLU models: their "
+                             "natural sparsity (default 0); CATS models: their own thresholds (refused)")
     parser.add_argument("--rank", type=int, default=None,
                         help=f"low-rank predictor rank (default {DEFAULTS['rank']})")
     parser.add_argument("--rank-per-layer", default=None, metavar="LAYERS:RANK[,...]",
