@@ -137,7 +137,8 @@ def test_io_log_splits_demand_reads_from_preloads(moe_pack):
     assert sum(v[1] for v in log["demand"].values()) == naive["bytes_read"] > 0
     assert set(log["demand"]) <= {str(d) for d in range(1, top_k + 1)}  # reads in flight per call
     assert naive["io_ms"] == pytest.approx(1e3 * sum(v[2] for v in log["demand"].values()))
-    flash = generate_moe(str(moe_pack), "flash", PROMPT, 5, capacity=2 * top_k)["summary"]
+    flash = generate_moe(str(moe_pack), "flash", PROMPT, 5, capacity=2 * top_k,
+                         preload_width=top_k)["summary"]
     assert flash["preload_bytes"] == sum(v[1] for v in flash["io_log"]["preload"].values()) > 0
     waited = flash["io_log"]["preload_wait"]
     assert flash["waited_preload_bytes"] == sum(v[1] for v in waited.values())

@@ -115,7 +115,9 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
 
     policy: eviction policy (moe.cache.POLICIES). predictor: "lookahead" (next router on this
     layer's input), "profile" (`profile`, a moe.predict.RoutingProfile) or "none"; flash mode only.
-    preload_width: experts preloaded per layer (default top_k; at most slots - top_k).
+    preload_width: experts preloaded per layer, always (at most slots - top_k). Default: the
+      next layer's top_k guesses are candidates and as many are read as one read per expert
+      lands within the measured compute time of a layer (none when reads are slower: moe.store).
     capacity: slots per layer (int, or {layer: slots}) instead of the budget's. Without it a pack
       with calibration routing statistics splits the budget's slots over layers by them
       (`layer_slots`). future: access trace for policy "belady".
@@ -170,11 +172,13 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     patch_layers(model)
     if resident_bank:
         for layer, entry in layers.items():
-            store.preload(layer, range(entry.count))
-            store.wait_preload()
+            store.fill(layer, range(entry.count))
     # Preloads only use the slots beyond one token's experts: wider guesses evict experts the
     # cache would have hit (measured: 8 of 16 slots, width 6 read 3x the bytes of no preload).
     width = min(preload_width or top_k, slots - top_k)
+    # How many of them are read: as many as the measured compute window hides (moe.store),
+    # or all `preload_width` when it is given
+    store.max_preload, store.adaptive = width, preload_width is None
     if cfg.mode == "flash" and predictor != "none" and width > 0:
         order = list(layers)
         for i, layer in enumerate(order[:-1]):

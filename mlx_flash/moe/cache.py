@@ -27,6 +27,7 @@ class CacheStats:
     misses: int = 0
     preloads: int = 0        # experts read ahead of their layer
     preload_hits: int = 0    # accesses served by an expert that was read ahead and not yet used
+    preload_cancelled: int = 0  # preloads dropped before their read started
 
     @property
     def hit_rate(self) -> float:
@@ -73,6 +74,7 @@ class ExpertCache:
         self.last_use, self.count = {}, {}
         self.pinned = set()       # keys the pending computation still reads
         self.preloaded = set()    # keys read ahead and not yet accessed
+        self.busy = set()         # keys whose slot a background read may still be writing
         self.clock = 0
         self.stats = CacheStats()
         self.current_layer = self.layers[0] if self.layers else None
@@ -140,13 +142,22 @@ class ExpertCache:
             key = (layer, int(e))
             if key in self.slot:
                 continue
-            if not self._place(key, keep=self.pinned | self.preloaded):
+            if not self._place(key, keep=self.pinned | self.preloaded | self.busy):
                 break
             self.preloaded.add(key)
             self.last_use.setdefault(key, self.clock - 1)
             self.stats.preloads += 1
             out.append((int(e), self.slot[key]))
         return out
+
+    def cancel(self, key):
+        """Drop a preloaded (layer, expert) whose read never started: its slot is free again."""
+        if key not in self.slot:
+            return
+        self.free[self.pool(key)].append(self.slot.pop(key))
+        self.members[self.pool(key)].discard(key)
+        self.preloaded.discard(key)
+        self.stats.preload_cancelled += 1
 
     def cached(self, layer):
         """{expert: slot} of `layer`'s experts in the bank."""
@@ -167,7 +178,7 @@ class ExpertCache:
         if self.free[pool]:
             slot = self.free[pool].pop()
         else:
-            keep = self.pinned if keep is None else keep
+            keep = self.pinned | self.busy if keep is None else keep
             candidates = [k for k in self.members[pool] if k not in keep]
             if not candidates:
                 return False

@@ -13,9 +13,9 @@ evaluates that computation: the streamed layer evaluates the previous call's pro
 pack.
 """
 
+import collections
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -149,14 +149,30 @@ class ExpertStore:
         self.read_seconds = 0.0
         # {kind: {reads in flight: [loader calls, device bytes, seconds]}}: "demand" reads the
         # caller blocked on, "preload" background reads, "preload_wait" waits on a preload that
-        # had not landed (its bytes, the time blocked); the bench's fio-equivalent time per depth
-        self.io_log = {"demand": {}, "preload": {}, "preload_wait": {}}
+        # had not landed (its bytes, the time blocked), "fill" reads at load; the bench prices
+        # each depth at fio's throughput
+        self.io_log = {"demand": {}, "preload": {}, "preload_wait": {}, "fill": {}}
         self.bytes_useful = 0  # expert block bytes asked for (demand and preload)
         self._log_lock = threading.Lock()
         self.host_syncs = 0
         self.last_output = ()  # the last layer call's (lazy) product, evaluated by the next sync
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="expert-preload")
-        self._pending = None
+        # Background preloads: one expert per loader call, in priority order, so a layer waits
+        # for at most the one read in flight and only when it needs that expert; queued ones are
+        # cancelled when their layer routes (its misses then go out as one demand read).
+        self._queue = collections.deque()  # [(layer, expert, global slot)] not started
+        self._inflight = None  # (layer, expert) the worker is reading
+        self._inflight_stats = None  # ReadStats of the last preload read
+        self._worker_error = None
+        self._cond = threading.Condition()
+        self._worker = None
+        self._closing = False
+        # Preload width by measurement: the experts one background read per expert can land in
+        # the time between a layer's preload and the next layer's routing (both EMAs, seconds).
+        self.max_preload = None  # experts per layer at most (None: as many as offered)
+        self.adaptive = True  # False: always max_preload (a fixed width)
+        self.window_s = None  # a layer's compute: preload issued -> next layer routes
+        self.expert_read_s = None  # one expert read at depth 1 (preloads; demand until then)
+        self._offered_at = None
 
     def quantization(self, role, width=None):
         """{"group_size", "bits"} of a role's weight ("gate", "up", "down") in the bank of
@@ -190,8 +206,8 @@ class ExpertStore:
         (allocated on first use), so results stay exact at any cache size; the next layer's host
         sync has consumed it before reuse.
         """
-        self.wait_preload()
         distinct = np.unique(ids)
+        self._settle(layer, distinct)
         n = self.n_experts(layer)
         if distinct.size and (distinct[0] < 0 or distinct[-1] >= n):
             raise FlashError(f"{self.loader.pack}: layer {layer} routed to expert {int(distinct[-1])} "
@@ -232,24 +248,103 @@ class ExpertStore:
         widths = self.width_of[layer][experts]
         return [(experts[widths == w], rows[widths == w], self.banks[w]) for w in np.unique(widths).tolist()]
 
-    def preload(self, layer, experts):
-        """Read `experts` of `layer` (priority order) into free or evictable slots, in the background."""
+    def preload_limit(self) -> int:
+        """Experts to preload for the next layer now: as many one-expert reads as fit in the
+        measured compute window (0 when a read takes longer than a layer computes, or before
+        anything is measured), at most `max_preload`."""
+        if not self.adaptive:
+            return self.max_preload if self.max_preload is not None else 1 << 30
+        if self.window_s is None or not self.expert_read_s:
+            return 0
+        n = int(self.window_s / self.expert_read_s)
+        return n if self.max_preload is None else min(n, self.max_preload)
+
+    def preload(self, layer, experts, limit=None):
+        """Queue background reads of the first `limit` (default `preload_limit()`) of `experts`
+        (priority order) of `layer` that are not cached, into free or evictable slots; marks the
+        start of the compute window the next `assign` measures."""
+        self._offered_at = time.perf_counter()
         if not self.keep:
             return
-        todo = self.cache.preload(layer, experts)
-        if todo:
-            self._pending = self._pool.submit(self.read, layer, self._bank_requests(layer, todo),
-                                              "preload")
+        limit = self.preload_limit() if limit is None else limit
+        wanted = [int(e) for e in experts if (layer, int(e)) not in self.cache.slot][:limit]
+        todo = self.cache.preload(layer, wanted)
+        if not todo:
+            return
+        with self._cond:
+            self._queue.extend((layer, e, slot) for e, slot in todo)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._preload_worker, daemon=True,
+                                                name="expert-preload")
+                self._worker.start()
+            self._cond.notify_all()
+
+    def fill(self, layer, experts):
+        """Read `experts` of `layer` into slots now, on this thread (a resident bank at load)."""
+        self.read(layer, self._bank_requests(layer, self.cache.preload(layer, experts)), "fill")
 
     def wait_preload(self):
-        """Block until the background preload has landed (logged as "preload_wait" when it had not)."""
-        if self._pending is not None:
-            t0 = time.perf_counter()
-            landed = self._pending.done()
-            stats = self._pending.result()
-            if not landed and stats is not None:
-                self._log("preload_wait", stats, time.perf_counter() - t0)
-            self._pending = None
+        """Block until every queued preload has landed."""
+        with self._cond:
+            while self._queue or self._inflight is not None:
+                self._cond.wait()
+        self._raise_worker_error()
+
+    def _preload_worker(self):
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                layer, expert, slot = self._queue.popleft()
+                self._inflight = (layer, expert)
+            stats, error = None, None
+            try:
+                stats = self.read(layer, self._bank_requests(layer, [(expert, slot)]), "preload")
+            except Exception as e:  # re-raised on the caller's thread at its next settle
+                error = e
+            with self._cond:
+                self._inflight, self._inflight_stats = None, stats
+                self._worker_error = self._worker_error or error
+                self._cond.notify_all()
+
+    def _raise_worker_error(self):
+        if self._worker_error is not None:
+            error, self._worker_error = self._worker_error, None
+            raise error
+
+    def _settle(self, layer, needed):
+        """Before `layer` routes to `needed`: cancel the preloads not started (their slots go
+        back; needed ones become this call's demand reads), wait for the one in flight only if
+        this call needs it, else keep its slot from being reused until it lands; measure the
+        compute window since the preload was offered."""
+        now = time.perf_counter()
+        if self._offered_at is not None:
+            window = now - self._offered_at
+            self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
+            self._offered_at = None
+        with self._cond:
+            queued, inflight = list(self._queue), self._inflight
+            self._queue.clear()
+        for l, e, _ in queued:
+            self.cache.cancel((l, e))
+        self.cache.busy.clear()
+        if inflight is not None:
+            # this call needs it, or needs every slot of the partition it is landing in
+            crowded = (inflight[0] == layer and self.keep and needed.size
+                       >= self.cache.capacity_of(layer, inflight[1]))
+            if (inflight[0] == layer and inflight[1] in needed) or crowded:
+                t0 = time.perf_counter()
+                with self._cond:
+                    while self._inflight == inflight:
+                        self._cond.wait()
+                    stats = self._inflight_stats
+                if stats is not None:
+                    self._log("preload_wait", stats, time.perf_counter() - t0)
+            else:
+                self.cache.busy.add(inflight)
+        self._raise_worker_error()
 
     def _log(self, kind, stats, seconds):
         with self._log_lock:
@@ -259,6 +354,10 @@ class ExpertStore:
             entry[2] += seconds
             if kind != "preload_wait":
                 self.bytes_useful += stats.bytes_useful
+            if kind in ("demand", "preload") and stats.bundles:  # seconds per expert read
+                per = seconds / stats.bundles
+                self.expert_read_s = (per if self.expert_read_s is None
+                                      else 0.8 * self.expert_read_s + 0.2 * per)
 
     def io_snapshot(self) -> dict:
         """A copy of `io_log` plus "useful" (bytes_useful), safe while a preload is running."""
@@ -286,5 +385,10 @@ class ExpertStore:
         return stats
 
     def close(self):
-        self.wait_preload()
-        self._pool.shutdown()
+        """Let the queued preloads land, then stop the preload thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None

@@ -220,13 +220,16 @@ def _gather_sort(x, indices):
 
 
 def _by_votes(ahead_ids: np.ndarray) -> list:
-    """Predicted experts ordered by how many tokens' lookahead chose them (most first)."""
-    values, counts = np.unique(ahead_ids.reshape(-1), return_counts=True)
-    return [int(v) for v in values[np.argsort(-counts, kind="stable")]]
+    """Predicted experts ordered by how many tokens' lookahead chose them (most first), ties by
+    their best rank in a token's guesses (`ahead_ids` [..., width], each row best first)."""
+    by_rank = np.moveaxis(ahead_ids.reshape(-1, ahead_ids.shape[-1]), -1, 0).reshape(-1)
+    values, first, counts = np.unique(by_rank, return_index=True, return_counts=True)
+    order = np.lexsort((first, -counts))
+    return [int(v) for v in values[order]]
 
 
 def router_lookahead(block, width):
-    """callable(x) -> top-`width` expert ids of `block`'s router applied to x (lazy).
+    """callable(x) -> top-`width` expert ids of `block`'s router applied to x (lazy), best first.
 
     block: the next layer's MoE block (mlx-lm: `.gate` is an nn.Linear router, or deepseek's
     MoEGate whose `.weight` is the router matrix).
@@ -236,7 +239,9 @@ def router_lookahead(block, width):
 
     def lookahead(x):
         logits = gate(x) if is_linear else x @ gate.weight.T
-        return mx.argpartition(-logits, kth=width - 1, axis=-1)[..., :width]
+        top = mx.argpartition(-logits, kth=width - 1, axis=-1)[..., :width]
+        best_first = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+        return mx.take_along_axis(top, best_first, axis=-1)
     return lookahead
 
 
