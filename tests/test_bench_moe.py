@@ -167,3 +167,16 @@ def test_expert_io_accounting_prices_each_depth_at_its_fio_throughput():
     assert "| ours | 7.0 | 9.0 | 5.0 | 8.0 | 1.0 | 2.0 | 9.0 | 1.43x |" in text
     assert "fio GB/s by depth: 1: 1.000, 2: 2.000, 4: 4.000 (`fio --iodepth=" in text
     assert expert_io_lines([]) == ""
+
+
+def test_moe_rows_picks_the_rows_to_run(moe_pack):
+    from types import SimpleNamespace
+
+    from mlx_flash.bench.moe import suite_rows
+
+    args = SimpleNamespace(io_exp_pack=str(moe_pack), moe_policy="layer", moe_rows=None)
+    m = read_manifest(moe_pack)
+    every = [r[0].split(" (")[0] for r in suite_rows(args, moe_pack, m)]
+    assert every == ["IO-FREE", "IO-EXP", "IO-QEXP", "cache only", "preload only", "ours"]
+    args.moe_rows = ["ours", "io-exp", "cache"]  # the suite's order, whatever the flag's
+    assert [r[0].split(" (")[0] for r in suite_rows(args, moe_pack, m)] == ["IO-EXP", "cache only", "ours"]

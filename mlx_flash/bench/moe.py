@@ -386,7 +386,8 @@ def is_moe(manifest) -> bool:
 
 
 def suite_rows(args, pack, manifest) -> list:
-    """[(label, pack, mode, kwargs)]: EdgeMoE's baselines and the Figure 16 ablation rows."""
+    """[(label, pack, mode, kwargs)]: EdgeMoE's baselines and the Figure 16 ablation rows (those
+    named by --moe-rows, default all)."""
     from ..models.moe import top_k_of
     from ..pack import read_manifest
 
@@ -410,6 +411,11 @@ def suite_rows(args, pack, manifest) -> list:
          "flash", {"budget": None, "capacity": 2 * top_k, "policy": args.moe_policy}),
         ("ours (flash: expert cache + preload)", pack, "flash", {"policy": args.moe_policy}),
     ]
+    wanted = getattr(args, "moe_rows", None)
+    if wanted:
+        names = {"IO-FREE": "io-free", "IO-EXP": "io-exp", "IO-QEXP": "io-qexp",
+                 "cache only": "cache", "preload only": "preload", "ours": "ours"}
+        rows = [r for r in rows if names[r[0].split(" (")[0]] in wanted]
     return rows
 
 

@@ -107,6 +107,10 @@ def add_arguments(parser):
                         "model's greedy output repeats tokens, which flatters neuron and expert caches")
     parser.add_argument("--moe-policy", default="layer", choices=("lru", "lfu", "layer"),
                         help="MoE packs: expert-cache eviction policy (default: EdgeMoE's layer-aware)")
+    parser.add_argument("--moe-rows", nargs="+", default=None, metavar="ROW",
+                        choices=("io-free", "io-exp", "io-qexp", "cache", "preload", "ours"),
+                        help="MoE packs: run only these rows (default all: io-free io-exp io-qexp "
+                        "cache preload ours), alternated in this order every repeat")
     parser.add_argument("--gguf", help="GGUF of the same model for llama.cpp (default: the "
                         "source GGUF, or one written from the pack)")
     parser.add_argument("--drop-caches", action="store_true",
