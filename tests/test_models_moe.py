@@ -161,7 +161,8 @@ def test_bad_routing_statistics_fail_in_one_line(tmp_path):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc (Linux)")
 def test_a_dropped_moe_model_closes_its_expert_files_and_threads(moe_pack):
     before = set(threading.enumerate())
-    model = build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=0.75))
+    # a fixed preload width: the preload thread starts whatever the measured window says
+    model = build_moe_model(moe_pack, FlashConfig(mode="flash", memory_budget=0.75), preload_width=1)
     model(mx.array([[1, 2, 3, 4]]))
     mx.eval(model(mx.array([[5]])))
     started = set(threading.enumerate()) - before
