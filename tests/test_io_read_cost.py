@@ -62,21 +62,27 @@ def test_planner_merges_by_the_curves_gap_for_the_request_size():
     assert c.merge_gap_for(65536) < gap  # larger requests: reading through a gap is worth less
 
 
-def test_staging_is_chosen_when_the_copy_costs_less_than_the_extra_segments():
+def test_staging_is_chosen_when_it_clearly_saves_read_time():
     from mlx_flash.io.planner import ReadCost
-    from mlx_flash.io.read_cost import stage_saves_time
+    from mlx_flash.io.read_cost import STAGE_MIN_GAIN, stage_saves_time
 
-    # a 64 KiB read landing as 16 pieces: 15 extra segments of 1 us = 15 us, vs copying 64 KiB
+    assert STAGE_MIN_GAIN == 0.1
+    # a 64 KiB read (31 us) landing as 16 pieces: + 15 x 1 us; staged: max(31 us, the copy)
     c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32, segment_s=1e-6, copy_bandwidth=8e9)  # 8.2 us
-    assert stage_saves_time(c, np.array([65536]), np.array([16]))
+    assert stage_saves_time(c, np.array([65536]), np.array([16]))  # 31 < 0.9 x 46
     assert not stage_saves_time(c, np.array([65536]), np.array([1]))  # one piece: nothing to save
-    slow_copy = ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=1e-6, copy_bandwidth=4e9)  # 16.4 us
-    assert not stage_saves_time(slow_copy, [65536], [16])
-    assert not stage_saves_time(c, [65536, 65536], [16, 2])  # 16.4 us of copy vs 16 us of segments
-    assert stage_saves_time(c, [65536, 65536], [16, 3])  # vs 17 us
+    slow_copy = ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=1e-6, copy_bandwidth=1.5e9)  # 43.7 us
+    assert not stage_saves_time(slow_copy, [65536], [16])  # the copy would hold the reads back
+    # a 4 MiB expert block in 3 pieces (gate, up, down): 2 us more on 6.5 ms is no reason to copy
+    assert not stage_saves_time(c, [4 << 20], [3])
+    # one 12 KiB bundle (18.9 us) in 3 pieces: + 2 us is under 10%, + 4 us is not
+    assert not stage_saves_time(c, [12288], [3])
+    assert stage_saves_time(ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=2e-6, copy_bandwidth=8e9),
+                            [12288], [3])
+    assert stage_saves_time(c, [65536, 4 << 20], [16, 3]) is False  # priced over all the reads
     for unmeasured in (ReadCostCurve(SIZES, DEPTHS, TABLE), ReadCost(1e-5, 1e9), None):
         assert not stage_saves_time(unmeasured, [65536], [16])
-    assert stage_saves_time(ReadCost(1e-5, 1e9, 1e-6, 8e9), [65536], [16])
+    assert stage_saves_time(ReadCost(1e-5, 1e9, 1e-6, 8e9), [65536], [16])  # 75.5 < 0.9 x 90.5 us
     assert not stage_saves_time(c, [], [])
     # the terms survive the profile round trip and a change of depth
     back = ReadCostCurve.from_dict(c.to_dict(), depth=4)

@@ -30,8 +30,10 @@ import numpy as np
 DEFAULT_SIZES = (4096, 16384, 65536, 262144, 1048576)  # bytes
 DEFAULT_DEPTHS = (1, 4, 16, 32)                          # reads in flight
 GAP_STEP = 4096                                          # merge gaps are searched in blocks
-SEGMENT_SIZE = 65536  # bytes per read measuring the segment term: 16 pieces of 4 KiB vs one
-SEGMENT_REPEATS = 5  # alternated runs of each (best kept): a difference of ~20% needs several
+SEGMENT_SIZE = 262144  # bytes per read measuring the segment term: 64 pieces of 4 KiB vs one
+SEGMENT_REPEATS = 5  # rounds of both, taking turns (median difference): load moves single runs
+# Staging costs a copy's CPU time and a buffer: taken only when it saves this share of read time
+STAGE_MIN_GAIN = 0.1
 
 
 @dataclass
@@ -107,16 +109,22 @@ class ReadCostCurve:
 
 def stage_saves_time(cost, read_bytes, segments) -> bool:
     """Whether reads of `read_bytes` (array, bytes each) whose destinations are `segments` pieces
-    each (array) cost less landing in one contiguous staging buffer and copied out than landing
-    in their pieces: copying a read's bytes (at cost.copy_bandwidth) takes less than its extra
-    segments ((segments - 1) x cost.segment_s). The copy is priced as if it did not overlap the
-    reads (on two busy cores it competes with them). False when the cost model (a ReadCostCurve
-    or planner.ReadCost) has no measured segment or copy term."""
+    each (array) finish clearly sooner landing in one contiguous staging buffer and copied out
+    than landing in their pieces. Zero copy: each read's time (cost.seconds) plus
+    (segments - 1) x cost.segment_s; staged: the read's time or its copy's (bytes /
+    cost.copy_bandwidth), whichever is longer (finishing threads copy one read while later ones
+    fly). Staging must save STAGE_MIN_GAIN of the zero-copy time: its copy costs CPU and its
+    buffer memory, so a block of a few large segments (an MoE expert) stays zero copy. False
+    when the cost model (a ReadCostCurve or planner.ReadCost) has no measured segment or copy
+    term."""
     seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
     if seg <= 0 or copy_bw <= 0 or len(read_bytes) == 0:
         return False
-    copy_s = float(np.sum(np.asarray(read_bytes, np.float64))) / copy_bw
-    return copy_s < float(np.sum(np.asarray(segments, np.float64) - 1)) * seg
+    nbytes = np.asarray(read_bytes, np.float64)
+    read_s = np.asarray(cost.seconds(nbytes), np.float64)
+    zero_copy = float(np.sum(read_s + (np.asarray(segments, np.float64) - 1) * seg))
+    staged = float(np.sum(np.maximum(read_s, nbytes / copy_bw)))
+    return staged < (1 - STAGE_MIN_GAIN) * zero_copy
 
 
 def segment_iovecs(kind, base, size, reads) -> np.ndarray:
@@ -178,7 +186,7 @@ def timed_segment_reads(fd, path, file_bytes, size, n, ctx) -> tuple:
     return tuple(out)
 
 
-def measure_copy_bandwidth(nbytes=32 << 20, row=4096, rows_per_copy=16, repeats=3) -> float:
+def measure_copy_bandwidth(nbytes=16 << 20, row=4096, rows_per_copy=16, repeats=5) -> float:
     """Bytes/second of copying staged bundles of three `row`-byte components out into three row
     arrays, `rows_per_copy` bundles per strided numpy copy (a 64 KiB read of 4 KiB rows), as the
     loader scatters staged reads: best of `repeats` (background load only slows a run)."""
@@ -235,9 +243,9 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     Per (depth, size): min(max_reads, file_bytes / size) (at least 4 x depth) random aligned reads,
     the file evicted before each of `repeats` runs, the best kept (background load only ever
     slows a run). engine 'aio' uses Linux native AIO when direct I/O works, else threads; with
-    AIO the segment term (64 KiB reads as 16 scattered 4 KiB pieces vs one piece, at the largest
-    depth, each the best of max(repeats, SEGMENT_REPEATS) alternated runs) and the copy bandwidth
-    are measured too.
+    AIO the segment term (reads of SEGMENT_SIZE, or the largest size when smaller, as scattered
+    4 KiB pieces vs one piece, at the largest depth: the median difference of max(repeats,
+    SEGMENT_REPEATS) rounds taking turns) and the copy bandwidth are measured too.
     """
     import os
     from pathlib import Path
@@ -272,12 +280,13 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
                         n = max(4 * depth, min(max_reads, file_bytes // size))
                         table[i, j] = min(timed_reads(fd, path, file_bytes, size, n, depth, files=files, ctx=ctx)
                                           for _ in range(repeats))
-                    if ctx is not None and depth == max(depths) and file_bytes >= 2 * SEGMENT_SIZE:
-                        n = max(4 * depth, min(max_reads, file_bytes // SEGMENT_SIZE))
-                        runs = [timed_segment_reads(fd, path, file_bytes, SEGMENT_SIZE, n, ctx)
-                                for _ in range(max(repeats, SEGMENT_REPEATS))]
-                        extra = min(s for _, s in runs) - min(c for c, _ in runs)
-                        segment_s = max(0.0, extra / (SEGMENT_SIZE // 4096 - 1))
+                    seg_size = min(SEGMENT_SIZE, max(sizes)) // 4096 * 4096
+                    if ctx is not None and depth == max(depths) and seg_size >= 8192 \
+                            and file_bytes >= 2 * seg_size:
+                        n = max(4 * depth, min(max_reads, file_bytes // seg_size))
+                        extra = [s - c for c, s in (timed_segment_reads(fd, path, file_bytes, seg_size, n, ctx)
+                                                    for _ in range(max(repeats, SEGMENT_REPEATS)))]
+                        segment_s = max(0.0, float(np.median(extra)) / (seg_size // 4096 - 1))
                         copy_bandwidth = measure_copy_bandwidth()
                 finally:
                     if ctx is not None:
