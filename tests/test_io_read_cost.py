@@ -67,22 +67,22 @@ def test_staging_is_chosen_when_it_clearly_saves_read_time():
     from mlx_flash.io.read_cost import STAGE_MIN_GAIN, stage_saves_time
 
     assert STAGE_MIN_GAIN == 0.1
-    # a 64 KiB read (31 us) landing as 16 pieces: + 15 x 1 us; staged: max(31 us, the copy)
+    # a 64 KiB read (31 us) landing as 16 pieces: + 15 x 1 us; staged: + the time the copy adds
     c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32, segment_s=1e-6, copy_bandwidth=8e9)  # 8.2 us
-    assert stage_saves_time(c, np.array([65536]), np.array([16]))  # 31 < 0.9 x 46
+    assert stage_saves_time(c, np.array([65536]), np.array([16]))  # 39.2 < 0.9 x 46
     assert not stage_saves_time(c, np.array([65536]), np.array([1]))  # one piece: nothing to save
     slow_copy = ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=1e-6, copy_bandwidth=1.5e9)  # 43.7 us
-    assert not stage_saves_time(slow_copy, [65536], [16])  # the copy would hold the reads back
+    assert not stage_saves_time(slow_copy, [65536], [16])  # the copy adds more than it saves
     # a 4 MiB expert block in 3 pieces (gate, up, down): 2 us more on 6.5 ms is no reason to copy
     assert not stage_saves_time(c, [4 << 20], [3])
-    # one 12 KiB bundle (18.9 us) in 3 pieces: + 2 us is under 10%, + 4 us is not
+    # one 12 KiB bundle (18.9 us) in 3 pieces: staging's 20.4 us vs + 2 us (20.9) or + 4 us (22.9)
     assert not stage_saves_time(c, [12288], [3])
     assert stage_saves_time(ReadCostCurve(SIZES, DEPTHS, TABLE, segment_s=2e-6, copy_bandwidth=8e9),
                             [12288], [3])
     assert stage_saves_time(c, [65536, 4 << 20], [16, 3]) is False  # priced over all the reads
     for unmeasured in (ReadCostCurve(SIZES, DEPTHS, TABLE), ReadCost(1e-5, 1e9), None):
         assert not stage_saves_time(unmeasured, [65536], [16])
-    assert stage_saves_time(ReadCost(1e-5, 1e9, 1e-6, 8e9), [65536], [16])  # 75.5 < 0.9 x 90.5 us
+    assert stage_saves_time(ReadCost(1e-5, 1e9, 1e-6, 2e10), [65536], [16])  # 78.8 < 0.9 x 90.5 us
     assert not stage_saves_time(c, [], [])
     # the terms survive the profile round trip and a change of depth
     back = ReadCostCurve.from_dict(c.to_dict(), depth=4)
@@ -113,5 +113,5 @@ def test_measure_curve_with_aio_prices_segments_and_the_copy(tmp_path):
                       max_reads=64, engine="aio")
     if c.engine != "aio" or not aio.available():
         pytest.skip("native AIO with O_DIRECT")
-    assert c.segment_s >= 0 and c.copy_bandwidth > 1e8
+    assert c.segment_s >= 0 and 1e8 < c.copy_bandwidth <= 1e12
     assert not list(tmp_path.iterdir())

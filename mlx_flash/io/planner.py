@@ -27,8 +27,9 @@ DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost p
 @dataclass
 class ReadCost:
     """Per-read latency (seconds) and streaming bandwidth (bytes/second) of one device; optionally
-    the seconds per destination segment beyond a read's first and the bytes/second of copying
-    staged rows out (read_cost.stage_saves_time; 0: unmeasured, reads land zero copy)."""
+    the seconds per destination segment beyond a read's first and the bytes per second of read
+    time that copying staged rows out adds (read_cost.stage_saves_time; 0: unmeasured, reads
+    land zero copy)."""
     latency_s: float
     bandwidth: float
     segment_s: float = 0.0

@@ -17,7 +17,8 @@ destination is many pieces (a zero-copy read of neuron bundles puts each 4 KiB g
 row in its own array: one physical segment each) costs more on some devices (a KVM virtio disk
 here: ~1-2 us per extra segment at depth 32, whatever the read size; `bench io --parts segments`).
 `segment_s` prices that, and `copy_bandwidth` the copy out of a contiguous staging buffer that
-avoids it; `stage_saves_time` compares the two for the loader.
+avoids it (the read time the copy adds, measured while reads fly, so under the machine's CPU
+load); `stage_saves_time` compares the two for the loader.
 """
 
 import random
@@ -34,6 +35,7 @@ SEGMENT_SIZE = 262144  # bytes per read measuring the segment term: 64 pieces of
 SEGMENT_REPEATS = 5  # rounds of both, taking turns (median difference): load moves single runs
 # Staging costs a copy's CPU time and a buffer: taken only when it saves this share of read time
 STAGE_MIN_GAIN = 0.1
+FREE_COPY = 1e12  # bytes/second: a copy that added no measurable time
 
 
 @dataclass
@@ -46,7 +48,7 @@ class ReadCostCurve:
     depth: int = 32
     engine: str = field(default="threads", compare=False)  # how the measured reads were issued
     segment_s: float = 0.0  # seconds a read costs per destination segment beyond its first (0: none)
-    copy_bandwidth: float = 0.0  # bytes/second copying staged rows out (0: unmeasured, never stage)
+    copy_bandwidth: float = 0.0  # bytes/second of read time that copying staged rows out adds (0: unmeasured)
     _row: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -111,19 +113,19 @@ def stage_saves_time(cost, read_bytes, segments) -> bool:
     """Whether reads of `read_bytes` (array, bytes each) whose destinations are `segments` pieces
     each (array) finish clearly sooner landing in one contiguous staging buffer and copied out
     than landing in their pieces. Zero copy: each read's time (cost.seconds) plus
-    (segments - 1) x cost.segment_s; staged: the read's time or its copy's (bytes /
-    cost.copy_bandwidth), whichever is longer (finishing threads copy one read while later ones
-    fly). Staging must save STAGE_MIN_GAIN of the zero-copy time: its copy costs CPU and its
-    buffer memory, so a block of a few large segments (an MoE expert) stays zero copy. False
-    when the cost model (a ReadCostCurve or planner.ReadCost) has no measured segment or copy
-    term."""
+    (segments - 1) x cost.segment_s; staged: the read's time plus the time its copy adds,
+    bytes / cost.copy_bandwidth (measured as the copies overlap the reads in flight, so a copy
+    that a spare core hides adds little, one that competes for a busy core adds its share).
+    Staging must save STAGE_MIN_GAIN of the zero-copy time: its copy costs CPU and its buffer
+    memory, so a block of a few large segments (an MoE expert) stays zero copy. False when the
+    cost model (a ReadCostCurve or planner.ReadCost) has no measured segment or copy term."""
     seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
     if seg <= 0 or copy_bw <= 0 or len(read_bytes) == 0:
         return False
     nbytes = np.asarray(read_bytes, np.float64)
     read_s = np.asarray(cost.seconds(nbytes), np.float64)
     zero_copy = float(np.sum(read_s + (np.asarray(segments, np.float64) - 1) * seg))
-    staged = float(np.sum(np.maximum(read_s, nbytes / copy_bw)))
+    staged = float(np.sum(read_s + nbytes / copy_bw))
     return staged < (1 - STAGE_MIN_GAIN) * zero_copy
 
 
@@ -157,53 +159,43 @@ def segment_iovecs(kind, base, size, reads) -> np.ndarray:
 
 
 def timed_segment_reads(fd, path, file_bytes, size, n, ctx) -> tuple:
-    """(contiguous, scattered): amortized seconds per read of `n` random aligned `size`-byte reads
-    of an evicted file through the AIO context `ctx`, landing in one contiguous huge-page buffer,
-    then the same number of reads as size / 4 KiB pieces dealt over three arrays (segment_iovecs
-    'dest_scattered': a zero-copy read of neuron bundles)."""
+    """(contiguous, scattered, staged): amortized seconds per read of `n` random aligned
+    `size`-byte reads of an evicted file through the AIO context `ctx`: landing in one contiguous
+    huge-page buffer; as size / 4 KiB pieces dealt over three arrays (segment_iovecs
+    'dest_scattered': a zero-copy read of neuron bundles); landing contiguously again, each read's
+    rows copied into three arrays as it lands (gate / up / down rows of 4 KiB: what staging
+    costs, with the copies overlapping the reads still in flight, under the machine's load)."""
     from .cache import evict
     from .files import address, aligned_buffer
 
     buf = aligned_buffer(n * (size + 2 * 4096))
-    base = address(buf)
+    base, flat = address(buf), np.frombuffer(buf, np.uint8)
+    bundles = size // (3 * 4096)  # per read
+    rows = [np.ones((n * bundles, 4096), np.uint8) for _ in range(3)]  # touched: a cache's rows
     out = []
-    for scattered in (False, True):
+    for kind in ("contiguous", "scattered", "staged"):
         evict([path])
         offsets = np.array([random.randrange(0, file_bytes - size + 1) // 4096 * 4096 for _ in range(n)])
-        fds = np.full(n, fd)
-        if scattered:
+        fds, on_done = np.full(n, fd), None
+        if kind == "scattered":
             iov = segment_iovecs("dest_scattered", base, size, n)
             per = len(iov) // n
             args = (fds, offsets, np.full(n, per), iov.ctypes.data + np.arange(n, dtype=np.uint64)
                     * np.uint64(per * iov.itemsize), np.ones(n, bool))
         else:
             args = (fds, offsets, np.full(n, size), base + size * np.arange(n, dtype=np.uint64))
+        if kind == "staged":
+            def on_done(idx, res):
+                for i in idx.tolist():
+                    for c, mat in enumerate(rows):
+                        mat[i * bundles: (i + 1) * bundles] = np.ndarray(
+                            (bundles, 4096), np.uint8, flat, i * size + c * 4096, (3 * 4096, 1))
         t0 = time.perf_counter()
-        res = ctx.read(*args)
+        res = ctx.read(*args, on_done=on_done)
         if (res != size).any():
             raise OSError(f"calibration read failed on {path}")
         out.append((time.perf_counter() - t0) / n)
     return tuple(out)
-
-
-def measure_copy_bandwidth(nbytes=16 << 20, row=4096, rows_per_copy=16, repeats=5) -> float:
-    """Bytes/second of copying staged bundles of three `row`-byte components out into three row
-    arrays, `rows_per_copy` bundles per strided numpy copy (a 64 KiB read of 4 KiB rows), as the
-    loader scatters staged reads: best of `repeats` (background load only slows a run)."""
-    from .files import aligned_buffer
-
-    bundles = nbytes // (3 * row)
-    src = np.frombuffer(aligned_buffer(bundles * 3 * row), np.uint8)
-    dst = [np.ones((bundles, row), np.uint8) for _ in range(3)]  # touched: a cache's rows
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for a in range(0, bundles, rows_per_copy):
-            k = min(rows_per_copy, bundles - a)
-            for c, mat in enumerate(dst):
-                mat[a: a + k] = np.ndarray((k, row), np.uint8, src, a * 3 * row + c * row, (3 * row, 1))
-        best = min(best, time.perf_counter() - t0)
-    return bundles * 3 * row / best
 
 
 def timed_reads(fd, path, file_bytes, size, n, depth, *, files, ctx=None) -> float:
@@ -245,7 +237,9 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     slows a run). engine 'aio' uses Linux native AIO when direct I/O works, else threads; with
     AIO the segment term (reads of SEGMENT_SIZE, or the largest size when smaller, as scattered
     4 KiB pieces vs one piece, at the largest depth: the median difference of max(repeats,
-    SEGMENT_REPEATS) rounds taking turns) and the copy bandwidth are measured too.
+    SEGMENT_REPEATS) rounds taking turns) and the copy term (the same reads landing contiguously,
+    each copied into three row arrays as it lands, vs not copied: timed_segment_reads) are
+    measured too.
     """
     import os
     from pathlib import Path
@@ -284,10 +278,11 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
                     if ctx is not None and depth == max(depths) and seg_size >= 8192 \
                             and file_bytes >= 2 * seg_size:
                         n = max(4 * depth, min(max_reads, file_bytes // seg_size))
-                        extra = [s - c for c, s in (timed_segment_reads(fd, path, file_bytes, seg_size, n, ctx)
-                                                    for _ in range(max(repeats, SEGMENT_REPEATS)))]
-                        segment_s = max(0.0, float(np.median(extra)) / (seg_size // 4096 - 1))
-                        copy_bandwidth = measure_copy_bandwidth()
+                        runs = np.array([timed_segment_reads(fd, path, file_bytes, seg_size, n, ctx)
+                                         for _ in range(max(repeats, SEGMENT_REPEATS))])
+                        extra = np.median(runs[:, 1:] - runs[:, :1], axis=0)  # scattered, staged
+                        segment_s = max(0.0, float(extra[0]) / (seg_size // 4096 - 1))
+                        copy_bandwidth = seg_size / max(float(extra[1]), seg_size / FREE_COPY)
                 finally:
                     if ctx is not None:
                         ctx.close()
