@@ -115,3 +115,17 @@ def test_measure_curve_with_aio_prices_segments_and_the_copy(tmp_path):
         pytest.skip("native AIO with O_DIRECT")
     assert c.segment_s >= 0 and 1e8 < c.copy_bandwidth <= 1e12
     assert not list(tmp_path.iterdir())
+
+
+def test_segment_and_copy_terms_are_median_differences(tmp_path, monkeypatch):
+    from mlx_flash.io import aio, read_cost
+
+    # per read at 64 KiB (16 pieces): one piece 100 us; scattered + 15 us; staged + 32.77 us
+    # (65536 bytes at 2 GB/s); one round of five a wild outlier
+    rounds = iter([(1e-4, 1.15e-4, 1.32768e-4)] * 4 + [(1e-4, 9e-4, 9e-4)])
+    monkeypatch.setattr(read_cost, "timed_segment_reads", lambda *a: next(rounds))
+    c = measure_curve(tmp_path, sizes=(4096, 65536), depths=(4,), file_bytes=1 << 20, repeats=1,
+                      max_reads=16, engine="aio")
+    if c.engine != "aio" or not aio.available():
+        pytest.skip("native AIO with O_DIRECT")
+    assert c.segment_s == pytest.approx(1e-6) and c.copy_bandwidth == pytest.approx(2e9)
