@@ -57,13 +57,13 @@ def _calibrate_moe(model_dir, args) -> tuple:
                                 quantized=quantized)
         if tolerance is not None:
             found_bits = fewest_bits_within(model, tokens, errors, tolerance, group_size, widths,
-                                            quantized or None)
+                                            quantized or None, solver=args.expert_assign)
             bits = found_bits["bits"]
             print(f"--expert-bits-tolerance {tolerance:g}%: calibration perplexity "
                   f"+{found_bits['ppl_increase_pct']:.2f}% vs float experts at a mean of "
                   f"{found_bits['mean_bits']:.3f} bits", file=sys.stderr)
         else:
-            bits = assign_widths(errors, args.expert_bits, widths=widths)
+            bits = assign_widths(errors, args.expert_bits, widths=widths, solver=args.expert_assign)
         if args.expert_tune:
             quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args)
         quantizer = stored_quantizer(quantized) if quantized else None
@@ -159,6 +159,10 @@ def _main(argv):
                         metavar="BITS", help="--expert-bits: the widths an expert may get "
                                              "(default 2 3 4 8; e.g. 4 with --expert-bits 4: every "
                                              "expert at 4 bits, by --expert-quantizer)")
+    parser.add_argument("--expert-assign", choices=("knapsack", "greedy"), default="knapsack",
+                        help="--expert-bits: how widths are chosen from the measured errors: "
+                             "knapsack = the least summed error under the mean (exact, default); "
+                             "greedy = the largest error drop per added bit first")
     parser.add_argument("--expert-quantizer", choices=("mlx", "minmax", "clip", "gptq", "gptq-fit"),
                         default="gptq-fit",
                         help="--expert-bits: how each expert is rounded to its width, always in "

@@ -96,7 +96,7 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert "expert bits on" in capsys.readouterr().err
     # every expert at one width by the chosen quantizer (the all-4-bit reference of docs/moe.md)
     assert main(args + ["--expert-bits", "4", "--expert-widths", "4", "--expert-quantizer", "clip",
-                        "--out", str(tmp_path / "p4")]) == 0
+                        "--expert-assign", "greedy", "--out", str(tmp_path / "p4")]) == 0
     assert {b for e in read_manifest(tmp_path / "p4").bundles for b in e.expert_bits} == {4}
     assert main(args + ["--expert-bits-tolerance", "1e9", "--out", str(tmp_path / "pt")]) == 0
     assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}

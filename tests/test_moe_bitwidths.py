@@ -59,3 +59,26 @@ def test_assignment_meets_the_target_and_widens_the_costly_experts():
     assert got == pytest.approx(best[0])
     with pytest.raises(FlashError, match="--expert-bits 9"):
         assign_widths(errors, 9)
+
+
+def test_knapsack_finds_the_wide_step_greedy_misses():
+    # expert 0 gains little from 3 or 4 bits but everything from 8; greedy never gets there
+    errors = {0: np.array([[10.0, 9.9, 9.8, 0.0], [5.0, 1.0, 0.5, 0.4]])}
+    assert assign_widths(errors, 5.0, solver="greedy") == {0: [4, 4]}
+    assert assign_widths(errors, 5.0) == {0: [8, 2]}
+    # random curves: the knapsack is the brute-force optimum under the mean
+    import itertools
+
+    rng = np.random.default_rng(0)
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    for target in (2.4, 3.0, 3.6, 5.0):
+        errors = {0: np.sort(rng.random((2, 4)), 1)[:, ::-1] * [1, 0.8, 0.3, 0.0],
+                  1: np.sort(rng.random((3, 4)), 1)[:, ::-1] * [1, 0.9, 0.5, 0.1]}
+        best = min(sum(errors[k[0]][k[1], WIDTHS.index(b)] for k, b in zip(keys, c))
+                   for c in itertools.product(WIDTHS, repeat=5) if np.mean(c) <= target)
+        bits = assign_widths(errors, target)
+        got = sum(errors[layer][e, WIDTHS.index(b)] for layer, ws in bits.items()
+                  for e, b in enumerate(ws))
+        assert mean_bits(bits) <= target and got == pytest.approx(best)
+    with pytest.raises(FlashError, match="--expert-assign nope"):
+        assign_widths(errors, 3.0, solver="nope")

@@ -174,7 +174,7 @@ def experts_at_widths(model, bits: dict, group_size: int, quantized: dict = None
 
 
 def fewest_bits_within(model, tokens, errors, tolerance_pct, group_size, widths=WIDTHS,
-                       quantized=None, step=0.125) -> dict:
+                       quantized=None, step=0.125, solver="knapsack") -> dict:
     """The smallest mean width (a multiple of `step` bits) whose assignment (`assign_widths` on
     `errors`) keeps the calibration perplexity of `model` within `tolerance_pct` percent of its
     float experts', by bisection (one forward pass over `tokens` per probe).
@@ -186,7 +186,7 @@ def fewest_bits_within(model, tokens, errors, tolerance_pct, group_size, widths=
     probes = []
 
     def increase(target):
-        bits = assign_widths(errors, target, widths=widths)
+        bits = assign_widths(errors, target, widths=widths, solver=solver)
         with experts_at_widths(model, bits, group_size, quantized):
             pct = 100.0 * (math.exp(_mean_nll(model, tokens) - base) - 1.0)
         probes.append((target, pct))
