@@ -55,6 +55,8 @@ def _calibrate_moe(model_dir, args) -> tuple:
         quantized = {}
         errors = measure_errors(model, tokens, group_size, widths, method=args.expert_quantizer,
                                 quantized=quantized)
+        if args.expert_importance == "layer-loss":
+            errors = _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, args)
         if tolerance is not None:
             found_bits = fewest_bits_within(model, tokens, errors, tolerance, group_size, widths,
                                             quantized or None, solver=args.expert_assign)
@@ -80,6 +82,24 @@ def _calibrate_moe(model_dir, args) -> tuple:
     if not k:
         raise FlashError(f"{model_dir}/config.json: no num_experts_per_tok")
     return bits, routing_statistics(model, tokens, int(k), n_experts), quantizer
+
+
+def _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, args) -> dict:
+    """`errors` rescaled per layer and width to the measured loss (calibration/expert_bits.py
+    layer_losses), printed per layer."""
+    import time
+
+    from .calibration.expert_bits import layer_losses, scale_by_layer_loss
+
+    t0 = time.perf_counter()
+    losses = layer_losses(model, tokens[: args.expert_importance_tokens + 1], quantized or None,
+                          widths, group_size)
+    print(f"--expert-importance layer-loss: KL from the float model (nats/token) when one layer's "
+          f"experts are at {'/'.join(map(str, widths))} bits, "
+          f"{time.perf_counter() - t0:.0f} s:", file=sys.stderr)
+    for layer, row in losses.items():
+        print(f"  layer {layer}: " + " ".join(f"{v:.4f}" for v in row), file=sys.stderr)
+    return scale_by_layer_loss(errors, losses)
 
 
 def _tune_experts(model_dir, teacher, quantized, bits, group_size, args) -> dict:
@@ -159,6 +179,16 @@ def _main(argv):
                         metavar="BITS", help="--expert-bits: the widths an expert may get "
                                              "(default 2 3 4 8; e.g. 4 with --expert-bits 4: every "
                                              "expert at 4 bits, by --expert-quantizer)")
+    parser.add_argument("--expert-importance", choices=("output", "layer-loss"), default="output",
+                        help="--expert-bits: output = each expert's quantization error in its "
+                             "layer's output (relative to the layer's output energy); layer-loss "
+                             "= the same, rescaled so each layer's total at a width is the "
+                             "measured KL from the float model with that layer's experts at that "
+                             "width (one forward pass per layer and width, EdgeMoE's loss "
+                             "change; layers differ by orders of magnitude)")
+    parser.add_argument("--expert-importance-tokens", type=int, default=256,
+                        help="--expert-importance layer-loss: calibration tokens per pass "
+                             "(default 256)")
     parser.add_argument("--expert-assign", choices=("knapsack", "greedy"), default="knapsack",
                         help="--expert-bits: how widths are chosen from the measured errors: "
                              "knapsack = the least summed error under the mean (exact, default); "
@@ -208,6 +238,10 @@ def _main(argv):
         raise FlashError(f"--expert-tune {args.expert_tune}: must be >= 0")
     if args.expert_tune and not wants_bits:
         raise FlashError("--expert-tune: only with --expert-bits or --expert-bits-tolerance")
+    if args.expert_importance != "output" and not wants_bits:
+        raise FlashError("--expert-importance: only with --expert-bits or --expert-bits-tolerance")
+    if args.expert_importance_tokens < 16:
+        raise FlashError(f"--expert-importance-tokens {args.expert_importance_tokens}: must be >= 16")
     if args.expert_tune and args.expert_quantizer == "mlx":
         raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip, gptq or gptq-fit")
     if args.expert_widths and not wants_bits:

@@ -1,6 +1,7 @@
 """calibration/expert_bits.py: expert widths measured on text; the loss-change check of the proxy."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import write_tiny_moe
@@ -101,3 +102,45 @@ def test_fewest_bits_within_a_perplexity_tolerance(moe_model):
     before = moe_model.layers[0].block_sparse_moe.switch_mlp.up_proj.weight
     assert fewest_bits_within(moe_model, tokens, errors, tol, 32)["bits"] == r["bits"]
     assert moe_model.layers[0].block_sparse_moe.switch_mlp.up_proj.weight is before  # restored
+
+
+def test_layer_losses_are_the_kl_of_one_narrowed_layer(moe_model):
+    tokens = np.random.default_rng(4).integers(0, 128, 129).astype(np.int32)
+    downs = [layer.block_sparse_moe.switch_mlp.down_proj for layer in moe_model.layers]
+    for d in downs:  # experts whose rounding moves the logits well above float noise
+        d.weight = d.weight * 50
+    try:
+        _check_layer_losses(moe_model, tokens)
+    finally:
+        for d in downs:
+            d.weight = d.weight / 50
+
+
+def _check_layer_losses(moe_model, tokens):
+    from mlx_flash.calibration.expert_bits import layer_losses, scale_by_layer_loss
+    from mlx_flash.moe.bitwidths import quantize_dequantize
+
+    before = moe_model.layers[1].block_sparse_moe.switch_mlp.up_proj.weight
+    losses = layer_losses(moe_model, tokens, None, (2, 8), 32)
+    assert sorted(losses) == [0, 1] and all(row[0] > row[1] >= -1e-6 for row in losses.values())
+    assert moe_model.layers[1].block_sparse_moe.switch_mlp.up_proj.weight is before  # restored
+    # layer 1 at 2 bits written out: KL(float || narrowed) per token, on mlx-lm's own SwitchGLU
+    x = mx.array(tokens)[None]
+    ref = nn.log_softmax(moe_model(x).astype(mx.float32), axis=-1)
+    switch = moe_model.layers[1].block_sparse_moe.switch_mlp
+    saved = {r: getattr(switch, f"{r}_proj").weight for r in ("gate", "up", "down")}
+    for r, w in saved.items():
+        getattr(switch, f"{r}_proj").weight = quantize_dequantize(w, 2, 32)
+    try:
+        got = nn.log_softmax(moe_model(x).astype(mx.float32), axis=-1)
+    finally:
+        for r, w in saved.items():
+            getattr(switch, f"{r}_proj").weight = w
+    want = float(mx.sum(mx.exp(ref) * (ref - got))) / len(tokens)
+    assert losses[1][0] == pytest.approx(want, rel=1e-3)
+    # the proxy rescaled: each layer's column sums to its measured loss, shares kept
+    errors = {0: np.array([[1.0, 0.1], [3.0, 0.3]]), 1: np.array([[2.0, 0.0], [2.0, 0.5]])}
+    scaled = scale_by_layer_loss(errors, losses)
+    for layer in (0, 1):
+        assert np.allclose(scaled[layer].sum(0), losses[layer])
+    assert scaled[0][1, 0] == pytest.approx(3 * scaled[0][0, 0])

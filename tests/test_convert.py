@@ -87,13 +87,16 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     for f in embedded_model_dir.glob("tokenizer*"):
         shutil.copy2(f, src / f.name)
     args = ["--model", str(src), "--group-size", "32", "--calib-text", str(text)]
-    assert main(args + ["--expert-bits", "3", "--out", str(tmp_path / "p")]) == 0
+    assert main(args + ["--expert-bits", "3", "--expert-importance", "layer-loss",
+                        "--out", str(tmp_path / "p")]) == 0
     m = read_manifest(tmp_path / "p")
     widths = [b for entry in m.bundles for b in entry.expert_bits]
     assert len(widths) == 8 and sum(widths) <= 24 and set(widths) <= {2, 3, 4, 8}
     routing = m.get("moe_routing")  # calibration routing statistics for the per-layer slots
     assert routing["sizes"] == [2, 3, 4] and set(routing["hits"]) == {"0", "1"}
-    assert "expert bits on" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expert bits on" in err and "--expert-importance layer-loss: KL" in err
+    assert "  layer 1: " in err
     # every expert at one width by the chosen quantizer (the all-4-bit reference of docs/moe.md)
     assert main(args + ["--expert-bits", "4", "--expert-widths", "4", "--expert-quantizer", "clip",
                         "--expert-assign", "greedy", "--out", str(tmp_path / "p4")]) == 0

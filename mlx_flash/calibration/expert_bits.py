@@ -51,6 +51,45 @@ class _InputRecorder(nn.Module):
         return self.switch(x, indices)
 
 
+class _DenseExperts(nn.Module):
+    """Stands in for an mlx-lm SwitchGLU: the same call (x, indices) -> [..., k, hidden], each
+    token through every expert (one matmul per projection), the routed outputs gathered."""
+
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    def __call__(self, x, indices):
+        sw = self.switch
+        wu, wg, wd = sw.up_proj.weight, sw.gate_proj.weight, sw.down_proj.weight
+        n_exp, ffn, hid = wu.shape
+        k = indices.shape[-1]
+        xf = x.reshape(-1, hid)
+        n = xf.shape[0]
+        up = (xf @ wu.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
+        gate = (xf @ wg.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
+        out = mx.matmul(sw.activation(up, gate).transpose(1, 0, 2), wd.transpose(0, 2, 1))
+        idx = mx.stop_gradient(indices).reshape(n, k)
+        return out[idx, mx.arange(n)[:, None]].reshape(*x.shape[:-1], k, hid)
+
+
+def dense_experts(model):
+    """Context manager: `model`'s SwitchGLUs computed densely (`_DenseExperts`), restored on exit."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def swap():
+        found = switch_glus(model)
+        try:
+            for parent, name, switch in found.values():
+                setattr(parent, name, _DenseExperts(switch))
+            yield model
+        finally:
+            for parent, name, switch in found.values():
+                setattr(parent, name, switch)
+    return swap()
+
+
 def record_switch_inputs(model, tokens: np.ndarray, seq_len=SEQ_LEN) -> dict:
     """{layer: (x float32 [tokens, hidden], ids int [tokens, k])} of every SwitchGLU over `tokens`."""
     found = switch_glus(model)
@@ -138,6 +177,53 @@ def choose_expert_bits(model, tokens, target_bits, group_size, progress=True, me
     return assign_widths(errors, target_bits, widths=widths), errors
 
 
+def _log_probs(model, tokens, seq_len=SEQ_LEN) -> list:
+    """[float32 [1, seq_len, vocab] log-probabilities] of `model` over `tokens` in windows."""
+    out = []
+    with dense_experts(model):
+        for s in range(0, len(tokens) - seq_len + 1, seq_len):
+            logits = model(mx.array(tokens[s: s + seq_len])[None]).astype(mx.float32)
+            out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            mx.eval(out[-1])
+    return out
+
+
+def layer_losses(model, tokens, quantized: dict, widths, group_size, seq_len=SEQ_LEN) -> dict:
+    """{layer: [KL (nats per token) from the float model at each width]}: every expert of that one
+    layer at the width (the `quantized` stacks: {(layer, bits): {role: (packed, scales, biases)}}),
+    all other experts float, over `tokens` (windows of seq_len). One forward pass per layer and
+    width; EdgeMoE's measured loss change, per layer."""
+    seq_len = min(seq_len, len(tokens))
+    ref = _log_probs(model, tokens, seq_len)
+    out = {}
+    for layer in sorted(switch_glus(model)):
+        row = []
+        for b in widths:
+            with experts_at_widths(model, {layer: [b] * _n_experts(model, layer)},
+                                   group_size, quantized):
+                lp = _log_probs(model, tokens, seq_len)
+            kl = sum(float(mx.sum(mx.exp(r) * (r - q))) for r, q in zip(ref, lp))
+            row.append(kl / sum(r.shape[1] for r in ref))
+        out[layer] = row
+    return out
+
+
+def _n_experts(model, layer) -> int:
+    return switch_glus(model)[layer][2].up_proj.weight.shape[0]
+
+
+def scale_by_layer_loss(errors: dict, losses: dict) -> dict:
+    """The proxy errors {layer: err [experts, widths]} rescaled so that each layer's column at a
+    width sums to its measured loss there (`layer_losses`): layers trade bits by the loss they
+    cost, experts within a layer by their share of the proxy."""
+    out = {}
+    for layer, err in errors.items():
+        total = err.sum(0)
+        loss = np.maximum(np.asarray(losses[layer], np.float64), 0.0)
+        out[layer] = err * np.where(total > 0, loss / np.where(total > 0, total, 1.0), 0.0)
+    return out
+
+
 def _mean_nll(model, tokens, seq_len=SEQ_LEN) -> float:
     from ..moe.quality import sequence_nll
 
@@ -146,8 +232,8 @@ def _mean_nll(model, tokens, seq_len=SEQ_LEN) -> float:
 
 def experts_at_widths(model, bits: dict, group_size: int, quantized: dict = None):
     """Context manager: `model`'s float experts replaced by their quantized-dequantized values at
-    `bits` {layer: [bits per expert]} (the `quantized` stacks, default `mx.quantize`), restored
-    on exit. The resident model's experts as the pack holds them, in float."""
+    `bits` {layer: [bits per expert]} (the `quantized` stacks, default `mx.quantize`; layers not
+    in `bits` stay float), restored on exit. The resident model's experts as the pack holds them, in float."""
     from contextlib import contextmanager
 
     @contextmanager
@@ -155,6 +241,8 @@ def experts_at_widths(model, bits: dict, group_size: int, quantized: dict = None
         saved = []
         try:
             for layer, (_, _, switch) in switch_glus(model).items():
+                if bits.get(layer) is None:
+                    continue  # left float
                 for role in ("gate", "up", "down"):
                     lin = getattr(switch, f"{role}_proj")
                     saved.append((lin, lin.weight))

@@ -15,53 +15,13 @@ a few large matmuls instead of MLX's per-expert gathers (tens of times faster on
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from .expert_bits import switch_glus
+from .expert_bits import dense_experts, switch_glus
 from .relufication import distill_kl
 
 ROLES = ("gate", "up", "down")
-
-
-class _DenseExperts(nn.Module):
-    """Stands in for an mlx-lm SwitchGLU: the same call (x, indices) -> [..., k, hidden], each
-    token through every expert (one matmul per projection), the routed outputs gathered."""
-
-    def __init__(self, switch):
-        super().__init__()
-        self.switch = switch
-
-    def __call__(self, x, indices):
-        sw = self.switch
-        wu, wg, wd = sw.up_proj.weight, sw.gate_proj.weight, sw.down_proj.weight
-        n_exp, ffn, hid = wu.shape
-        k = indices.shape[-1]
-        xf = x.reshape(-1, hid)
-        n = xf.shape[0]
-        up = (xf @ wu.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
-        gate = (xf @ wg.reshape(n_exp * ffn, hid).T).reshape(n, n_exp, ffn)
-        out = mx.matmul(sw.activation(up, gate).transpose(1, 0, 2), wd.transpose(0, 2, 1))
-        idx = mx.stop_gradient(indices).reshape(n, k)
-        return out[idx, mx.arange(n)[:, None]].reshape(*x.shape[:-1], k, hid)
-
-
-def dense_experts(model):
-    """Context manager: `model`'s SwitchGLUs computed densely (`_DenseExperts`), restored on exit."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def swap():
-        found = switch_glus(model)
-        try:
-            for parent, name, switch in found.values():
-                setattr(parent, name, _DenseExperts(switch))
-            yield model
-        finally:
-            for parent, name, switch in found.values():
-                setattr(parent, name, switch)
-    return swap()
 
 
 def quantize_resident(model, bits: int, group_size: int):
