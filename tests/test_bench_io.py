@@ -285,3 +285,28 @@ def test_segment_kinds_land_the_same_bytes_as_one_piece(tiny_llama, tmp_path):
                 assert (buf[at: at + n] == data[pos: pos + n]).all(), kind
                 pos += n
             assert pos == 5 * 4096
+
+
+def test_landing_paths_run_both_paths_of_the_loader(tiny_llama, tmp_path, capsys):
+    """--landing-paths: this loader with zero copy forced and with staging forced, next to the
+    one the device profile chose, on a pack whose 4 KiB rows can land zero copy."""
+    import argparse
+
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.pack import write_pack
+
+    pack = write_pack(tiny_llama("src", dtype="float32", hidden=1024, intermediate=64, layers=2, vocab=16),
+                      tmp_path / "pack", progress=False)
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    bench = bench_io.Bench(parser.parse_args(["--pack", str(pack), "--repeat", "1", "--landing-paths"]))
+    (row,) = bench_io.large_reads(bench, [4 * 12288], 2, 1 << 20, with_fio=False, landing_paths=True)
+    assert row["bundles_per_read"] == 4 and row["zero_copy_gbps"] > 0 and row["staged_gbps"] > 0
+    if row["zero_copy_zero_copy_reads"] == 0:
+        import pytest
+        pytest.skip("filesystem refuses O_DIRECT")
+    assert row["zero_copy_zero_copy_reads"] == row["reads"] and row["staged_zero_copy_reads"] == 0
+    bench_io.print_large_reads([row], 2)
+    out = capsys.readouterr().out
+    assert "zero-copy / staged: this loader with that path forced" in out
+    assert out.splitlines()[-2].split()[-4:] == ["zero-copy", "/fio", "staged", "/fio"]

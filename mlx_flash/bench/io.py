@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import FlashError
 from ..io import FlashLoader, ReadCost, evict, load_cost
 from ..io.loader import measure_cost
-from ..io.read_cost import segment_iovecs
+from ..io.read_cost import FREE_COPY, segment_iovecs
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
@@ -81,6 +81,9 @@ def add_arguments(parser):
     parser.add_argument("--large-verify", action="store_true",
                         help="large part: the loaders check each bundle's crc32, as a runtime does "
                         "(default off: the device's throughput alone)")
+    parser.add_argument("--landing-paths", action="store_true",
+                        help="large part: also run this loader with zero copy forced and with staging "
+                        "forced, alternated (the two paths its read-cost profile chooses between)")
     parser.add_argument("--experts-per-call", type=int, metavar="K",
                         help="experts part: experts read per call (default: the model's top_k; "
                         "1-2 = the misses of a cached runtime's layer call), fio at depth K")
@@ -213,12 +216,15 @@ def parse_size(text) -> int:
         raise FlashError(f"--large-sizes: {text!r} is not a size (bytes, or with K or M)") from None
 
 
-def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
+def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landing_paths=False):
     """Per read size: random runs of k consecutive bundles (k x stride ~ the size) of every bundle
     file, read cold through FlashLoader.read_many into `alloc` destinations with `depth` reads in
     flight, and fio at the loader's read size, depth and files; the two take turns (--repeat).
     Sizes below one bundle are skipped. One untimed run first: steady state, where the loader's
-    staging buffer exists (its first touch costs page faults a runtime pays once)."""
+    staging buffer exists (its first touch costs page faults a runtime pays once).
+    landing_paths: also this loader with zero copy forced (no segment term) and with staging
+    forced (segments priced at 1 s, the copy free), alternated with the rest: the two paths the
+    device profile chooses between ("zero_copy_gbps", "staged_gbps")."""
     loader_keys = {}
     probe = FlashLoader(bench.pack, threads=depth, plan=False)
     try:  # readable bundles (an expert-bits layer is read per width group)
@@ -250,6 +256,10 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
         cost = ReadCost(0.0, 1e9, *landing)
         loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=cost,
                              max_read=max_read) for name, cls in loader_classes(bench).items()}
+        if landing_paths:
+            for name, forced in (("zero_copy", ReadCost(0.0, 1e9)), ("staged", ReadCost(0.0, 1e9, 1.0, FREE_COPY))):
+                loaders[name] = FlashLoader(bench.pack, threads=depth, verify=verify, cost=forced,
+                                            max_read=max_read)
         try:
             dests = {name: _alloc(ld, sets) for name, ld in loaders.items()}
             warm = {name: _read_sets(ld, sets, dests[name]) for name, ld in loaders.items()}["loader"]
@@ -277,14 +287,18 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False):
                "copy_bandwidth": landing[1], "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth,
                "verify": verify}
-        for name in ("aio_ring", "aio_dest", "baseline"):
+        for name in ("aio_ring", "aio_dest", "baseline", "zero_copy", "staged"):
             if name in res:
                 row[f"{name}_gbps"] = _gb(res[name].bytes_read, res[name].seconds)
+        for name in ("zero_copy", "staged"):
+            if name in res:
+                row[f"{name}_zero_copy_reads"] = res[name].zero_copy_reads
         if cmd:
             fio = res["fio"].bw / 1e9
             row.update(fio_gbps=fio, loader_over_fio=row["device_gbps"] / fio, fio_command=" ".join(cmd))
-            if "baseline_gbps" in row:
-                row["baseline_over_fio"] = row["baseline_gbps"] / fio
+            for name in ("baseline", "zero_copy", "staged"):
+                if f"{name}_gbps" in row:
+                    row[f"{name}_over_fio"] = row[f"{name}_gbps"] / fio
         else:
             row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
         rows.append(row)
@@ -579,10 +593,14 @@ def print_large_reads(rows, depth):
         print(f"(path: zero-copy or staged, chosen by the device profile's segment term "
               f"{rows[0]['segment_s'] * 1e6:.2f} us per extra segment and copy "
               f"{rows[0]['copy_bandwidth'] / 1e9:.2f} GB/s: io.read_cost.stage_saves_time)")
-    base = any("baseline_gbps" in r for r in rows)
+    others = [(name, head) for name, head in (("baseline", "baseline"), ("zero_copy", "zero-copy"),
+                                              ("staged", "staged"))
+              if any(f"{name}_gbps" in r for r in rows)]
+    if any(name != "baseline" for name, _ in others):
+        print("(zero-copy / staged: this loader with that path forced, --landing-paths)")
     print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
           f"{'aio ring':>8} {'aio dest':>8} {'fio':>7} {'loader/fio':>10}"
-          + (f" {'baseline':>8} {'base/fio':>8}" if base else ""))
+          + "".join(f" {head:>9} {'/fio':>5}" for _, head in others))
     for r in rows:
         name = f"{r['size'] >> 20}M" if r["size"] >= 1 << 20 else f"{r['size'] >> 10}K"
         if "skipped" in r:
@@ -591,10 +609,9 @@ def print_large_reads(rows, depth):
         fio = (f"{r['fio_gbps']:7.3f} {r['loader_over_fio']:10.0%}" if "fio_gbps" in r
                else f"  {r['fio']}")
         ring, dest = (f"{r[k]:8.3f}" if k in r else f"{'-':>8}" for k in ("aio_ring_gbps", "aio_dest_gbps"))
-        extra = ""
-        if base:
-            extra = f" {r.get('baseline_gbps', float('nan')):8.3f} " + (
-                f"{r['baseline_over_fio']:8.0%}" if "baseline_over_fio" in r else f"{'-':>8}")
+        extra = "".join(f" {r.get(name + '_gbps', float('nan')):9.3f} " + (
+            f"{r[name + '_over_fio']:5.0%}" if name + "_over_fio" in r else f"{'-':>5}")
+            for name, _ in others)
         print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
               f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} "
               f"{dest} {fio}{extra}")
@@ -921,7 +938,8 @@ def run(args) -> int:
         if with_fio and not result["fio"]:
             print("fio not found: skipping the fio comparison (apt-get install fio)", file=sys.stderr)
     if "large" in parts:
-        result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio, args.large_verify)
+        result["large_reads"] = large_reads(bench, sizes, top, args.large_mb << 20, with_fio, args.large_verify,
+                                            args.landing_paths)
     if "experts" in parts:
         result["expert_reads"] = expert_reads(bench, args.large_mb << 20, with_fio, args.experts_per_call)
     if "dest" in parts:
