@@ -286,7 +286,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
                "zero_copy": s.zero_copy_reads == s.reads, "segment_s": landing[0],
                "copy_bandwidth": landing[1], "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth,
-               "verify": verify}
+               "verify": verify, "direct": s.direct}
         for name in ("aio_ring", "aio_dest", "baseline", "zero_copy", "staged"):
             if name in res:
                 row[f"{name}_gbps"] = _gb(res[name].bytes_read, res[name].seconds)
