@@ -144,3 +144,32 @@ def _check_layer_losses(moe_model, tokens):
     for layer in (0, 1):
         assert np.allclose(scaled[layer].sum(0), np.maximum(losses[layer], 0))  # noise < 0: 0
     assert scaled[0][1, 0] == pytest.approx(3 * scaled[0][0, 0])
+
+
+def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
+    from mlx_flash.calibration.expert_bits import (assignment_perplexities, measure_errors,
+                                                   stored_quantizer)
+    from mlx_flash.calibration.expert_tune import quantize_resident
+    from mlx_flash.config import FlashConfig
+    from mlx_flash.models.moe import build_moe_model
+    from mlx_flash.moe.quality import held_out_perplexity
+    from mlx_flash.pack import write_pack
+
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=6, layers=2)
+    model, _ = load_model(src, lazy=False)
+    student, _ = load_model(src, lazy=False)
+    quantize_resident(student, 4, 32)
+    rng = np.random.default_rng(5)
+    calib, text = (rng.integers(0, 128, n).astype(np.int32) for n in (300, 257))
+    rows = assignment_perplexities(model, student, calib, text, 3.0, 32, loss_tokens=128)
+    assert [r["name"] for r in rows][0] == "all 4-bit" and len(rows) == 4
+    assert rows[0]["mean_bits"] == 4.0 and all(r["mean_bits"] <= 3.0 for r in rows[1:])
+    # the layer-loss row's pack, written and run by the runtime (dense mode), scores the same
+    quantized = {}
+    measure_errors(model, calib, 32, progress=False, method="gptq-fit", quantized=quantized)
+    row = rows[-1]
+    write_pack(src, tmp_path / "pack", progress=False, quantize=4, group_size=32,
+               expert_bits=row["bits"], expert_quantizer=stored_quantizer(quantized))
+    pack_ppl = held_out_perplexity([build_moe_model(tmp_path / "pack", FlashConfig(mode="dense"))],
+                                   text)["ppl"][0]
+    assert row["ppl"] == pytest.approx(pack_ppl, rel=1e-4)

@@ -44,7 +44,13 @@ def add_arguments(p):
                    help="also check convert --expert-bits' importance proxy against EdgeMoE's "
                         "measure (one expert at 2 bits, loss change on --calib-text) on N random "
                         "experts: Spearman rank correlation (group size --group-size)")
-    p.add_argument("--group-size", type=int, default=32, help="--importance-samples' group size")
+    p.add_argument("--bits-variants", type=float, default=None, metavar="AVG",
+                   help="also report held-out perplexity with the experts at a mean of AVG bits "
+                        "chosen each way convert can (calibration on the first 2048 --calib-text "
+                        "tokens, gptq-fit, non-expert weights 4-bit, group size --group-size), "
+                        "next to every expert at 4 bits: one calibration for all rows")
+    p.add_argument("--group-size", type=int, default=32,
+                   help="--importance-samples' and --bits-variants' group size")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -156,6 +162,32 @@ def pack_perplexity(packs, tokens):
     return rows
 
 
+def bits_variant_rows(args, calib, text):
+    """calibration.expert_bits.assignment_perplexities on --model, printed as a table."""
+    from collections import Counter
+
+    from ..calibration.expert_bits import assignment_perplexities
+    from ..calibration.expert_tune import quantize_resident
+    from ..models import load_model
+
+    model, _ = load_model(Path(args.model), lazy=False)
+    student, _ = load_model(Path(args.model), lazy=False)
+    quantize_resident(student, 4, args.group_size)
+    rows = assignment_perplexities(model, student, calib, text, args.bits_variants,
+                                   args.group_size)
+    print(f"# experts at a mean of {args.bits_variants:g} bits (gptq-fit, group size "
+          f"{args.group_size}, non-expert weights 4-bit; calibration {len(calib)} tokens), "
+          f"held-out perplexity on {rows[0]['tokens']} --text tokens")
+    print("| widths chosen by | mean bits | experts per width | held-out ppl | vs all 4-bit |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        counts = Counter(b for bits in r["bits"].values() for b in bits)
+        per = ", ".join(f"{b}-bit {counts[b]}" for b in sorted(counts))
+        print(f"| {r['name']} | {r['mean_bits']:.3f} | {per} | {r['ppl']:.2f} | "
+              f"x{r['ppl'] / rows[0]['ppl']:.3f} |", flush=True)
+    return rows
+
+
 def moefied_perplexity(model_dir, config, tokens, ks):
     """Held-out perplexity of the dense source and of the moefied model at each top-k."""
     from ..models import load_model
@@ -253,6 +285,8 @@ def run(args):
               f"experts, 1024 calibration tokens, base loss {check['base_loss']:.3f} nats): "
               f"Spearman {check['spearman']:.3f} ({check['seconds']:.0f} s)", flush=True)
         result["importance"] = check
+    if args.bits_variants is not None:
+        result["bits_variants"] = bits_variant_rows(args, calib[:2048], text)
     if args.ppl_packs:
         result["pack_perplexity"] = pack_perplexity(args.ppl_packs, text)
     if args.json:

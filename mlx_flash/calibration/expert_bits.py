@@ -294,6 +294,42 @@ def fewest_bits_within(model, tokens, errors, tolerance_pct, group_size, widths=
             "float_loss": base, "probes": probes}
 
 
+def assignment_perplexities(model, student, calib_tokens, eval_tokens, target_bits: float,
+                            group_size: int, *, method="gptq-fit", widths=WIDTHS,
+                            loss_tokens: int = 256, progress=False) -> list:
+    """Held-out perplexity of the experts as a pack would hold them under each way of choosing
+    widths, from one calibration: [{"name", "bits": {layer: [bits]}, "mean_bits", "ppl",
+    "tokens"}], the first row every expert at 4 bits (the reference).
+
+    model: the float MoE (calibration: `measure_errors` on calib_tokens by `method`, and
+    `layer_losses` on the first `loss_tokens`); student: the same model with its non-expert
+    weights as the pack holds them (expert_tune.quantize_resident), whose experts are swapped in
+    dequantized (`experts_at_widths`) and computed densely: the runtime's dense-mode values.
+    Rows: all 4-bit; knapsack and greedy on the output-error proxy; knapsack on the proxy
+    rescaled by the measured layer losses (convert's --expert-importance layer-loss).
+    """
+    from ..moe.quality import held_out_perplexity
+
+    quantized = {}
+    errors = measure_errors(model, calib_tokens, group_size, widths, progress, method, quantized)
+    quantized = quantized or None
+    scaled = scale_by_layer_loss(errors, layer_losses(model, calib_tokens[: loss_tokens + 1],
+                                                      quantized, widths, group_size))
+    n = {layer: err.shape[0] for layer, err in errors.items()}
+    variants = [("all 4-bit", {layer: [4] * k for layer, k in n.items()}),
+                ("knapsack, output error", assign_widths(errors, target_bits, widths=widths)),
+                ("greedy, output error", assign_widths(errors, target_bits, widths=widths,
+                                                       solver="greedy")),
+                ("knapsack, layer loss", assign_widths(scaled, target_bits, widths=widths))]
+    rows = []
+    for name, bits in variants:
+        with experts_at_widths(student, bits, group_size, quantized), dense_experts(student):
+            r = held_out_perplexity([student], eval_tokens)
+        rows.append({"name": name, "bits": bits, "mean_bits": mean_bits(bits), "ppl": r["ppl"][0],
+                     "tokens": r["tokens"]})
+    return rows
+
+
 def validate_importance(model, tokens, errors, group_size, *, samples=24, bits=2, seed=0) -> dict:
     """EdgeMoE's importance (loss change when one expert alone is quantized at `bits`, the rest
     float) for `samples` random experts, next to the proxy's err at that width.
