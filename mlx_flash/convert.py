@@ -92,11 +92,11 @@ def _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, arg
     from .calibration.expert_bits import layer_losses, scale_by_layer_loss
 
     t0 = time.perf_counter()
+    # the narrowest width only: one pass per layer (the loss is largest there; all widths: 4x)
     losses = layer_losses(model, tokens[: args.expert_importance_tokens + 1], quantized or None,
-                          widths, group_size)
+                          widths[:1], group_size)
     print(f"--expert-importance layer-loss: KL from the float model (nats/token) when one layer's "
-          f"experts are at {'/'.join(map(str, widths))} bits, "
-          f"{time.perf_counter() - t0:.0f} s:", file=sys.stderr)
+          f"experts are at {widths[0]} bits, {time.perf_counter() - t0:.0f} s:", file=sys.stderr)
     for layer, row in losses.items():
         print(f"  layer {layer}: " + " ".join(f"{v:.4f}" for v in row), file=sys.stderr)
     return scale_by_layer_loss(errors, losses)
@@ -182,9 +182,9 @@ def _main(argv):
     parser.add_argument("--expert-importance", choices=("output", "layer-loss"), default="output",
                         help="--expert-bits: output = each expert's quantization error in its "
                              "layer's output (relative to the layer's output energy); layer-loss "
-                             "= the same, rescaled so each layer's total at a width is the "
-                             "measured KL from the float model with that layer's experts at that "
-                             "width (one forward pass per layer and width, EdgeMoE's loss "
+                             "= the same, each layer's rescaled so its total at the narrowest "
+                             "width is the measured KL from the float model with that layer's "
+                             "experts at that width (one forward pass per layer, EdgeMoE's loss "
                              "change; layers differ by orders of magnitude)")
     parser.add_argument("--expert-importance-tokens", type=int, default=256,
                         help="--expert-importance layer-loss: calibration tokens per pass "

@@ -144,6 +144,9 @@ def _check_layer_losses(moe_model, tokens):
     for layer in (0, 1):
         assert np.allclose(scaled[layer].sum(0), np.maximum(losses[layer], 0))  # noise < 0: 0
     assert scaled[0][1, 0] == pytest.approx(3 * scaled[0][0, 0])
+    # the loss at the narrowest width only: every width of a layer by that width's factor
+    narrow = scale_by_layer_loss(errors, {layer: row[:1] for layer, row in losses.items()})
+    assert np.allclose(narrow[0], errors[0] * max(losses[0][0], 0) / 4.0)
 
 
 def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):

@@ -214,13 +214,15 @@ def _n_experts(model, layer) -> int:
 
 def scale_by_layer_loss(errors: dict, losses: dict) -> dict:
     """The proxy errors {layer: err [experts, widths]} rescaled so that each layer's column at a
-    width sums to its measured loss there (`layer_losses`): layers trade bits by the loss they
-    cost, experts within a layer by their share of the proxy."""
+    width sums to its measured loss there (`layer_losses` at every width), or, given the loss at
+    the narrowest width only, every column by that width's factor: layers trade bits by the loss
+    they cost, experts within a layer by their share of the proxy."""
     out = {}
     for layer, err in errors.items():
-        total = err.sum(0)
         loss = np.maximum(np.asarray(losses[layer], np.float64), 0.0)
-        out[layer] = err * np.where(total > 0, loss / np.where(total > 0, total, 1.0), 0.0)
+        total = err.sum(0)[: len(loss)]
+        factor = np.where(total > 0, loss / np.where(total > 0, total, 1.0), 0.0)
+        out[layer] = err * (factor if len(loss) == err.shape[1] else factor[0])
     return out
 
 
@@ -314,7 +316,7 @@ def assignment_perplexities(model, student, calib_tokens, eval_tokens, target_bi
     errors = measure_errors(model, calib_tokens, group_size, widths, progress, method, quantized)
     quantized = quantized or None
     scaled = scale_by_layer_loss(errors, layer_losses(model, calib_tokens[: loss_tokens + 1],
-                                                      quantized, widths, group_size))
+                                                      quantized, widths[:1], group_size))
     n = {layer: err.shape[0] for layer, err in errors.items()}
     variants = [("all 4-bit", {layer: [4] * k for layer, k in n.items()}),
                 ("knapsack, output error", assign_widths(errors, target_bits, widths=widths)),
