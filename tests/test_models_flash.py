@@ -314,3 +314,28 @@ def test_resident_gate_pack_runs_every_mode_like_its_dense_model(tiny_llama, tmp
             assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
     s = runs["flash"].flash_stats.summary()
     assert s["hit_rate"] == pytest.approx(80 / 192) and s["neurons_loaded"] == 112
+
+
+def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama, tmp_path):
+    """A CATS pack with a resident 4-bit gate and exact predictors: each sparse layer reads the
+    next one's lookahead neurons in the background; the next layer copies those it needs into
+    its cache or computes them from the lookahead buffer. Same logits as without lookahead and as
+    dense; the lookahead served most of what it read (consecutive layers' gates on one stream)."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, [0.03, 0.05, 0.04, 0.06], gate_bits=4)
+    texts = [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+    assert calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--kind", "gate-threshold",
+                               "--quiet"]) == 0
+    ids = [5, 17, 99, 3, 42, 7, 61, 12, 200, 31]
+    dense = decode_logits(build_flash_model(pack, FlashConfig("dense")), ids)
+    runs = {}
+    for ahead in (False, True):
+        model = build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}, lookahead=ahead)
+        runs[ahead] = (decode_logits(model, ids), model.flash_runtime)
+    rt = runs[True][1]
+    assert sorted(rt.lookahead) == [0, 1, 2] and rt.ahead_rows > 0 and not runs[False][1].lookahead
+    assert rt.ahead_read > 0 and rt.ahead_used > 0.5 * rt.ahead_read, (rt.ahead_used, rt.ahead_read)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)

@@ -20,9 +20,9 @@ from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
 from ..pack import load_resident, read_manifest
-from ..sparse.budget import expected_read_seconds, plan_memory
+from ..sparse.budget import expected_read_seconds, plan_memory, resolve_budget, row_bytes
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
-                          UpDownMLP, check_mlp_shape, sparse_layers_to_eval)
+                          UpDownMLP, check_mlp_shape, layout_key, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
 from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_capacity, load_predictors,
                                 predicted_density, sparse_read_fraction)
@@ -31,7 +31,7 @@ from .loader import build_model
 
 
 def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None, density=None,
-                      prefetch=True):
+                      prefetch=True, lookahead=True):
     """The mlx-lm model of a flash pack with its FFNs swapped per mode (no tokenizer).
 
     predictors: {layer: callable(x) -> bool mask [..., n_neurons]} to use instead of the pack's
@@ -41,6 +41,10 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
       used, none (every layer sparse, as before the per-layer plan) for predictors given here.
     prefetch: flash layers the plan streams whole are read ahead by a background reader (a ring
       of two streaming buffers, counted in the budget); False reads them in turn, as hybrid does.
+    lookahead: with the pack's exact resident-gate predictors (convert --gate-bits, calibrate
+      --kind gate-threshold), each sparse layer followed by a sparse layer reads that layer's
+      lookahead neurons while it computes (FlashRuntime.set_lookahead; its buffers, two of
+      Req_1 rows plus their staging, come out of the budget).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
@@ -60,7 +64,12 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                 overflow_rows = max(calibrated_capacity(pack, 1).values(), default=None)
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
-        plan = plan_memory(manifest, cfg.mode, cfg.memory_budget,
+        ahead_rows = lookahead_rows(pack, manifest, predictors) if cfg.mode == "flash" and lookahead else 0
+        budget = cfg.memory_budget
+        if ahead_rows and budget is not None:  # two lookahead buffers and the reader's staging
+            budget = resolve_budget(budget, manifest) - 3 * ahead_rows * max(
+                row_bytes(b) for b in manifest.bundles)
+        plan = plan_memory(manifest, cfg.mode, budget,
                            predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
                            if cfg.mode == "flash" else 0,
                            requested_capacity=capacity, density=density, read_cost=read_cost,
@@ -75,7 +84,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         stats = FlashStats(plan)
         runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors,
                                overflow_rows=plan.overflow_rows, max_read_bytes=plan.overflow_stage)
-        checked, kinds = set(), {}
+        checked, kinds, currents = set(), {}, {}
         for entry in manifest.bundles:
             layer = entry.layer
             kind = ("resident" if layer in plan.resident_layers
@@ -83,7 +92,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                     else "sparse" if cfg.mode == "flash" and layer not in plan.streamed_layers
                     else "streamed")
             kinds[layer] = kind
-            current = _swap_ffn(model, entry, weights, runtime, kind, checked, config, thresholds.get(layer))
+            current = currents[layer] = _swap_ffn(model, entry, weights, runtime, kind, checked, config,
+                                                  thresholds.get(layer))
             if getattr((predictors or {}).get(layer), "resident_gate", False):
                 predictors[layer].share_gate(current.resident_gate)  # one copy of the gate in memory
             if kind == "resident":
@@ -95,12 +105,15 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                 runtime.caches[layer] = NeuronCache(loader, layer, plan.capacity[layer], plan.overflow_stage)
         if plan.streamed_layers and plan.prefetch:
             runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
+        runtime.currents = currents
         runtime.eval_sparse = sparse_layers_to_eval(kinds, runtime.prefetcher is not None)
         try:
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
             raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
         mx.eval(model.parameters())
+        if ahead_rows:
+            runtime.set_lookahead(lookahead_pairs(model, kinds, predictors or {}, manifest), ahead_rows)
         patch_layers(model)
         model.flash_stats = stats
         model.flash_runtime = runtime
@@ -186,6 +199,37 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=N
         current.set_threshold(*threshold, "gate" if "gate" in modules else "up")
     setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
     return current
+
+
+def lookahead_rows(pack: Path, manifest, predictors) -> int:
+    """Rows of each lookahead buffer: the median over the layers of one token's predicted neurons
+    (calibration's Req_1), when every layer has the exact resident-gate predictor; else 0 (off)."""
+    if not predictors or len(predictors) < 2 or not all(
+            getattr(p, "kind", None) == "gate-threshold" and getattr(p, "resident_gate", False)
+            for p in predictors.values()):
+        return 0
+    if len({layout_key(b) for b in manifest.bundles}) != 1:
+        return 0  # the two buffers serve every layer: one bundle layout
+    req = sorted(calibrated_capacity(pack, 1).values())
+    return int(req[len(req) // 2])
+
+
+def lookahead_pairs(model, kinds: dict, predictors: dict, manifest) -> dict:
+    """{sparse layer i: (sparse layer i + 1, its post-attention RMSNorm weight / layer i's)} for
+    consecutive sparse layers with the exact resident-gate predictor."""
+    pairs = {}
+    for i in sorted(kinds):
+        j = i + 1
+        if kinds.get(i) != "sparse" or kinds.get(j) != "sparse" or j not in predictors:
+            continue
+        norms = [getattr(model.layers[k], "post_attention_layernorm", None) for k in (i, j)]
+        if any(n is None or "weight" not in n for n in norms):
+            continue
+        wi, wj = (n.weight.astype(mx.float32) for n in norms)
+        scale = mx.where(mx.abs(wi) > 1e-6, wj / wi, mx.zeros_like(wi)).astype(norms[0].weight.dtype)
+        mx.eval(scale)
+        pairs[i] = (j, scale)
+    return pairs
 
 
 def pack_predictors(pack: Path):

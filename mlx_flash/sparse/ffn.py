@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..cpu import endor as cpu_endor
+from ..io import host_bytes
 from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active, quantized_matvec
 from ..errors import FlashError
 from ..metal import endor as metal_endor
@@ -283,12 +284,72 @@ class FlashRuntime:
         self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
         self.eval_sparse: set | None = None  # sparse layers that evaluate their output (None: all)
+        # lookahead (set_lookahead): {sparse layer i: (next sparse layer j, RMSNorm weight ratio)}
+        self.lookahead: dict[int, tuple] = {}
+        self.currents: dict[int, CurrentRows] = {}
+        self.ahead_rows = 0
+        self.ahead: dict[int, tuple] = {}  # layer j -> (future, neuron ids, buffer) being read
+        self._ahead_bufs: dict[int, dict] = {}
+        self._ahead_pool = None
+        self.ahead_read = self.ahead_used = 0  # neurons the lookahead read / that a layer then needed
+
+    def set_lookahead(self, pairs: dict, rows: int):
+        """Read the next sparse layer's predicted neurons while this one computes.
+
+        pairs: {layer i: (layer j, scale)}: layer j's FFN input is estimated from layer i's as
+        x_i * scale (scale = j's post-attention RMSNorm weight / i's: the same residual stream,
+        normalised; it misses what layer i's FFN and layer j's attention add), and j's resident
+        gate on it gives a lookahead mask. Its neurons not in j's cache (at most `rows`) are read
+        in a background thread into one of two lookahead buffers; layer j takes the ones it needs
+        from there instead of from flash (a missed neuron is read then, as without lookahead)."""
+        self.lookahead, self.ahead_rows = dict(pairs), int(rows)
+        if self.lookahead and self.ahead_rows > 0 and self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-flash-lookahead")
+
+    def ahead_mask(self, layer: int, x):
+        """Lazy bool [n_j]: the lookahead mask of the layer after `layer` from its input x, or None."""
+        if layer not in self.lookahead or x.size // x.shape[-1] != 1:
+            return None
+        j, scale = self.lookahead[layer]
+        g = self.currents[j].full_gate(x * scale)
+        return self.predictors[j].mask_from_gate(g).reshape(-1, g.shape[-1]).any(axis=0)
+
+    def start_ahead(self, layer: int, mask) -> None:
+        """Start reading the lookahead neurons of the layer after `layer` (mask: evaluated
+        ahead_mask) that its cache lacks, into the lookahead buffer of that layer's parity."""
+        j = self.lookahead[layer][0]
+        cache = self.caches[j]
+        ids = np.nonzero(np.array(mask))[0]
+        ids = ids[cache.slot_of[ids] < 0][: self.ahead_rows]
+        if not len(ids):
+            return
+        k = j % 2  # consecutive layers alternate: layer j's rows stay until j + 1 has synced
+        if k not in self._ahead_bufs:
+            self._ahead_bufs[k] = self.loader.alloc(j, self.ahead_rows)
+        buf = self._ahead_bufs[k]
+        fut = self._ahead_pool.submit(self.loader.read, j, ids, buf, np.arange(len(ids)))
+        self.ahead[j] = (fut, ids, buf)
+
+    def take_ahead(self, layer: int, step):
+        """(neuron ids, buffer) of `layer`'s lookahead read once it is in (counted in `step`:
+        the wait as I/O time), or None when none was started."""
+        pending = self.ahead.pop(layer, None)
+        if pending is None:
+            return None
+        fut, ids, buf = pending
+        t0 = time.perf_counter()
+        stats = fut.result()
+        _count_read(step, stats, time.perf_counter() - t0, len(ids))
+        return ids, buf
 
     def close(self):
         """Stop the prefetcher and close the loader (threads, AIO contexts, open files)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
+            self._ahead_pool = None
         self.loader.close()
 
     def stream_rows(self, layer: int) -> dict:
@@ -567,9 +628,11 @@ class FlashFFN(nn.Module):
         else:
             mask = predictor(x)
         mask = mask.reshape(-1, self._n).any(axis=0)
+        ahead = self._rt.ahead_mask(self.layer, x)
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
-        mx.eval(mask, x)
+        mx.eval(mask, x) if ahead is None else mx.eval(mask, x, ahead)
+        looked = self._rt.take_ahead(self.layer, step)  # before the cache moves any row
         active = np.nonzero(np.array(mask))[0]
         cache = self._rt.caches[self.layer]
         upd = cache.update(active, len(self._rt.stats.steps), self._rt.window, read=False)
@@ -583,11 +646,22 @@ class FlashFFN(nn.Module):
         step.hits += upd.hits
         step.window.append(upd.window)
         rt = self._rt
+        ahead_n = 0
+        if looked is not None:  # rows the lookahead read: copied into the cache, or computed there
+            upd.overflow, ahead_n, copied = _use_ahead(cache, upd, *looked)
+            step.neurons_loaded -= copied  # counted once, as the lookahead read them
+            rt.ahead_read += len(looked[0])
+            rt.ahead_used += ahead_n + copied
+        if ahead is not None:
+            rt.start_ahead(self.layer, ahead)
         pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
             if len(upd.overflow) else []
         first = self._fill(cache, upd, pieces[0] if pieces else None, step)
         ids = None if self._current.resident_gate is None else cache.ids[: cache.num_used]
         y = self._run(x, cache.rows, cache.num_used, ids=_row_ids(ids))
+        if ahead_n:
+            y = y + self._run(x, looked[1], ahead_n, add_down_bias=False,
+                              ids=None if self._current.resident_gate is None else _row_ids(looked[0][:ahead_n]))
         for k, piece in enumerate(pieces):  # each a ReadPlan: the loader reads it as planned here
             if k:
                 mx.eval(y)  # the streaming buffer is about to be refilled
@@ -599,6 +673,34 @@ class FlashFFN(nn.Module):
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None
         return y
+
+
+def _use_ahead(cache, upd, ids, buf):
+    """Serve a cache update's new neurons from a lookahead read (`ids` in rows 0.. of `buf`,
+    none of them cached when it started): fills among them are copied into their cache rows
+    and leave upd.fill; overflow neurons among them move to buf's first rows, in `ids`' order
+    (ids is rewritten to match). Returns (overflow still to read, rows of buf to compute,
+    fills copied)."""
+    pos = {int(n): r for r, n in enumerate(ids)}
+    hosts = [host_bytes(a).reshape(len(a), -1) for a in buf.values()]
+    copied = 0
+    if upd.fill is not None and len(upd.fill):
+        got = np.array([int(n) in pos for n in upd.fill], bool)
+        if got.any():
+            src = np.array([pos[int(n)] for n in upd.fill[got]], np.int64)
+            for h, c in zip(hosts, cache._host):
+                c[upd.fill_slots[got]] = h[src]
+            upd.fill, upd.fill_slots = upd.fill[~got], upd.fill_slots[~got]
+            copied = int(got.sum())
+    over = np.asarray(upd.overflow, np.int64)
+    if not len(over):
+        return over, 0, copied
+    got = np.array([int(n) in pos for n in over], bool)
+    src = np.array([pos[int(n)] for n in over[got]], np.int64)
+    for h in hosts:
+        h[: len(src)] = h[src]  # fancy indexing copies first: overlapping rows are safe
+    ids[: len(src)] = over[got]
+    return over[~got], len(src), copied
 
 
 def _row_ids(ids):
