@@ -316,7 +316,7 @@ def test_resident_gate_pack_runs_every_mode_like_its_dense_model(tiny_llama, tmp
     assert s["hit_rate"] == pytest.approx(80 / 192) and s["neurons_loaded"] == 112
 
 
-def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama, tmp_path):
+def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama, tmp_path, monkeypatch):
     """A CATS pack with a resident 4-bit gate and exact predictors: each sparse layer reads the
     next one's lookahead neurons in the background; the next layer copies those it needs into
     its cache or computes them from the lookahead buffer. Same logits as without lookahead and as
@@ -339,3 +339,5 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
     assert rt.ahead_read > 0 and rt.ahead_used > 0.5 * rt.ahead_read, (rt.ahead_used, rt.ahead_read)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("MLX_FLASH_LOOKAHEAD", "0")  # the default follows the environment
+    assert not build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}).flash_runtime.lookahead

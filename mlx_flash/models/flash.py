@@ -7,6 +7,7 @@ loses its projections; OPT's swap point `layer.mlp` gets a down(relu(up x)) modu
 Statistics: `model.flash_stats` (sparse.stats.FlashStats).
 """
 
+import os
 import weakref
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from .loader import build_model
 
 
 def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None, density=None,
-                      prefetch=True, lookahead=True):
+                      prefetch=True, lookahead=None):
     """The mlx-lm model of a flash pack with its FFNs swapped per mode (no tokenizer).
 
     predictors: {layer: callable(x) -> bool mask [..., n_neurons]} to use instead of the pack's
@@ -44,7 +45,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     lookahead: with the pack's exact resident-gate predictors (convert --gate-bits, calibrate
       --kind gate-threshold), each sparse layer followed by a sparse layer reads that layer's
       lookahead neurons while it computes (FlashRuntime.set_lookahead; its buffers, two of
-      Req_1 rows plus their staging, come out of the budget).
+      Req_1 rows plus their staging, come out of the budget). None: on unless the environment
+      sets MLX_FLASH_LOOKAHEAD=0 (to compare both from the CLIs and `bench run`).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
@@ -64,6 +66,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                 overflow_rows = max(calibrated_capacity(pack, 1).values(), default=None)
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
+        if lookahead is None:
+            lookahead = os.environ.get("MLX_FLASH_LOOKAHEAD", "1") != "0"
         ahead_rows = lookahead_rows(pack, manifest, predictors) if cfg.mode == "flash" and lookahead else 0
         budget = cfg.memory_budget
         if ahead_rows and budget is not None:  # two lookahead buffers and the reader's staging
