@@ -123,6 +123,8 @@ def test_preload_width_is_what_the_measured_compute_window_hides(gated_store):
     store, _ = gated_store
     assert store.preload_limit() == 0                      # nothing measured yet
     store.window_s, store.expert_read_s = 0.010, 0.004    # 10 ms of compute, 4 ms per expert
+    assert store.preload_limit() == 0                      # preloading measured slower: off
+    store.preload_on = True
     assert store.preload_limit() == 2
     store.max_preload = 1
     assert store.preload_limit() == 1
@@ -130,3 +132,31 @@ def test_preload_width_is_what_the_measured_compute_window_hides(gated_store):
     assert store.preload_limit() == 0
     store.adaptive = False                                 # a fixed width
     assert store.preload_limit() == 1
+
+
+def test_preload_is_switched_on_or_off_by_the_measured_token_time(gated_store):
+    from mlx_flash.moe.store import PROBE_TOKENS, REPROBE_TOKENS
+
+    store, _ = gated_store
+
+    def run(token_ms, tokens):
+        """Passes of the given ms per token under each setting -> the setting of each token."""
+        used, t = [], 0.0
+        for _ in range(tokens):
+            store.pass_started(t)
+            used.append(store.preload_on)
+            t += token_ms[store.preload_on] / 1e3
+        return used
+
+    # prompt and first decode token untimed (off), then PROBE_TOKENS off, PROBE_TOKENS on
+    used = run({False: 100, True: 60}, 40)
+    assert used[:2 + 2 * PROBE_TOKENS] == [False] * (2 + PROBE_TOKENS) + [True] * PROBE_TOKENS
+    assert store.token_s[True] == pytest.approx(0.060) and store.token_s[False] == pytest.approx(0.100)
+    # preloading is faster: on, but for the re-timing of "off" every REPROBE_TOKENS tokens
+    later = used[2 + 2 * PROBE_TOKENS:]
+    assert later.count(False) == sum(  # timed token k is used[k + 2]
+        1 for k in range(2 * PROBE_TOKENS, 40 - 2) if k % REPROBE_TOKENS < PROBE_TOKENS) > 0
+    assert later.count(True) > 3 * later.count(False)
+    # the machine changes: preloading now costs more than it saves; it is turned off
+    used = run({False: 100, True: 200}, 40)
+    assert used[-10:].count(True) <= PROBE_TOKENS and used[-1] is False

@@ -22,6 +22,9 @@ import numpy as np
 from ..errors import FlashError
 from .cache import ExpertCache
 
+PROBE_TOKENS = 2  # decode tokens timed per preload setting per probe
+REPROBE_TOKENS = 16  # decode tokens between probes of the setting not in use
+
 
 def expert_layers(manifest) -> dict:
     """{layer: Bundle} of a pack's MoE layers (kind "experts"), in layer order."""
@@ -173,6 +176,13 @@ class ExpertStore:
         self.window_s = None  # a layer's compute: preload issued -> next layer routes
         self.expert_read_s = None  # one expert read at depth 1 (preloads; demand until then)
         self._offered_at = None
+        # Preloading on or off by the measured token time (a background read also costs CPU
+        # and disk time the window rule cannot see): each is timed on PROBE_TOKENS tokens, then
+        # the faster runs, the other re-timed every REPROBE_TOKENS tokens (EMAs, seconds).
+        self.preload_on = False
+        self._first_layer = next(iter(self.entries))
+        self.token_s = {False: None, True: None}
+        self._passes, self._pass_started = 0, None
 
     def quantization(self, role, width=None):
         """{"group_size", "bits"} of a role's weight ("gate", "up", "down") in the bank of
@@ -254,7 +264,7 @@ class ExpertStore:
         anything is measured), at most `max_preload`."""
         if not self.adaptive:
             return self.max_preload if self.max_preload is not None else 1 << 30
-        if self.window_s is None or not self.expert_read_s:
+        if self.window_s is None or not self.expert_read_s or not self.preload_on:
             return 0
         n = int(self.window_s / self.expert_read_s)
         return n if self.max_preload is None else min(n, self.max_preload)
@@ -314,16 +324,49 @@ class ExpertStore:
             error, self._worker_error = self._worker_error, None
             raise error
 
+    def pass_started(self, now=None):
+        """The first MoE layer routes: time the last pass (a decode token; the prompt and the
+        first token, cold, are skipped) under the preload setting it ran with, then choose the
+        next pass's setting (`choose_preload`)."""
+        now = time.perf_counter() if now is None else now
+        if self._pass_started is not None and self._passes >= 3:
+            s, old = now - self._pass_started, self.token_s[self.preload_on]
+            self.token_s[self.preload_on] = s if old is None else 0.7 * old + 0.3 * s
+        self._pass_started = now
+        self._passes += 1
+        self.preload_on = self.choose_preload(self._passes - 3)
+
+    def choose_preload(self, token) -> bool:
+        """Preload on for timed decode token `token` (0 = the second decode token)? Off for the first PROBE_TOKENS, on for
+        the next PROBE_TOKENS, then whichever had the lower token time, except the first
+        PROBE_TOKENS of every REPROBE_TOKENS, which re-time the other."""
+        if token < 2 * PROBE_TOKENS:
+            return token >= PROBE_TOKENS
+        off, on = self.token_s[False], self.token_s[True]
+        if off is None or on is None:
+            return on is None
+        better = on < off
+        return (not better) if token % REPROBE_TOKENS < PROBE_TOKENS else better
+
     def _settle(self, layer, needed):
         """Before `layer` routes to `needed`: cancel the preloads not started (their slots go
         back; needed ones become this call's demand reads), wait for the one in flight only if
         this call needs it, else keep its slot from being reused until it lands; measure the
         compute window since the preload was offered."""
         now = time.perf_counter()
+        if layer == self._first_layer:
+            self.pass_started(now)
         if self._offered_at is not None:
             window = now - self._offered_at
             self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
             self._offered_at = None
+        # Preloading on or off by the measured token time (a background read also costs CPU
+        # and disk time the window rule cannot see): each is timed on PROBE_TOKENS tokens, then
+        # the faster runs, the other re-timed every REPROBE_TOKENS tokens (EMAs, seconds).
+        self.preload_on = False
+        self._first_layer = next(iter(self.entries))
+        self.token_s = {False: None, True: None}
+        self._passes, self._pass_started = 0, None
         with self._cond:
             queued, inflight = list(self._queue), self._inflight
             self._queue.clear()
