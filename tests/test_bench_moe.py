@@ -139,7 +139,9 @@ def test_io_log_splits_demand_reads_from_preloads(moe_pack):
     assert naive["io_ms"] == pytest.approx(1e3 * sum(v[2] for v in log["demand"].values()))
     flash = generate_moe(str(moe_pack), "flash", PROMPT, 5, capacity=2 * top_k,
                          preload_width=top_k)["summary"]
-    assert flash["preload_bytes"] == sum(v[1] for v in flash["io_log"]["preload"].values()) > 0
+    # (a preload may be cancelled before it starts on a loaded machine: no "> 0" here; the
+    # waits and cancellations are tested on a held read in tests/test_moe_store.py)
+    assert flash["preload_bytes"] == sum(v[1] for v in flash["io_log"]["preload"].values())
     waited = flash["io_log"]["preload_wait"]
     assert flash["waited_preload_bytes"] == sum(v[1] for v in waited.values())
     assert flash["io_ms"] == pytest.approx(1e3 * sum(
