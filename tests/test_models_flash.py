@@ -333,11 +333,28 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
     runs = {}
     for ahead in (False, True):
         model = build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}, lookahead=ahead)
+        read = _count_neurons_read(model.flash_runtime)
         runs[ahead] = (decode_logits(model, ids), model.flash_runtime)
+        # the statistics count every neuron the loader read once: lookahead reads, not their copies
+        assert sum(step.neurons_loaded for step in model.flash_stats.steps) == read[0] > 0
     rt = runs[True][1]
+    assert 0 < rt.ahead_copied <= rt.ahead_used
     assert sorted(rt.lookahead) == [0, 1, 2] and rt.ahead_rows > 0 and not runs[False][1].lookahead
     assert rt.ahead_read > 0 and rt.ahead_used > 0.5 * rt.ahead_read, (rt.ahead_used, rt.ahead_read)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("MLX_FLASH_LOOKAHEAD", "0")  # the default follows the environment
     assert not build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}).flash_runtime.lookahead
+
+
+def _count_neurons_read(runtime) -> list:
+    """[neurons read so far] through `runtime`'s loader (read_many is where every read goes)."""
+    count, loader = [0], runtime.loader
+    read_many = loader.read_many
+
+    def counted(requests):
+        count[0] += sum(len(ids) for _, ids, _, _ in requests)
+        return read_many(requests)
+
+    loader.read_many = counted
+    return count

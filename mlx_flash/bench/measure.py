@@ -169,6 +169,7 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "reads": sum(r[5] for r in reads.log),
         "cache_rows_loaded": sum(c.rows_loaded - base_rows[i] for i, c in rt.caches.items()),
         "cache_rows_logged": cache_rows_logged,
+        "cache_rows_from_lookahead": rt.ahead_copied,  # claimed rows the lookahead's reads filled
         "neurons_loaded_stats": sum(s.neurons_loaded for s in stats.steps),
         "neurons_read_loader": sum(r[2] for r in reads.log),
         "loader_seconds": io_s,
@@ -189,6 +190,9 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
                             / sum(b.count for b in rt.loader.bundles.values())
                             if mode == "flash" and decode else None),
         "sparse_layers": len(stats.plan.capacity) if mode == "flash" and stats.plan else None,
+        # per decode token: neurons the lookahead read, and those a layer then needed
+        "lookahead": {"read": rt.ahead_read / len(decode), "used": rt.ahead_used / len(decode)}
+        if rt.ahead_read and decode else None,
         "ffn_layers": len(rt.loader.bundles),
     }
     if keep_steps:

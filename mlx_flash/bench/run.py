@@ -375,6 +375,9 @@ def aggregate(records) -> dict:
     row["active_fraction"], _ = mean_std([r["value"].get("active_fraction") for r in ok])
     row["layers"] = layer_means([s.get("layers") or {} for s in summaries])
     row["sparse_layers"] = ok[0]["value"].get("sparse_layers")
+    ahead = [r["value"].get("lookahead") for r in ok]
+    row["lookahead"] = {k: statistics.fmean(a[k] for a in ahead) for k in ("read", "used")} \
+        if all(ahead) else None
     row["ffn_layers"] = ok[0]["value"].get("ffn_layers")
     row["load_s"], row["load_s_std"] = mean_std([r["value"]["load_s"] for r in ok])
     io = [s["io_ms"] for s in summaries]
@@ -389,7 +392,7 @@ def aggregate(records) -> dict:
     row["reads_per_call"], _ = mean_std([a.get("decode_reads_per_call") for a in acc])
     row["accounting_ok"] = all(
         a["decode_bytes_stats"] == a["decode_bytes_loader"] and a["all_bytes_stats"] == a["all_bytes_loader"]
-        and a["cache_rows_loaded"] == a["cache_rows_logged"]
+        and a["cache_rows_loaded"] == a["cache_rows_logged"] + a.get("cache_rows_from_lookahead", 0)
         and a["neurons_loaded_stats"] == a["neurons_read_loader"]
         and a["useful_bytes_loader"] == a["useful_bytes_expected"] for a in acc)
     return row
@@ -416,6 +419,10 @@ def layer_lines(result) -> str:
              "sparse, the host sync that evaluates the layers before it):", "",
              "| layer | kind | cache rows | needed | hit rate | loaded | MB read | I/O ms | mem ms | call ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    if row.get("lookahead"):
+        la = row["lookahead"]
+        lines[1:1] = [f"Lookahead: {la['read']:.0f} neurons read ahead per token, {la['used']:.0f} of them "
+                      f"({100 * la['used'] / la['read']:.1f}%) then needed (MLX_FLASH_LOOKAHEAD=0 turns it off).", ""]
     for layer, r in sorted(row["layers"].items(), key=lambda kv: int(kv[0])):
         hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
         rows = "-" if r.get("cache_rows") is None else f"{r['cache_rows']:.0f}"

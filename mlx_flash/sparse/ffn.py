@@ -291,7 +291,8 @@ class FlashRuntime:
         self.ahead: dict[int, tuple] = {}  # layer j -> (future, neuron ids, buffer) being read
         self._ahead_bufs: dict[int, dict] = {}
         self._ahead_pool = None
-        self.ahead_read = self.ahead_used = 0  # neurons the lookahead read / that a layer then needed
+        # neurons the lookahead read / that a layer then needed / of those, copied into cache rows
+        self.ahead_read = self.ahead_used = self.ahead_copied = 0
 
     def set_lookahead(self, pairs: dict, rows: int):
         """Read the next sparse layer's predicted neurons while this one computes.
@@ -652,6 +653,7 @@ class FlashFFN(nn.Module):
             step.neurons_loaded -= copied  # counted once, as the lookahead read them
             rt.ahead_read += len(looked[0])
             rt.ahead_used += ahead_n + copied
+            rt.ahead_copied += copied
         if ahead is not None:
             rt.start_ahead(self.layer, ahead)
         pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
