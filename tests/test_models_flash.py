@@ -343,6 +343,9 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
     assert rt.ahead_read > 0 and rt.ahead_used > 0.5 * rt.ahead_read, (rt.ahead_used, rt.ahead_read)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)
+    # a budget whose minimum leaves no room for the lookahead buffers runs without lookahead
+    tight = build_flash_model(pack, FlashConfig("flash", memory_budget=0.8))
+    assert not tight.flash_runtime.lookahead and tight.flash_stats.plan.lookahead == 0
     monkeypatch.setenv("MLX_FLASH_LOOKAHEAD", "0")  # the default follows the environment
     assert not build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}).flash_runtime.lookahead
 

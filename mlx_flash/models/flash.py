@@ -21,7 +21,7 @@ from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
 from ..pack import load_resident, read_manifest
-from ..sparse.budget import expected_read_seconds, plan_memory, resolve_budget, row_bytes
+from ..sparse.budget import budget_param, expected_read_seconds, plan_memory, resolve_budget, row_bytes
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape, layout_key, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
@@ -70,15 +70,30 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
             lookahead = os.environ.get("MLX_FLASH_LOOKAHEAD", "1") != "0"
         ahead_rows = lookahead_rows(pack, manifest, predictors) if cfg.mode == "flash" and lookahead else 0
         budget = cfg.memory_budget
-        if ahead_rows and budget is not None:  # two lookahead buffers and the reader's staging
-            budget = resolve_budget(budget, manifest) - 3 * ahead_rows * max(
-                row_bytes(b) for b in manifest.bundles)
-        plan = plan_memory(manifest, cfg.mode, budget,
-                           predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
-                           if cfg.mode == "flash" else 0,
-                           requested_capacity=capacity, density=density, read_cost=read_cost,
-                           prefetch=prefetch, sparse_read_fraction=measured,
-                           cache_read_fraction=by_rows, overflow_rows=overflow_rows)
+        # two lookahead buffers and the reader's staging, out of the budget
+        ahead_bytes = 3 * ahead_rows * max(row_bytes(b) for b in manifest.bundles) if ahead_rows else 0
+        if ahead_bytes and budget is not None:
+            budget = resolve_budget(budget, manifest) - ahead_bytes
+
+        def plan_for(budget):
+            return plan_memory(manifest, cfg.mode, budget,
+                               predictor_bytes={i: _nbytes({i: p}) for i, p in (predictors or {}).items()}
+                               if cfg.mode == "flash" else 0,
+                               requested_capacity=capacity, density=density, read_cost=read_cost,
+                               prefetch=prefetch, sparse_read_fraction=measured,
+                               cache_read_fraction=by_rows, overflow_rows=overflow_rows)
+        try:
+            plan = plan_for(budget)
+        except FlashError:
+            if not ahead_bytes:
+                raise
+            ahead_rows = ahead_bytes = 0  # the buffers do not fit beside the minimum: no lookahead
+            plan = plan_for(cfg.memory_budget)
+        if ahead_bytes and plan.capacity:  # the plan shows the budget asked for, the buffers in it
+            plan.lookahead = ahead_bytes
+            if cfg.memory_budget is not None:
+                plan.budget = resolve_budget(cfg.memory_budget, manifest)
+                plan.budget_param = budget_param(cfg.memory_budget)
         # The thresholded model calibration measured, on every flash layer the plan keeps whole too.
         thresholds = activation_thresholds(predictors) if cfg.mode == "flash" else {}
         if cfg.mode == "flash" and (plan.resident_layers or plan.streamed_layers):
