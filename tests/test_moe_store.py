@@ -160,3 +160,11 @@ def test_preload_is_switched_on_or_off_by_the_measured_token_time(gated_store):
     # the machine changes: preloading now costs more than it saves; it is turned off
     used = run({False: 100, True: 200}, 40)
     assert used[-10:].count(True) <= PROBE_TOKENS and used[-1] is False
+
+
+def test_routing_the_first_layer_times_a_pass(gated_store):
+    store, _ = gated_store
+    for ids in ([0, 1], [2, 3], [0, 2], [1, 3], [4, 5]):   # five passes: prompt, then tokens
+        store.read(0, store.assign(0, np.array([ids]))[2])
+        store.read(1, store.assign(1, np.array([ids]))[2])
+    assert store.token_s[False] is not None and store.token_s[True] is None  # 2 timed, off

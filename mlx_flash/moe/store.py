@@ -360,13 +360,6 @@ class ExpertStore:
             window = now - self._offered_at
             self.window_s = window if self.window_s is None else 0.8 * self.window_s + 0.2 * window
             self._offered_at = None
-        # Preloading on or off by the measured token time (a background read also costs CPU
-        # and disk time the window rule cannot see): each is timed on PROBE_TOKENS tokens, then
-        # the faster runs, the other re-timed every REPROBE_TOKENS tokens (EMAs, seconds).
-        self.preload_on = False
-        self._first_layer = next(iter(self.entries))
-        self.token_s = {False: None, True: None}
-        self._passes, self._pass_started = 0, None
         with self._cond:
             queued, inflight = list(self._queue), self._inflight
             self._queue.clear()
