@@ -344,10 +344,12 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)
     # a budget whose minimum leaves no room for the lookahead buffers runs without lookahead
-    tight = build_flash_model(pack, FlashConfig("flash", memory_budget=0.8))
+    tight = build_flash_model(pack, FlashConfig("flash", memory_budget=0.8), lookahead=True)
     assert not tight.flash_runtime.lookahead and tight.flash_stats.plan.lookahead == 0
-    monkeypatch.setenv("MLX_FLASH_LOOKAHEAD", "0")  # the default follows the environment
+    # the default is off and follows the environment
     assert not build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}).flash_runtime.lookahead
+    monkeypatch.setenv("MLX_FLASH_LOOKAHEAD", "1")
+    assert build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}).flash_runtime.lookahead
 
 
 def _count_neurons_read(runtime) -> list:

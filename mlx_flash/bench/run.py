@@ -422,7 +422,7 @@ def layer_lines(result) -> str:
     if row.get("lookahead"):
         la = row["lookahead"]
         lines[1:1] = [f"Lookahead: {la['read']:.0f} neurons read ahead per token, {la['used']:.0f} of them "
-                      f"({100 * la['used'] / la['read']:.1f}%) then needed (MLX_FLASH_LOOKAHEAD=0 turns it off).", ""]
+                      f"({100 * la['used'] / la['read']:.1f}%) then needed (on with MLX_FLASH_LOOKAHEAD=1).", ""]
     for layer, r in sorted(row["layers"].items(), key=lambda kv: int(kv[0])):
         hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
         rows = "-" if r.get("cache_rows") is None else f"{r['cache_rows']:.0f}"

@@ -45,8 +45,9 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     lookahead: with the pack's exact resident-gate predictors (convert --gate-bits, calibrate
       --kind gate-threshold), each sparse layer followed by a sparse layer reads that layer's
       lookahead neurons while it computes (FlashRuntime.set_lookahead; its buffers, two of
-      Req_1 rows plus their staging, come out of the budget). None: on unless the environment
-      sets MLX_FLASH_LOOKAHEAD=0 (to compare both from the CLIs and `bench run`).
+      Req_1 rows plus their staging, come out of the budget). None: off unless the environment
+      sets MLX_FLASH_LOOKAHEAD=1 (idle, on the 88-minute CATS pack at 65%, it made flash slower:
+      129.7 vs 108.6 ms/token; loaded runs measured it faster: docs/benchmarks.md).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
@@ -67,7 +68,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
         if lookahead is None:
-            lookahead = os.environ.get("MLX_FLASH_LOOKAHEAD", "1") != "0"
+            lookahead = os.environ.get("MLX_FLASH_LOOKAHEAD", "0") == "1"
         ahead_rows = lookahead_rows(pack, manifest, predictors) if cfg.mode == "flash" and lookahead else 0
         budget = cfg.memory_budget
         # two lookahead buffers and the reader's staging, out of the budget
