@@ -21,6 +21,7 @@ from ..errors import FlashError
 from ..moe.bitwidths import (WIDTHS, assign_widths, input_moments, mean_bits,
                              quantization_errors, quantize_dequantize)
 from ..moe.quantize import dequantize_experts, gptq_factor, quantize_experts
+from .relufication import distill_kl
 
 SEQ_LEN = 256
 
@@ -202,8 +203,8 @@ def layer_losses(model, tokens, quantized: dict, widths, group_size, seq_len=SEQ
             with experts_at_widths(model, {layer: [b] * _n_experts(model, layer)},
                                    group_size, quantized):
                 lp = _log_probs(model, tokens, seq_len)
-            kl = sum(float(mx.sum(mx.exp(r) * (r - q))) for r, q in zip(ref, lp))
-            row.append(kl / sum(r.shape[1] for r in ref))
+            # windows of equal length: the mean of their per-token means is the mean per token
+            row.append(float(mx.mean(mx.stack([distill_kl(q, r) for r, q in zip(ref, lp)]))))
         out[layer] = row
     return out
 
