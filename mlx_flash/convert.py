@@ -14,6 +14,8 @@ import numpy as np
 from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
+from .moe.bitwidths import SOLVERS
+from .moe.quantize import METHODS
 from .pack import read_manifest, write_pack
 from .sources import convert_gguf, is_gguf, resolve_model
 
@@ -189,11 +191,11 @@ def _main(argv):
     parser.add_argument("--expert-importance-tokens", type=int, default=256,
                         help="--expert-importance layer-loss: calibration tokens per pass "
                              "(default 256)")
-    parser.add_argument("--expert-assign", choices=("knapsack", "greedy"), default="knapsack",
+    parser.add_argument("--expert-assign", choices=SOLVERS, default="knapsack",
                         help="--expert-bits: how widths are chosen from the measured errors: "
                              "knapsack = the least summed error under the mean (exact, default); "
                              "greedy = the largest error drop per added bit first")
-    parser.add_argument("--expert-quantizer", choices=("mlx", "minmax", "clip", "gptq", "gptq-fit"),
+    parser.add_argument("--expert-quantizer", choices=METHODS,
                         default="gptq-fit",
                         help="--expert-bits: how each expert is rounded to its width, always in "
                              "MLX's affine format: mlx = mx.quantize; minmax = each group's own "
