@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from mlx_flash.bench.__main__ import main
 
@@ -303,9 +304,13 @@ def test_landing_paths_run_both_paths_of_the_loader(tiny_llama, tmp_path, capsys
     (row,) = bench_io.large_reads(bench, [4 * 12288], 2, 1 << 20, with_fio=False, landing_paths=True)
     assert row["bundles_per_read"] == 4 and row["zero_copy_gbps"] > 0 and row["staged_gbps"] > 0
     if not row["direct"]:
-        import pytest
         pytest.skip("filesystem refuses O_DIRECT")
     assert row["zero_copy_zero_copy_reads"] == row["reads"] and row["staged_zero_copy_reads"] == 0
+    # what the profile adds per read on either path: 4 bundles of gate / up / down rows
+    assert row["segments_per_read"] == 12
+    assert row["zero_copy_extra_s"] == pytest.approx(11 * row["segment_s"])
+    if row["copy_bandwidth"] > 0:
+        assert row["staged_extra_s"] == pytest.approx(row["read_bytes"] / row["copy_bandwidth"])
     bench_io.print_large_reads([row], 2)
     out = capsys.readouterr().out
     assert "zero-copy / staged: this loader with that path forced" in out

@@ -58,7 +58,7 @@ def test_only_runs_longer_than_max_read_are_split():
     assert got == want and len(got) > 60 and max(r[1] - r[0] for r in got) <= 65536
 
 
-def test_an_aio_curve_without_the_segment_term_is_measured_again(tmp_path, monkeypatch):
+def test_an_aio_curve_whose_landing_terms_were_measured_an_older_way_is_measured_again(tmp_path, monkeypatch):
     import json
     import os
 
@@ -73,6 +73,10 @@ def test_an_aio_curve_without_the_segment_term_is_measured_again(tmp_path, monke
         {f"dev{dev}-aio-curve": old, f"dev{dev}-threads-curve": old}))
     assert load_cost(tmp_path, 32, "aio") is None  # stored before segments were priced
     assert load_cost(tmp_path, 32, "threads").segment_s == 0  # threads never price them
+    # the terms measured with the copy on the reaping thread (before LANDING_VERSION 2)
+    (tmp_path / "io_profile.json").write_text(json.dumps(
+        {f"dev{dev}-aio-curve": {**old, "segment_s": 1.4e-6, "copy_bandwidth": 3.1e9}}))
+    assert load_cost(tmp_path, 32, "aio") is None
     from mlx_flash.io.planner import save_cost
     save_cost(tmp_path, 32, curve, "aio")
     got = load_cost(tmp_path, 32, "aio")

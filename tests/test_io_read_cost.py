@@ -129,3 +129,42 @@ def test_segment_and_copy_terms_are_median_differences(tmp_path, monkeypatch):
     if c.engine != "aio" or not aio.available():
         pytest.skip("native AIO with O_DIRECT")
     assert c.segment_s == pytest.approx(1e-6) and c.copy_bandwidth == pytest.approx(2e9)
+
+
+def test_staged_rows_are_copied_on_finishing_threads_while_reads_are_submitted(tmp_path):
+    """The copy term prices staging as the loader does it: rows copied out on FINISH_THREADS
+    threads (a spare core hides them) while reads remain to be submitted, on the reaping thread
+    after that."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_flash.io import aio, read_cost
+    from mlx_flash.io.files import FileLayer
+
+    if not aio.available():
+        pytest.skip("native AIO")
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4 << 20, np.uint8).tobytes())
+    files = FileLayer()
+    fd, direct = files.open(path, True)
+    if not direct:
+        files.close(fd)
+        pytest.skip("O_DIRECT refused")
+    copied, submitted = [], []
+
+    class CountingPool(ThreadPoolExecutor):
+        def submit(self, fn, *args):
+            submitted.append(len(args[0]))
+            return super().submit(lambda idx: (copied.append(threading.current_thread().name), fn(idx)),
+                                  *args)
+
+    ctx = aio.AioContext(4)
+    try:
+        with CountingPool(read_cost.FINISH_THREADS, thread_name_prefix="finish") as pool:
+            times = read_cost.timed_segment_reads(fd, path, 4 << 20, 65536, 32, ctx, pool)
+    finally:
+        ctx.close()
+        files.close(fd)
+    assert len(times) == 3 and min(times) > 0
+    assert read_cost.FINISH_THREADS == 2 and submitted and 0 < sum(submitted) < 32  # the tail inline
+    assert len(copied) == len(submitted) and all(name.startswith("finish") for name in copied)

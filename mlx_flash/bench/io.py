@@ -282,9 +282,15 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
             for ld in loaders.values():
                 ld.close()
         s = res["loader"]
+        parts = max(len(e.components) for e in loader_keys.values())
+        segments = k * parts if parts > 1 else 1  # destination pieces of one zero-copy read
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
                "zero_copy": s.zero_copy_reads == s.reads, "segment_s": landing[0],
-               "copy_bandwidth": landing[1], "gbps": _gb(s.bytes_useful, s.seconds),
+               "copy_bandwidth": landing[1], "segments_per_read": segments,
+               # what the profile adds to each read's time on either path (stage_saves_time)
+               "zero_copy_extra_s": (segments - 1) * landing[0],
+               "staged_extra_s": read_bytes / landing[1] if landing[1] > 0 else float("inf"),
+               "gbps": _gb(s.bytes_useful, s.seconds),
                "device_gbps": _gb(s.bytes_read, s.seconds), "seconds": s.seconds, "depth": depth,
                "verify": verify, "direct": s.direct}
         for name in ("aio_ring", "aio_dest", "baseline", "zero_copy", "staged"):
@@ -592,13 +598,16 @@ def print_large_reads(rows, depth):
     if rows and "segment_s" in rows[0]:
         print(f"(path: zero-copy or staged, chosen by the device profile's segment term "
               f"{rows[0]['segment_s'] * 1e6:.2f} us per extra segment and copy "
-              f"{rows[0]['copy_bandwidth'] / 1e9:.2f} GB/s: io.read_cost.stage_saves_time)")
+              f"{rows[0]['copy_bandwidth'] / 1e9:.2f} GB/s, the time copying out adds end to end "
+              f"with the copy on the loader's finishing threads: staged when read + copy saves "
+              f">= 10% of read + extra segments, io.read_cost.stage_saves_time; +seg / +copy: "
+              f"microseconds each adds per read)")
     others = [(name, head) for name, head in (("baseline", "baseline"), ("zero_copy", "zero-copy"),
                                               ("staged", "staged"))
               if any(f"{name}_gbps" in r for r in rows)]
     if any(name != "baseline" for name, _ in others):
         print("(zero-copy / staged: this loader with that path forced, --landing-paths)")
-    print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'path':>9} {'loader':>7} "
+    print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'+seg':>6} {'+copy':>6} {'path':>9} {'loader':>7} "
           f"{'aio ring':>8} {'aio dest':>8} {'fio':>7} {'loader/fio':>10}"
           + "".join(f" {head:>9} {'/fio':>5}" for _, head in others))
     for r in rows:
@@ -613,6 +622,8 @@ def print_large_reads(rows, depth):
             f"{r[name + '_over_fio']:5.0%}" if name + "_over_fio" in r else f"{'-':>5}")
             for name, _ in others)
         print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
+              f"{r.get('zero_copy_extra_s', float('nan')) * 1e6:6.1f} "
+              f"{r.get('staged_extra_s', float('nan')) * 1e6:6.1f} "
               f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} "
               f"{dest} {fio}{extra}")
 

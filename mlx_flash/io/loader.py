@@ -22,14 +22,11 @@ from ..paths import flash_home
 from . import aio
 from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full, use_huge_pages
 from .planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, plan_read_arrays
-from .read_cost import stage_saves_time
+from .read_cost import FINISH_THREADS, stage_saves_time
 
 # Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
 # cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
 SCATTER_ROWS = 64
-# Threads checking (crc32, GIL released in the kernels' version), decoding and scattering landed
-# reads: two cores' worth, so checks keep up with the device.
-FINISH_THREADS = 2
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
 CALIBRATION_MIN_BYTES = 16 << 20
 # Mean AIO read size (bytes) from which each completion is handled as it lands (min_nr 1): few

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import FlashError
 from ..paths import flash_home, write_json_atomic
 from .files import FileLayer
-from .read_cost import DEFAULT_DEPTHS, DEFAULT_SIZES, ReadCostCurve, measure_curve
+from .read_cost import DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, ReadCostCurve, measure_curve
 
 DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost parallelism
 
@@ -60,15 +60,15 @@ def _curve_key(path, engine) -> str:
 def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | None:
     """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
     or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
-    profile measured at exactly `threads`, else None. An AIO curve stored before the segment
-    term was measured (no "segment_s") counts as none: it is measured again once."""
+    profile measured at exactly `threads`, else None. An AIO curve whose segment and copy terms
+    were measured an older way (read_cost.LANDING_VERSION) counts as none: measured again once."""
     f = flash_home() / "io_profile.json"
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
     curve = data.get(_curve_key(path, engine))
-    if curve and (engine != "aio" or "segment_s" in curve):
+    if curve and (engine != "aio" or curve.get("landing_version", 1) >= LANDING_VERSION):
         return ReadCostCurve.from_dict(curve, depth=threads)
     if curve:
         return None

@@ -36,6 +36,12 @@ SEGMENT_REPEATS = 5  # rounds of both, taking turns (median difference): load mo
 # Staging costs a copy's CPU time and a buffer: taken only when it saves this share of read time
 STAGE_MIN_GAIN = 0.1
 FREE_COPY = 1e12  # bytes/second: a copy that added no measurable time
+# How the segment and copy terms are measured; an AIO profile stored by an older way is measured
+# again (2: the copy on the finishing threads, as the loader does it; 1: on the reaping thread)
+LANDING_VERSION = 2
+# The loader's finishing threads, checking (crc32), decoding and scattering landed reads: two
+# cores' worth, so checks keep up with the device. The calibration copies staged rows on as many.
+FINISH_THREADS = 2
 
 
 @dataclass
@@ -101,7 +107,8 @@ class ReadCostCurve:
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist(),
-                "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth}
+                "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth,
+                "landing_version": LANDING_VERSION}
 
     @classmethod
     def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
@@ -158,16 +165,21 @@ def segment_iovecs(kind, base, size, reads) -> np.ndarray:
     return iov
 
 
-def timed_segment_reads(fd, path, file_bytes, size, n, ctx) -> tuple:
+def timed_segment_reads(fd, path, file_bytes, size, n, ctx, pool=None) -> tuple:
     """(contiguous, scattered, staged): amortized seconds per read of `n` random aligned
     `size`-byte reads of an evicted file through the AIO context `ctx`: landing in one contiguous
     huge-page buffer; as size / 4 KiB pieces dealt over three arrays (segment_iovecs
     'dest_scattered': a zero-copy read of neuron bundles); landing contiguously again, each read's
     rows copied into three arrays as it lands (gate / up / down rows of 4 KiB: what staging
-    costs, with the copies overlapping the reads still in flight, under the machine's load)."""
+    costs end to end, done as the loader does it: on FINISH_THREADS threads (`pool`, made here
+    when None) while reads are still to be submitted, so a spare core hides the copy and a busy
+    one shows it; the time includes waiting for the last copy)."""
     from .cache import evict
     from .files import address, aligned_buffer
 
+    if pool is None:
+        with ThreadPoolExecutor(FINISH_THREADS, thread_name_prefix="calibrate-copy") as own:
+            return timed_segment_reads(fd, path, file_bytes, size, n, ctx, own)
     buf = aligned_buffer(n * (size + 2 * 4096))
     base, flat = address(buf), np.frombuffer(buf, np.uint8)
     bundles = size // (3 * 4096)  # per read
@@ -184,14 +196,24 @@ def timed_segment_reads(fd, path, file_bytes, size, n, ctx) -> tuple:
                     * np.uint64(per * iov.itemsize), np.ones(n, bool))
         else:
             args = (fds, offsets, np.full(n, size), base + size * np.arange(n, dtype=np.uint64))
+        copies = []
         if kind == "staged":
-            def on_done(idx, res):
-                for i in idx.tolist():
+            def copy_out(landed):
+                for i in landed.tolist():
                     for c, mat in enumerate(rows):
                         mat[i * bundles: (i + 1) * bundles] = np.ndarray(
                             (bundles, 4096), np.uint8, flat, i * size + c * 4096, (3 * 4096, 1))
+
+            def on_done(idx, res):  # as the loader finishes staged reads: on its finishing
+                # threads while reads are still to be submitted, then on the reaping thread
+                if ctx.all_submitted:
+                    copy_out(idx)
+                else:
+                    copies.append(pool.submit(copy_out, idx.copy()))
         t0 = time.perf_counter()
         res = ctx.read(*args, on_done=on_done)
+        for f in copies:
+            f.result()
         if (res != size).any():
             raise OSError(f"calibration read failed on {path}")
         out.append((time.perf_counter() - t0) / n)
