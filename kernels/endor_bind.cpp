@@ -14,6 +14,7 @@
 
 #include "endor_decode.h"
 #include "cpu_features.h"
+#include "row_copy.h"
 
 namespace nb = nanobind;
 
@@ -161,6 +162,30 @@ void bind_endor(nb::module_& m) {
       nb::arg("flat"), nb::arg("starts"), nb::arg("length"), nb::arg("crcs"), nb::arg("isa").none() = nb::none(),
       "crcs[b] = zlib.crc32(flat[starts[b]:starts[b]+length], crcs[b]) for every b, in place, GIL released: the "
       "crc32 of bundles whose components sit in separate arrays, one call per component array.");
+  m.def(
+      "copy_rows",
+      [](Bytes1 flat, Index starts, int64_t length, Bytes2 dest, Index slots, const std::optional<std::string>& isa_name) {
+        const size_t count = starts.shape(0);
+        if (slots.shape(0) != count) throw std::invalid_argument("copy_rows: starts and slots differ in length");
+        if (dest.stride(1) != 1) throw std::invalid_argument("copy_rows: destination rows not contiguous");
+        if (length < 0 || length > static_cast<int64_t>(dest.shape(1)))
+          throw std::invalid_argument("copy_rows: length exceeds the destination rows");
+        const int64_t size = static_cast<int64_t>(flat.shape(0)), rows = static_cast<int64_t>(dest.shape(0));
+        const int64_t* start = starts.data();
+        const int64_t* slot = slots.data();
+        for (size_t b = 0; b < count; ++b) {
+          if (start[b] < 0 || start[b] > size - length) throw std::invalid_argument("copy_rows: a range runs outside flat");
+          if (slot[b] < 0 || slot[b] >= rows) throw std::invalid_argument("copy_rows: slot out of range");
+        }
+        const flash::Isa isa = chosen_isa(isa_name);
+        nb::gil_scoped_release release;
+        flash::copy_rows(flat.data(), start, length, dest.data(), static_cast<int64_t>(dest.stride(0)), slot,
+                         static_cast<int64_t>(count), isa);
+      },
+      nb::arg("flat"), nb::arg("starts"), nb::arg("length"), nb::arg("dest"), nb::arg("slots"),
+      nb::arg("isa").none() = nb::none(),
+      "dest[slots[b], :length] = flat[starts[b]:starts[b]+length] for every b, GIL released: staged reads "
+      "copied out to their rows (streaming stores into aligned 64-byte lines on AVX2).");
   m.def(
       "endor_crc32",
       [](Bytes1 data, uint32_t crc, const std::optional<std::string>& isa_name) {

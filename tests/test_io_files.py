@@ -83,3 +83,34 @@ def test_loader_destinations_use_huge_pages(tiny_llama, tmp_path):
         assert mapping_kb(start).get("AnonHugePages", 0) >= 2 * 2048
         loader.read(0, np.arange(8), bank)
         assert host[: 8 * loader.entry(0).stride].any()
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("length,row_bytes", [(4096, 4096), (256, 320), (4096, 4100), (100, 128)])
+def test_copy_rows_puts_each_staged_range_in_its_row(monkeypatch, kernel, length, row_bytes):
+    """files.copy_rows: dest[slots[b], :length] = flat[starts[b]:][:length]; whole aligned 64-byte
+    lines (streamed by the kernels' AVX2 copy), rows off the 64-byte grid and odd lengths (memcpy)
+    alike, with the kernels and with numpy; the rest of each row is left alone."""
+    from mlx_flash.io import files
+
+    if kernel and files.copy_rows_kernel is None:
+        pytest.skip("kernels not built")
+    if not kernel:
+        monkeypatch.setattr(files, "copy_rows_kernel", None)
+    rng = np.random.default_rng(0)
+    flat = rng.integers(0, 256, 1 << 16, np.uint8)
+    buf = files.aligned_buffer(9 * row_bytes)
+    dest = np.frombuffer(buf, np.uint8)[: 9 * row_bytes].reshape(9, row_bytes)
+    dest[:] = 7
+    starts = rng.integers(0, len(flat) - length, 6)
+    slots = np.array([8, 0, 3, 5, 1, 6])
+    files.copy_rows(flat, starts, length, dest, slots)
+    want = np.full((9, row_bytes), 7, np.uint8)
+    for s, r in zip(starts, slots):
+        want[r, :length] = flat[s: s + length]
+    assert (dest == want).all()
+    if kernel:
+        with pytest.raises(ValueError, match="outside flat"):
+            files.copy_rows(flat, np.array([len(flat) - length + 1]), length, dest, np.array([0]))
+        with pytest.raises(ValueError, match="slot out of range"):
+            files.copy_rows(flat, np.array([0]), length, dest, np.array([9]))

@@ -780,3 +780,29 @@ def test_reads_are_staged_when_the_cost_model_prices_segments_above_the_copy(mak
             assert loader.read(0, [4, 5, 6], raw).zero_copy_reads == 1
             check_rows(pack, loader, 0, [4, 5, 6], raw, [0, 1, 2])
 
+
+
+@pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
+def test_staged_bundles_are_copied_out_in_batches_as_their_reads_land(make_pack, monkeypatch):
+    """Staged AIO reads are checked and copied out once STAGED_BATCH bytes of them have landed,
+    not after the request's last read: every bundle once, the last batch small; the rows are the
+    file's."""
+    pack = make_pack(**{**ALIGNED, "intermediate": 64})
+    batches = []
+    real = FlashLoader._scatter
+
+    def spy(self, job, flat, members=None):
+        batches.append(len(job.ids) if members is None else len(members))
+        return real(self, job, flat, members)
+
+    monkeypatch.setattr(FlashLoader, "_scatter", spy)
+    monkeypatch.setattr(loader_module, "STAGED_BATCH", 2 * 12288)  # two 12 KiB bundles
+    ids = np.arange(0, 32, 2)  # 16 one-bundle reads (no neighbours to merge)
+    with FlashLoader(pack, threads=2, cost=ReadCost(0.0, 1e9, 1e-3, 1e9), engine="aio") as loader:
+        dest = loader.alloc(0, 16)
+        stats = loader.read(0, ids, dest)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.bounced_reads == stats.reads == 16
+        assert sum(batches) == 16 and len(batches) >= 4 and max(batches) <= 8
+        check_rows(pack, loader, 0, ids, dest, np.arange(16))

@@ -61,6 +61,34 @@ class FileLayer:
         os.close(fd)
 
 
+def _copy_rows_kernel():
+    """The kernels' copy_rows(flat, starts, length, dest, slots) (dest[slots[b], :length] =
+    flat[starts[b]:][:length], GIL released, streaming stores on AVX2), or None when the extension
+    is missing or older."""
+    try:
+        import importlib
+        return importlib.import_module("mlx_flash._ext").copy_rows  # by name: the module is optional
+    except (ImportError, AttributeError):
+        return None
+
+
+copy_rows_kernel = _copy_rows_kernel()
+
+
+def copy_rows(flat, starts, length, dest, slots):
+    """dest[slots[b], :length] = flat[starts[b]: starts[b] + length] for every b: staged reads
+    copied out to their rows (flat: uint8 array; dest: uint8 matrix with contiguous rows; starts,
+    slots: int64 arrays). The kernels' copy when built (one call, GIL released), else numpy, in
+    blocks of 64 rows (a block of gathered rows stays in cache on its way to the destination)."""
+    if copy_rows_kernel is not None:
+        copy_rows_kernel(flat, np.ascontiguousarray(starts, np.int64), int(length), dest,
+                         np.ascontiguousarray(slots, np.int64))
+        return
+    rows = np.lib.stride_tricks.sliding_window_view(flat, length)  # a view: row i = flat[i: i + length]
+    for a in range(0, len(starts), 64):
+        dest[slots[a: a + 64], :length] = rows[starts[a: a + 64]]
+
+
 def address(buf) -> int:
     """Memory address of a buffer (memoryview / mmap / numpy array)."""
     return np.frombuffer(buf, np.uint8).ctypes.data if not isinstance(buf, np.ndarray) \

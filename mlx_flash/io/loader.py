@@ -20,18 +20,19 @@ from ..pack.layout import Bundle, layer_bundles, mx_dtype, read_manifest
 from ..pack.reader import bundle_crc32, endor_roles, read_bundle_index, read_checksum_table
 from ..paths import flash_home
 from . import aio
-from .files import IOV_MAX, FileLayer, address, aligned_buffer, read_full, use_huge_pages
+from .files import (IOV_MAX, FileLayer, address, aligned_buffer, copy_rows, copy_rows_kernel, read_full,
+                    use_huge_pages)
 from .planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, plan_read_arrays
 from .read_cost import FINISH_THREADS, stage_saves_time
 
-# Rows gathered per numpy copy when scattering staged bundles: a block of gathered rows stays in
-# cache on its way to the destination (gathering a whole request makes a fresh array: page faults).
-SCATTER_ROWS = 64
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
 CALIBRATION_MIN_BYTES = 16 << 20
 # Mean AIO read size (bytes) from which each completion is handled as it lands (min_nr 1): few
 # completions per second, so the per-completion Python cost is small next to an earlier check.
 LARGE_READ = 256 << 10
+# Landed staged bytes handed over per copy-out (bytes): copies keep pace with the reads, so a
+# request's copy after its last read is at most this (~0.5 ms), at ~0.1 ms of Python per hand-over.
+STAGED_BATCH = 4 << 20
 
 
 def measure_cost(paths, threads, engine) -> ReadCost | None:
@@ -97,6 +98,16 @@ def _segments_per_read(targets, slots, first) -> np.ndarray:
     breaks[1:] = np.diff(slots) != 1
     breaks[first] = 0  # every read starts a piece of its own
     return 1 + np.add.reduceat(breaks, first)
+
+
+def _members_of(job, reads) -> np.ndarray:
+    """Indices into job.ids of the bundles that planned reads `reads` (indices) hold, read by
+    read: array ops over those reads only (a batch of landed reads of a large request)."""
+    reads = np.asarray(reads, np.int64)
+    lo = job.first[reads]
+    hi = np.append(job.first, len(job.ids))[reads + 1]
+    counts = hi - lo
+    return np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
 
 
 @dataclass
@@ -396,22 +407,37 @@ class FlashLoader:
         # large reads land rarely: check each at once (Python per completion is then negligible)
         min_batch = 1 if read_bytes >= LARGE_READ * counts.sum() else None
         pending = iter(jobs[1:])
+        # jobs with work per landed read (ENDOR decodes, staged copies, checks of zero-copy rows);
+        # unchecked zero-copy jobs only count their reads until the last is in
+        per_read = [not j.zero_copy or self.verify for j in jobs]
+        staged_landed = [[] for _ in jobs]  # landed reads of staged jobs not yet copied out
+        staged_bytes = np.zeros(len(jobs), np.int64)
 
         def on_done(idx, res):
             owner = np.searchsorted(firsts, idx, side="right") - 1
             inline = ctx.all_submitted
             run = (lambda fn, *a: fn(*a)) if inline else \
                 (lambda fn, *a: finishing.append(self._finisher().submit(fn, *a)))
-            for t in np.unique(owner).tolist():
+            landed_per_job = np.bincount(owner, minlength=len(jobs))
+            left[:] -= landed_per_job
+            for t in np.flatnonzero(landed_per_job).tolist():
                 job, g0 = jobs[t], int(firsts[t])
-                mine = idx[owner == t] - g0
-                left[t] -= len(mine)
-                landed = mine[res[mine + g0] == job.r1[mine] - job.r0[mine]]
-                if len(landed) and job.lengths is not None:  # ENDOR: check + decode what landed
-                    run(self._decode, job, flat, np.flatnonzero(np.isin(job.member_read, landed)))
-                elif len(landed) and job.zero_copy and self.verify:  # crc32 what landed, split
-                    for part in np.array_split(landed, 1 if inline else min(len(landed), FINISH_THREADS)):
-                        run(self._check_rows, job, np.flatnonzero(np.isin(job.member_read, part)))
+                if per_read[t]:
+                    mine = idx[owner == t] - g0
+                    landed = mine[res[mine + g0] == job.r1[mine] - job.r0[mine]]
+                    if len(landed) and job.lengths is not None:  # ENDOR: check + decode what landed
+                        run(self._decode, job, flat, _members_of(job, landed))
+                    elif not job.zero_copy:  # staged: check + copy out what landed, in batches
+                        staged_landed[t].append(landed)
+                        staged_bytes[t] += int((job.r1[landed] - job.r0[landed]).sum())
+                        if staged_bytes[t] >= STAGED_BATCH or left[t] == 0 or inline:
+                            batch = np.concatenate(staged_landed[t])
+                            staged_landed[t], staged_bytes[t] = [], 0
+                            if len(batch):
+                                run(self._scatter, job, flat, _members_of(job, batch))
+                    elif len(landed):  # crc32 of the zero-copy rows that landed, split
+                        for part in np.array_split(landed, 1 if inline else min(len(landed), FINISH_THREADS)):
+                            run(self._check_rows, job, _members_of(job, part))
                 if left[t] == 0:
                     run(self._complete_aio, job, res[g0: g0 + counts[t]].copy(), staging, flat)
 
@@ -448,9 +474,9 @@ class FlashLoader:
         return self._finish_pool
 
     def _complete_aio(self, job, results, staging, flat):
-        """Redo a finished job's short or failed reads carefully (EINTR, retries, EOF), then check
-        and scatter it (ENDOR, zero copy: decode / check the redone reads' bundles; the others
-        were decoded / checked as they landed). results: AIO result of each of its reads."""
+        """Redo a finished job's short or failed reads carefully (EINTR, retries, EOF), then decode
+        (ENDOR), check and copy out (staged) or check (zero copy) their bundles; the bundles of
+        the reads that landed were handled as they landed. results: AIO result of each read."""
         bounds, sizes = np.append(job.first, len(job.ids)), job.r1 - job.r0
         redone = np.flatnonzero(results != sizes)
         for k in redone.tolist():
@@ -460,15 +486,13 @@ class FlashLoader:
             else:
                 buffers = [staging[int(job.pos[k]): int(job.pos[k]) + n]]
             read_full(self.files, job.f.fd, buffers, r0, job.f.path, job.f.buffered_fd)
-        redone_members = np.flatnonzero(np.isin(job.member_read, redone))
-        if job.lengths is not None:  # ENDOR: bundles of the reads that landed were decoded then
-            if len(redone):
-                self._decode(job, flat, redone_members)
-        elif job.zero_copy:  # rows of the reads that landed were checked then
-            if self.verify and len(redone):
-                self._check_rows(job, redone_members)
-        else:
-            self._finish(job, flat)
+        if not len(redone):  # every read landed, and was decoded / copied / checked then
+            return
+        redone_members = _members_of(job, redone)
+        if not job.zero_copy:  # ENDOR decodes, staged bundles are checked and copied out
+            self._scatter(job, flat, redone_members)
+        elif self.verify:
+            self._check_rows(job, redone_members)
 
     def _items(self, job):
         """[(file, offset, bytes, staging position or iovec list)] for a prepared request."""
@@ -714,27 +738,28 @@ class FlashLoader:
             iov.append(scratch[:k])
             n -= k
 
-    def _scatter(self, job, flat):
-        """Copy a request's bundles from the staging buffer to their rows, checking crc32 first
-        (ENDOR layers: decode them into their rows)."""
+    def _scatter(self, job, flat, members=None):
+        """Copy bundles `members` (indices into job.ids; default all) of a request from the staging
+        buffer to their rows, checking crc32 first (ENDOR layers: decode them into their rows)."""
         if job.lengths is not None:
-            return self._decode(job, flat)
-        offs = job.pos[job.member_read] + job.starts - job.r0[job.member_read]
+            return self._decode(job, flat, members)
+        members = np.arange(len(job.ids)) if members is None else np.asarray(members, np.int64)
+        reads = job.member_read[members]
+        offs = job.pos[reads] + job.starts[members] - job.r0[reads]
         if self.verify:
-            self._check(job, flat, offs)
-        slots, stride = job.slots, job.stride
-        # runs: bundles one stride apart in staging going to consecutive rows (chunks, experts)
-        bounds = np.flatnonzero((np.diff(offs) != stride) | (np.diff(slots) != 1)) + 1
-        if len(bounds) < len(offs) // 4:  # runs of 4+ bundles: one strided copy per run
-            starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(offs)]
-            for off, n, mat in job.targets:
-                for a, b, o, s in zip(starts, ends, offs[starts].tolist(), slots[starts].tolist()):
-                    mat[s: s + b - a] = np.ndarray((b - a, n), np.uint8, flat, o + off, (stride, 1))
-            return
-        for off, n, mat in job.targets:
-            rows = np.lib.stride_tricks.sliding_window_view(flat, n)  # a view: row i = flat[i: i + n]
-            for a in range(0, len(offs), SCATTER_ROWS):  # blocks: the gathered rows stay in cache
-                mat[slots[a: a + SCATTER_ROWS]] = rows[offs[a: a + SCATTER_ROWS] + off]
+            self._check(job, flat, offs, members)
+        slots, stride = job.slots[members], job.stride
+        if copy_rows_kernel is None:  # numpy: runs of bundles one stride apart in staging going
+            # to consecutive rows (chunks, experts) are one strided copy per run and component
+            bounds = np.flatnonzero((np.diff(offs) != stride) | (np.diff(slots) != 1)) + 1
+            if len(bounds) < len(offs) // 4:  # runs of 4+ bundles
+                starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(offs)]
+                for off, n, mat in job.targets:
+                    for a, b, o, s in zip(starts, ends, offs[starts].tolist(), slots[starts].tolist()):
+                        mat[s: s + b - a] = np.ndarray((b - a, n), np.uint8, flat, o + off, (stride, 1))
+                return
+        for off, n, mat in job.targets:  # one kernel call per component array (GIL released)
+            copy_rows(flat, offs + off, n, mat, slots)
 
     def _decode(self, job, flat, members=None):
         """Check (crc32) and decode bundles `members` (indices into job.ids; default all) of an
@@ -753,26 +778,26 @@ class FlashLoader:
             with self._lock:  # finishing threads decode batches of one request at once
                 job.decode_s += time.perf_counter() - t0
 
-    def _check(self, job, flat, offs):
-        """crc32 of each staged bundle (at flat[offs[i]:]) against the file's table: bundles whose
-        components are packed back to back in one kernel pass (GIL released); bundles with padding
-        between components one crc32_ranges call per component (the crcs chain through them),
-        or one by one without the kernels."""
-        crc_table, tight = job.f.crc, job.tight
+    def _check(self, job, flat, offs, members):
+        """crc32 of staged bundles `members` (indices into job.ids; bundle members[i] at
+        flat[offs[i]:]) against the file's table: bundles whose components are packed back to back
+        in one kernel pass (GIL released); bundles with padding between components one
+        crc32_ranges call per component (the crcs chain through them), or one by one without the
+        kernels."""
+        ids, want, tight = job.ids[members], job.f.crc[job.ids[members]], job.tight
         if tight:
-            check_crc32s(flat, offs, np.full(len(offs), tight), crc_table[job.ids], str(job.f.path),
-                         offsets=job.starts, ids=job.ids)
+            check_crc32s(flat, offs, np.full(len(offs), tight), want, str(job.f.path),
+                         offsets=job.starts[members], ids=ids)
             return
         if crc32_ranges is not None:
             starts, crcs = np.asarray(offs, np.int64), np.zeros(len(offs), np.uint32)
             for off, n in job.pieces:
                 crc32_ranges(flat, starts + off, n, crcs)
-            bad = np.flatnonzero(crcs != crc_table[job.ids])
+            bad = np.flatnonzero(crcs != want)
         else:
-            bad = [i for i, o in enumerate(offs.tolist())
-                   if bundle_crc32(flat[o:], job.pieces, crc32) != crc_table[job.ids[i]]]
+            bad = [i for i, o in enumerate(offs.tolist()) if bundle_crc32(flat[o:], job.pieces, crc32) != want[i]]
         if len(bad):
-            raise _checksum_mismatch(job, int(bad[0]))
+            raise _checksum_mismatch(job, int(members[bad[0]]))
 
     def _check_rows(self, job, members):
         """crc32 of bundles that were read straight into their destination rows: with the kernels,

@@ -175,7 +175,7 @@ def timed_segment_reads(fd, path, file_bytes, size, n, ctx, pool=None) -> tuple:
     when None) while reads are still to be submitted, so a spare core hides the copy and a busy
     one shows it; the time includes waiting for the last copy)."""
     from .cache import evict
-    from .files import address, aligned_buffer
+    from .files import address, aligned_buffer, copy_rows
 
     if pool is None:
         with ThreadPoolExecutor(FINISH_THREADS, thread_name_prefix="calibrate-copy") as own:
@@ -198,11 +198,12 @@ def timed_segment_reads(fd, path, file_bytes, size, n, ctx, pool=None) -> tuple:
             args = (fds, offsets, np.full(n, size), base + size * np.arange(n, dtype=np.uint64))
         copies = []
         if kind == "staged":
-            def copy_out(landed):
-                for i in landed.tolist():
-                    for c, mat in enumerate(rows):
-                        mat[i * bundles: (i + 1) * bundles] = np.ndarray(
-                            (bundles, 4096), np.uint8, flat, i * size + c * 4096, (3 * 4096, 1))
+            def copy_out(landed):  # the loader's copy (files.copy_rows) of each landed read's rows
+                j = np.arange(bundles)
+                starts = (landed[:, None] * size + j[None, :] * 3 * 4096).reshape(-1)
+                slots = (landed[:, None] * bundles + j[None, :]).reshape(-1)
+                for c, mat in enumerate(rows):
+                    copy_rows(flat, starts + c * 4096, 4096, mat, slots)
 
             def on_done(idx, res):  # as the loader finishes staged reads: on its finishing
                 # threads while reads are still to be submitted, then on the reaping thread
