@@ -104,6 +104,16 @@ def test_calibrate_prices_the_held_out_predictions_for_the_memory_plan(llama_pac
     assert [r for r, _ in by_rows[0]] == cache["rows"]
     assert [f for _, f in by_rows[0]] == pytest.approx([s / read["whole_s"] for s in cache["seconds"]])
     assert cache_read_fraction(llama_pack, window=fit.CACHE_WINDOW + 1) is None
+    # the real read sizes behind those prices, kept for pricing with the machine's cost model later
+    from mlx_flash.sparse.predictor import sparse_read_calls
+
+    calls = sparse_read_calls(llama_pack, window=2)
+    assert len(read["window_reads"]) == 3 and len(cache["reads"]) == len(cache["rows"])
+    assert calls[0]["window"] == read["window_reads"][1] and calls[0]["uncached"] == read["window_reads"][0]
+    assert calls[0]["cache"] == [] and sparse_read_calls(llama_pack, window=fit.CACHE_WINDOW)[0]["cache"] == \
+        [(r, *rb) for r, rb in zip(cache["rows"], cache["reads"])]
+    reads, nbytes = read["window_reads"][0]
+    assert reads >= 1 and nbytes >= 4096 * reads  # aligned reads of at least one block each
 
 
 def test_low_rank_gate_full_rank_estimates_the_gate(llama_pack, text):

@@ -363,3 +363,31 @@ def _count_neurons_read(runtime) -> list:
 
     loader.read_many = counted
     return count
+
+
+def test_flash_plan_prices_calibrations_reads_with_the_loaders_cost_model(tiny_llama, tmp_path, text, monkeypatch):
+    """A calibrated pack's sparse prices come from its recorded reads priced by the loader's cost
+    model now, not from the seconds stored at calibration time (a curve measured again)."""
+    import mlx_flash.models.flash as flash_mod
+    from mlx_flash.calibration import fit
+    from mlx_flash.sparse.budget import priced_read_fractions
+    from mlx_flash.sparse.predictor import sparse_read_calls
+    from calibration_packs import tiny_llama_pack
+
+    llama_pack = tiny_llama_pack(tiny_llama, tmp_path, layers=6, intermediate=256)
+    fit.calibrate(llama_pack, [text], kind="gate-threshold", target_sparsity=0.5, progress=False)
+    seen, real = {}, flash_mod.plan_memory
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    def stale(*args):
+        raise AssertionError("the plan used prices stored at calibration time")
+
+    monkeypatch.setattr(flash_mod, "plan_memory", spy)
+    monkeypatch.setattr(flash_mod, "sparse_read_fraction", stale)
+    monkeypatch.setattr(flash_mod, "cache_read_fraction", stale)
+    model = build_flash_model(llama_pack, FlashConfig("flash", memory_budget=0.8))
+    want = priced_read_fractions(model.flash_runtime.loader, sparse_read_calls(llama_pack, 5))
+    assert want[0] and seen["sparse_read_fraction"] == want[0] and seen["cache_read_fraction"] == want[1]

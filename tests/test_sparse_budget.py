@@ -222,3 +222,47 @@ def test_a_plan_that_streams_whole_layers_keeps_a_whole_layer_buffer():
                              prefetch=False, overflow_rows=10)
     assert plan.streamed_layers and plan.capacity and plan.overflow_rows is None
     assert plan.stream == stream_bytes(m) and plan.weights <= budget
+
+
+def curve(depth_cost: dict, sizes=(4096, 1 << 20)):
+    """A ReadCostCurve with seconds per read {depth: (at 4 KiB, at 1 MiB)}, priced at depth 32."""
+    from mlx_flash.io.read_cost import ReadCostCurve
+
+    depths = sorted(depth_cost)
+    return ReadCostCurve(list(sizes), depths, [list(depth_cost[d]) for d in depths], 32)
+
+
+def test_a_call_is_priced_at_the_reads_it_has_in_flight():
+    from mlx_flash.sparse.budget import call_seconds
+
+    cost = curve({1: (80e-6, 800e-6), 4: (40e-6, 760e-6), 32: (15e-6, 590e-6)})
+    # a whole 4 MiB layer is 4 reads of 1 MiB: depth 4, not the loader's 32
+    assert call_seconds(cost, 4, 4 << 20) == pytest.approx(4 * 760e-6)
+    assert call_seconds(cost, 64, 64 * 4096) == pytest.approx(64 * 15e-6)  # more reads than the depth
+    assert call_seconds(cost, 1, 4096) == pytest.approx(80e-6)
+    assert call_seconds(None, 3, 3e6) == pytest.approx(3e-3) and call_seconds(cost, 0, 0) == 0.0
+
+
+def test_measured_reads_are_priced_again_with_the_current_cost_model():
+    """Calibration keeps the planner's real reads (count, bytes); the plan prices them with the
+    machine's cost model at plan time, so a curve measured again changes the plan's prices."""
+    from types import SimpleNamespace
+
+    from mlx_flash.sparse.budget import call_seconds, measured_read_seconds, priced_read_fractions
+
+    entry = SimpleNamespace(offset=0, stride=4096, count=1024)  # one 4 KiB block per neuron, 4 MiB
+    loader = SimpleNamespace(entry=lambda layer: entry, cost=None, plan=True, alignment=4096, max_read=1 << 20)
+    masks = np.zeros((3, 1024), bool)
+    masks[:, ::64] = True  # 16 scattered neurons per token: 16 reads of one block
+    got = measured_read_seconds(loader, 0, masks, max_window=2)
+    # window 2: only the first token reads (the others repeat it)
+    assert got["window_reads"] == [[16.0, 16 * 4096.0], pytest.approx([16 / 3, 16 * 4096 / 3], abs=0.05)]
+    calls = {0: {"window": [0.0, 0.0], "uncached": got["window_reads"][0], "cache": [(8, 8.0, 8 * 4096.0)]}}
+    loader.cost = curve({1: (80e-6, 800e-6), 4: (40e-6, 760e-6), 16: (20e-6, 640e-6), 32: (15e-6, 590e-6)})
+    by_window, by_rows = priced_read_fractions(loader, calls)
+    whole = 4 * 760e-6  # 4 reads of 1 MiB in flight
+    assert by_window[0] == pytest.approx((0.0, 16 * 20e-6 / whole))
+    assert by_rows[0] == [(8, pytest.approx(call_seconds(loader.cost, 8, 8 * 4096) / whole))]
+    # the same reads on a curve where small reads cost 4x: dearer against the whole layer
+    loader.cost = curve({1: (320e-6, 800e-6), 4: (160e-6, 760e-6), 16: (80e-6, 640e-6), 32: (60e-6, 590e-6)})
+    assert priced_read_fractions(loader, calls)[0][0][1] == pytest.approx(16 * 80e-6 / whole)

@@ -21,12 +21,13 @@ from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
 from ..pack import load_resident, read_manifest
-from ..sparse.budget import budget_param, expected_read_seconds, plan_memory, resolve_budget, row_bytes
+from ..sparse.budget import (budget_param, expected_read_seconds, plan_memory, priced_read_fractions,
+                             resolve_budget, row_bytes)
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape, layout_key, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
 from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_capacity, load_predictors,
-                                predicted_density, sparse_read_fraction)
+                                predicted_density, sparse_read_calls, sparse_read_fraction)
 from ..sparse.stats import FlashStats
 from .loader import build_model
 
@@ -61,8 +62,12 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
             if predictors is None:
                 predictors = pack_predictors(pack)
                 density = density if density is not None else predicted_density(pack)
-                measured = sparse_read_fraction(pack, cfg.window)
-                by_rows = cache_read_fraction(pack, cfg.window)
+                calls = sparse_read_calls(pack, cfg.window)
+                if calls:  # calibration's real read sizes, priced with this machine's cost model now
+                    measured, by_rows = priced_read_fractions(loader, calls)
+                else:  # older packs: the prices stored at calibration time
+                    measured = sparse_read_fraction(pack, cfg.window)
+                    by_rows = cache_read_fraction(pack, cfg.window)
                 # one token's predicted neurons (99th percentile), the largest over the layers
                 overflow_rows = max(calibrated_capacity(pack, 1).values(), default=None)
             capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import MemoryBudget, param_named
 from ..errors import FlashError
-from ..io.planner import DEFAULT_MAX_READ, ReadCost, ReadPlan, plan_read_arrays
+from ..io.planner import DEFAULT_MAX_READ, ReadPlan, plan_read_arrays
 from .neuron_cache import NeuronCache
 
 
@@ -172,18 +172,51 @@ def budget_param(budget) -> str:
     return budget.param if isinstance(budget, MemoryBudget) else "budget"
 
 
-def set_read_seconds(loader, layer: int, ids) -> float:
-    """Seconds to read the neurons `ids` (sorted neuron indices in the pack's order) of `layer` as
-    the loader would: its planner's merged, aligned reads, each priced by its cost model (without
-    one: bytes / 1 GB/s)."""
+def planned_read_sizes(loader, layer: int, ids) -> np.ndarray:
+    """Bytes of each read the loader issues for the neurons `ids` (sorted neuron indices in the
+    pack's order) of `layer` in one call: its planner's merged, aligned reads."""
     entry = loader.entry(layer)
     ids = np.asarray(ids, np.int64)
     if len(ids) == 0:
-        return 0.0
+        return np.zeros(0, np.int64)
     cost = loader.cost if getattr(loader, "plan", True) else None
     r0, r1, _ = plan_read_arrays(entry.offset + ids * entry.stride, entry.stride, align=loader.alignment,
                                  cost=cost, max_read=loader.max_read)
-    return float(np.sum((cost or ReadCost(0.0, 1e9)).seconds(r1 - r0)))
+    return np.asarray(r1 - r0, np.int64)
+
+
+def call_seconds(cost, reads: float, nbytes: float) -> float:
+    """Seconds one loader call of `reads` reads of `nbytes` bytes in all takes by the cost model:
+    a measured curve (io.read_cost.ReadCostCurve) priced at the reads that call has in flight,
+    min(reads, the loader's depth), at their mean size (a whole 3.5 MB layer is 4 reads of 1 MiB:
+    at depth 4 the curve's 1 MiB read costs 1.3x its depth-32 price on this disk); a straight line
+    (planner.ReadCost) per read; none: bytes / 1 GB/s."""
+    if reads <= 0:
+        return 0.0
+    if cost is None:
+        return float(nbytes) / 1e9
+    size = float(nbytes) / reads
+    if hasattr(cost, "at_depth"):
+        depth = max(1, min(int(round(reads)), int(cost.depth)))
+        return float(reads * _curve_at(cost, depth).seconds(size))
+    return float(reads * cost.seconds(size))
+
+
+def _curve_at(cost, depth: int):
+    """cost.at_depth(depth), kept per curve and depth (each builds an interpolated row)."""
+    cache = cost.__dict__.setdefault("_at_depth", {}) if hasattr(cost, "__dict__") else {}
+    if depth not in cache:
+        cache[depth] = cost if depth == cost.depth else cost.at_depth(depth)
+    return cache[depth]
+
+
+def set_read_seconds(loader, layer: int, ids) -> float:
+    """Seconds to read the neurons `ids` (sorted neuron indices in the pack's order) of `layer` in
+    one loader call: its planner's merged, aligned reads, priced by call_seconds (the cost model
+    at that call's reads in flight; without one: bytes / 1 GB/s)."""
+    sizes = planned_read_sizes(loader, layer, ids)
+    cost = loader.cost if getattr(loader, "plan", True) else None
+    return call_seconds(cost, len(sizes), float(np.sum(sizes)))
 
 
 def measured_read_seconds(loader, layer: int, predicted: np.ndarray, max_window: int,
@@ -192,20 +225,38 @@ def measured_read_seconds(loader, layer: int, predicted: np.ndarray, max_window:
     [consecutive tokens, n_neurons] (the predictor's masks in the pack's order, e.g. calibration's
     held-out tokens). With a neuron cache of window w, token t reads the neurons predicted for t
     and for none of the w - 1 tokens before it. Returns {"window_s": [mean seconds per token for
-    w = 1..max_window over the last `tokens` tokens], "whole_s": seconds to read the whole layer},
-    both from set_read_seconds (the same planner and cost model)."""
+    w = 1..max_window over the last `tokens` tokens], "whole_s": seconds to read the whole layer,
+    "window_reads": [[mean reads, mean bytes] per token for each w]}: seconds from
+    set_read_seconds (the same planner and cost model); the reads and bytes are the planner's
+    real read sizes, which the memory plan prices again with the machine's current cost model."""
     predicted = np.asarray(predicted, bool)
     n_tok = len(predicted)
     first = max(0, n_tok - tokens)
-    window_s = []
+    window_s, window_reads = [], []
     for w in range(1, max_window + 1):
-        secs = []
+        secs, reads = [], []
         for t in range(first, n_tok):
             seen = predicted[max(0, t - w + 1): t].any(axis=0)
-            secs.append(set_read_seconds(loader, layer, np.flatnonzero(predicted[t] & ~seen)))
+            sizes = planned_read_sizes(loader, layer, np.flatnonzero(predicted[t] & ~seen))
+            secs.append(call_seconds(_plan_cost(loader), len(sizes), float(sizes.sum())))
+            reads.append((len(sizes), float(sizes.sum())))
         window_s.append(float(np.mean(secs)) if secs else 0.0)
+        window_reads.append(_mean_call(reads))
     whole = set_read_seconds(loader, layer, np.arange(loader.entry(layer).count))
-    return {"window_s": window_s, "whole_s": whole}
+    return {"window_s": window_s, "whole_s": whole, "window_reads": window_reads}
+
+
+def _plan_cost(loader):
+    """The cost model the loader's planner merges reads by (None when it does not plan)."""
+    return loader.cost if getattr(loader, "plan", True) else None
+
+
+def _mean_call(calls) -> list:
+    """[mean reads, mean bytes] of per-token (reads, bytes) pairs ([0, 0] for none)."""
+    if not calls:
+        return [0.0, 0.0]
+    arr = np.asarray(calls, np.float64)
+    return [round(float(arr[:, 0].mean()), 3), round(float(arr[:, 1].mean()), 1)]
 
 
 CACHE_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)  # cache sizes calibration prices
@@ -243,48 +294,67 @@ def measured_cache_read_seconds(loader, layer: int, predicted: np.ndarray, windo
     priced on real predictions: `predicted` bool [consecutive tokens, n_neurons] runs through the
     runtime's own NeuronCache (neurons expire after `window` tokens, then the least recently
     active leave; neurons that do not fit are read for the token only) at `fractions` of the
-    layer's neurons; each token's cache fills and overflow reads are priced by set_read_seconds
-    (two reads, as the runtime issues them), mean over the last `tokens` tokens (cache warm).
-    Returns {"window": window, "rows": [capacity], "seconds": [mean seconds per token]}."""
+    layer's neurons; each token's cache fill and overflow reads are priced as the one loader call
+    the runtime issues for them (call_seconds), mean over the last `tokens` tokens (cache warm).
+    Returns {"window": window, "rows": [capacity], "seconds": [mean seconds per token],
+    "reads": [[mean reads, mean bytes] per token]}."""
     predicted = np.asarray(predicted, bool)
     n = predicted.shape[1]
     first = max(0, len(predicted) - tokens)
-    rows, seconds = [], []
+    cost = _plan_cost(loader)
+    rows, seconds, reads = [], [], []
     for f in fractions:
         cap = max(1, int(round(f * n)))
         stub = _UnreadLoader(loader, layer)
         cache = NeuronCache(stub, layer, cap)
-        secs = []
+        secs, calls = [], []
         for t in range(len(predicted)):
             stub.last = np.zeros(0, np.int64)
             upd = cache.update(np.flatnonzero(predicted[t]), t, window)
             if t >= first:
-                secs.append(set_read_seconds(loader, layer, np.sort(stub.last))
-                            + set_read_seconds(loader, layer, np.sort(upd.overflow)))
+                sizes = np.concatenate([planned_read_sizes(loader, layer, np.sort(stub.last)),
+                                        planned_read_sizes(loader, layer, np.sort(upd.overflow))])
+                secs.append(call_seconds(cost, len(sizes), float(sizes.sum())))
+                calls.append((len(sizes), float(sizes.sum())))
         rows.append(cap)
         seconds.append(float(np.mean(secs)) if secs else 0.0)
-    return {"window": int(window), "rows": rows, "seconds": seconds}
+        reads.append(_mean_call(calls))
+    return {"window": int(window), "rows": rows, "seconds": seconds, "reads": reads}
 
 
 def expected_read_seconds(loader, layer: int, neurons: int, draws=3, seed=0) -> float:
-    """Expected seconds to read `neurons` random neurons of `layer` as the loader would (its read
-    planner's merged, aligned requests, each priced by its cost model: the measured read-cost
-    curve's seconds per read at that read's size and the loader's depth); mean of `draws` random
-    neuron sets. Without a cost model: bytes / 1 GB/s."""
-    entry = loader.entry(layer)
-    n, stride = entry.count, entry.stride
+    """Expected seconds to read `neurons` random neurons of `layer` in one loader call
+    (set_read_seconds: its read planner's merged, aligned requests priced by its cost model at
+    that call's reads in flight); mean of `draws` random neuron sets. Without a cost model:
+    bytes / 1 GB/s."""
+    n = loader.entry(layer).count
     if neurons <= 0:
         return 0.0
-    cost = loader.cost if getattr(loader, "plan", True) else None
-    price = cost or ReadCost(0.0, 1e9)
+    if neurons >= n:
+        return set_read_seconds(loader, layer, np.arange(n))
     rng = np.random.default_rng(seed)
-    total = 0.0
-    for _ in range(draws if neurons < n else 1):
-        ids = np.sort(rng.choice(n, neurons, replace=False)) if neurons < n else np.arange(n)
-        r0, r1, _ = plan_read_arrays(entry.offset + ids * stride, stride, align=loader.alignment,
-                                     cost=cost, max_read=loader.max_read)
-        total += float(np.sum(price.seconds(r1 - r0)))
-    return total / (draws if neurons < n else 1)
+    return float(np.mean([set_read_seconds(loader, layer, np.sort(rng.choice(n, neurons, replace=False)))
+                          for _ in range(draws)]))
+
+
+def priced_read_fractions(loader, calls: dict):
+    """(sparse_read_fraction, cache_read_fraction) for plan_memory from calibration's measured
+    reads, priced now with the loader's cost model (call_seconds) against reading each layer
+    whole the same way: prices stored as seconds at calibration time go stale when the machine's
+    read-cost curve is measured again (a curve measured under load priced the relufied SmolLM2's
+    sparse reads of layers 1-12 above their whole reads, so the plan streamed them whole).
+    calls: {layer: {"window": [reads, bytes], "uncached": [reads, bytes], "cache": [(rows, reads,
+    bytes)]}} (sparse.predictor.sparse_read_calls). Either dict is None when empty."""
+    cost = _plan_cost(loader)
+    by_window, by_rows = {}, {}
+    for layer, c in calls.items():
+        whole = set_read_seconds(loader, layer, np.arange(loader.entry(layer).count))
+        if whole <= 0:
+            continue
+        by_window[layer] = (call_seconds(cost, *c["window"]) / whole, call_seconds(cost, *c["uncached"]) / whole)
+        if c.get("cache"):
+            by_rows[layer] = [(int(rows), call_seconds(cost, r, b) / whole) for rows, r, b in c["cache"]]
+    return by_window or None, by_rows or None
 
 
 def prefetch_bytes(manifest) -> int:

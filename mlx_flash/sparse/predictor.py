@@ -419,6 +419,27 @@ def cache_read_fraction(pack_dir, window: int) -> dict | None:
     return out or None
 
 
+def sparse_read_calls(pack_dir, window: int) -> dict | None:
+    """{layer: {"window": [reads, bytes], "uncached": [reads, bytes], "cache": [(rows, reads,
+    bytes)]}}: the mean reads and bytes per token calibration's held-out predictions issued
+    through the read planner (stats.read_s.window_reads: with a neuron cache of `window` tokens,
+    windows beyond the measured ones use the largest; "uncached": window 1; "cache": the smaller
+    caches of stats.read_s.cache when measured at this window), for budget.priced_read_fractions
+    to price with the machine's current cost model; None when the pack has no such record
+    (calibrated before it was kept: use sparse_read_fraction)."""
+    out = {}
+    for layer, read, _ in _measured_reads(pack_dir):
+        per_window = read.get("window_reads")
+        if not per_window:
+            continue
+        cache = read.get("cache")
+        by_rows = [(int(r), *map(float, rb)) for r, rb in zip(cache["rows"], cache["reads"])] \
+            if isinstance(cache, dict) and cache.get("window") == window and cache.get("reads") else []
+        out[layer] = {"window": [float(v) for v in per_window[min(window, len(per_window)) - 1]],
+                      "uncached": [float(v) for v in per_window[0]], "cache": by_rows}
+    return out or None
+
+
 def _measured_reads(pack_dir) -> list:
     """[(layer, stats.read_s, seconds to read the layer whole)] for the layers whose predictors
     carry calibration's measured read costs ([] when the pack has no predictors)."""
