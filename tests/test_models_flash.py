@@ -343,6 +343,8 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
     assert rt.ahead_read > 0 and rt.ahead_used > 0.5 * rt.ahead_read, (rt.ahead_used, rt.ahead_read)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(runs[True][0], dense, rtol=1e-4, atol=1e-4)
+    # the model's own CATS mask is not computed a second time by the row projections
+    assert len(rt.currents) == 4 and all(c.threshold == 0 for c in rt.currents.values())
     # a budget whose minimum leaves no room for the lookahead buffers runs without lookahead
     tight = build_flash_model(pack, FlashConfig("flash", memory_budget=0.8), lookahead=True)
     assert not tight.flash_runtime.lookahead and tight.flash_stats.plan.lookahead == 0

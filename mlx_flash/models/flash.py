@@ -220,10 +220,19 @@ def _swap_ffn(model, entry, weights, runtime, kind, checked, config, threshold=N
     if type(mlp) not in checked:
         check_mlp_shape(mlp, current, sorted(modules), config["hidden_size"], holder_path)
         checked.add(type(mlp))
-    if threshold is not None:
+    if threshold is not None and not masks_like_model(mlp, *threshold):
         current.set_threshold(*threshold, "gate" if "gate" in modules else "up")
     setattr(parent, attr, FlashFFN(mlp, current, layer, kind, runtime))
     return current
+
+
+def masks_like_model(mlp, threshold: float, act) -> bool:
+    """True when the model's own MLP already zeroes every hidden value the thresholded model
+    would (|act(gate x)| <= threshold): relu_llama's CATS, |silu(g)| > t, with its own t at least
+    `threshold`. Masking the gate's output first would then change nothing (silu(0) = 0), so the
+    row projections skip it: fewer ops per sparse layer call, the same logits bit for bit."""
+    own = float(getattr(mlp, "threshold", 0.0) or 0.0)
+    return getattr(mlp, "hidden_act", None) == "cats" and act is nn.silu and own >= threshold
 
 
 def lookahead_rows(pack: Path, manifest, predictors) -> int:
