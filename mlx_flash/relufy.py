@@ -3,7 +3,8 @@
     python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
         [--activation relu|fatrelu[:T]|cats[:T]|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
         [--checkpoint-every 50] [--resume] [--max-minutes M] [--eval-text FILE ...]
-        [--layerwise-tokens 8192] [--layerwise-ridge 1e-3]
+        [--layerwise-tokens 8192] [--layerwise-ridge 1e-3] [--hidden-distill W] [--no-compile]
+        [--sparsity-allocation uniform|sensitivity] [--allocation-tokens 512]
     python -m mlx_flash.relufy --curve DIR --eval-text FILE [FILE ...] [--markdown OUT] [--json OUT]
 
 SRC defaults to the embedded SmolLM2-135M-Instruct. The output folder DIR is a model folder
@@ -39,6 +40,12 @@ def build_parser():
     p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
                    help="with --activation fatrelu or cats: each layer's threshold silences this fraction "
                         "of its gate values on the first training sequences (e.g. 0.85)")
+    p.add_argument("--sparsity-allocation", choices=("uniform", "sensitivity"), default="uniform",
+                   help="with --activation cats --target-sparsity S: every layer at S (uniform, default) or "
+                        "per-layer targets averaging S, lower in the layers whose sparsity costs the original "
+                        "model most (measured KL when only that layer is thresholded; about a minute)")
+    p.add_argument("--allocation-tokens", type=int, default=512, metavar="N",
+                   help="training tokens the sensitivity allocation measures on (default 512)")
     p.add_argument("--layerwise-tokens", type=int, default=8192, metavar="N",
                    help="before end-to-end training, refit each layer's down projection in closed form "
                         "on N training tokens so the layer reproduces the original model's residual "
@@ -55,6 +62,11 @@ def build_parser():
                    help="after the warm-up: cosine decay to 10%% of --lr at --steps (default) or a constant rate")
     p.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="weight of KL(dense teacher || student) added to the LM loss (default 0: off)")
+    p.add_argument("--hidden-distill", type=float, default=0.0, metavar="W",
+                   help="weight of the residual streams' relative squared error against the dense "
+                        "teacher's, every layer, added to the loss (default 0: off)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="mx.compile the whole training step (default on; --no-compile: eager)")
     p.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from DIR's newest checkpoint")
     p.add_argument("--max-minutes", type=float, default=None,
@@ -103,13 +115,16 @@ def _main(argv):
     for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                              ("--sequence-length", args.sequence_length, 2),
                              ("--checkpoint-every", args.checkpoint_every, 0), ("--warmup", args.warmup, 0),
-                             ("--eval-tokens", args.eval_tokens, 2), ("--layerwise-tokens", args.layerwise_tokens, 0)):
+                             ("--eval-tokens", args.eval_tokens, 2), ("--layerwise-tokens", args.layerwise_tokens, 0),
+                             ("--allocation-tokens", args.allocation_tokens, 1)):
         if value < low:
             raise FlashError(f"{flag} {value}: must be at least {low}")
     if not args.layerwise_ridge > 0:
         raise FlashError(f"--layerwise-ridge {args.layerwise_ridge}: must be > 0")
     if not args.lr > 0 or args.distill < 0:
         raise FlashError(f"--lr {args.lr} / --distill {args.distill}: the rate must be > 0, the weight >= 0")
+    if args.hidden_distill < 0:
+        raise FlashError(f"--hidden-distill {args.hidden_distill}: the weight must be >= 0")
     R.parse_activation(args.activation)
     if args.eval_text:
         _check_files("--eval-text", args.eval_text)
@@ -123,7 +138,10 @@ def _main(argv):
     src = resolve_model(args.model)
     report = R.relufy(src, train_files, Path(args.out), activation=args.activation, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.sequence_length, lr=args.lr,
-                      warmup=args.warmup, decay=args.decay, distill=args.distill, checkpoint_every=args.checkpoint_every,
+                      warmup=args.warmup, decay=args.decay, distill=args.distill,
+                      hidden_distill=args.hidden_distill, compiled=args.compile,
+                      allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens,
+                      checkpoint_every=args.checkpoint_every,
                       resume=args.resume, seed=args.seed, max_minutes=args.max_minutes,
                       max_train_tokens=args.max_train_tokens, eval_files=eval_files,
                       eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity,

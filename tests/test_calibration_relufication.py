@@ -84,7 +84,7 @@ def test_training_steps_reduce_the_loss_on_a_fixed_batch(src):
     embed = np.array(model.model.embed_tokens.weight)
     losses = [step(batch) for _ in range(6)]
     assert losses[-1][0] < 0.9 * losses[0][0], losses
-    assert all(0 < sparsity < 1 and kl >= 0 for _, _, kl, sparsity in losses)
+    assert all(0 < sparsity < 1 and kl >= 0 and hid == 0 for _, _, kl, hid, sparsity in losses)
     np.testing.assert_array_equal(np.array(model.model.embed_tokens.weight), embed)  # frozen
 
 
@@ -253,6 +253,133 @@ def test_relufy_layerwise_fit_is_checkpoint_step_0_and_counts_its_tokens(src, te
     assert [d.name for d in ckpts] == ["step-000000", "step-000001"]
     state = json.loads((ckpts[0] / R.TRAINER_JSON).read_text())
     assert state["layerwise"]["tokens"] == 64 and state["tokens_trained"] == 64
+    # the fit's sequences are the epoch's last: the first training steps see other text
+    n = state["train_sequences"]
+    assert sorted(state["layerwise"]["sequences"]) == sorted(R.batch_indices(n - 2, 1, n, 0).tolist() + R.batch_indices(n - 1, 1, n, 0).tolist())
     assert report["tokens_trained"] == 64 + 32 and report["seconds"] >= state["seconds"] > 0
     rows = R.curve(tmp_path / "run", [texts[1]], eval_tokens=64, seq_len=32, original=src, progress=False)
     assert "| layer-wise fit | 64 |" in R.format_curve(rows)
+
+
+def test_ce_and_kl_equal_the_reference_losses():
+    rng = np.random.default_rng(0)
+    s, t = (mx.array(rng.normal(0, 3, (2, 7, 50)).astype(np.float32)) for _ in range(2))
+    tokens = mx.array(rng.integers(0, 50, (2, 7)), dtype=mx.int32)
+    ce, kl = R.ce_and_kl(s, tokens, t)
+    assert ce.item() == pytest.approx(mx.mean(R.next_token_nll(s, tokens)).item(), rel=1e-5)
+    assert kl.item() == pytest.approx(R.distill_kl(s, t).item(), rel=1e-4)
+    assert R.ce_and_kl(s, tokens, None)[1].item() == 0
+    # same gradients too
+    ref = mx.grad(lambda x: mx.mean(R.next_token_nll(x, tokens)) + R.distill_kl(x, t))(s)
+    got = mx.grad(lambda x: sum(R.ce_and_kl(x, tokens, t)))(s)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-6)
+
+
+def _swapped(src, act="cats", threshold=0.05):
+    teacher, config = R.load_float32(src)
+    model = R.build_model(R.relufied_config(config, act, threshold), dict(tree_flatten(teacher.parameters())))
+    R.freeze_embeddings(model)
+    return teacher, model
+
+
+@pytest.mark.parametrize("hidden", [0.0, 0.5])
+def test_compiled_step_updates_the_model_as_the_eager_step_does(src, hidden):
+    """The mx.compile'd step with the fused loss takes the eager reference step's AdamW updates
+    (model and optimizer state in and out of the compiled function), step after step."""
+    teacher, eager_model = _swapped(src)
+    compiled_model = _swapped(src)[1]
+    eager = R.train_step_fn(eager_model, R.make_optimizer(3e-3, warmup=2), teacher, distill=0.5,
+                            hidden=hidden, compiled=False, fused_loss=False)
+    compiled = R.train_step_fn(compiled_model, R.make_optimizer(3e-3, warmup=2), teacher, distill=0.5,
+                               hidden=hidden, compiled=True)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = mx.array(rng.integers(0, 256, (2, 32)), dtype=mx.int32)
+        want, got = eager(batch), compiled(batch)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+        assert (want[3] > 0) == (hidden > 0)
+    a, b = dict(tree_flatten(eager_model.parameters())), dict(tree_flatten(compiled_model.parameters()))
+    for k in a:
+        np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-3, atol=1e-5, err_msg=k)
+    start = dict(tree_flatten(teacher.parameters()))
+    assert not np.allclose(np.array(a["model.layers.1.mlp.up_proj.weight"]),
+                           np.array(start["model.layers.1.mlp.up_proj.weight"]))
+
+
+def test_forward_hidden_gives_the_models_logits_and_residual_streams(src):
+    teacher, model = _swapped(src)
+    tokens = mx.array([[1, 5, 9, 2, 7]])
+    logits, streams = R.forward_hidden(model, tokens)
+    np.testing.assert_allclose(np.array(logits), np.array(model(tokens)), rtol=1e-5, atol=1e-5)
+    assert len(streams) == len(model.layers)
+    h = model.model.embed_tokens(tokens)
+    for layer, stream in zip(model.layers, streams):
+        h = layer(h, "causal")
+        np.testing.assert_allclose(np.array(stream), np.array(h), rtol=1e-5, atol=1e-6)
+    t_logits, t_streams = R.forward_hidden(teacher, tokens)
+    assert R.hidden_mse(t_streams, t_streams).item() == 0
+    s, t = streams[0], t_streams[0]
+    want = np.mean([np.mean(np.square(np.array(a) - np.array(b))) / np.mean(np.square(np.array(b)))
+                    for a, b in zip(streams, t_streams)])
+    assert R.hidden_mse(streams, t_streams).item() == pytest.approx(want, rel=1e-4) and want > 0
+
+
+def test_hidden_distillation_pulls_the_residual_streams_toward_the_teacher(src):
+    batch = mx.array(np.random.default_rng(0).integers(0, 256, (2, 32)), dtype=mx.int32)
+    errors = []
+    for hidden in (0.0, 100.0):
+        teacher, model = _swapped(src, threshold=0.2)
+        step = R.train_step_fn(model, R.make_optimizer(3e-4, warmup=0), teacher, distill=0.0, hidden=hidden)
+        for _ in range(6):
+            step(batch)
+        errors.append(R.hidden_mse(R.forward_hidden(model, batch)[1], R.forward_hidden(teacher, batch)[1]).item())
+    assert errors[1] < 0.5 * errors[0], errors
+
+
+def test_allocate_sparsity_keeps_the_mean_and_spares_the_costly_layers():
+    levels = [0.7, 0.8, 0.9]
+    kl = np.array([[0.01, 0.02, 0.04],     # cheap layer
+                   [0.10, 0.40, 1.60],     # costly layer
+                   [0.01, 0.02, 0.04]])
+    targets = R.allocate_sparsity(kl, levels, 0.8, step=0.01)
+    assert np.mean(targets) == pytest.approx(0.8, abs=0.01)
+    assert targets[1] < 0.8 < targets[0] and targets[0] == pytest.approx(targets[2], abs=0.011)
+    flat = R.allocate_sparsity(np.ones((3, 3)) * [1, 2, 4], levels, 0.8, step=0.01)
+    assert max(flat) - min(flat) <= 0.011  # equal costs: equal targets
+    with pytest.raises(FlashError, match="--target-sparsity 0.95"):
+        R.allocate_sparsity(kl, levels, 0.95)
+
+
+def test_layer_sensitivity_is_the_kl_of_thresholding_one_layer(src, texts):
+    from mlx_flash.models import load_tokenizer
+
+    teacher, config = R.load_float32(src)
+    seqs = R.text_sequences(texts, load_tokenizer(src), 32, 128)
+    levels = (0.5, 0.9)
+    kl = R.layer_sensitivity(teacher, seqs, levels)
+    assert kl.shape == (2, 2) and (kl[:, 1] > kl[:, 0]).all() and (kl > 0).all()
+    # layer 1 at 0.9 by hand: a CATS model whose other layer keeps every value (threshold 0 = SiLU)
+    t = R.gate_thresholds(teacher, seqs, 0.9, "cats")
+    one = R.build_model(R.relufied_config(config, "cats", [0.0, t[1]]), dict(tree_flatten(teacher.parameters())))
+    tokens = mx.array(seqs)
+    assert kl[1, 1] == pytest.approx(R.distill_kl(one(tokens), teacher(tokens)).item(), rel=1e-3)
+
+
+def test_relufy_sensitivity_allocation_sets_per_layer_targets(src, texts, tmp_path):
+    kw = dict(activation="cats", target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,
+              progress=False, log=lambda *a: None)
+    R.relufy(src, texts[:1], tmp_path / "run", steps=1, allocation="sensitivity", allocation_tokens=64, **kw)
+    state = json.loads((R.checkpoint_dirs(tmp_path / "run")[-1] / R.TRAINER_JSON).read_text())
+    targets = state["allocation"]["targets"]
+    assert len(targets) == 2 and np.mean(targets) == pytest.approx(0.8, abs=0.005)
+    assert np.array(state["allocation"]["kl"]).shape == (2, len(R.SENSITIVITY_LEVELS))
+    teacher, _ = R.load_float32(src)
+    from mlx_flash.models import load_tokenizer
+
+    seqs = R.text_sequences(texts[:1], load_tokenizer(src), 32)
+    want = R.gate_thresholds(teacher, seqs[:4], targets, "cats")
+    got = json.loads((tmp_path / "run" / "config.json").read_text())["activation_threshold"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(FlashError, match="--sparsity-allocation"):
+        R.relufy(src, texts[:1], tmp_path / "x", steps=1, allocation="sensitivity",
+                 **dict(kw, activation="fatrelu"))

@@ -74,7 +74,23 @@ def test_curve_measures_every_checkpoint(src, texts, tmp_path, capsys):
     assert all(0 < r["sparsity"] < 1 for r in rows[1:])
 
 
+def test_cli_passes_the_training_options(src, texts, tmp_path):
+    out = tmp_path / "run"
+    assert relufy.main(["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "1",
+                        "--sequence-length", "32", "--activation", "cats", "--target-sparsity", "0.8",
+                        "--sparsity-allocation", "sensitivity", "--allocation-tokens", "32",
+                        "--hidden-distill", "0.5", "--no-compile", "--layerwise-tokens", "0",
+                        "--out", str(out), "--quiet"]) == 0
+    state = json.loads((out / "checkpoints" / "step-000001" / "trainer.json").read_text())
+    assert state["hidden_distill"] == 0.5 and state["compiled"] is False
+    assert state["sparsity_allocation"] == "sensitivity" and state["allocation"]["tokens"] == 32
+    assert len(state["allocation"]["targets"]) == 2 and state["losses"][0]["hidden"] > 0
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--text", "{t}", "--out", "o", "--hidden-distill", "-1"], "--hidden-distill -1"),
+    (["--text", "{t}", "--eval-text", "{e}", "--out", "{o}", "--sparsity-allocation", "sensitivity"],
+     "--sparsity-allocation sensitivity: needs --activation cats"),
     (["--text", "missing.txt", "--out", "o"], "--text missing.txt: no such file"),
     (["--text", "{t}", "--out", "o", "--activation", "gelu"], "--activation gelu"),
     (["--text", "{t}", "--out", "o", "--steps", "0"], "--steps 0"),

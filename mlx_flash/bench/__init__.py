@@ -13,5 +13,6 @@ SUBCOMMANDS = {
     "moe_profile": "Where an MoE decode token's time goes: attention, router, experts, combine, LM head",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
     "reorder": "Bytes read per token at the same neurons: pack order vs co-activation order",
+    "relufy_step": "Relufication training speed: tokens/s of eager vs compiled steps at several batch shapes",
     "run": "The paper's protocol: cold runs of every mode and the peers, Tables 2-3, sweeps",
 }

@@ -111,10 +111,10 @@ class _GateRecorder(nn.Module):
         return y
 
 
-def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float, hidden_act: str = "fatrelu") -> list:
-    """Per layer, the threshold that silences `target_sparsity` of the gate values of `model` (the
-    original SiLU model) over `sequences`: for "fatrelu" the quantile of gate x, floored at 0; for
-    "cats" the quantile of |silu(gate x)|."""
+def gate_thresholds(model, sequences: np.ndarray, target_sparsity, hidden_act: str = "fatrelu") -> list:
+    """Per layer, the threshold that silences `target_sparsity` (one fraction, or one per layer) of
+    the gate values of `model` (the original SiLU model) over `sequences`: for "fatrelu" the
+    quantile of gate x, floored at 0; for "cats" the quantile of |silu(gate x)|."""
     store = []
     layers = mlps(model)
     for mlp in layers:
@@ -127,7 +127,57 @@ def gate_thresholds(model, sequences: np.ndarray, target_sparsity: float, hidden
             mlp.gate_proj = mlp.gate_proj.linear
     if hidden_act == "cats":
         store = [mx.abs(nn.silu(g)) for g in store]
-    return [max(0.0, float(np.quantile(np.array(g).ravel(), target_sparsity))) for g in store]
+    targets = list(target_sparsity) if isinstance(target_sparsity, (list, tuple, np.ndarray)) \
+        else [target_sparsity] * len(store)
+    return [max(0.0, float(np.quantile(np.array(g).ravel(), t))) for g, t in zip(store, targets)]
+
+
+SENSITIVITY_LEVELS = (0.70, 0.78, 0.86, 0.94)  # per-layer sparsities whose cost is measured
+
+
+def layer_sensitivity(teacher, sequences: np.ndarray, levels=SENSITIVITY_LEVELS,
+                      threshold_sequences=None) -> np.ndarray:
+    """float64 [layers, levels]: KL(original || original with only layer l's FFN CATS-thresholded
+    to silence `levels[j]` of its values), nats per token over `sequences` (int32 [n, L]); the
+    thresholds are gate_thresholds' on `threshold_sequences` (default: `sequences`). Cost: one
+    forward pass, then per layer and level the layers from l to the last."""
+    thresholds = [gate_thresholds(teacher, sequences if threshold_sequences is None else threshold_sequences,
+                                  level, "cats") for level in levels]
+    tokens = mx.array(sequences)
+    logits, streams = forward_hidden(teacher, tokens)
+    inner = teacher.model
+    inputs = [inner.embed_tokens(tokens)] + streams[:-1]
+    kl = np.zeros((len(inner.layers), len(levels)))
+    for layer, block in enumerate(inner.layers):
+        h = inputs[layer]
+        mid = h + block.self_attn(block.input_layernorm(h), "causal")
+        x = block.post_attention_layernorm(mid)
+        mlp = block.mlp
+        for j in range(len(levels)):
+            out = mid + mlp.down_proj(gated_hidden(mlp.gate_proj(x), mlp.up_proj(x), "cats", thresholds[j][layer]))
+            for later in inner.layers[layer + 1:]:
+                out = later(out, "causal")
+            kl[layer, j] = float(distill_kl(output_logits(teacher, out), logits).item())
+    return kl
+
+
+def allocate_sparsity(kl: np.ndarray, levels, mean_sparsity: float, step: float = 0.005) -> list:
+    """Per-layer target sparsities whose mean is `mean_sparsity` (within `step`), chosen to
+    minimise the sum of the layers' KL costs (layer_sensitivity's, interpolated linearly in log KL
+    between the measured levels, so between levels[0] and levels[-1]): greedily, from every layer
+    at levels[0], raise by `step` the layer whose cost grows least."""
+    levels = np.asarray(levels, dtype=np.float64)
+    if not levels[0] <= mean_sparsity <= levels[-1]:
+        raise FlashError(f"--target-sparsity {mean_sparsity}: a sensitivity allocation needs it between "
+                         f"{levels[0]} and {levels[-1]}")
+    grid = np.arange(levels[0], levels[-1] + step / 2, step)
+    cost = np.exp(np.stack([np.interp(grid, levels, np.log(np.maximum(row, 1e-12))) for row in kl]))
+    at = np.zeros(len(kl), dtype=int)
+    while grid[at].mean() < mean_sparsity - 1e-9:
+        growth = np.where(at + 1 < len(grid), cost[np.arange(len(kl)), np.minimum(at + 1, len(grid) - 1)]
+                          - cost[np.arange(len(kl)), at], np.inf)
+        at[int(np.argmin(growth))] += 1
+    return [float(v) for v in grid[at]]
 
 
 def build_model(config: dict, weights: dict):
@@ -203,6 +253,26 @@ def distill_kl(student_logits, teacher_logits):
     t = teacher_logits - mx.logsumexp(teacher_logits, axis=-1, keepdims=True)
     s = student_logits - mx.logsumexp(student_logits, axis=-1, keepdims=True)
     return mx.mean(mx.sum(mx.exp(t) * (t - s), axis=-1))
+
+
+def ce_and_kl(logits, tokens, teacher_logits):
+    """(next-token cross-entropy, KL(teacher || student)), both means over positions (nats), with
+    three passes of exp over the vocabulary instead of next_token_nll's and distill_kl's six (on
+    one CPU core an exp pass over 256 x 49152 logits takes ~0.2 s): the student's log-sum-exp
+    (and its backward pass) is shared, the teacher's softmax is one pass, and
+    KL = lse_s - sum p s - (lse_t - sum p t) with p the teacher's softmax."""
+    lse = mx.logsumexp(logits, axis=-1)
+    target = mx.take_along_axis(logits[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    ce = mx.mean(lse[:, :-1] - target)
+    if teacher_logits is None:
+        return ce, mx.array(0.0)
+    t_max = mx.max(teacher_logits, axis=-1, keepdims=True)
+    e = mx.exp(teacher_logits - t_max)
+    z = mx.sum(e, axis=-1, keepdims=True)
+    p = e / z
+    lse_t = (t_max + mx.log(z))[..., 0]
+    kl = mx.mean(lse - mx.sum(p * logits, axis=-1) - (lse_t - mx.sum(p * teacher_logits, axis=-1)))
+    return ce, kl
 
 
 def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
@@ -369,6 +439,7 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
 # ---- training ------------------------------------------------------------------------------------
 
 DECAYS = ("cosine", "constant")
+ALLOCATIONS = ("uniform", "sensitivity")  # per-layer sparsity targets: all equal, or by measured cost
 FINAL_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak rate
 
 
@@ -386,41 +457,97 @@ def make_optimizer(lr: float, warmup: int, weight_decay: float = 0.0, *, steps: 
     return optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
 
 
-def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: float = 1.0):
-    """step(tokens mx.array [B, L]) -> (loss, ce, kl, sparsity) as floats, after one AdamW update."""
+def forward_hidden(model, tokens):
+    """(logits [B, L, vocab], [residual stream after each layer, [B, L, hidden]]) of a llama-family
+    model, computed as its own __call__ computes them (causal mask, no cache)."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    streams = []
+    for layer in inner.layers:
+        h = layer(h, "causal")
+        streams.append(h)
+    return output_logits(model, h), streams
+
+
+def output_logits(model, h):
+    """Logits of a llama-family model from its last layer's residual stream h."""
+    out = model.model.norm(h)
+    return model.model.embed_tokens.as_linear(out) if model.args.tie_word_embeddings else model.lm_head(out)
+
+
+def hidden_mse(student_streams, teacher_streams):
+    """Mean over layers of mean |s - t|^2 / mean |t|^2: each layer's residual stream's relative
+    squared error against the teacher's (the layer-wise fit's objective, per token)."""
+    return mx.mean(mx.stack([mx.mean(mx.square(s - t)) / mx.mean(mx.square(t))
+                             for s, t in zip(student_streams, teacher_streams)]))
+
+
+def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: float = 1.0,
+                  hidden: float = 0.0, compiled: bool = True, fused_loss: bool = True):
+    """step(tokens mx.array [B, L]) -> (loss, ce, kl, hidden_mse, sparsity) as floats, after one
+    AdamW update. Loss = cross-entropy + distill x KL(teacher || model) + hidden x hidden_mse
+    (the teacher runs only when a weight is > 0). compiled: the whole step (teacher forward,
+    forward, backward, clipping, update) is one mx.compile'd function of the model's and the
+    optimizer's state; a new token shape retraces it. fused_loss: ce_and_kl (False: next_token_nll
+    and distill_kl, the reference formulation, same values, twice the exp passes)."""
     import mlx.optimizers as optim
 
     record = ActiveFractions()
+    use_teacher = teacher is not None and (distill > 0 or hidden > 0)
 
-    def loss_fn(tokens, teacher_logits):
+    def loss_fn(tokens):
         record.fractions.clear()
-        logits = model(tokens)
-        ce = mx.mean(next_token_nll(logits, tokens))
-        kl = distill_kl(logits, teacher_logits) if teacher_logits is not None else mx.array(0.0)
+        if hidden > 0:
+            logits, streams = forward_hidden(model, tokens)
+        else:
+            logits, streams = model(tokens), None
+        kl = hid = mx.array(0.0)
+        t_logits = t_streams = None
+        if use_teacher:
+            t_logits, t_streams = forward_hidden(teacher, tokens) if hidden > 0 else (teacher(tokens), None)
+            t_logits = mx.stop_gradient(t_logits) if distill > 0 else None
+        if fused_loss:
+            ce, kl = ce_and_kl(logits, tokens, t_logits)
+        else:
+            ce = mx.mean(next_token_nll(logits, tokens))
+            if t_logits is not None:
+                kl = distill_kl(logits, t_logits)
+        if use_teacher and hidden > 0:
+            hid = hidden_mse(streams, [mx.stop_gradient(t) for t in t_streams])
         active = mx.mean(mx.stack(record.fractions))
-        return ce + distill * kl, ce, kl, active
+        return ce + distill * kl + hidden * hid, ce, kl, hid, active
 
     grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def update(tokens):
+        (loss, ce, kl, hid, active), grads = grad_fn(tokens)
+        if clip:
+            grads, _ = optim.clip_grad_norm(grads, clip)
+        optimizer.update(model, grads)
+        return loss, ce, kl, hid, active
+
+    if compiled:
+        # the compiled function takes and returns the state's arrays: every one must exist first
+        optimizer.init(model.trainable_parameters())
+        state = [model.state, optimizer.state]
+        update = mx.compile(update, inputs=state + ([teacher.state] if use_teacher else []), outputs=state)
 
     def step(tokens):
         from ..cpu import ops
 
         for m in mlps(model):
             m.record = record
-        teacher_logits = mx.stop_gradient(teacher(tokens)) if teacher is not None and distill > 0 else None
         kernels = ops.kernels_active()
         ops.set_kernels_enabled(False)  # our CPU kernels have no gradients (vjp); MLX's ops do
         try:
-            (loss, ce, kl, active), grads = grad_fn(tokens, teacher_logits)
+            loss, ce, kl, hid, active = update(tokens)
+            mx.eval(loss, ce, kl, hid, active, model.parameters(), optimizer.state)
         finally:
             ops.set_kernels_enabled(kernels)
-        if clip:
-            grads, _ = optim.clip_grad_norm(grads, clip)
-        optimizer.update(model, grads)
-        mx.eval(loss, ce, kl, active, model.parameters(), optimizer.state)
-        for m in mlps(model):
-            m.record = None
-        return float(loss.item()), float(ce.item()), float(kl.item()), 1.0 - float(active.item())
+            for m in mlps(model):
+                m.record = None
+        return (float(loss.item()), float(ce.item()), float(kl.item()), float(hid.item()),
+                1.0 - float(active.item()))
 
     return step
 
@@ -445,18 +572,24 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
 
 
 def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
-           seq_len=SEQ_LEN, lr=5e-5, warmup=10, decay="constant", distill=0.0, checkpoint_every=50, resume=False,
+           seq_len=SEQ_LEN, lr=5e-5, warmup=10, decay="constant", distill=0.0, hidden_distill=0.0, compiled=True,
+           checkpoint_every=50, resume=False,
            seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
-           target_sparsity=None, threshold_sequences=4, layerwise_tokens=0, layerwise_ridge=1e-3,
-           progress=True, log=print) -> dict:
+           target_sparsity=None, threshold_sequences=4, allocation="uniform", allocation_tokens=512,
+           layerwise_tokens=0, layerwise_ridge=1e-3, progress=True, log=print) -> dict:
     """Swap src's gate activation for `activation` and fine-tune it for `steps` AdamW steps of
     batch_size x seq_len tokens on train_files; write checkpoints and the final model to `out`.
 
     target_sparsity: with activation "fatrelu" or "cats" (no threshold), per-layer thresholds from
     gate_thresholds on the first `threshold_sequences` training sequences (fixed for the run).
+    allocation: "uniform" (every layer at target_sparsity) or "sensitivity" (cats only: per-layer
+    targets with mean target_sparsity from allocate_sparsity over layer_sensitivity measured on
+    `allocation_tokens` training tokens; its minutes count in the run's time).
+    hidden_distill: weight of hidden_mse (the residual streams' relative error against the
+    original's, every layer) in the loss. compiled: mx.compile the training step.
     max_minutes: stop early (after the step that crosses it), checkpoint, and write the model.
     layerwise_tokens: before the first step, fit_layerwise on this many training tokens (whole
-    sequences of a seeded draw; 0: off); its minutes count in the run's time and its tokens in
+    sequences, the last of the first epoch's seeded order; 0: off); its minutes count in the run's time and its tokens in
     tokens_trained, and the fitted model is checkpoint step 0.
     eval_files: held-out text measured (perplexity, sparsity; eval_tokens tokens) before training
     and on the final model, recorded in relufication.json.
@@ -473,6 +606,10 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
                          "--target-sparsity needs --activation fatrelu or cats (without :T)")
     if target_sparsity is not None and not 0 < target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be between 0 and 1")
+    if allocation not in ALLOCATIONS:
+        raise FlashError(f"--sparsity-allocation {allocation}: expected one of {', '.join(ALLOCATIONS)}")
+    if allocation != "uniform" and (hidden_act != "cats" or target_sparsity is None):
+        raise FlashError(f"--sparsity-allocation {allocation}: needs --activation cats with --target-sparsity")
     existing = checkpoint_dirs(out)
     if resume and not existing:
         raise FlashError(f"--resume: {out} has no checkpoint to resume from")
@@ -484,8 +621,21 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     tokenizer = load_tokenizer(src)
     teacher, src_config = load_float32(src)
     sequences = text_sequences(train_files, tokenizer, seq_len, max_train_tokens)
+    prep_seconds, allocated = 0.0, None
     if threshold is None and not resume:
-        threshold = gate_thresholds(teacher, sequences[:threshold_sequences], target_sparsity, hidden_act)
+        targets = target_sparsity
+        if allocation == "sensitivity":
+            t0 = time.perf_counter()
+            count = max(1, allocation_tokens // seq_len)
+            kl = layer_sensitivity(teacher, sequences[threshold_sequences: threshold_sequences + count],
+                                   threshold_sequences=sequences[:threshold_sequences])
+            targets = allocate_sparsity(kl, SENSITIVITY_LEVELS, target_sparsity)
+            prep_seconds = time.perf_counter() - t0
+            allocated = {"levels": list(SENSITIVITY_LEVELS), "kl": kl.tolist(), "targets": targets,
+                         "tokens": int(count * seq_len), "seconds": prep_seconds}
+            log(f"sensitivity allocation ({prep_seconds / 60:.1f} min): per-layer targets "
+                + " ".join(f"{t:.3f}" for t in targets))
+        threshold = gate_thresholds(teacher, sequences[:threshold_sequences], targets, hidden_act)
     config = relufied_config(src_config, hidden_act, 0.0 if threshold is None else threshold)
     config["relufied_from"] = src_config.get("relufied_from") or str(src)
     eval_seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text") \
@@ -501,15 +651,18 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
         from mlx.utils import tree_flatten
 
         model = build_model(config, dict(tree_flatten(teacher.parameters())))
-        state = {"step": 0, "tokens_trained": 0, "seconds": 0.0, "losses": []}
+        state = {"step": 0, "tokens_trained": 0, "seconds": prep_seconds, "losses": []}
+        if allocated is not None:
+            state["allocation"] = allocated
     state.update(activation=activation, target_sparsity=target_sparsity, batch_size=batch_size,
-                 seq_len=seq_len, lr=lr, warmup=warmup, decay=decay, steps_planned=steps, distill=distill, seed=seed, train_sequences=int(len(sequences)),
+                 seq_len=seq_len, lr=lr, warmup=warmup, decay=decay, steps_planned=steps, distill=distill,
+                 hidden_distill=hidden_distill, compiled=compiled, sparsity_allocation=allocation, seed=seed, train_sequences=int(len(sequences)),
                  train_files=[str(f) for f in train_files])
     freeze_embeddings(model)
     model.train()
-    if distill <= 0:
+    if distill <= 0 and hidden_distill <= 0:
         teacher = None
-    step_fn = train_step_fn(model, optimizer, teacher, distill)
+    step_fn = train_step_fn(model, optimizer, teacher, distill, hidden=hidden_distill, compiled=compiled)
     before = None
     if eval_seqs is not None and not resume:
         before = {"original": measure(load_float32(src)[0] if teacher is None else teacher, eval_seqs),
@@ -518,11 +671,12 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
             f"{before['swapped']['ppl']:.3f}, sparsity {100 * before['swapped']['sparsity']:.1f}%")
     if layerwise_tokens and not resume:
         count = max(1, min(len(sequences), layerwise_tokens // seq_len))
-        chosen = np.sort(np.random.default_rng(seed).permutation(len(sequences))[:count])
+        # the first epoch's last sequences: the first training steps then see text the fit did not
+        chosen = np.sort(np.random.default_rng(seed).permutation(len(sequences))[-count:])
         fit = fit_layerwise(teacher if teacher is not None else load_float32(src)[0], model, sequences[chosen],
                             ridge=layerwise_ridge, progress=progress)
-        state.update(tokens_trained=fit["tokens"], seconds=fit["seconds"],
-                     layerwise={**fit, "ridge": layerwise_ridge})
+        state.update(tokens_trained=fit["tokens"], seconds=prep_seconds + fit["seconds"],
+                     layerwise={**fit, "ridge": layerwise_ridge, "sequences": chosen.tolist()})
         save_checkpoint(out, model, optimizer, config, src, state)
         if eval_seqs is not None:
             before["layerwise"] = measure(model, eval_seqs)
@@ -535,14 +689,14 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     try:
         while state["step"] < steps:
             idx = batch_indices(state["step"], batch_size, len(sequences), seed)
-            loss, ce, kl, sparsity = step_fn(mx.array(sequences[idx]))
+            loss, ce, kl, hid, sparsity = step_fn(mx.array(sequences[idx]))
             if not math.isfinite(loss):
                 raise FlashError(f"step {state['step']}: loss is {loss}; lower --lr")
             state["step"] += 1
             state["tokens_trained"] += int(batch_size * seq_len)
             state["seconds"] = t_run + time.perf_counter() - t_start
             state["losses"].append({"step": state["step"], "loss": loss, "ce": ce, "kl": kl,
-                                    "sparsity": sparsity})
+                                    "hidden": hid, "sparsity": sparsity})
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", sparsity=f"{100 * sparsity:.1f}%")
             if checkpoint_every and state["step"] % checkpoint_every == 0:
