@@ -168,3 +168,45 @@ def test_staged_rows_are_copied_on_finishing_threads_while_reads_are_submitted(t
     assert len(times) == 3 and min(times) > 0
     assert read_cost.FINISH_THREADS == 2 and submitted and 0 < sum(submitted) < 32  # the tail inline
     assert len(copied) == len(submitted) and all(name.startswith("finish") for name in copied)
+
+
+def test_landing_terms_follow_the_read_size():
+    """Segment and copy terms measured at two sizes (a read of more pieces than the device takes per
+    request is split, so segments cost more in large reads) price each read at its own size:
+    linear in log2(size) between them, the nearest one outside; the decision follows."""
+    from mlx_flash.io.read_cost import landing_terms, stage_saves_time
+
+    landing = {"sizes": [262144, 1048576], "segment_s": [0.5e-6, 2.5e-6], "copy_bandwidth": [2e9, 4e9]}
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32, segment_s=0.5e-6, copy_bandwidth=2e9, landing=landing)
+    seg, copy = landing_terms(c, np.array([65536, 262144, 524288, 1048576, 4 << 20]))
+    np.testing.assert_allclose(seg, [0.5e-6, 0.5e-6, 1.5e-6, 2.5e-6, 2.5e-6])
+    np.testing.assert_allclose(copy, [0.5e-9, 0.5e-9, 0.375e-9, 0.25e-9, 0.25e-9])
+    # 4 KiB pieces: at 256 KiB 63 x 0.5 us = 31.5 us vs a copy of 131 us: zero copy; at 4 MiB
+    # 1023 x 2.5 us = 2.56 ms vs 1.05 ms: staged
+    assert not stage_saves_time(c, [262144], [64])
+    assert stage_saves_time(c, [4 << 20], [1024])
+    flat = ReadCostCurve(SIZES, DEPTHS, TABLE, depth=32, segment_s=0.5e-6, copy_bandwidth=2e9)
+    assert not stage_saves_time(flat, [4 << 20], [1024])  # one size's terms everywhere
+    back = ReadCostCurve.from_dict(c.to_dict(), depth=4)
+    assert back.landing == landing and back.at_depth(32).landing == landing
+    np.testing.assert_allclose(landing_terms(flat, [65536]), [[0.5e-6], [0.5e-9]])
+    assert stage_saves_time(None, [65536], [16]) is False
+
+
+def test_landing_terms_are_measured_at_each_landing_size(tmp_path, monkeypatch):
+    from mlx_flash.io import aio, read_cost
+
+    # per read: scattered pieces add 1 ns per piece at 64 KiB, 3 ns at 256 KiB; the copy 1 s/GB
+    def rounds(fd, path, file_bytes, size, n, ctx):
+        return 1e-4, 1e-4 + (size // 4096 - 1) * (1e-9 if size == 65536 else 3e-9), 1e-4 + size / 1e9
+
+    monkeypatch.setattr(read_cost, "timed_segment_reads", rounds)
+    monkeypatch.setattr(read_cost, "LANDING_SIZES", (65536, 262144))
+    c = measure_curve(tmp_path, sizes=(4096, 262144), depths=(4,), file_bytes=1 << 20, repeats=1,
+                      max_reads=16, engine="aio")
+    if c.engine != "aio" or not aio.available():
+        pytest.skip("native AIO with O_DIRECT")
+    assert c.landing["sizes"] == [65536, 262144]
+    np.testing.assert_allclose(c.landing["segment_s"], [1e-9, 3e-9])
+    np.testing.assert_allclose(c.landing["copy_bandwidth"], [1e9, 1e9])
+    assert (c.segment_s, c.copy_bandwidth) == (c.landing["segment_s"][0], c.landing["copy_bandwidth"][0])

@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import FlashError
 from ..io import FlashLoader, ReadCost, evict, load_cost
 from ..io.loader import measure_cost
-from ..io.read_cost import FREE_COPY, segment_iovecs
+from ..io.read_cost import FREE_COPY, landing_terms, segment_iovecs
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
@@ -233,7 +233,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
         probe.close()
     stride = max(e.stride for e in loader_keys.values())
     align = bench.manifest.alignment
-    landing = device_landing(bench, depth)
+    profile = device_landing(bench, depth)
     rows = []
     for size in sizes:
         k = max(1, round(size / stride))
@@ -252,7 +252,10 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
             rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
             continue
         max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
-        # merge gap 0; the device's segment and copy terms choose zero copy or staging
+        # merge gap 0; the device's segment and copy terms at this read size choose zero copy or
+        # staging (the straight line prices every read alike, so only they decide)
+        seg_s, copy_s = (float(t) for t in landing_terms(profile, k * stride))
+        landing = (seg_s, 1 / copy_s if copy_s > 0 else 0.0)
         cost = ReadCost(0.0, 1e9, *landing)
         loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=cost,
                              max_read=max_read) for name, cls in loader_classes(bench).items()}
@@ -311,10 +314,10 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
     return rows
 
 
-def device_landing(bench, depth) -> tuple:
-    """(segment_s, copy_bandwidth) of the pack's device from its stored read-cost profile
-    (measured now when there is none, or --calibrate): the terms with which the loader chooses
-    zero copy or staging (io.read_cost.stage_saves_time); (0, 0) without one."""
+def device_landing(bench, depth):
+    """The pack's device's stored read-cost profile (measured now when there is none, or
+    --calibrate), whose segment and copy terms (io.read_cost.landing_terms, per read size) the
+    loader chooses zero copy or staging by (io.read_cost.stage_saves_time); None without one."""
     paths = bench.paths()
     probe = FlashLoader(bench.pack, threads=depth, plan=False)
     kind = probe.cost_engine()
@@ -323,7 +326,7 @@ def device_landing(bench, depth) -> tuple:
     if cost is None:
         print(f"measuring the read cost model ({depth} in flight, {kind})...", file=sys.stderr)
         cost = measure_cost(paths, depth, kind)
-    return (getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0))
+    return cost
 
 
 def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
@@ -595,13 +598,14 @@ def print_large_reads(rows, depth):
     print("(aio ring: io/aio.py alone, the same number of reads of that size, into a ring of "
           f"{depth} buffers as fio does; aio dest: the same into one buffer per read, as large as "
           "the loader's destinations, where the loader lands its reads; baseline: --baseline's loader)")
-    if rows and "segment_s" in rows[0]:
-        print(f"(path: zero-copy or staged, chosen by the device profile's segment term "
-              f"{rows[0]['segment_s'] * 1e6:.2f} us per extra segment and copy "
-              f"{rows[0]['copy_bandwidth'] / 1e9:.2f} GB/s, the time copying out adds end to end "
-              f"with the copy on the loader's finishing threads: staged when read + copy saves "
-              f">= 10% of read + extra segments, io.read_cost.stage_saves_time; +seg / +copy: "
-              f"microseconds each adds per read)")
+    if rows and any("segment_s" in r for r in rows):
+        terms = ", ".join(f"{r['read_bytes'] >> 10} KiB: {r['segment_s'] * 1e6:.2f} us, "
+                          f"{r['copy_bandwidth'] / 1e9:.2f} GB/s" for r in rows if "segment_s" in r)
+        print(f"(path: zero-copy or staged, chosen by the device profile's terms at each read size, "
+              f"seconds per extra segment and the copy's GB/s ({terms}; the copy's is the time "
+              f"copying out adds end to end, on the loader's finishing threads): staged when read + "
+              f"copy saves >= 10% of read + extra segments, io.read_cost.stage_saves_time; +seg / "
+              f"+copy: microseconds each adds per read)")
     others = [(name, head) for name, head in (("baseline", "baseline"), ("zero_copy", "zero-copy"),
                                               ("staged", "staged"))
               if any(f"{name}_gbps" in r for r in rows)]

@@ -31,14 +31,19 @@ import numpy as np
 DEFAULT_SIZES = (4096, 16384, 65536, 262144, 1048576)  # bytes
 DEFAULT_DEPTHS = (1, 4, 16, 32)                          # reads in flight
 GAP_STEP = 4096                                          # merge gaps are searched in blocks
-SEGMENT_SIZE = 262144  # bytes per read measuring the segment term: 64 pieces of 4 KiB vs one
+# Read sizes (bytes) at which the segment and copy terms are measured: 64 and 256 pieces of
+# 4 KiB vs one. Two, because a read of more pieces than the device takes per request
+# (/sys/block/*/queue/max_segments: 254 on this virtio disk) is split into several requests, so
+# the cost per segment grows with the read; priced between them by log2(size), clamped outside.
+LANDING_SIZES = (262144, 1048576)
 SEGMENT_REPEATS = 5  # rounds of both, taking turns (median difference): load moves single runs
 # Staging costs a copy's CPU time and a buffer: taken only when it saves this share of read time
 STAGE_MIN_GAIN = 0.1
 FREE_COPY = 1e12  # bytes/second: a copy that added no measurable time
 # How the segment and copy terms are measured; an AIO profile stored by an older way is measured
-# again (2: the copy on the finishing threads, as the loader does it; 1: on the reaping thread)
-LANDING_VERSION = 2
+# again (3: at LANDING_SIZES, the copy on the finishing threads as the loader does it; 2: at
+# 256 KiB only; 1: the copy on the reaping thread)
+LANDING_VERSION = 3
 # The loader's finishing threads, checking (crc32), decoding and scattering landed reads: two
 # cores' worth, so checks keep up with the device. The calibration copies staged rows on as many.
 FINISH_THREADS = 2
@@ -55,6 +60,9 @@ class ReadCostCurve:
     engine: str = field(default="threads", compare=False)  # how the measured reads were issued
     segment_s: float = 0.0  # seconds a read costs per destination segment beyond its first (0: none)
     copy_bandwidth: float = 0.0  # bytes/second of read time that copying staged rows out adds (0: unmeasured)
+    # the two terms per measured read size, {"sizes", "segment_s", "copy_bandwidth"} (lists; the
+    # scalars above are the first size's); None: the scalars at every size
+    landing: dict | None = field(default=None, compare=False)
     _row: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -71,7 +79,7 @@ class ReadCostCurve:
 
     def at_depth(self, depth: int) -> "ReadCostCurve":
         return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine, self.segment_s,
-                             self.copy_bandwidth)
+                             self.copy_bandwidth, self.landing)
 
     def seconds(self, nbytes):
         """Seconds per read of `nbytes` (scalar or array) at this curve's depth."""
@@ -108,31 +116,51 @@ class ReadCostCurve:
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist(),
                 "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth,
-                "landing_version": LANDING_VERSION}
+                "landing": self.landing, "landing_version": LANDING_VERSION}
 
     @classmethod
     def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
         return cls(d["sizes"], d["depths"], d["table"], depth, segment_s=d.get("segment_s", 0.0),
-                   copy_bandwidth=d.get("copy_bandwidth", 0.0))
+                   copy_bandwidth=d.get("copy_bandwidth", 0.0), landing=d.get("landing"))
+
+
+def landing_terms(cost, read_bytes) -> tuple:
+    """(seconds per extra destination segment, seconds of copy per byte) for reads of
+    `read_bytes` (array): the cost model's terms at the measured size nearest in log2(bytes),
+    linear between measured sizes (ReadCostCurve.landing), else its scalars at every size;
+    (0, 0) where unmeasured."""
+    nbytes = np.asarray(read_bytes, np.float64)
+    landing = getattr(cost, "landing", None)
+    if landing and len(landing.get("sizes", ())):
+        x = np.log2(np.maximum(nbytes, 1))
+        sizes = np.log2(np.asarray(landing["sizes"], np.float64))
+        seg = np.interp(x, sizes, np.asarray(landing["segment_s"], np.float64))
+        copy = np.interp(x, sizes, 1 / np.maximum(np.asarray(landing["copy_bandwidth"], np.float64), 1.0))
+        return seg, copy
+    seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
+    return np.full(nbytes.shape, float(seg)), np.full(nbytes.shape, 1 / copy_bw if copy_bw > 0 else 0.0)
 
 
 def stage_saves_time(cost, read_bytes, segments) -> bool:
     """Whether reads of `read_bytes` (array, bytes each) whose destinations are `segments` pieces
     each (array) finish clearly sooner landing in one contiguous staging buffer and copied out
     than landing in their pieces. Zero copy: each read's time (cost.seconds) plus
-    (segments - 1) x cost.segment_s; staged: the read's time plus the time its copy adds,
-    bytes / cost.copy_bandwidth (measured as the copies overlap the reads in flight, so a copy
-    that a spare core hides adds little, one that competes for a busy core adds its share).
+    (segments - 1) x the segment term; staged: the read's time plus the time its copy adds,
+    bytes x the copy term (measured as the loader copies, overlapping the reads in flight, so a
+    copy that a spare core hides adds little, one that competes for a busy core adds its share);
+    both terms at each read's size (landing_terms).
     Staging must save STAGE_MIN_GAIN of the zero-copy time: its copy costs CPU and its buffer
     memory, so a block of a few large segments (an MoE expert) stays zero copy. False when the
     cost model (a ReadCostCurve or planner.ReadCost) has no measured segment or copy term."""
-    seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
-    if seg <= 0 or copy_bw <= 0 or len(read_bytes) == 0:
+    if cost is None or len(read_bytes) == 0:
         return False
     nbytes = np.asarray(read_bytes, np.float64)
+    seg, copy_s = landing_terms(cost, nbytes)
+    if not (seg > 0).any() or not (copy_s > 0).all():
+        return False
     read_s = np.asarray(cost.seconds(nbytes), np.float64)
     zero_copy = float(np.sum(read_s + (np.asarray(segments, np.float64) - 1) * seg))
-    staged = float(np.sum(read_s + nbytes / copy_bw))
+    staged = float(np.sum(read_s + nbytes * copy_s))
     return staged < (1 - STAGE_MIN_GAIN) * zero_copy
 
 
@@ -258,11 +286,11 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     Per (depth, size): min(max_reads, file_bytes / size) (at least 4 x depth) random aligned reads,
     the file evicted before each of `repeats` runs, the best kept (background load only ever
     slows a run). engine 'aio' uses Linux native AIO when direct I/O works, else threads; with
-    AIO the segment term (reads of SEGMENT_SIZE, or the largest size when smaller, as scattered
-    4 KiB pieces vs one piece, at the largest depth: the median difference of max(repeats,
-    SEGMENT_REPEATS) rounds taking turns) and the copy term (the same reads landing contiguously,
-    each copied into three row arrays as it lands, vs not copied: timed_segment_reads) are
-    measured too.
+    AIO the segment term (reads of each LANDING_SIZES size, capped at the largest of `sizes`, as
+    scattered 4 KiB pieces vs one piece, at the largest depth: the median difference of
+    max(repeats, SEGMENT_REPEATS) rounds taking turns) and the copy term (the same reads landing
+    contiguously, each copied into three row arrays as it lands, vs not copied:
+    timed_segment_reads) are measured too, per size (ReadCostCurve.landing).
     """
     import os
     from pathlib import Path
@@ -280,7 +308,7 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         file_bytes = path.stat().st_size
     sizes = [s for s in sizes if s <= file_bytes // 2] or [min(sizes)]
     table = np.zeros((len(depths), len(sizes)))
-    used, segment_s, copy_bandwidth = "threads", 0.0, 0.0
+    used, landing = "threads", {"sizes": [], "segment_s": [], "copy_bandwidth": []}
     try:
         if read_path is None:
             with open(path, "wb") as f:
@@ -297,15 +325,17 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
                         n = max(4 * depth, min(max_reads, file_bytes // size))
                         table[i, j] = min(timed_reads(fd, path, file_bytes, size, n, depth, files=files, ctx=ctx)
                                           for _ in range(repeats))
-                    seg_size = min(SEGMENT_SIZE, max(sizes)) // 4096 * 4096
-                    if ctx is not None and depth == max(depths) and seg_size >= 8192 \
-                            and file_bytes >= 2 * seg_size:
+                    seg_sizes = sorted({min(s, max(sizes)) // 4096 * 4096 for s in LANDING_SIZES})
+                    for seg_size in seg_sizes:
+                        if ctx is None or depth != max(depths) or seg_size < 8192 or file_bytes < 2 * seg_size:
+                            continue
                         n = max(4 * depth, min(max_reads, file_bytes // seg_size))
                         runs = np.array([timed_segment_reads(fd, path, file_bytes, seg_size, n, ctx)
                                          for _ in range(max(repeats, SEGMENT_REPEATS))])
                         extra = np.median(runs[:, 1:] - runs[:, :1], axis=0)  # scattered, staged
-                        segment_s = max(0.0, float(extra[0]) / (seg_size // 4096 - 1))
-                        copy_bandwidth = seg_size / max(float(extra[1]), seg_size / FREE_COPY)
+                        landing["sizes"].append(seg_size)
+                        landing["segment_s"].append(max(0.0, float(extra[0]) / (seg_size // 4096 - 1)))
+                        landing["copy_bandwidth"].append(seg_size / max(float(extra[1]), seg_size / FREE_COPY))
                 finally:
                     if ctx is not None:
                         ctx.close()
@@ -315,5 +345,8 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         if read_path is None:
             path.unlink(missing_ok=True)
     table = np.maximum.accumulate(table, axis=1)  # a larger read never costs less: noise otherwise
-    return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used, segment_s=segment_s,
-                         copy_bandwidth=copy_bandwidth)
+    measured = bool(landing["sizes"])
+    return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used,
+                         segment_s=landing["segment_s"][0] if measured else 0.0,
+                         copy_bandwidth=landing["copy_bandwidth"][0] if measured else 0.0,
+                         landing=landing if measured else None)
