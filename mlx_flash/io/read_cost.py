@@ -211,7 +211,9 @@ def timed_segment_reads(fd, path, file_bytes, size, n, ctx, pool=None) -> tuple:
     buf = aligned_buffer(n * (size + 2 * 4096))
     base, flat = address(buf), np.frombuffer(buf, np.uint8)
     bundles = size // (3 * 4096)  # per read
-    rows = [np.ones((n * bundles, 4096), np.uint8) for _ in range(3)]  # touched: a cache's rows
+    # the rows copied into: faulted in, in huge pages where granted, as the loader's alloc() rows
+    rows = [np.frombuffer(aligned_buffer(n * bundles * 4096), np.uint8)[: n * bundles * 4096]
+            .reshape(n * bundles, 4096) for _ in range(3)]
     out = []
     for kind in ("contiguous", "scattered", "staged"):
         evict([path])
