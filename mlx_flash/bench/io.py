@@ -252,11 +252,12 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
             rows.append({"size": size, "skipped": f"bundle files hold fewer than {k} bundles"})
             continue
         max_read = -(-k * stride // align) * align + align  # one read per run of k bundles
-        # merge gap 0; the device's segment and copy terms at this read size choose zero copy or
-        # staging (the straight line prices every read alike, so only they decide)
+        # the device profile as the loader prices reads (its curve's read time plus the segment
+        # and copy terms at this read size choose zero copy or staging); max_read keeps one read
+        # per run of k bundles whatever its merge gap
         seg_s, copy_s = (float(t) for t in landing_terms(profile, k * stride))
         landing = (seg_s, 1 / copy_s if copy_s > 0 else 0.0)
-        cost = ReadCost(0.0, 1e9, *landing)
+        cost = profile.at_depth(depth) if hasattr(profile, "at_depth") else ReadCost(0.0, 1e9, *landing)
         loaders = {name: cls(bench.pack, threads=depth, verify=verify, cost=cost,
                              max_read=max_read) for name, cls in loader_classes(bench).items()}
         if landing_paths:
@@ -291,6 +292,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
                "zero_copy": s.zero_copy_reads == s.reads, "segment_s": landing[0],
                "copy_bandwidth": landing[1], "segments_per_read": segments,
                # what the profile adds to each read's time on either path (stage_saves_time)
+               "read_s": float(cost.seconds(read_bytes)),
                "zero_copy_extra_s": (segments - 1) * landing[0],
                "staged_extra_s": read_bytes / landing[1] if landing[1] > 0 else float("inf"),
                "gbps": _gb(s.bytes_useful, s.seconds),
@@ -605,13 +607,13 @@ def print_large_reads(rows, depth):
               f"seconds per extra segment and the copy's GB/s ({terms}; the copy's is the time "
               f"copying out adds end to end, on the loader's finishing threads): staged when read + "
               f"copy saves >= 10% of read + extra segments, io.read_cost.stage_saves_time; +seg / "
-              f"+copy: microseconds each adds per read)")
+              f"+copy: microseconds each adds per read, to the profile's read time `read`)")
     others = [(name, head) for name, head in (("baseline", "baseline"), ("zero_copy", "zero-copy"),
                                               ("staged", "staged"))
               if any(f"{name}_gbps" in r for r in rows)]
     if any(name != "baseline" for name, _ in others):
         print("(zero-copy / staged: this loader with that path forced, --landing-paths)")
-    print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'+seg':>6} {'+copy':>6} {'path':>9} {'loader':>7} "
+    print(f"{'size':>6} {'k':>4} {'read bytes':>10} {'reads':>6} {'read':>6} {'+seg':>6} {'+copy':>6} {'path':>9} {'loader':>7} "
           f"{'aio ring':>8} {'aio dest':>8} {'fio':>7} {'loader/fio':>10}"
           + "".join(f" {head:>9} {'/fio':>5}" for _, head in others))
     for r in rows:
@@ -626,7 +628,7 @@ def print_large_reads(rows, depth):
             f"{r[name + '_over_fio']:5.0%}" if name + "_over_fio" in r else f"{'-':>5}")
             for name, _ in others)
         print(f"{name:>6} {r['bundles_per_read']:>4} {r['read_bytes']:>10} {r['reads']:>6} "
-              f"{r.get('zero_copy_extra_s', float('nan')) * 1e6:6.1f} "
+              f"{r.get('read_s', float('nan')) * 1e6:6.0f} {r.get('zero_copy_extra_s', float('nan')) * 1e6:6.1f} "
               f"{r.get('staged_extra_s', float('nan')) * 1e6:6.1f} "
               f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} "
               f"{dest} {fio}{extra}")
