@@ -308,10 +308,25 @@ def test_landing_paths_run_both_paths_of_the_loader(tiny_llama, tmp_path, capsys
     assert row["zero_copy_zero_copy_reads"] == row["reads"] and row["staged_zero_copy_reads"] == 0
     # what the profile adds per read on either path: 4 bundles of gate / up / down rows
     assert row["segments_per_read"] == 12 and row["read_s"] > 0
+    assert all(row[f"{name}_cpu_us_per_read"] > 0 for name in ("loader", "zero_copy", "staged"))
     assert row["zero_copy_extra_s"] == pytest.approx(11 * row["segment_s"])
     if row["copy_bandwidth"] > 0:
         assert row["staged_extra_s"] == pytest.approx(row["read_bytes"] / row["copy_bandwidth"])
     bench_io.print_large_reads([row], 2)
     out = capsys.readouterr().out
     assert "zero-copy / staged: this loader with that path forced" in out
-    assert out.splitlines()[-2].split()[-4:] == ["zero-copy", "/fio", "staged", "/fio"]
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["size", "k"])
+    assert header.split()[-4:] == ["zero-copy", "/fio", "staged", "/fio"]
+    assert "CPU per read, microseconds" in out and "zero copy " in out.splitlines()[-1]
+
+
+def test_fio_cpu_time_comes_from_its_json(monkeypatch):
+    """run_fio: fio's user + system CPU seconds from its JSON (percentages of its run time)."""
+    from mlx_flash.bench import io as bench_io
+
+    out = json.dumps({"jobs": [{"job_runtime": 200, "usr_cpu": 10.0, "sys_cpu": 30.0,
+                                "read": {"bw_bytes": 1e9, "iops": 1000, "io_bytes": 2e8}}]})
+    monkeypatch.setattr(bench_io.subprocess, "run",
+                        lambda *a, **k: type("P", (), {"returncode": 0, "stdout": out, "stderr": ""})())
+    r = bench_io.run_fio(["fio"])
+    assert r.cpu_s == pytest.approx(0.08) and r.seconds == pytest.approx(0.2)

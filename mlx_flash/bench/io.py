@@ -278,6 +278,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
                                                    bench.rng, ring=warm.reads)
             cmd = fio_command(bench.paths(), depth, {read_bytes: 1}, warm.bytes_read, "libaio") \
                 if with_fio else None
+            fns = {name: _with_cpu(fn) for name, fn in fns.items()}
             if cmd:
                 fns["fio"] = lambda: run_fio(cmd)
             res = interleaved(bench, fns)
@@ -304,6 +305,10 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
         for name in ("zero_copy", "staged"):
             if name in res:
                 row[f"{name}_zero_copy_reads"] = res[name].zero_copy_reads
+        for name, r in res.items():  # CPU per read: what each reader spends besides the device
+            if getattr(r, "cpu_s", None) is not None:
+                reads_done = getattr(r, "reads", 0) or max(1, r.bytes_read // read_bytes)
+                row[f"{name}_cpu_us_per_read"] = r.cpu_s / reads_done * 1e6
         if cmd:
             fio = res["fio"].bw / 1e9
             row.update(fio_gbps=fio, loader_over_fio=row["device_gbps"] / fio, fio_command=" ".join(cmd))
@@ -314,6 +319,17 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
             row["fio"] = "skipped (--no-fio)" if not with_fio else "fio not installed"
         rows.append(row)
     return rows
+
+
+def _with_cpu(fn):
+    """fn, its result given `cpu_s`: the process's CPU seconds (every thread: reading, copying,
+    checking) during the call."""
+    def run():
+        c = time.process_time()
+        r = fn()
+        r.cpu_s = time.process_time() - c
+        return r
+    return run
 
 
 def device_landing(bench, depth):
@@ -632,6 +648,13 @@ def print_large_reads(rows, depth):
               f"{r.get('staged_extra_s', float('nan')) * 1e6:6.1f} "
               f"{'zero-copy' if r['zero_copy'] else 'staged':>9} {r['device_gbps']:7.3f} {ring} "
               f"{dest} {fio}{extra}")
+    cpu = [(r, [(name, r[f"{name}_cpu_us_per_read"]) for name in
+                ("fio", "aio_ring", "aio_dest", "loader", "baseline", "zero_copy", "staged")
+                if f"{name}_cpu_us_per_read" in r]) for r in rows if "skipped" not in r]
+    if any(c for _, c in cpu):
+        print("CPU per read, microseconds (the process's every thread; fio: its user + system time):")
+        for r, c in cpu:
+            print(f"{r['read_bytes']:>17}  " + "  ".join(f"{name.replace('_', ' ')} {us:.1f}" for name, us in c))
 
 
 def sequential_ceiling(bench, block=4 << 20):
@@ -683,9 +706,10 @@ def write_unbundled(bench, out: Path):
 
 
 class _FioRun:
-    """fio result shaped like ReadStats (seconds for the bytes it read)."""
-    def __init__(self, bw_bytes, iops, io_bytes):
-        self.bw, self.iops, self.bytes_read = bw_bytes, iops, io_bytes
+    """fio result shaped like ReadStats (seconds for the bytes it read; cpu_s: its user + system
+    CPU seconds, None when fio did not say)."""
+    def __init__(self, bw_bytes, iops, io_bytes, cpu_s=None):
+        self.bw, self.iops, self.bytes_read, self.cpu_s = bw_bytes, iops, io_bytes, cpu_s
         self.seconds = io_bytes / bw_bytes if bw_bytes else float("inf")
 
 
@@ -748,8 +772,12 @@ def run_fio(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise FlashError(f"fio failed: {' '.join(p.stderr.strip().splitlines()[-1:])}")
-    job = json.loads(p.stdout)["jobs"][0]["read"]
-    return _FioRun(job["bw_bytes"], job["iops"], job["io_bytes"])
+    job = json.loads(p.stdout)["jobs"][0]
+    cpu_s = None
+    if "job_runtime" in job and "usr_cpu" in job:  # percentages of its run time (ms)
+        cpu_s = (job["usr_cpu"] + job.get("sys_cpu", 0.0)) / 100 * job["job_runtime"] / 1e3
+    read = job["read"]
+    return _FioRun(read["bw_bytes"], read["iops"], read["io_bytes"], cpu_s)
 
 
 def interleaved(bench, fns):
