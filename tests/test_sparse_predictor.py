@@ -57,6 +57,31 @@ def test_round_trip_low_rank_and_gate_threshold(pack):
     assert p1.nbytes == gate.nbytes
 
 
+def test_resident_gate_predictor_takes_the_models_gate_without_reading_the_resident_file(
+        tiny_llama, tmp_path, monkeypatch):
+    """convert --gate-bits: the gate-threshold predictor's rows are the model's resident gate, given
+    by the model loader (share_gate); load_predictors does not open resident.safetensors again."""
+    from mlx_flash.pack import load_resident
+
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", gate_bits=4, progress=False)
+    save_predictors(pack, {"activation": "silu"}, {i: entry("gate-threshold", threshold=0.2) for i in range(2)}, {})
+    loaded, load = [], mx.load
+    monkeypatch.setattr(mx, "load", lambda path, *a, **k: loaded.append(str(path)) or load(path, *a, **k))
+    preds = load_predictors(pack)
+    assert not [p for p in loaded if p.endswith("resident.safetensors")], loaded
+    p1, x = preds[1], mx.random.normal((3, 64), key=mx.random.key(9))
+    assert p1.resident_gate and p1.nbytes == 0
+    with pytest.raises(FlashError, match="layer 1: .*share_gate"):
+        p1(x)
+    weights = load_resident(pack)[1]
+    gate = {k: weights[f"model.layers.1.mlp.gate_proj.{k}"] for k in ("weight", "scales", "biases")}
+    p1.share_gate(gate)
+    assert p1._t["gate.weight"] is gate["weight"]  # the model's array, no copy
+    dense_gate = mx.dequantize(gate["weight"], gate["scales"], gate["biases"], group_size=32, bits=4)
+    got, want = np.array(p1(x)), np.array(mx.abs(nn.silu(x @ dense_gate.T)) > 0.2)
+    assert (got == want).mean() > 0.99  # 4-bit kernel vs dequantized matmul: a borderline neuron may flip
+
+
 def test_low_rank_gate_and_all_rules(pack):
     f = low_rank_factors(seed=1)
     save_predictors(pack, {"activation": "silu"},
@@ -137,18 +162,11 @@ def test_unknown_kind_refused():
 def test_gate_threshold_on_a_resident_gate_shares_the_models_arrays(tiny_llama, tmp_path):
     from mlx_flash.config import FlashConfig
     from mlx_flash.models.flash import build_flash_model
-    from mlx_flash.pack import load_resident
 
     pack = write_pack(tiny_llama("src"), tmp_path / "gated", gate_bits=4, progress=False)
     save_predictors(pack, {"activation": "silu"}, {i: entry("gate-threshold", threshold=0.05) for i in range(2)}, {})
     preds = load_predictors(pack)
     assert all(p.resident_gate and p.nbytes == 0 for p in preds.values())  # counted as resident
-    g = load_resident(pack)[1]
-    x = mx.random.normal((3, 64), key=mx.random.key(1))
-    w = mx.dequantize(*(g[f"model.layers.0.mlp.gate_proj.{k}"] for k in ("weight", "scales", "biases")),
-                      group_size=32, bits=4)
-    gate = x @ w.T
-    assert np.array_equal(np.array(preds[0](x)), np.array(mx.abs(nn.silu(gate)) > 0.05))
     model = build_flash_model(pack, FlashConfig("flash"))
     for i, layer in enumerate(model.model.layers):
         held = layer.mlp._current.resident_gate

@@ -120,7 +120,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
             current = currents[layer] = _swap_ffn(model, entry, weights, runtime, kind, checked, config,
                                                   thresholds.get(layer))
             if getattr((predictors or {}).get(layer), "resident_gate", False):
-                predictors[layer].share_gate(current.resident_gate)  # one copy of the gate in memory
+                predictors[layer].share_gate(current.resident_gate)  # its gate rows: the model's, one copy
             if kind == "resident":
                 runtime.caches[layer] = cache = NeuronCache(loader, layer, entry.count, plan.overflow_stage)
                 cache.load(range(entry.count), step=0)

@@ -25,7 +25,9 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
     "quant-gate"      gated models, gate streamed with the bundle: g = a 2..8-bit quantized copy of
                       the gate times x, mask as "low-rank-gate"'s (a float16 model's exact gate
                       costs 4x a 4-bit copy's memory; the FFN computes with the bundle's gate)
-Resident gate/up rows are read from the pack's own bundle files when the predictors are loaded.
+Gate/up rows in the bundles are read from the pack's bundle files when the predictors are loaded;
+a resident gate (convert --gate-bits) is the model's own resident tensor, which the model loader
+gives the predictor (`LayerPredictor.share_gate`): the resident tensors file is read once.
 
 What the runtime must do with `LayerPredictor.threshold` (float >= 0, activation units): compute
 only the predicted neurons, and of those keep neuron i only where |act(gate_i x)| > threshold:
@@ -49,7 +51,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..cpu.ops import half_matvec, quantized_matvec
-from ..pack import layer_bundles, load_resident, read_layer_components, read_manifest
+from ..pack import layer_bundles, read_layer_components, read_manifest
 from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
 from ..paths import fsync_file
 
@@ -125,6 +127,9 @@ class LayerPredictor:
 
     def _rows(self, role, x):
         """x @ rows.T (+ bias) for resident `role` rows ("gate" or "up"), quantized or not."""
+        if f"{role}.weight" not in self._t:
+            raise FlashError(f"layer {self.layer}: this predictor's gate is the model's resident gate; "
+                             "call share_gate with it first (build_flash_model does)")
         w = self._t[f"{role}.weight"]
         if self._q:
             y = quantized_matvec(x, w, self._t[f"{role}.scales"], self._t[f"{role}.biases"],
@@ -319,7 +324,6 @@ def load_predictors(pack_dir):
         except Exception as e:
             raise FlashError(f"{st_path}: unreadable safetensors ({e})") from None
     bundles = layer_bundles(read_manifest(pack))
-    resident = None  # the pack's resident tensors, read once if a resident gate is needed
     out = {}
     for key, entry in doc["layers"].items():
         i, kind = int(key), entry["kind"]
@@ -346,11 +350,8 @@ def load_predictors(pack_dir):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized gate does not match "
                                  f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
         elif kind == "gate-threshold" and bundles[i].resident_gate:
-            if resident is None:
-                resident = load_resident(pack, verify=False)[1]
-            source, gate = bundles[i].resident_gate["source"], bundles[i].resident_gate
-            tensors = {f"gate.{p}": resident[f"{source}.{p}"] for p in ("weight", "scales", "biases", "bias")
-                       if f"{source}.{p}" in resident}
+            # the gate rows are the model's resident tensors: the model loader gives them (share_gate)
+            gate = bundles[i].resident_gate
             quant = {"group_size": gate["group_size"], "bits": gate["bits"]}
         elif kind in ("exact-relu", "gate-threshold"):
             role = "up" if kind == "exact-relu" else "gate"
