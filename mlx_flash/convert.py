@@ -117,12 +117,27 @@ def _tune_experts(model_dir, teacher, quantized, bits, group_size, args) -> dict
     tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.expert_tune_tokens,
                          flag="--calib-text")
     out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=args.expert_tune,
-                             group_size=group_size, lr=args.expert_tune_lr)
+                             group_size=group_size, lr=args.expert_tune_lr,
+                             lr_by_width=args.expert_tune_lr_width)
     head, tail = (float(np.mean(out["kl"][s])) for s in (slice(0, 10), slice(-10, None)))
+    rates = "".join(f", learning rate x{f:g} at {b} bits"
+                    for b, f in sorted(out["lr_by_width"].items()))
     print(f"--expert-tune {args.expert_tune}: KL from the float model {head:.4f} -> {tail:.4f} "
-          f"nats/token (first / last 10 steps, {len(tokens)} tokens, {out['seconds']:.0f} s)",
-          file=sys.stderr)
+          f"nats/token (first / last 10 steps, {len(tokens)} tokens, {out['seconds']:.0f} s"
+          f"{rates})", file=sys.stderr)
     return out["quantized"]
+
+
+def _width_factor(value: str) -> tuple:
+    """(bits, factor) of --expert-tune-lr-width's BITS=FACTOR."""
+    bits, _, factor = value.partition("=")
+    try:
+        out = (int(bits), float(factor))
+    except ValueError:
+        raise FlashError(f"--expert-tune-lr-width {value}: not BITS=FACTOR (e.g. 2=3)") from None
+    if out[0] not in (2, 3, 4, 8) or not out[1] >= 0:
+        raise FlashError(f"--expert-tune-lr-width {value}: BITS one of 2 3 4 8, FACTOR >= 0")
+    return out
 
 
 def _main(argv):
@@ -212,6 +227,11 @@ def _main(argv):
     parser.add_argument("--expert-tune-lr", type=float, default=2e-3,
                         help="--expert-tune: Adam learning rate, relative to each scale "
                              "(default 2e-3)")
+    parser.add_argument("--expert-tune-lr-width", type=_width_factor, nargs="+", default=None,
+                        metavar="BITS=FACTOR",
+                        help="--expert-tune: the learning rate times FACTOR for the experts at "
+                             "BITS (e.g. 2=3 3=2: the narrow experts' scales move further; "
+                             "widths not named: 1)")
     parser.add_argument("--expert-tune-tokens", type=int, default=65536,
                         help="--expert-tune: --calib-text tokens it draws its windows from "
                              "(default 65536)")
@@ -244,6 +264,10 @@ def _main(argv):
         raise FlashError("--expert-importance: only with --expert-bits or --expert-bits-tolerance")
     if args.expert_importance_tokens < 16:
         raise FlashError(f"--expert-importance-tokens {args.expert_importance_tokens}: must be >= 16")
+    if args.expert_tune_lr_width:
+        if not args.expert_tune:
+            raise FlashError("--expert-tune-lr-width: only with --expert-tune")
+        args.expert_tune_lr_width = dict(args.expert_tune_lr_width)
     if args.expert_tune and args.expert_quantizer == "mlx":
         raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip, gptq or gptq-fit")
     if args.expert_widths and not wants_bits:

@@ -80,3 +80,30 @@ def test_tuning_lowers_the_kl_keeps_the_integers_and_restores_the_student(models
     with pytest.raises(FlashError, match="--expert-tune: needs more than 64"):
         tune_expert_scales(student, teacher, quantized, bits, tokens[:50], steps=1,
                            group_size=32, seq_len=64, progress=False)
+
+
+def test_lr_by_width_scales_each_widths_step(models):
+    teacher, student = models
+    tokens = np.random.default_rng(2).integers(0, 128, 300).astype(np.int32)
+    quantized = {}
+    errors = measure_errors(teacher, tokens, 32, (2, 3), progress=False, method="gptq-fit",
+                            quantized=quantized)
+    bits = assign_widths(errors, 2.5, widths=(2, 3))
+    quantize_resident(student, 4, 32)
+
+    def first_step(lr_by_width):
+        out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=1,
+                                 group_size=32, lr=1e-3, seq_len=64, progress=False,
+                                 lr_by_width=lr_by_width)
+        moved = {}
+        for (layer, b), stacks in quantized.items():
+            rows = [e for e, w in enumerate(bits[layer]) if w == b]
+            s0, s1 = np.array(stacks["up"][1])[rows], np.array(out["quantized"][(layer, b)]["up"][1])[rows]
+            moved.setdefault(b, []).append(np.abs(s1 / s0 - 1).ravel())
+        return {b: np.median(np.concatenate(v)) for b, v in moved.items()}
+
+    plain, weighted = first_step(None), first_step({2: 3.0})
+    # Adam's first step has the same size in every parameter: the factor multiplies it
+    assert weighted[2] == pytest.approx(3 * plain[2], rel=1e-3)
+    assert weighted[3] == pytest.approx(plain[3], rel=1e-3)
+    assert first_step({2: 0.0, 3: 0.0}) == {2: 0.0, 3: 0.0}

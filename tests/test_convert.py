@@ -104,13 +104,22 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert main(args + ["--expert-bits-tolerance", "1e9", "--out", str(tmp_path / "pt")]) == 0
     assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}
     assert "--expert-bits-tolerance 1e+09%" in capsys.readouterr().err
-    assert main(args + ["--expert-bits", "3", "--expert-tune", "2", "--out", str(tmp_path / "pk")]) == 0
-    assert "--expert-tune 2: KL from the float model" in capsys.readouterr().err
+    assert main(args + ["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-lr-width", "2=3",
+                        "--out", str(tmp_path / "pk")]) == 0
+    err = capsys.readouterr().err
+    assert "--expert-tune 2: KL from the float model" in err
+    assert "learning rate x3 at 2 bits)" in err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
                       (["--expert-bits", "3", "--group-size", "128"], "--group-size 128"),
                       (["--expert-bits", "3", "--expert-bits-tolerance", "5"], "--expert-bits-tolerance"),
                       (["--expert-widths", "4"], "--expert-widths"),
                       (["--expert-tune", "2"], "--expert-tune"),
+                      (["--expert-bits", "3", "--expert-tune-lr-width", "2=3"],
+                       "--expert-tune-lr-width"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-lr-width", "5=3"],
+                       "--expert-tune-lr-width 5=3"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-lr-width", "2"],
+                       "--expert-tune-lr-width 2"),
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-quantizer", "mlx"],
                        "--expert-tune"),
                       (["--expert-bits", "3", "--expert-widths", "4"], "--expert-bits 3")):

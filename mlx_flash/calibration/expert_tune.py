@@ -57,18 +57,20 @@ def _expert_grids(quantized, bits, group_size):
 
 def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np.ndarray, *,
                        steps: int, group_size: int, lr: float = 2e-3, seq_len: int = 256,
-                       seed: int = 0, progress: bool = True) -> dict:
+                       seed: int = 0, progress: bool = True, lr_by_width: dict = None) -> dict:
     """Train the scales and biases of each expert at its width (module docstring).
 
     student / teacher: the same MoE architecture (student: non-expert weights as the pack holds
     them, `quantize_resident`; teacher: the float model). quantized: {(layer, bits): {"gate",
     "up", "down": (packed, scales, biases)}} (calibration.expert_bits.measure_errors); bits:
     {layer: [bits per expert]}. tokens: int32 training ids (never the evaluation text); each
-    step is one random window of seq_len tokens.
+    step is one random window of seq_len tokens. lr_by_width: {bits: factor} multiplying `lr`
+    for the experts at that width (default 1 for every width): the narrow experts' scales can
+    be moved further than the wide ones' in the same steps.
 
     Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases for the
     experts at that width (integers and other rows unchanged), "kl": [nats per token, each
-    step], "seconds"}. `student`'s experts are restored to their float weights.
+    step], "seconds", "lr_by_width": the factors applied}. `student`'s experts are restored to their float weights.
     """
     import mlx.optimizers as optim
 
@@ -80,6 +82,10 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     saved = {(layer, r): getattr(found[layer][2], f"{r}_proj").weight for layer, r in grids}
     params = {f"{layer}.{r}": {"a": mx.zeros(g[1].shape), "c": mx.zeros(g[1].shape)}
               for (layer, r), g in grids.items()}
+    # each expert's Adam step times its width's factor: a per-expert learning rate
+    factor = {f"{layer}.{r}": mx.array([float((lr_by_width or {}).get(b, 1.0))
+                                        for b in bits[layer]], mx.float32)[:, None, None]
+              for layer, r in grids}
 
     def expert_weights(p):
         for (layer, r), (q, s0, b0) in grids.items():
@@ -111,7 +117,12 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                 x = mx.array(tokens[start: start + seq_len])[None]
                 teacher_logits = teacher(x).astype(mx.float32)
                 loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logits))
-                opt.update(params, grads)
+                if lr_by_width:
+                    new = opt.apply_gradients(grads, params)
+                    params = {k: {v: params[k][v] + factor[k] * (new[k][v] - params[k][v])
+                                  for v in "ac"} for k in params}
+                else:
+                    opt.update(params, grads)
                 mx.eval(params, opt.state, loss)
                 kl.append(float(loss))
     finally:
@@ -130,4 +141,5 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
             s_new[rows], b_new[rows] = scale[rows], bias[rows]
             tuned[(layer, b)][r] = (packed, mx.array(s_new).astype(s.dtype),
                                     mx.array(b_new).astype(bb.dtype))
-    return {"quantized": tuned, "kl": kl, "seconds": time.perf_counter() - t0}
+    return {"quantized": tuned, "kl": kl, "seconds": time.perf_counter() - t0,
+            "lr_by_width": dict(lr_by_width or {})}
