@@ -150,8 +150,10 @@ def _check_layer_losses(moe_model, tokens):
 
 
 def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
-    from mlx_flash.calibration.expert_bits import (assignment_perplexities, measure_errors,
+    from mlx_flash.calibration.expert_bits import (assignment_perplexities, layer_losses,
+                                                   measure_errors, scale_by_layer_loss,
                                                    stored_quantizer)
+    from mlx_flash.moe.bitwidths import WIDTHS, assign_widths
     from mlx_flash.calibration.expert_tune import quantize_resident
     from mlx_flash.config import FlashConfig
     from mlx_flash.models.moe import build_moe_model
@@ -165,12 +167,17 @@ def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
     rng = np.random.default_rng(5)
     calib, text = (rng.integers(0, 128, n).astype(np.int32) for n in (300, 257))
     rows = assignment_perplexities(model, student, calib, text, 3.0, 32, loss_tokens=128)
-    assert [r["name"] for r in rows][0] == "all 4-bit" and len(rows) == 4
+    assert [r["name"] for r in rows][0] == "all 4-bit" and len(rows) == 5
     assert rows[0]["mean_bits"] == 4.0 and all(r["mean_bits"] <= 3.0 for r in rows[1:])
     # the layer-loss row's pack, written and run by the runtime (dense mode), scores the same
     quantized = {}
-    measure_errors(model, calib, 32, progress=False, method="gptq-fit", quantized=quantized)
-    row = rows[-1]
+    errors = measure_errors(model, calib, 32, progress=False, method="gptq-fit",
+                            quantized=quantized)
+    row = rows[3]
+    assert row["name"] == "knapsack, layer loss"
+    # the last row prices each layer's measured loss at every width
+    losses = layer_losses(model, calib[:129], quantized, WIDTHS, 32)
+    assert rows[4]["bits"] == assign_widths(scale_by_layer_loss(errors, losses), 3.0)
     write_pack(src, tmp_path / "pack", progress=False, quantize=4, group_size=32,
                expert_bits=row["bits"], expert_quantizer=stored_quantizer(quantized))
     pack_ppl = held_out_perplexity([build_moe_model(tmp_path / "pack", FlashConfig(mode="dense"))],

@@ -309,21 +309,24 @@ def assignment_perplexities(model, student, calib_tokens, eval_tokens, target_bi
     weights as the pack holds them (expert_tune.quantize_resident), whose experts are swapped in
     dequantized (`experts_at_widths`) and computed densely: the runtime's dense-mode values.
     Rows: all 4-bit; knapsack and greedy on the output-error proxy; knapsack on the proxy
-    rescaled by the measured layer losses (convert's --expert-importance layer-loss).
+    rescaled by the measured layer losses at the narrowest width (convert's --expert-importance
+    layer-loss); the same rescaled at every width (each layer's measured loss curve).
     """
     from ..moe.quality import held_out_perplexity
 
     quantized = {}
     errors = measure_errors(model, calib_tokens, group_size, widths, progress, method, quantized)
     quantized = quantized or None
-    scaled = scale_by_layer_loss(errors, layer_losses(model, calib_tokens[: loss_tokens + 1],
-                                                      quantized, widths[:1], group_size))
+    losses = layer_losses(model, calib_tokens[: loss_tokens + 1], quantized, widths, group_size)
+    scaled = scale_by_layer_loss(errors, {layer: row[:1] for layer, row in losses.items()})
     n = {layer: err.shape[0] for layer, err in errors.items()}
     variants = [("all 4-bit", {layer: [4] * k for layer, k in n.items()}),
                 ("knapsack, output error", assign_widths(errors, target_bits, widths=widths)),
                 ("greedy, output error", assign_widths(errors, target_bits, widths=widths,
                                                        solver="greedy")),
-                ("knapsack, layer loss", assign_widths(scaled, target_bits, widths=widths))]
+                ("knapsack, layer loss", assign_widths(scaled, target_bits, widths=widths)),
+                ("knapsack, layer loss at every width",
+                 assign_widths(scale_by_layer_loss(errors, losses), target_bits, widths=widths))]
     rows = []
     for name, bits in variants:
         with experts_at_widths(student, bits, group_size, quantized), dense_experts(student):
