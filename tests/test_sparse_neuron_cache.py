@@ -95,6 +95,25 @@ def test_swap_delete_keeps_live_rows_contiguous(loader):
     cache.check(all_bundles(loader, 0))
 
 
+def test_load_and_claim_take_the_rows_after_the_live_ones(loader):
+    """load reads into, and claim hands out, the same next free rows; neither takes more rows
+    than are free (nothing changes)."""
+    bundles = all_bundles(loader, 0)
+    cache = NeuronCache(loader, 0, 10)
+    cache.load([7, 3, 50], step=0)
+    slots = cache.claim([60, 2], step=0)
+    assert slots.tolist() == [3, 4]
+    loader.read(0, np.array([60, 2]), cache.rows, slots)
+    cache.load([11], step=1)
+    assert cache.ids[: cache.num_used].tolist() == [7, 3, 50, 60, 2, 11]
+    cache.check(bundles)
+    for take in (cache.load, cache.claim):
+        with pytest.raises(ValueError, match="5 neurons do not fit"):
+            take([20, 21, 22, 23, 24], 2)
+        assert cache.num_used == 6
+    cache.check(bundles)
+
+
 def test_zero_capacity_streams_everything(loader):
     cache = NeuronCache(loader, 0, 0)  # a budget that leaves a layer no cache rows
     upd = cache.update(np.array([1, 4, 9]), 0, window=3)

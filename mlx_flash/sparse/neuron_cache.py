@@ -122,10 +122,18 @@ class NeuronCache:
         self.rows_moved += len(holes)
         return len(holes)
 
+    def _free_rows(self, count: int) -> np.ndarray:
+        """Rows num_used..num_used + count - 1, the next free ones (live rows stay contiguous);
+        ValueError when `count` neurons do not fit."""
+        if self.num_used + count > self.capacity:
+            raise ValueError(f"layer {self.layer}: {count} neurons do not fit in the neuron cache "
+                             f"({self.num_used} of {self.capacity} rows used)")
+        return np.arange(self.num_used, self.num_used + count)
+
     def load(self, neuron_ids, step: int):
         """Read `neuron_ids` (not cached, fitting) from flash into rows num_used..; ReadStats."""
         neuron_ids = np.asarray(neuron_ids, np.int64)
-        slots = np.arange(self.num_used, self.num_used + len(neuron_ids))
+        slots = self._free_rows(len(neuron_ids))
         stats = read_in_chunks(self.loader, self.layer, neuron_ids, self.rows, slots, self.max_read_bytes)
         self.claim(neuron_ids, step)
         return stats
@@ -135,7 +143,7 @@ class NeuronCache:
         reads them into the returned rows before anything computes with them."""
         neuron_ids = np.asarray(neuron_ids, np.int64)
         k = len(neuron_ids)
-        slots = np.arange(self.num_used, self.num_used + k)
+        slots = self._free_rows(k)
         self.ids[slots] = neuron_ids
         self.slot_of[neuron_ids] = slots
         self.last_active[slots] = step
