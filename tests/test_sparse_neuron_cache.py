@@ -114,6 +114,22 @@ def test_load_and_claim_take_the_rows_after_the_live_ones(loader):
     cache.check(bundles)
 
 
+def test_copy_rows_fills_claimed_rows_from_another_read(loader):
+    """The lookahead's path: claimed rows are copied from a buffer another read filled (its rows in
+    its own order); the rows then hold their neurons' bundles. Only claimed rows can be written."""
+    bundles = all_bundles(loader, 1)
+    cache = NeuronCache(loader, 1, 8)
+    cache.load([4, 9], step=0)
+    slots = cache.claim([30, 12, 77], step=1)
+    buf = loader.alloc(1, 4)
+    loader.read(1, np.array([77, 5, 30, 12]), buf)
+    cache.copy_rows(slots, buf, [2, 3, 0])
+    cache.check(bundles)
+    with pytest.raises(ValueError, match="not all claimed"):
+        cache.copy_rows([cache.num_used], buf, [1])
+    cache.check(bundles)
+
+
 def test_zero_capacity_streams_everything(loader):
     cache = NeuronCache(loader, 0, 0)  # a budget that leaves a layer no cache rows
     upd = cache.update(np.array([1, 4, 9]), 0, window=3)

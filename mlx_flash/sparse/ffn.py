@@ -689,9 +689,7 @@ def _use_ahead(cache, upd, ids, buf):
     if upd.fill is not None and len(upd.fill):
         got = np.array([int(n) in pos for n in upd.fill], bool)
         if got.any():
-            src = np.array([pos[int(n)] for n in upd.fill[got]], np.int64)
-            for h, c in zip(hosts, cache._host):
-                c[upd.fill_slots[got]] = h[src]
+            cache.copy_rows(upd.fill_slots[got], buf, [pos[int(n)] for n in upd.fill[got]])
             upd.fill, upd.fill_slots = upd.fill[~got], upd.fill_slots[~got]
             copied = int(got.sum())
     over = np.asarray(upd.overflow, np.int64)

@@ -5,9 +5,10 @@ component belongs to the same neuron), a pointer vector `ids` (neuron id held by
 unused), `num_used` (rows 0..num_used-1 are live), and `last_active` (the step at which the neuron
 in each row was last predicted active: the last-k-active bookkeeping of the sliding window).
 
-Rows are written only two ways: swap-delete (a row that leaves is overwritten by one of the last
-live rows, so live rows stay contiguous) and loader fills (new neurons are read straight from flash
-into rows num_used..). The projections then run on `[:num_used]` of each matrix.
+Rows are written only three ways: swap-delete (a row that leaves is overwritten by one of the last
+live rows, so live rows stay contiguous), loader fills (new neurons are read straight from flash
+into rows num_used..) and `copy_rows` (claimed rows copied from rows another read brought in: the
+lookahead's buffer). The projections then run on `[:num_used]` of each matrix.
 """
 
 import time
@@ -150,6 +151,18 @@ class NeuronCache:
         self.num_used += k
         self.rows_loaded += k
         return slots
+
+    def copy_rows(self, slots, source: dict, source_rows) -> None:
+        """Write rows `source_rows` of `source` ({component: mx.array [rows, ...]}, the layout of
+        loader.alloc(layer)) into the cache's rows `slots`, which `claim` gave their neurons
+        (the neurons `source` holds there); ValueError for a row that is not live."""
+        slots = np.asarray(slots, np.int64)
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_used):
+            raise ValueError(f"layer {self.layer}: rows {slots.tolist()} are not all claimed "
+                             f"(rows 0..{self.num_used - 1} are live)")
+        source_rows = np.asarray(source_rows, np.int64)
+        for name, h in zip(self.rows, self._host):
+            h[slots] = host_bytes(source[name]).reshape(len(source[name]), -1)[source_rows]
 
     def update(self, active, step: int, window: int, read=True) -> CacheUpdate:
         """Make the cache hold the neurons `active` (sorted unique ids) at `step`.
