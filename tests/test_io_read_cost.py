@@ -210,3 +210,99 @@ def test_landing_terms_are_measured_at_each_landing_size(tmp_path, monkeypatch):
     np.testing.assert_allclose(c.landing["segment_s"], [1e-9, 3e-9])
     np.testing.assert_allclose(c.landing["copy_bandwidth"], [1e9, 1e9])
     assert (c.segment_s, c.copy_bandwidth) == (c.landing["segment_s"][0], c.landing["copy_bandwidth"][0])
+
+
+def test_load_share_is_other_processes_cpu_time_over_ours():
+    """Two samples 2 s apart on 1 CPU: 1.5 s busy of which 0.5 s ours -> others took half."""
+    from mlx_flash.io.read_cost import load_since
+
+    start = {"t": 10.0, "cpus": [0], "busy": 100.0, "own": 3.0, "loadavg": 5.0}
+    end = {"t": 12.0, "cpus": [0], "busy": 101.5, "own": 3.5, "loadavg": 5.0}
+    assert load_since(start, end) == {"other_cpu_share": 0.5, "cpus": 1, "seconds": 2.0, "source": "proc_stat"}
+    # two CPUs: the same time is a quarter of their capacity
+    assert load_since({**start, "cpus": [0, 1]}, end)["other_cpu_share"] == 0.25
+    # without /proc/stat (macOS): the 1-minute load average per CPU before measuring, capped at 1
+    no_stat = load_since({**start, "busy": None, "cpus": [0, 1, 2, 3, 4, 5, 6, 7]}, {**end, "busy": None})
+    assert no_stat["other_cpu_share"] == 0.625 and no_stat["source"] == "loadavg"
+
+
+def test_a_busy_cpu_is_measured_as_load():
+    """A spinning process on every CPU this process may use: others took most of their time."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from mlx_flash.io.read_cost import load_sample, load_since
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("/proc/stat")
+    cpus = sorted(os.sched_getaffinity(0))[:8]
+    hogs = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c", "while True: pass"])
+            for c in cpus]
+    try:
+        time.sleep(0.2)
+        start = load_sample()
+        time.sleep(0.5)
+        load = load_since(start)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert load["source"] == "proc_stat" and load["other_cpu_share"] >= 0.6
+
+
+def test_measured_load_is_stored_and_read_back(tmp_path, monkeypatch):
+    from mlx_flash.io.planner import calibrate, load_cost
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    c = calibrate(tmp_path, threads=4, sizes=(4096, 65536), depths=(1,), file_bytes=2 << 20,
+                  repeats=1, max_reads=32)
+    assert 0 <= c.load["other_cpu_share"] <= 1 and c.load["seconds"] > 0 and c.load["cpus"] >= 1
+    assert load_cost(tmp_path, 4).load == c.load
+    assert ReadCostCurve.from_dict(c.to_dict()).at_depth(1).load == c.load
+
+
+def _store(home, path, load):
+    """An io_profile.json holding one threads-engine curve for the device of `path`."""
+    import json
+
+    from mlx_flash.io.planner import _curve_key
+
+    home.mkdir(parents=True, exist_ok=True)
+    entry = {"sizes": SIZES, "depths": DEPTHS, "table": TABLE, "measured": "2026-11-26T05:19:00"}
+    if load is not None:
+        entry["load"] = load
+    (home / "io_profile.json").write_text(json.dumps({_curve_key(path, "threads"): entry}))
+    return home / "io_profile.json"
+
+
+def test_a_profile_stored_without_its_load_loads_as_unknown(tmp_path, monkeypatch, capsys):
+    from mlx_flash.io.planner import load_cost
+    from mlx_flash.io.read_cost import describe_load
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    _store(tmp_path / "home", tmp_path, None)
+    c = load_cost(tmp_path, 32)
+    assert c.seconds(4096) == pytest.approx(17e-6) and c.load is None
+    assert "unknown" in describe_load(c.load) and capsys.readouterr().err == ""
+
+
+def test_a_profile_measured_loaded_warns_once_and_an_idle_one_never(tmp_path, monkeypatch, capsys):
+    from mlx_flash.io import read_cost
+    from mlx_flash.io.planner import load_cost
+
+    monkeypatch.setattr(read_cost, "_warned", set())
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    assert read_cost.LOADED_SHARE == 0.25
+    idle = {"other_cpu_share": 0.2, "cpus": 1, "seconds": 9.0, "source": "proc_stat"}
+    _store(tmp_path / "home", tmp_path, idle)
+    assert load_cost(tmp_path, 32).load == idle and capsys.readouterr().err == ""
+    f = _store(tmp_path / "home", tmp_path, {**idle, "other_cpu_share": 0.62})
+    c = load_cost(tmp_path, 32)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert c.seconds(4096) == pytest.approx(17e-6)  # still used
+    assert len(err) == 1 and str(f) in err[0] and "62%" in err[0] and f"`rm {f}`" in err[0]
+    load_cost(tmp_path, 32)
+    assert capsys.readouterr().err == ""  # once per process
+    assert "LOADED" in read_cost.describe_load(c.load)

@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import FlashError
 from ..io import FlashLoader, ReadCost, evict, load_cost
 from ..io.loader import measure_cost
-from ..io.read_cost import FREE_COPY, landing_terms, segment_iovecs
+from ..io.read_cost import FREE_COPY, describe_load, landing_terms, segment_iovecs
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
@@ -292,6 +292,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
         row = {"size": size, "bundles_per_read": k, "read_bytes": read_bytes, "reads": s.reads,
                "zero_copy": s.zero_copy_reads == s.reads, "segment_s": landing[0],
                "copy_bandwidth": landing[1], "segments_per_read": segments,
+               "profile_load": getattr(profile, "load", None),
                # what the profile adds to each read's time on either path (stage_saves_time)
                "read_s": float(cost.seconds(read_bytes)),
                "zero_copy_extra_s": (segments - 1) * landing[0],
@@ -627,6 +628,7 @@ def print_large_reads(rows, depth):
               f"copying out adds end to end, on the loader's finishing threads): staged when read + "
               f"copy saves >= 10% of read + extra segments, io.read_cost.stage_saves_time; +seg / "
               f"+copy: microseconds each adds per read, to the profile's read time `read`)")
+        print(f"(profile {describe_load(next(r for r in rows if 'segment_s' in r).get('profile_load'))})")
     others = [(name, head) for name, head in (("baseline", "baseline"), ("zero_copy", "zero-copy"),
                                               ("staged", "staged"))
               if any(f"{name}_gbps" in r for r in rows)]
@@ -935,6 +937,7 @@ def print_compare(result, args, top):
         print("depth " + " ".join(f"{s // 1024:>7}K" for s in c["sizes"]))
         for d, row in zip(c["depths"], c["table"]):
             print(f"{d:>5} " + " ".join(f"{t * 1e6:>8.1f}" for t in row))
+        print(describe_load(c.get("load")))
     print(f"\nrandom neuron sets, queue depth {top} (GB/s useful; reads issued)")
     print(f"{'fraction':>8} {'bundled':>14} {'unbundled':>14} {'ratio':>6} {'bundled+plan':>14} "
           f"{'unbundled+plan':>15} {'plan x':>6} {'+verify':>8}")

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import FlashError
 from ..paths import flash_home, write_json_atomic
 from .files import FileLayer
-from .read_cost import DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, ReadCostCurve, measure_curve
+from .read_cost import (DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, ReadCostCurve, measure_curve,
+                        warn_if_loaded)
 
 DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost parallelism
 
@@ -61,15 +62,19 @@ def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | Non
     """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
     or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
     profile measured at exactly `threads`, else None. An AIO curve whose segment and copy terms
-    were measured an older way (read_cost.LANDING_VERSION) counts as none: measured again once."""
+    were measured an older way (read_cost.LANDING_VERSION) counts as none: measured again once.
+    A curve measured on a loaded machine is used, with one stderr line (read_cost.warn_if_loaded)."""
     f = flash_home() / "io_profile.json"
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-    curve = data.get(_curve_key(path, engine))
+    key = _curve_key(path, engine)
+    curve = data.get(key)
     if curve and (engine != "aio" or curve.get("landing_version", 1) >= LANDING_VERSION):
-        return ReadCostCurve.from_dict(curve, depth=threads)
+        cost = ReadCostCurve.from_dict(curve, depth=threads)
+        warn_if_loaded(cost, f, key)
+        return cost
     if curve:
         return None
     entry = data.get(_profile_key(path, threads, engine))
@@ -105,14 +110,17 @@ def calibrate(directory=None, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_
     pack's largest bundle file: nothing is written) or on a scratch file written in `directory`
     (read_cost.measure_curve: every size at every depth, `threads` among the depths) and store it
     for the device of `key_path` (default: `read_path` or `directory`). Returns it priced at
-    `threads` in flight. ~5-15 s.
+    `threads` in flight. ~5-15 s. A curve measured on a loaded machine is stored (with its load)
+    and reported in one stderr line (read_cost.warn_if_loaded).
     """
     depths = sorted(set(depths) | {threads})
     curve = measure_curve(directory, sizes=sizes, depths=depths, file_bytes=file_bytes, engine=engine,
                           files=files, repeats=repeats, max_reads=max_reads,
                           read_path=read_path).at_depth(threads)
     if save:
-        save_cost(key_path or read_path or directory, threads, curve, curve.engine)
+        key_path = key_path or read_path or directory
+        save_cost(key_path, threads, curve, curve.engine)
+        warn_if_loaded(curve, flash_home() / "io_profile.json", _curve_key(key_path, curve.engine))
     return curve
 
 

@@ -19,9 +19,16 @@ here: ~1-2 us per extra segment at depth 32, whatever the read size; `bench io -
 `segment_s` prices that, and `copy_bandwidth` the copy out of a contiguous staging buffer that
 avoids it (the read time the copy adds, measured while reads fly, so under the machine's CPU
 load); `stage_saves_time` compares the two for the loader.
+
+Load: a curve measured while other processes kept the CPUs busy prices reads high (4 KiB: 82 us
+loaded vs 14 us idle on one shared SSD), and the planner then reads through large gaps. Each
+measurement records the share of its CPUs' time other processes took meanwhile (`load`,
+load_since); a curve at or above LOADED_SHARE is reported once per process (warn_if_loaded).
 """
 
+import os
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +54,9 @@ LANDING_VERSION = 3
 # The loader's finishing threads, checking (crc32), decoding and scattering landed reads: two
 # cores' worth, so checks keep up with the device. The calibration copies staged rows on as many.
 FINISH_THREADS = 2
+# A curve measured while other processes took this share (or more) of the CPU time of the CPUs
+# the measurement could run on is called loaded: warned about, re-measured by hand on an idle machine
+LOADED_SHARE = 0.25
 
 
 @dataclass
@@ -63,6 +73,9 @@ class ReadCostCurve:
     # the two terms per measured read size, {"sizes", "segment_s", "copy_bandwidth"} (lists; the
     # scalars above are the first size's); None: the scalars at every size
     landing: dict | None = field(default=None, compare=False)
+    # how loaded the machine was while measuring (load_since: other_cpu_share, cpus, seconds,
+    # source); None: unknown (a profile stored before loads were recorded)
+    load: dict | None = field(default=None, compare=False)
     _row: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -79,7 +92,7 @@ class ReadCostCurve:
 
     def at_depth(self, depth: int) -> "ReadCostCurve":
         return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine, self.segment_s,
-                             self.copy_bandwidth, self.landing)
+                             self.copy_bandwidth, self.landing, self.load)
 
     def seconds(self, nbytes):
         """Seconds per read of `nbytes` (scalar or array) at this curve's depth."""
@@ -116,12 +129,92 @@ class ReadCostCurve:
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist(),
                 "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth,
-                "landing": self.landing, "landing_version": LANDING_VERSION}
+                "landing": self.landing, "landing_version": LANDING_VERSION, "load": self.load}
 
     @classmethod
     def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
         return cls(d["sizes"], d["depths"], d["table"], depth, segment_s=d.get("segment_s", 0.0),
-                   copy_bandwidth=d.get("copy_bandwidth", 0.0), landing=d.get("landing"))
+                   copy_bandwidth=d.get("copy_bandwidth", 0.0), landing=d.get("landing"),
+                   load=d.get("load"))
+
+
+def _cpu_busy_seconds(cpus) -> float | None:
+    """Seconds the CPUs numbered `cpus` have spent busy since boot (Linux /proc/stat: user, nice,
+    system, irq, softirq, steal), all processes; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    busy, found = 0, 0
+    for line in lines:
+        name, *ticks = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            t = [int(x) for x in ticks] + [0] * 8
+            busy += t[0] + t[1] + t[2] + t[5] + t[6] + t[7]
+            found += 1
+    return busy / os.sysconf("SC_CLK_TCK") if found else None
+
+
+def load_sample() -> dict:
+    """A point to measure load from (load_since): the clock (s), the busy seconds of the CPUs this
+    process may run on, this process's own CPU seconds (all threads) and the 1-minute load average."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return {"t": time.perf_counter(), "cpus": cpus, "busy": _cpu_busy_seconds(set(cpus)),
+            "own": sum(os.times()[:2]), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def load_since(start: dict, end: dict | None = None) -> dict:
+    """How loaded the machine was between two load_sample()s (end: now): {"other_cpu_share": the
+    share (0-1) of the CPU time of the CPUs we may run on that other processes took (their busy
+    time minus ours, over seconds x cpus), "cpus", "seconds", "source": "proc_stat"}; without
+    /proc/stat (macOS) the 1-minute load average before the start per CPU, capped at 1,
+    "source": "loadavg"; share None when neither is known."""
+    end = end or load_sample()
+    seconds, cpus = end["t"] - start["t"], len(start["cpus"])
+    if start["busy"] is not None and end["busy"] is not None and seconds > 0:
+        other = max(0.0, (end["busy"] - start["busy"]) - (end["own"] - start["own"]))
+        share, source = min(1.0, other / (seconds * cpus)), "proc_stat"
+    elif start.get("loadavg") is not None:
+        share, source = min(1.0, start["loadavg"] / cpus), "loadavg"
+    else:
+        share, source = None, "unknown"
+    return {"other_cpu_share": None if share is None else round(share, 3), "cpus": cpus,
+            "seconds": round(seconds, 2), "source": source}
+
+
+def describe_load(load: dict | None) -> str:
+    """One phrase for reports: how loaded the machine was when a curve was measured."""
+    if not load or load.get("other_cpu_share") is None:
+        return "machine load while measured: unknown (not recorded)"
+    verdict = "LOADED" if is_loaded(load) else "idle enough"
+    return (f"machine load while measured: other processes took {load['other_cpu_share']:.0%} of "
+            f"{load['cpus']} CPU(s) over {load['seconds']:.1f} s ({load['source']}; "
+            f"loaded from {LOADED_SHARE:.0%}): {verdict}")
+
+
+def is_loaded(load: dict | None) -> bool:
+    """Whether a curve's recorded load (ReadCostCurve.load) reaches LOADED_SHARE; unknown: False."""
+    share = (load or {}).get("other_cpu_share")
+    return share is not None and share >= LOADED_SHARE
+
+
+_warned = set()
+
+
+def warn_if_loaded(curve, profile_file, key: str = "") -> bool:
+    """Print one stderr line per profile entry and process when `curve` was measured loaded,
+    naming the profile file and the command that re-measures it (remove the file: the next load
+    measures the curve again). Returns whether it warned."""
+    load = getattr(curve, "load", None)
+    if not is_loaded(load) or (str(profile_file), key) in _warned:
+        return False
+    _warned.add((str(profile_file), key))
+    print(f"mlx_flash: the read-cost profile {profile_file} [{key}] was measured while other "
+          f"processes took {load['other_cpu_share']:.0%} of the CPUs (loaded from {LOADED_SHARE:.0%}): "
+          f"reads may be mispriced; on an idle machine run `rm {profile_file}` and the next load "
+          f"measures it again (~5-15 s)", file=sys.stderr)
+    return True
 
 
 def landing_terms(cost, read_bytes) -> tuple:
@@ -301,6 +394,7 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     from .files import FileLayer
 
     files = files or FileLayer()
+    started = load_sample()
     if read_path is None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -351,4 +445,4 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used,
                          segment_s=landing["segment_s"][0] if measured else 0.0,
                          copy_bandwidth=landing["copy_bandwidth"][0] if measured else 0.0,
-                         landing=landing if measured else None)
+                         landing=landing if measured else None, load=load_since(started))
