@@ -31,6 +31,7 @@ def run(args):
     from ..calibration.dense_pass import collect_inputs
     from ..calibration.reorder import compare_orders
     from ..io.planner import load_cost
+    from ..io.read_cost import describe_load
     from ..pack import read_manifest
 
     pack = Path(args.model)
@@ -44,7 +45,8 @@ def run(args):
     needed = sum(r["pack"]["needed"] for r in rows)
     print(f"Model: {pack}  ({len(rows)} layers, {data.n_train} tokens fit the orders, "
           f"{len(next(iter(data.xs.values()))) - data.n_train} held out)")
-    print(f"Cost model: {'stored read-cost profile' if cost is not None else 'none stored (touching blocks merged only)'}")
+    print(f"Cost model: {'stored read-cost profile' if cost is not None else 'none stored (touching blocks merged only)'}"
+          + (f" ({describe_load(getattr(cost, 'load', None))})" if cost is not None else ""))
     print("| layer | active % | bundle bytes | pack order KB/token | frequency KB/token | co-activation KB/token | pack / co-activation |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
