@@ -60,15 +60,20 @@ def test_round_trip_low_rank_and_gate_threshold(pack):
 def test_resident_gate_predictor_takes_the_models_gate_without_reading_the_resident_file(
         tiny_llama, tmp_path, monkeypatch):
     """convert --gate-bits: the gate-threshold predictor's rows are the model's resident gate, given
-    by the model loader (share_gate); load_predictors does not open resident.safetensors again."""
+    by the model loader (share_gate); load_predictors does not open resident.safetensors again
+    and reads manifest.json once."""
     from mlx_flash.pack import load_resident
 
     pack = write_pack(tiny_llama("src"), tmp_path / "pack", gate_bits=4, progress=False)
     save_predictors(pack, {"activation": "silu"}, {i: entry("gate-threshold", threshold=0.2) for i in range(2)}, {})
-    loaded, load = [], mx.load
+    import mlx_flash.sparse.predictor as P
+
+    loaded, load, manifests, read_manifest = [], mx.load, [], P.read_manifest
     monkeypatch.setattr(mx, "load", lambda path, *a, **k: loaded.append(str(path)) or load(path, *a, **k))
+    monkeypatch.setattr(P, "read_manifest", lambda path: manifests.append(path) or read_manifest(path))
     preds = load_predictors(pack)
     assert not [p for p in loaded if p.endswith("resident.safetensors")], loaded
+    assert len(manifests) == 1  # checked against and read from one parse of manifest.json
     p1, x = preds[1], mx.random.normal((3, 64), key=mx.random.key(9))
     assert p1.resident_gate and p1.nbytes == 0
     with pytest.raises(FlashError, match="layer 1: .*share_gate"):

@@ -229,9 +229,15 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
 
 def read_predictors_json(pack_dir):
     """The validated predictors.json of a pack, or None when the pack has none."""
+    return _read_predictors(pack_dir)[0]
+
+
+def _read_predictors(pack_dir):
+    """(validated predictors.json, the pack's Manifest it was checked against), or (None, None)
+    when the pack has no predictors."""
     path = Path(pack_dir) / PREDICTORS_JSON
     if not os.path.lexists(path):
-        return None
+        return None, None
     doc = read_json_file(path, "predictors file")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise FlashError(f"{path}: not a predictors file")
@@ -242,7 +248,7 @@ def read_predictors_json(pack_dir):
     if doc.get("pack_resident_crc32") != manifest.resident.crc32:
         raise FlashError(f"{path}: calibrated for a different pack; re-run python -m mlx_flash.calibrate")
     validate_predictors(doc, path, manifest)
-    return doc
+    return doc, manifest
 
 
 def validate_predictors(doc: dict, path, manifest) -> None:
@@ -305,7 +311,7 @@ def load_predictors(pack_dir):
     Raises FlashError naming the file when a file is corrupt, truncated or from another pack.
     """
     pack = Path(pack_dir)
-    doc = read_predictors_json(pack)
+    doc, manifest = _read_predictors(pack)  # the manifest is read once
     if doc is None:
         return None
     factors = {}
@@ -323,7 +329,7 @@ def load_predictors(pack_dir):
             factors = mx.load(str(st_path))
         except Exception as e:
             raise FlashError(f"{st_path}: unreadable safetensors ({e})") from None
-    bundles = layer_bundles(read_manifest(pack))
+    bundles = layer_bundles(manifest)
     out = {}
     for key, entry in doc["layers"].items():
         i, kind = int(key), entry["kind"]
