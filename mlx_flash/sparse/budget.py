@@ -179,9 +179,8 @@ def planned_read_sizes(loader, layer: int, ids) -> np.ndarray:
     ids = np.asarray(ids, np.int64)
     if len(ids) == 0:
         return np.zeros(0, np.int64)
-    cost = loader.cost if getattr(loader, "plan", True) else None
     r0, r1, _ = plan_read_arrays(entry.offset + ids * entry.stride, entry.stride, align=loader.alignment,
-                                 cost=cost, max_read=loader.max_read)
+                                 cost=_plan_cost(loader), max_read=loader.max_read)
     return np.asarray(r1 - r0, np.int64)
 
 
@@ -215,8 +214,7 @@ def set_read_seconds(loader, layer: int, ids) -> float:
     one loader call: its planner's merged, aligned reads, priced by call_seconds (the cost model
     at that call's reads in flight; without one: bytes / 1 GB/s)."""
     sizes = planned_read_sizes(loader, layer, ids)
-    cost = loader.cost if getattr(loader, "plan", True) else None
-    return call_seconds(cost, len(sizes), float(np.sum(sizes)))
+    return call_seconds(_plan_cost(loader), len(sizes), float(np.sum(sizes)))
 
 
 def measured_read_seconds(loader, layer: int, predicted: np.ndarray, max_window: int,
