@@ -14,7 +14,7 @@ import numpy as np
 from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
-from .moe.bitwidths import SOLVERS
+from .moe.bitwidths import SOLVERS, WIDTHS
 from .moe.quantize import METHODS
 from .pack import read_manifest, write_pack
 from .sources import convert_gguf, is_gguf, resolve_model
@@ -39,7 +39,7 @@ def _calibrate_moe(model_dir, args) -> tuple:
     from .calibration.expert_bits import (fewest_bits_within, measure_errors, routing_statistics,
                                           stored_quantizer, switch_glus)
     from .models import load_model, load_tokenizer
-    from .moe.bitwidths import WIDTHS, assign_widths, mean_bits
+    from .moe.bitwidths import assign_widths, mean_bits
 
     widths = tuple(sorted(set(args.expert_widths or WIDTHS)))
     if args.expert_bits is not None and not widths[0] <= args.expert_bits <= widths[-1]:
@@ -135,8 +135,8 @@ def _width_factor(value: str) -> tuple:
         out = (int(bits), float(factor))
     except ValueError:
         raise FlashError(f"--expert-tune-lr-width {value}: not BITS=FACTOR (e.g. 2=3)") from None
-    if out[0] not in (2, 3, 4, 8) or not out[1] >= 0:
-        raise FlashError(f"--expert-tune-lr-width {value}: BITS one of 2 3 4 8, FACTOR >= 0")
+    if out[0] not in WIDTHS or not out[1] >= 0:
+        raise FlashError(f"--expert-tune-lr-width {value}: BITS one of {' '.join(map(str, WIDTHS))}, FACTOR >= 0")
     return out
 
 

@@ -233,7 +233,7 @@ def large_reads(bench, sizes, depth, total_bytes, with_fio, verify=False, landin
         probe.close()
     stride = max(e.stride for e in loader_keys.values())
     align = bench.manifest.alignment
-    profile = device_landing(bench, depth)
+    profile = device_profile(bench, depth)
     rows = []
     for size in sizes:
         k = max(1, round(size / stride))
@@ -334,7 +334,7 @@ def _with_cpu(fn):
     return run
 
 
-def device_landing(bench, depth):
+def device_profile(bench, depth):
     """The pack's device's stored read-cost profile (measured now when there is none, or
     --calibrate), whose segment and copy terms (io.read_cost.landing_terms, per read size) the
     loader chooses zero copy or staging by (io.read_cost.stage_saves_time); None without one."""

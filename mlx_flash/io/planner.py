@@ -58,13 +58,18 @@ def _curve_key(path, engine) -> str:
     return f"dev{os.stat(path).st_dev}-{engine}-curve"
 
 
+def profile_file():
+    """Where the device read-cost profiles are stored: $MLX_FLASH_HOME/io_profile.json."""
+    return flash_home() / "io_profile.json"
+
+
 def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | None:
     """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
     or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
     profile measured at exactly `threads`, else None. An AIO curve whose segment and copy terms
     were measured an older way (read_cost.LANDING_VERSION) counts as none: measured again once.
     A curve measured on a loaded machine is used, with one stderr line (read_cost.warn_if_loaded)."""
-    f = flash_home() / "io_profile.json"
+    f = profile_file()
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError):
@@ -83,7 +88,7 @@ def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | Non
 
 def save_cost(path, threads, cost, engine="threads"):
     """Store a ReadCostCurve for the device of `path` (all depths) or a ReadCost at `threads`."""
-    f = flash_home() / "io_profile.json"
+    f = profile_file()
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only cache home: the profile is measured again next time
@@ -120,7 +125,7 @@ def calibrate(directory=None, *, threads=32, file_bytes=64 << 20, sizes=DEFAULT_
     if save:
         key_path = key_path or read_path or directory
         save_cost(key_path, threads, curve, curve.engine)
-        warn_if_loaded(curve, flash_home() / "io_profile.json", _curve_key(key_path, curve.engine))
+        warn_if_loaded(curve, profile_file(), _curve_key(key_path, curve.engine))
     return curve
 
 
