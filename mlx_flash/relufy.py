@@ -2,17 +2,18 @@
 
     python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
         [--activation relu|fatrelu[:T]|cats[:T]|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
-        [--checkpoint-every 50] [--resume] [--max-minutes M] [--eval-text FILE ...]
+        [--checkpoint-every 50] [--keep-checkpoints 3] [--resume] [--max-minutes M] [--eval-text FILE ...]
         [--layerwise-tokens 8192] [--layerwise-ridge 1e-3] [--hidden-distill W] [--no-compile]
         [--sparsity-allocation uniform|sensitivity] [--allocation-tokens 512]
     python -m mlx_flash.relufy --curve DIR --eval-text FILE [FILE ...] [--markdown OUT] [--json OUT]
 
 SRC defaults to the embedded SmolLM2-135M-Instruct. The output folder DIR is a model folder
 (`relu_llama`, float32) that generate, convert, calibrate and eval accept; DIR/checkpoints holds a
-loadable model every --checkpoint-every steps, and --resume continues from the newest. Without
---eval-text, every 10th --text file (sorted by path) is held out for evaluation and not trained on.
-`--curve DIR` measures every checkpoint on held-out text: perplexity (vs the original model) and
-FFN activation sparsity against tokens trained.
+loadable model every --checkpoint-every steps (the newest --keep-checkpoints of them are kept),
+and --resume continues from the newest. Without --eval-text, every 10th --text file (sorted by
+path) is held out for evaluation and not trained on. `--curve DIR` measures every kept checkpoint
+on held-out text: perplexity (vs the original model) and FFN activation sparsity against tokens
+trained.
 
 Float32 training on Linux needs OpenBLAS preloaded (README, Linux notes):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m mlx_flash.relufy ...
@@ -68,6 +69,9 @@ def build_parser():
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="mx.compile the whole training step (default on; --no-compile: eager)")
     p.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="keep only the newest N checkpoints, older ones deleted once a newer one is "
+                        "written (default 3; 0: keep all; --curve measures the kept ones)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's newest checkpoint")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this many minutes of training (checkpoint + model written)")
@@ -114,7 +118,8 @@ def _main(argv):
     _check_files("--text", args.text)
     for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                              ("--sequence-length", args.sequence_length, 2),
-                             ("--checkpoint-every", args.checkpoint_every, 0), ("--warmup", args.warmup, 0),
+                             ("--checkpoint-every", args.checkpoint_every, 0),
+                             ("--keep-checkpoints", args.keep_checkpoints, 0), ("--warmup", args.warmup, 0),
                              ("--eval-tokens", args.eval_tokens, 2), ("--layerwise-tokens", args.layerwise_tokens, 0),
                              ("--allocation-tokens", args.allocation_tokens, 1)):
         if value < low:
@@ -141,7 +146,7 @@ def _main(argv):
                       warmup=args.warmup, decay=args.decay, distill=args.distill,
                       hidden_distill=args.hidden_distill, compiled=args.compile,
                       allocation=args.sparsity_allocation, allocation_tokens=args.allocation_tokens,
-                      checkpoint_every=args.checkpoint_every,
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                       resume=args.resume, seed=args.seed, max_minutes=args.max_minutes,
                       max_train_tokens=args.max_train_tokens, eval_files=eval_files,
                       eval_tokens=args.eval_tokens, target_sparsity=args.target_sparsity,

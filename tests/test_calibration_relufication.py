@@ -116,6 +116,33 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(src, texts, tmp_pa
     assert json.loads((ckpts[1] / R.TRAINER_JSON).read_text())["step"] == 4
 
 
+def test_keep_checkpoints_deletes_the_older_ones_and_resumes_from_the_newest(src, texts, tmp_path):
+    kw = dict(activation="relu", seq_len=32, lr=1e-3, warmup=0, checkpoint_every=1, keep_checkpoints=2,
+              progress=False, log=lambda *a: None)
+    R.relufy(src, texts[:1], tmp_path / "run", steps=3, **kw)
+    ckpts = R.checkpoint_dirs(tmp_path / "run")
+    assert [d.name for d in ckpts] == ["step-000002", "step-000003"]
+    assert (ckpts[-1] / R.OPTIMIZER_FILE).exists() and (tmp_path / "run" / R.WEIGHTS_FILE).exists()
+    assert not [p for p in (tmp_path / "run" / R.CHECKPOINTS).iterdir() if p.name.startswith(".")]
+    R.relufy(src, texts[:1], tmp_path / "run", steps=5, resume=True, **kw)
+    assert [d.name for d in R.checkpoint_dirs(tmp_path / "run")] == ["step-000004", "step-000005"]
+    rows = R.curve(tmp_path / "run", [texts[1]], eval_tokens=64, seq_len=32, progress=False)
+    assert [r["step"] for r in rows] == ["original", "swapped", 4, 5]
+    with pytest.raises(FlashError, match="--keep-checkpoints -1"):
+        R.relufy(src, texts, tmp_path / "x", steps=1, **dict(kw, keep_checkpoints=-1))
+
+
+def test_prune_checkpoints_never_deletes_the_newest_written(tmp_path):
+    root = tmp_path / R.CHECKPOINTS
+    for step in (1, 2, 3, 7):
+        (root / f"step-{step:06d}").mkdir(parents=True)
+        (root / f"step-{step:06d}" / R.TRAINER_JSON).write_text("{}")
+    # the one just written sorts before a leftover newer one: it stays all the same
+    deleted = R.prune_checkpoints(tmp_path, 1, root / "step-000003")
+    assert [d.name for d in deleted] == ["step-000001", "step-000002"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000007"]
+
+
 def test_resume_and_out_refusals(src, texts, tmp_path):
     kw = dict(steps=1, seq_len=32, checkpoint_every=1, progress=False, log=lambda *a: None)
     with pytest.raises(FlashError, match="--resume: .* no checkpoint"):

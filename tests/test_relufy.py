@@ -58,18 +58,20 @@ def test_cli_writes_a_folder_that_loads_generates_and_converts(src, texts, tmp_p
 
 def test_curve_measures_every_checkpoint(src, texts, tmp_path, capsys):
     out = tmp_path / "run"
-    relufy.main(["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "2",
-                 "--sequence-length", "32", "--checkpoint-every", "1", "--out", str(out), "--quiet"])
+    relufy.main(["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "3",
+                 "--sequence-length", "32", "--checkpoint-every", "1", "--keep-checkpoints", "0",
+                 "--out", str(out), "--quiet"])
     capsys.readouterr()
     assert relufy.main(["--curve", str(out), "--eval-text", texts[2], "--sequence-length", "32",
                         "--eval-tokens", "64", "--json", str(tmp_path / "c.json"), "--quiet"]) == 0
     table = capsys.readouterr().out
     assert "original (SiLU)" in table and "swapped, untrained" in table and "layer-wise fit" in table
-    assert "step 2" in table
+    assert "step 3" in table
     rows = json.loads((tmp_path / "c.json").read_text())
-    assert [r["step"] for r in rows] == ["original", "swapped", 0, 1, 2]
+    assert [r["step"] for r in rows] == ["original", "swapped", 0, 1, 2, 3]  # --keep-checkpoints 0: all
     fitted = rows[2]["tokens_trained"]
-    assert fitted > 0 and [r["tokens_trained"] for r in rows] == [0, 0, fitted, fitted + 32, fitted + 64]
+    assert fitted > 0 and [r["tokens_trained"] for r in rows] == [0, 0, fitted, fitted + 32, fitted + 64,
+                                                                  fitted + 96]
     assert rows[0]["ppl_ratio"] == 1.0 and rows[0]["sparsity"] is None
     assert all(0 < r["sparsity"] < 1 for r in rows[1:])
 
@@ -94,6 +96,7 @@ def test_cli_passes_the_training_options(src, texts, tmp_path):
     (["--text", "missing.txt", "--out", "o"], "--text missing.txt: no such file"),
     (["--text", "{t}", "--out", "o", "--activation", "gelu"], "--activation gelu"),
     (["--text", "{t}", "--out", "o", "--steps", "0"], "--steps 0"),
+    (["--text", "{t}", "--out", "o", "--keep-checkpoints", "-1"], "--keep-checkpoints -1"),
     (["--text", "{t}"], "--out"),
     (["--text", "{t}", "--eval-text", "{e}", "--out", "{o}", "--resume"], "--resume"),
     (["--text", "{t}", "--out", "{o}"], "--text: too few files"),

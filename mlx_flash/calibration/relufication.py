@@ -13,7 +13,8 @@ neuron whose weights a flash runtime need not read for that token).
 A run's folder (`out`):
     checkpoints/step-NNNNNN/   a loadable model folder (config.json, model.safetensors, tokenizer)
                                + trainer.json (step, tokens trained, seconds, losses); the newest
-                               also holds optimizer.safetensors (AdamW state) for --resume
+                               also holds optimizer.safetensors (AdamW state) for --resume;
+                               only the newest `keep_checkpoints` are kept (0: all)
     config.json, model.safetensors, tokenizer files, relufication.json   the final model
 Every file is written to a temporary name, fsynced and renamed; a checkpoint directory is renamed
 into place whole.
@@ -414,9 +415,12 @@ def checkpoint_dirs(out: Path) -> list:
                   and (d / TRAINER_JSON).is_file())
 
 
-def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Path, state: dict) -> Path:
+def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Path, state: dict,
+                    keep: int = 0) -> Path:
     """checkpoints/step-NNNNNN: model folder + trainer.json + optimizer state, renamed into place
-    whole; older checkpoints keep their model (for the curve) and drop their optimizer state."""
+    whole; older checkpoints keep their model (for the curve) and drop their optimizer state.
+    keep > 0: then only the newest `keep` checkpoints stay (prune_checkpoints; a checkpoint of
+    a 135M float32 model is ~1.6 GB); 0 keeps all."""
     from mlx.utils import tree_flatten
 
     root = Path(out) / CHECKPOINTS
@@ -433,7 +437,21 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
     for older in checkpoint_dirs(out):
         if older != final and (older / OPTIMIZER_FILE).exists():
             (older / OPTIMIZER_FILE).unlink()
+    if keep:
+        prune_checkpoints(out, keep, final)
     return final
+
+
+def prune_checkpoints(out: Path, keep: int, newest: Path) -> list:
+    """Delete all but the newest `keep` (>= 1) checkpoints of the run, never `newest` (the one just
+    written, which --resume continues from). Each is renamed out of checkpoint_dirs' sight before
+    its files go, so an interrupted delete never leaves a half checkpoint. Returns the deleted."""
+    doomed = [d for d in checkpoint_dirs(out)[:-keep] if d != newest]
+    for d in doomed:
+        gone = d.with_name(f".{d.name}.deleting-{os.getpid()}")
+        os.rename(d, gone)
+        shutil.rmtree(gone)
+    return doomed
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -573,7 +591,7 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
 
 def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
            seq_len=SEQ_LEN, lr=5e-5, warmup=10, decay="constant", distill=0.0, hidden_distill=0.0, compiled=True,
-           checkpoint_every=50, resume=False,
+           checkpoint_every=50, keep_checkpoints=3, resume=False,
            seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
            target_sparsity=None, threshold_sequences=4, allocation="uniform", allocation_tokens=512,
            layerwise_tokens=0, layerwise_ridge=1e-3, progress=True, log=print) -> dict:
@@ -587,6 +605,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     `allocation_tokens` training tokens; its minutes count in the run's time).
     hidden_distill: weight of hidden_mse (the residual streams' relative error against the
     original's, every layer) in the loss. compiled: mx.compile the training step.
+    keep_checkpoints: after each checkpoint, delete all but the newest this many (0: keep all).
     max_minutes: stop early (after the step that crosses it), checkpoint, and write the model.
     layerwise_tokens: before the first step, fit_layerwise on this many training tokens (whole
     sequences, the last of the first epoch's seeded order; 0: off); its minutes count in the run's time and its tokens in
@@ -606,6 +625,8 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
                          "--target-sparsity needs --activation fatrelu or cats (without :T)")
     if target_sparsity is not None and not 0 < target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be between 0 and 1")
+    if keep_checkpoints < 0:
+        raise FlashError(f"--keep-checkpoints {keep_checkpoints}: must be at least 0 (0: keep all)")
     if allocation not in ALLOCATIONS:
         raise FlashError(f"--sparsity-allocation {allocation}: expected one of {', '.join(ALLOCATIONS)}")
     if allocation != "uniform" and (hidden_act != "cats" or target_sparsity is None):
@@ -677,7 +698,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
                             ridge=layerwise_ridge, progress=progress)
         state.update(tokens_trained=fit["tokens"], seconds=prep_seconds + fit["seconds"],
                      layerwise={**fit, "ridge": layerwise_ridge, "sequences": chosen.tolist()})
-        save_checkpoint(out, model, optimizer, config, src, state)
+        save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints)
         if eval_seqs is not None:
             before["layerwise"] = measure(model, eval_seqs)
             log(f"held-out after the layer-wise fit ({fit['tokens']} tokens, {fit['seconds'] / 60:.1f} min): "
@@ -700,7 +721,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", sparsity=f"{100 * sparsity:.1f}%")
             if checkpoint_every and state["step"] % checkpoint_every == 0:
-                save_checkpoint(out, model, optimizer, config, src, state)
+                save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints)
                 last_saved = state["step"]
             if deadline is not None and time.perf_counter() > deadline:
                 log(f"--max-minutes {max_minutes}: stopping at step {state['step']}")
@@ -708,7 +729,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     finally:
         bar.close()
         if state["step"] != last_saved:
-            save_checkpoint(out, model, optimizer, config, src, state)
+            save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints)
     model.eval()
     write_model_folder(out, model, config, src)
     report = {"source": str(src), "activation": activation, "steps": state["step"],
