@@ -23,6 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .calibration.relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS
 from .errors import FlashError
 
 
@@ -41,7 +42,7 @@ def build_parser():
     p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
                    help="with --activation fatrelu or cats: each layer's threshold silences this fraction "
                         "of its gate values on the first training sequences (e.g. 0.85)")
-    p.add_argument("--sparsity-allocation", choices=("uniform", "sensitivity"), default="uniform",
+    p.add_argument("--sparsity-allocation", choices=ALLOCATIONS, default="uniform",
                    help="with --activation cats --target-sparsity S: every layer at S (uniform, default) or "
                         "per-layer targets averaging S, lower in the layers whose sparsity costs the original "
                         "model most (measured KL when only that layer is thresholded; about a minute)")
@@ -59,7 +60,7 @@ def build_parser():
     p.add_argument("--sequence-length", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (default 10)")
-    p.add_argument("--decay", choices=("cosine", "constant"), default="cosine",
+    p.add_argument("--decay", choices=DECAYS, default="cosine",
                    help="after the warm-up: cosine decay to 10%% of --lr at --steps (default) or a constant rate")
     p.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="weight of KL(dense teacher || student) added to the LM loss (default 0: off)")
@@ -69,9 +70,9 @@ def build_parser():
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="mx.compile the whole training step (default on; --no-compile: eager)")
     p.add_argument("--checkpoint-every", type=int, default=50, metavar="N", help="checkpoint every N steps")
-    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+    p.add_argument("--keep-checkpoints", type=int, default=KEEP_CHECKPOINTS, metavar="N",
                    help="keep only the newest N checkpoints, older ones deleted once a newer one is "
-                        "written (default 3; 0: keep all; --curve measures the kept ones)")
+                        f"written (default {KEEP_CHECKPOINTS}; 0: keep all; --curve measures the kept ones)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's newest checkpoint")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this many minutes of training (checkpoint + model written)")

@@ -89,6 +89,21 @@ def test_cli_passes_the_training_options(src, texts, tmp_path):
     assert len(state["allocation"]["targets"]) == 2 and state["losses"][0]["hidden"] > 0
 
 
+def test_parser_reads_the_librarys_choices_without_importing_mlx():
+    import subprocess
+    import sys
+
+    from mlx_flash.calibration import relufication as R
+
+    actions = {a.dest: a for a in relufy.build_parser()._actions}
+    assert actions["decay"].choices is R.DECAYS and actions["sparsity_allocation"].choices is R.ALLOCATIONS
+    assert actions["keep_checkpoints"].default == R.KEEP_CHECKPOINTS
+    # the CLI starts (parses, checks its flags) before MLX loads
+    code = ("import sys, mlx_flash.relufy as r; r.build_parser().parse_args(['--decay', 'constant']); "
+            "sys.exit('mlx.core' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--text", "{t}", "--out", "o", "--hidden-distill", "-1"], "--hidden-distill -1"),
     (["--text", "{t}", "--eval-text", "{e}", "--out", "{o}", "--sparsity-allocation", "sensitivity"],

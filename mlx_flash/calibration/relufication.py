@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import FlashError
 from ..paths import fsync_file
 from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
+from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
 CHECKPOINTS = "checkpoints"
@@ -456,8 +457,6 @@ def prune_checkpoints(out: Path, keep: int, newest: Path) -> list:
 
 # ---- training ------------------------------------------------------------------------------------
 
-DECAYS = ("cosine", "constant")
-ALLOCATIONS = ("uniform", "sensitivity")  # per-layer sparsity targets: all equal, or by measured cost
 FINAL_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak rate
 
 
@@ -591,7 +590,7 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
 
 def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, batch_size=1,
            seq_len=SEQ_LEN, lr=5e-5, warmup=10, decay="constant", distill=0.0, hidden_distill=0.0, compiled=True,
-           checkpoint_every=50, keep_checkpoints=3, resume=False,
+           checkpoint_every=50, keep_checkpoints=KEEP_CHECKPOINTS, resume=False,
            seed=0, max_minutes=None, max_train_tokens=None, eval_files=(), eval_tokens=4096,
            target_sparsity=None, threshold_sequences=4, allocation="uniform", allocation_tokens=512,
            layerwise_tokens=0, layerwise_ridge=1e-3, progress=True, log=print) -> dict:
