@@ -377,6 +377,18 @@ def test_allocate_sparsity_keeps_the_mean_and_spares_the_costly_layers():
         R.allocate_sparsity(kl, levels, 0.95)
 
 
+def test_attention_half_plus_the_mlp_is_the_decoder_layer(src):
+    model, _ = R.load_float32(src)
+    h = mx.random.normal((2, 7, model.args.hidden_size), key=mx.random.key(0))
+    block = model.layers[1]
+    # distinct norm weights, so swapping the two norms shows
+    block.input_layernorm.weight = mx.linspace(0.5, 1.5, model.args.hidden_size)
+    block.post_attention_layernorm.weight = mx.linspace(2.0, 0.2, model.args.hidden_size)
+    mid, x = R.attention_half(block, h)
+    np.testing.assert_array_equal(np.array(mid + block.mlp(x)), np.array(block(h, "causal")))
+    np.testing.assert_array_equal(np.array(x), np.array(block.post_attention_layernorm(mid)))
+
+
 def test_layer_sensitivity_is_the_kl_of_thresholding_one_layer(src, texts):
     from mlx_flash.models import load_tokenizer
 

@@ -151,9 +151,7 @@ def layer_sensitivity(teacher, sequences: np.ndarray, levels=SENSITIVITY_LEVELS,
     inputs = [inner.embed_tokens(tokens)] + streams[:-1]
     kl = np.zeros((len(inner.layers), len(levels)))
     for layer, block in enumerate(inner.layers):
-        h = inputs[layer]
-        mid = h + block.self_attn(block.input_layernorm(h), "causal")
-        x = block.post_attention_layernorm(mid)
+        mid, x = attention_half(block, inputs[layer])
         mlp = block.mlp
         for j in range(len(levels)):
             out = mid + mlp.down_proj(gated_hidden(mlp.gate_proj(x), mlp.up_proj(x), "cats", thresholds[j][layer]))
@@ -205,6 +203,14 @@ def freeze_embeddings(model):
 
 def mlps(model):
     return [layer.mlp for layer in model.layers]
+
+
+def attention_half(block, h):
+    """(mid, x) of a llama decoder layer on its input residual stream h [B, L, hidden] (causal
+    mask, no cache): mid = h + attention(input norm h), the stream after the attention, and
+    x = post-attention norm of mid, the FFN's input; the layer's output is mid + block.mlp(x)."""
+    mid = h + block.self_attn(block.input_layernorm(h), "causal")
+    return mid, block.post_attention_layernorm(mid)
 
 
 # ---- text ------------------------------------------------------------------------------------------
@@ -339,21 +345,20 @@ def fit_layerwise(teacher, student, sequences: np.ndarray, *, ridge: float = 1e-
         bias = "bias" in mlp.down_proj
         gram = mx.zeros((n_hidden + bias, n_hidden + bias))
         cross = mx.zeros((n_hidden + bias, mlp.down_proj.weight.shape[0]))
-        next_t, mid_s = [], []
+        next_t, mid_s, x_s = [], [], []
         for s in range(0, len(sequences), batch_size):
             r_t = t_block(h_t[s: s + batch_size], "causal")
-            m_s = h_s[s: s + batch_size]
-            m_s = m_s + s_block.self_attn(s_block.input_layernorm(m_s), "causal")
-            x = s_block.post_attention_layernorm(m_s)
+            m_s, x = attention_half(s_block, h_s[s: s + batch_size])
             h = gated_hidden(mlp.gate_proj(x), mlp.up_proj(x), mlp.hidden_act, mlp.threshold)
             h = h.reshape(-1, n_hidden)
             if bias:
                 h = mx.concatenate([h, mx.ones((h.shape[0], 1), h.dtype)], axis=1)
             gram = gram + h.T @ h
             cross = cross + h.T @ (r_t - m_s).reshape(h.shape[0], -1)
-            mx.eval(gram, cross, r_t, m_s)
+            mx.eval(gram, cross, r_t, m_s, x)
             next_t.append(r_t)
             mid_s.append(m_s)
+            x_s.append(x)
         lam = ridge * mx.mean(mx.diagonal(gram))
         w = mx.linalg.solve(gram + lam * mx.eye(gram.shape[0]), cross, stream=mx.cpu)
         mlp.down_proj.weight = w[:n_hidden].T
@@ -361,9 +366,7 @@ def fit_layerwise(teacher, student, sequences: np.ndarray, *, ridge: float = 1e-
             mlp.down_proj.bias = w[n_hidden]
         mx.eval(mlp.parameters())
         h_t = mx.concatenate(next_t)
-        m_s = mx.concatenate(mid_s)
-        h_s = mx.concatenate([m_s[s: s + batch_size] + mlp(s_block.post_attention_layernorm(m_s[s: s + batch_size]))
-                              for s in range(0, len(sequences), batch_size)])
+        h_s = mx.concatenate([m + mlp(x) for m, x in zip(mid_s, x_s)])  # the refit FFN on the same inputs
         mx.eval(h_s, h_t)
         errors.append(float(mx.mean(mx.square(h_s - h_t)).item() / mx.mean(mx.square(h_t)).item()))
     return {"tokens": int(np.asarray(sequences).size), "seconds": time.perf_counter() - t0,
