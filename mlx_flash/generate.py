@@ -47,7 +47,9 @@ def build_parser():
     parser.add_argument("--no-kernels", action="store_true",
                         help="MLX's own ops instead of the CPU kernels (as MLX_FLASH_KERNELS=0): "
                              "slower on CPU, bit-identical to mlx-lm (MoE experts included)")
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show tracebacks on errors; for a flash pack, print the read-cost profile "
+                             "that prices its reads (when it was measured, and the machine's load then)")
     return parser
 
 
@@ -88,6 +90,13 @@ def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=
     return tokenizer.encode(prompt)
 
 
+def flash_loader(model):
+    """The FlashLoader a flash pack's model reads with (dense FFN runtime or MoE expert store), or
+    None for a model loaded whole."""
+    owner = getattr(model, "flash_runtime", None) or getattr(model, "moe_store", None)
+    return getattr(owner, "loader", None)
+
+
 def _main(argv):
     args = build_parser().parse_args(argv)
     _check_args(args)
@@ -110,6 +119,11 @@ def _main(argv):
     model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
                             window=args.window, threads=args.threads)
     stats = getattr(model, "flash_stats", None)
+    if args.verbose and (loader := flash_loader(model)) is not None:
+        from .io.planner import profile_file
+        from .io.read_cost import describe_profile
+
+        print(describe_profile(loader.cost, profile_file()), file=sys.stderr)
     tokens = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     check_prompt_fits(model, len(tokens), args.max_tokens)
     print("==========", flush=True)

@@ -50,6 +50,52 @@ def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
     assert bad.value.code == 2
 
 
+def test_profile_part_shows_the_stored_profile_and_calibrate_remeasures_its_entry_alone(
+        tiny_llama, tmp_path, monkeypatch, capsys):
+    from mlx_flash.bench import io as bench_io
+    from mlx_flash.io.planner import _curve_key, calibrate, profile_file, save_cost
+    from mlx_flash.io.read_cost import ReadCostCurve
+    from mlx_flash.pack import read_manifest, write_pack
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    pack = write_pack(tiny_llama("src", dtype="float16", intermediate=256), tmp_path / "pack",
+                      progress=False)
+    first = pack / read_manifest(pack)["bundles"][0]["file"]
+    loaded = {"other_cpu_share": 0.62, "cpus": 2, "seconds": 5.0, "source": "proc_stat"}
+    old = ReadCostCurve([4096, 65536], [1, 32], [[6e-5, 1e-4], [2e-5, 4e-5]], load=loaded,
+                        measured="2026-11-26T05:19:00")
+    for engine in ("threads", "aio"):
+        save_cost(first, 2, old, engine)
+    stored = json.loads(profile_file().read_text())
+    stored["dev1-aio-curve"] = {**old.to_dict(), "note": "another device"}
+    profile_file().write_text(json.dumps(stored))
+    calls = []
+
+    def measure(paths, depth, kind):  # the real calibration, small: this device, this engine
+        calls.append(kind)
+        return calibrate(tmp_path, threads=depth, sizes=(4096, 65536), depths=(1,), file_bytes=2 << 20,
+                         repeats=1, max_reads=32, key_path=paths[0], engine=kind)
+
+    monkeypatch.setattr(bench_io, "measure_cost", measure)
+    out = tmp_path / "p.json"
+    assert main(["io", "--pack", str(pack), "--parts", "profile", "--threads", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["profile"]
+    assert calls == [] and r["measured"] == "2026-11-26T05:19:00" and r["load"] == loaded
+    assert "measured 2026-11-26T05:19:00" in r["description"] and "LOADED" in r["description"]
+    assert r["description"] in capsys.readouterr().out
+    # --calibrate: measured once for the run (profile and large both price reads), that entry only
+    assert main(["io", "--pack", str(pack), "--parts", "profile,large", "--large-sizes", "8K",
+                 "--large-mb", "1", "--repeat", "1", "--no-fio", "--threads", "2", "--calibrate",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["profile"]
+    assert len(calls) == 1 and r["measured"] != "2026-11-26T05:19:00"
+    after = json.loads(profile_file().read_text())
+    key = _curve_key(first, calls[0])
+    other = _curve_key(first, "aio" if calls[0] == "threads" else "threads")
+    assert after[key]["measured"] == r["measured"] and after[key]["sizes"] == [4096, 65536]
+    assert after[other] == stored[other] and after["dev1-aio-curve"] == stored["dev1-aio-curve"]
+
+
 def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     import argparse
     import shutil

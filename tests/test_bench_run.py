@@ -48,6 +48,7 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
     for key in ("command", "machine", "packages", "model", "protocol", "modes", "table3", "runs"):
         assert key in result
     assert "bench run" in result["command"] and result["packages"]["mlx"]
+    assert result["read_cost_profile"].startswith("read-cost profile ")
     assert result["model"]["synthetic"]["arch"] == "opt-tiny"
     proto = result["protocol"]
     assert proto["prompt_tokens"] == 12 and proto["gen_tokens"] == 6
@@ -100,6 +101,23 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
 
 
 @pytest.mark.slow
+def test_header_line_names_the_stored_profiles_date_and_load(tiny_pack, tmp_path, monkeypatch):
+    from mlx_flash.bench.run import stored_profile_line
+    from mlx_flash.io.planner import save_cost
+    from mlx_flash.io.read_cost import ReadCostCurve
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    assert "none stored" in stored_profile_line(tiny_pack, 32)
+    loaded = {"other_cpu_share": 0.62, "cpus": 2, "seconds": 5.0, "source": "proc_stat"}
+    first = tiny_pack / read_manifest(tiny_pack)["bundles"][0]["file"]
+    for engine in ("threads", "aio"):
+        save_cost(first, 32, ReadCostCurve([4096, 65536], [1, 32], [[6e-5, 1e-4], [2e-5, 4e-5]], load=loaded,
+                                           measured="2026-11-26T05:19:00"), engine)
+    line = stored_profile_line(tiny_pack, 32)
+    assert str(tmp_path / "home" / "io_profile.json") in line
+    assert "measured 2026-11-26T05:19:00" in line and "62% of 2 CPU(s)" in line and "LOADED" in line
+
+
 def test_ablation_sweeps_and_mlx_lm_peer(tiny_pack, text_file, tmp_path):
     # ~2 minutes: 11 child processes. Run with pytest -m slow.
     out = tmp_path / "bench"

@@ -159,3 +159,25 @@ def test_non_utf8_stdin_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "--prompt -: stdin is not UTF-8 text (byte 0xe9 at offset 3)" in err
 
+
+
+def test_verbose_prints_the_read_cost_profile_of_a_flash_pack(llama_pack, tmp_path, monkeypatch, capsys):
+    from mlx_flash.generate import main
+    from mlx_flash.io.planner import save_cost
+    from mlx_flash.io.read_cost import ReadCostCurve
+    from mlx_flash.pack import read_manifest
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    loaded = {"other_cpu_share": 0.62, "cpus": 2, "seconds": 5.0, "source": "proc_stat"}
+    first = llama_pack / read_manifest(llama_pack)["bundles"][0]["file"]
+    for engine in ("threads", "aio"):
+        save_cost(first, 4, ReadCostCurve([4096, 65536], [1, 32], [[6e-5, 1e-4], [2e-5, 4e-5]], load=loaded,
+                                          measured="2026-11-26T05:19:00"), engine)
+    args = ["--model", str(llama_pack), "--mode", "hybrid", "--threads", "4", "--max-tokens", "2",
+            "--ignore-chat-template"]
+    line = f"read-cost profile {tmp_path / 'home' / 'io_profile.json'}: measured 2026-11-26T05:19:00, "
+    assert main(args) == 0
+    assert line not in capsys.readouterr().err  # only with --verbose (a loaded one warns anyway)
+    assert main(args + ["--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert line in err and "62% of 2 CPU(s)" in err.split(line)[1].splitlines()[0]

@@ -1,5 +1,7 @@
 """io/read_cost: the piecewise read-cost curve (sizes x depths) and its cold measurement."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -261,6 +263,10 @@ def test_measured_load_is_stored_and_read_back(tmp_path, monkeypatch):
     assert 0 <= c.load["other_cpu_share"] <= 1 and c.load["seconds"] > 0 and c.load["cpus"] >= 1
     assert load_cost(tmp_path, 4).load == c.load
     assert ReadCostCurve.from_dict(c.to_dict()).at_depth(1).load == c.load
+    # and when: stamped at measurement, stored as measured, carried to every depth
+    assert c.measured[:10] == time.strftime("%Y-%m-%d")
+    assert load_cost(tmp_path, 4).measured == c.measured
+    assert ReadCostCurve.from_dict(c.to_dict()).at_depth(1).measured == c.measured
 
 
 def _store(home, path, load):
@@ -302,7 +308,21 @@ def test_a_profile_measured_loaded_warns_once_and_an_idle_one_never(tmp_path, mo
     c = load_cost(tmp_path, 32)
     err = capsys.readouterr().err.strip().splitlines()
     assert c.seconds(4096) == pytest.approx(17e-6)  # still used
-    assert len(err) == 1 and str(f) in err[0] and "62%" in err[0] and f"`rm {f}`" in err[0]
+    assert len(err) == 1 and str(f) in err[0] and "62%" in err[0] and "2026-11-26T05:19:00" in err[0]
+    assert f"`{read_cost.REMEASURE_COMMAND}`" in err[0] and "--parts profile --calibrate" in err[0]
     load_cost(tmp_path, 32)
     assert capsys.readouterr().err == ""  # once per process
     assert "LOADED" in read_cost.describe_load(c.load)
+
+
+def test_describe_profile_names_the_date_and_the_load():
+    from mlx_flash.io.planner import ReadCost
+    from mlx_flash.io.read_cost import describe_profile
+
+    loaded = {"other_cpu_share": 0.62, "cpus": 2, "seconds": 5.3, "source": "proc_stat"}
+    c = ReadCostCurve(SIZES, DEPTHS, TABLE, load=loaded, measured="2026-11-26T05:19:00").at_depth(4)
+    line = describe_profile(c, "/h/io_profile.json")
+    assert line.startswith("read-cost profile /h/io_profile.json: measured 2026-11-26T05:19:00, ")
+    assert "62% of 2 CPU(s)" in line and "LOADED" in line
+    assert "date not recorded" in describe_profile(ReadCost(1e-4, 1e9)) and "unknown" in describe_profile(ReadCost(1e-4, 1e9))
+    assert "none stored" in describe_profile(None)

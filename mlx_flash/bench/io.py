@@ -20,8 +20,12 @@ is reported) and the loader reads with O_DIRECT. Measured:
   9. segments per read: the same reads into the same huge-page memory as one piece, three pieces
      or size / 4 KiB iovecs (end to end, or dealt over three arrays as zero-copy neuron reads
      land), next to fio (--parts segments; destination_kinds with SEGMENT_KINDS).
+ 10. the read-cost profile of the pack's device (--parts profile): its table, when it was
+     measured and how loaded the machine was then; with --calibrate that device's entry alone is
+     measured again (the profile file's other entries are kept):
+        python -m mlx_flash.bench io --pack PACK --parts profile --calibrate
 --parts picks sections (sweep = 1-2, compare = 3-5, large = 6, experts = 7, dest = 8,
-segments = 9; the default is all but dest and segments). --baseline DIR runs
+segments = 9, profile = 10; the default is all but dest, segments and profile). --baseline DIR runs
 the FlashLoader of another checkout (DIR/mlx_flash, e.g. a worktree of an older commit) in 6 and 7
 too, taking turns with this one and fio: old and new measured in one run under the same load.
 Throughputs are GB/s = 1e9 bytes/s of useful bundle bytes unless marked "device" (bytes the
@@ -41,9 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..io import FlashLoader, ReadCost, evict, load_cost
+from ..io import FlashLoader, ReadCost, evict
 from ..io.loader import measure_cost
-from ..io.read_cost import FREE_COPY, describe_load, landing_terms, segment_iovecs
+from ..io.planner import profile_file
+from ..io.read_cost import (FREE_COPY, REMEASURE_COMMAND, describe_load, describe_profile, landing_terms,
+                            segment_iovecs)
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
@@ -67,7 +73,8 @@ def add_arguments(parser):
                         help="also write /proc/sys/vm/drop_caches when fadvise leaves pages (root)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
     parser.add_argument("--calibrate", action="store_true",
-                        help="re-measure the planner's cost model even if a profile is stored")
+                        help="re-measure the read-cost profile of the pack's device (once per run; that "
+                        "device's entry only) even if one is stored")
     parser.add_argument("--large-sizes", default="64K,128K,256K,512K,1M,2M,4M",
                         help="read sizes of the large-read table (bytes, K or M suffix)")
     parser.add_argument("--large-mb", type=int, default=256,
@@ -77,7 +84,10 @@ def add_arguments(parser):
                         "(bundled vs unbundled, planner, fio on the loader's read mix), large "
                         "(64 KiB - 4 MiB reads vs fio), experts (MoE packs: the store's reads vs fio), "
                         "dest (the AIO engine alone into memory of several kinds vs fio, at --large-sizes), "
-                        "segments (the same reads as 1, 3 or size / 4 KiB iovec segments vs fio)")
+                        "segments (the same reads as 1, 3 or size / 4 KiB iovec segments vs fio), "
+                        "profile (the pack's device's stored read-cost profile, its date and the load "
+                        "it was measured under; with --calibrate that device's entry alone measured "
+                        "again, the other entries kept)")
     parser.add_argument("--large-verify", action="store_true",
                         help="large part: the loaders check each bundle's crc32, as a runtime does "
                         "(default off: the device's throughput alone)")
@@ -126,6 +136,7 @@ class Bench:
         self.evict_methods = set()
         self.extra_paths = []
         self.baseline = baseline_loader(args.baseline) if getattr(args, "baseline", None) else None
+        self.measured_profiles = {}  # depth -> the cost model measured in this run
 
     def paths(self):
         """The pack's bundle files."""
@@ -335,18 +346,56 @@ def _with_cpu(fn):
 
 
 def device_profile(bench, depth):
-    """The pack's device's stored read-cost profile (measured now when there is none, or
-    --calibrate), whose segment and copy terms (io.read_cost.landing_terms, per read size) the
-    loader chooses zero copy or staging by (io.read_cost.stage_saves_time); None without one."""
-    paths = bench.paths()
+    """The pack's device's read-cost profile for the loader's engine, priced at `depth` in
+    flight: the stored one, else (none stored, or --calibrate: once per run) measured now and
+    stored in that device's entry, the profile file's other entries kept. Its segment and copy
+    terms (io.read_cost.landing_terms, per read size) choose zero copy or staging
+    (io.read_cost.stage_saves_time). None when it can be neither loaded nor measured."""
+    if depth in bench.measured_profiles:
+        return bench.measured_profiles[depth]
     probe = FlashLoader(bench.pack, threads=depth, plan=False)
-    kind = probe.cost_engine()
-    probe.close()
-    cost = None if bench.args.calibrate else load_cost(paths[0], depth, kind)
+    try:
+        kind = probe.cost_engine()
+        cost = None if bench.args.calibrate else probe.stored_cost()
+    finally:
+        probe.close()
     if cost is None:
         print(f"measuring the read cost model ({depth} in flight, {kind})...", file=sys.stderr)
-        cost = measure_cost(paths, depth, kind)
+        cost = bench.measured_profiles[depth] = measure_cost(bench.paths(), depth, kind)
     return cost
+
+
+def profile_report(bench, depth) -> dict:
+    """The profile part: the read-cost profile of the pack's device as device_profile gives it
+    (with --calibrate: that device's entry measured again), for the report."""
+    cost = device_profile(bench, depth)
+    return {"file": str(profile_file()), "depth": depth, "engine": getattr(cost, "engine", None),
+            "measured": getattr(cost, "measured", None), "load": getattr(cost, "load", None),
+            "description": describe_profile(cost, profile_file()),
+            "curve": cost.to_dict() if hasattr(cost, "to_dict") else None}
+
+
+def curve_lines(curve: dict) -> list:
+    """The lines of a ReadCostCurve.to_dict() table: microseconds per read by depth and size."""
+    lines = ["measured us per read (rows: reads in flight; columns: read size)",
+             "depth " + " ".join(f"{s // 1024:>7}K" for s in curve["sizes"])]
+    lines += [f"{d:>5} " + " ".join(f"{t * 1e6:>8.1f}" for t in row)
+              for d, row in zip(curve["depths"], curve["table"])]
+    return lines
+
+
+def print_profile(row):
+    print(f"\nread-cost profile of the pack's device ({row['engine'] or 'straight line'}, priced at "
+          f"depth {row['depth']}; re-measure this entry alone: {REMEASURE_COMMAND})")
+    if row["curve"]:
+        print("\n".join(curve_lines(row["curve"])))
+        landing = row["curve"].get("landing")
+        if landing:
+            print("per extra destination segment: " + ", ".join(
+                f"{s // 1024}K {t * 1e6:.2f} us" for s, t in zip(landing["sizes"], landing["segment_s"]))
+                + "; staged copy: " + ", ".join(f"{s // 1024}K {b / 1e9:.2f} GB/s"
+                                                for s, b in zip(landing["sizes"], landing["copy_bandwidth"])))
+    print(row["description"])
 
 
 def aio_ring(paths, read_bytes, reads, depth, rng, ring=None):
@@ -803,17 +852,10 @@ def interleaved(bench, fns):
 def bundled_vs_unbundled(bench, threads, fractions, with_fio):
     """Same random neuron sets: bundled / unbundled, planner off / on, verify; fio alongside."""
     unb = Path(str(bench.pack).rstrip("/") + f".unbundled-bench-{os.getpid()}")
-    first = bench.pack / bench.entries[bench.layers[0]].file
-    probe = FlashLoader(bench.pack, threads=threads, plan=False)
-    kind = probe.cost_engine()
-    probe.close()
-    cost = None if bench.args.calibrate else load_cost(first, threads, kind)
+    cost = device_profile(bench, threads)
     if cost is None:
-        print(f"calibrating the read cost model ({threads} in flight, {kind})...", file=sys.stderr)
-        cost = measure_cost([bench.pack / bench.entries[i]["file"] for i in bench.layers], threads, kind)
-        if cost is None:
-            raise FlashError(f"{bench.pack}: cannot measure the read cost (bundle files under "
-                             f"16 MiB and a cache home on another device)")
+        raise FlashError(f"{bench.pack}: cannot measure the read cost (bundle files under "
+                         f"16 MiB and a cache home on another device)")
     rows, fio, loaders = [], {}, []
     try:
         layer_map = write_unbundled(bench, unb)
@@ -933,10 +975,7 @@ def print_compare(result, args, top):
           f"{cost['bandwidth_gbps']:.2f} GB/s -> merge gaps up to {cost['merge_gap_bytes']} bytes")
     if cost.get("curve"):
         c = cost["curve"]
-        print("measured us per read (rows: reads in flight; columns: read size)")
-        print("depth " + " ".join(f"{s // 1024:>7}K" for s in c["sizes"]))
-        for d, row in zip(c["depths"], c["table"]):
-            print(f"{d:>5} " + " ".join(f"{t * 1e6:>8.1f}" for t in row))
+        print("\n".join(curve_lines(c)))
         print(describe_load(c.get("load")))
     print(f"\nrandom neuron sets, queue depth {top} (GB/s useful; reads issued)")
     print(f"{'fraction':>8} {'bundled':>14} {'unbundled':>14} {'ratio':>6} {'bundled+plan':>14} "
@@ -961,7 +1000,7 @@ def print_compare(result, args, top):
                   f"{f['loader_over_fio']:.0%} (AIO), {f['threadpool_over_fio']:.0%} (threads) of fio")
 
 
-PARTS = ("sweep", "compare", "large", "experts", "dest", "segments")
+PARTS = ("sweep", "compare", "large", "experts", "dest", "segments", "profile")
 
 
 def run(args) -> int:
@@ -980,6 +1019,8 @@ def run(args) -> int:
           f"{e0['stride']} bytes per layer")
     result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
               "fraction": args.fraction, "parts": parts}
+    if "profile" in parts:
+        result["profile"] = profile_report(bench, top)
     if "sweep" in parts:
         result["sequential"] = sequential_ceiling(bench)
         result["chunk_sweep"] = chunk_sweep(bench, threads_list, chunks)
@@ -1003,6 +1044,8 @@ def run(args) -> int:
     print(f"\nmachine: {result['machine']}\ncommand: {result['command']}")
     print(f"cold runs: pages evicted with {result['evict_method']} before each run; "
           f"median of {args.repeat}; GB/s = 1e9 useful bytes/s")
+    if "profile" in parts:
+        print_profile(result["profile"])
     if "sweep" in parts:
         print_sweep(result, args, threads_list, chunks, e0["stride"])
     if "compare" in parts:

@@ -34,8 +34,10 @@ from ..calibration.synthetic import is_synthetic
 from ..config import parse_memory_budget
 from ..cpu import ops
 from ..errors import FlashError
-from ..io import evict
+from ..io import FlashLoader, evict
 from ..io.cache import pack_files
+from ..io.planner import profile_file
+from ..io.read_cost import describe_profile
 from ..models import is_flash_pack, load_tokenizer
 from ..pack import read_manifest, write_pack
 from ..paths import flash_home
@@ -527,6 +529,8 @@ def run(args) -> int:
           + f"), budget {suite.budget_bytes / 1e9:.3f} GB, cap: "
           + (f"{suite.cap_for(suite.budget_bytes) / 1e9:.3f} GB" if suite.cap["used"] else
              f"none ({suite.cap['reason'] if args.cap else 'not asked'})"), file=sys.stderr)
+    profile_line = stored_profile_line(suite.pack, args.threads)  # what prices the runs' reads
+    print(profile_line, file=sys.stderr)
 
     # 1. the modes (Table 3)
     for rep in range(args.repeats):  # repeats outermost: background load hits every mode alike
@@ -591,6 +595,7 @@ def run(args) -> int:
         "length_steps": {r["label"]: r["value"]["steps"] for r in suite.runs
                          if r["group"] == "sweep-length" and r["ok"]},
         "peers": peer_results,
+        "read_cost_profile": profile_line,
         "runs": suite.runs,
     }
     if endor_pack:
@@ -669,6 +674,17 @@ def encoding_markdown(result) -> str:
             f"{r['dense_bytes_read'] / 1e6:.1f} / {r['endor_bytes_read'] / 1e6:.1f} | "
             + (f"{dec:.0%}" if dec is not None else "n/a") + f" | {r['endor_plan']} |")
     return "\n".join(lines) + "\n"
+
+
+def stored_profile_line(pack, threads) -> str:
+    """describe_profile of the read-cost profile stored for the pack's device and the loader's
+    engine at `threads` in flight: what the runs' planners price reads with (a run measures and
+    stores one when none is)."""
+    probe = FlashLoader(pack, threads=threads, plan=False)
+    try:
+        return describe_profile(probe.stored_cost(), profile_file())
+    finally:
+        probe.close()
 
 
 def _command(args) -> str:

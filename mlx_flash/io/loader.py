@@ -219,11 +219,16 @@ class FlashLoader:
             cost = self._measured_cost()
         self.cost = cost
 
+    def stored_cost(self) -> ReadCost | None:
+        """The stored cost model of the pack's device for this loader's engine, priced at its
+        threads (planner.load_cost), or None when none is stored (or the pack has no bundles)."""
+        first = next(iter(self.bundles.values()), None)
+        return load_cost(self.pack / first.file, self.threads, self.cost_engine()) if first else None
+
     def _measured_cost(self) -> ReadCost | None:
         """The stored cost model of the pack's device, else measure_cost's."""
         paths = [self.pack / e.file for e in self.bundles.values()]
-        kind = self.cost_engine()
-        return load_cost(paths[0], self.threads, kind) or measure_cost(paths, self.threads, kind)
+        return self.stored_cost() or measure_cost(paths, self.threads, self.cost_engine())
 
     # -- layout -------------------------------------------------------------------------------
     def entry(self, layer) -> Bundle:

@@ -19,8 +19,8 @@ import numpy as np
 from ..errors import FlashError
 from ..paths import flash_home, write_json_atomic
 from .files import FileLayer
-from .read_cost import (DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, ReadCostCurve, measure_curve,
-                        warn_if_loaded)
+from .read_cost import (DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, MEASURED_FORMAT, ReadCostCurve,
+                        measure_curve, warn_if_loaded)
 
 DEFAULT_MAX_READ = 1 << 20  # bytes; larger merged reads stop helping and cost parallelism
 
@@ -97,7 +97,7 @@ def save_cost(path, threads, cost, engine="threads"):
         data = json.loads(f.read_text())
     except (OSError, ValueError):
         data = {}
-    measured = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    measured = {"measured": getattr(cost, "measured", None) or time.strftime(MEASURED_FORMAT)}
     if isinstance(cost, ReadCostCurve):
         data[_curve_key(path, engine)] = {**cost.to_dict(), **measured}
     else:

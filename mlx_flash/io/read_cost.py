@@ -23,7 +23,9 @@ load); `stage_saves_time` compares the two for the loader.
 Load: a curve measured while other processes kept the CPUs busy prices reads high (4 KiB: 82 us
 loaded vs 14 us idle on one shared SSD), and the planner then reads through large gaps. Each
 measurement records the share of its CPUs' time other processes took meanwhile (`load`,
-load_since); a curve at or above LOADED_SHARE is reported once per process (warn_if_loaded).
+load_since) and when it was measured (`measured`); a curve at or above LOADED_SHARE is reported once
+per process (warn_if_loaded), and report headers show both (describe_profile). REMEASURE_COMMAND
+measures one device's entry again, leaving the others stored.
 """
 
 import os
@@ -57,6 +59,9 @@ FINISH_THREADS = 2
 # A curve measured while other processes took this share (or more) of the CPU time of the CPUs
 # the measurement could run on is called loaded: warned about, re-measured by hand on an idle machine
 LOADED_SHARE = 0.25
+MEASURED_FORMAT = "%Y-%m-%dT%H:%M:%S"  # a curve's `measured` stamp (local time)
+# re-measures one device's stored curve (its entry only) and prints it
+REMEASURE_COMMAND = "python -m mlx_flash.bench io --pack PACK --parts profile --calibrate"
 
 
 @dataclass
@@ -76,6 +81,7 @@ class ReadCostCurve:
     # how loaded the machine was while measuring (load_since: other_cpu_share, cpus, seconds,
     # source); None: unknown (a profile stored before loads were recorded)
     load: dict | None = field(default=None, compare=False)
+    measured: str | None = field(default=None, compare=False)  # when, local time (MEASURED_FORMAT)
     _row: np.ndarray = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -92,7 +98,7 @@ class ReadCostCurve:
 
     def at_depth(self, depth: int) -> "ReadCostCurve":
         return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine, self.segment_s,
-                             self.copy_bandwidth, self.landing, self.load)
+                             self.copy_bandwidth, self.landing, self.load, self.measured)
 
     def seconds(self, nbytes):
         """Seconds per read of `nbytes` (scalar or array) at this curve's depth."""
@@ -129,13 +135,14 @@ class ReadCostCurve:
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "depths": self.depths, "table": np.asarray(self.table).tolist(),
                 "segment_s": self.segment_s, "copy_bandwidth": self.copy_bandwidth,
-                "landing": self.landing, "landing_version": LANDING_VERSION, "load": self.load}
+                "landing": self.landing, "landing_version": LANDING_VERSION, "load": self.load,
+                "measured": self.measured}
 
     @classmethod
     def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
         return cls(d["sizes"], d["depths"], d["table"], depth, segment_s=d.get("segment_s", 0.0),
                    copy_bandwidth=d.get("copy_bandwidth", 0.0), landing=d.get("landing"),
-                   load=d.get("load"))
+                   load=d.get("load"), measured=d.get("measured"))
 
 
 def _cpu_busy_seconds(cpus) -> float | None:
@@ -199,21 +206,34 @@ def is_loaded(load: dict | None) -> bool:
     return share is not None and share >= LOADED_SHARE
 
 
+def describe_profile(cost, profile_file=None) -> str:
+    """One line for report headers: the read-cost profile that prices reads (a ReadCostCurve, an
+    older straight-line planner.ReadCost, or None: none stored), when it was measured and how
+    loaded the machine was then."""
+    where = f" {profile_file}" if profile_file else ""
+    if cost is None:
+        return f"read-cost profile{where}: none stored for this device (the first load measures it, ~5-15 s)"
+    measured = getattr(cost, "measured", None)
+    return (f"read-cost profile{where}: {'measured ' + measured if measured else 'date not recorded'}, "
+            f"{describe_load(getattr(cost, 'load', None))}")
+
+
 _warned = set()
 
 
 def warn_if_loaded(curve, profile_file, key: str = "") -> bool:
     """Print one stderr line per profile entry and process when `curve` was measured loaded,
-    naming the profile file and the command that re-measures it (remove the file: the next load
-    measures the curve again). Returns whether it warned."""
+    naming the profile file and the command that re-measures that entry (REMEASURE_COMMAND).
+    Returns whether it warned."""
     load = getattr(curve, "load", None)
     if not is_loaded(load) or (str(profile_file), key) in _warned:
         return False
     _warned.add((str(profile_file), key))
-    print(f"mlx_flash: the read-cost profile {profile_file} [{key}] was measured while other "
-          f"processes took {load['other_cpu_share']:.0%} of the CPUs (loaded from {LOADED_SHARE:.0%}): "
-          f"reads may be mispriced; on an idle machine run `rm {profile_file}` and the next load "
-          f"measures it again (~5-15 s)", file=sys.stderr)
+    print(f"mlx_flash: the read-cost profile {profile_file} [{key}] was measured "
+          f"{getattr(curve, 'measured', None) or '(date not recorded)'} while other processes took "
+          f"{load['other_cpu_share']:.0%} of the CPUs (loaded from {LOADED_SHARE:.0%}): reads may be "
+          f"mispriced; on an idle machine `{REMEASURE_COMMAND}` (PACK: a pack on this device) measures "
+          f"this entry again (~5-15 s)", file=sys.stderr)
     return True
 
 
@@ -445,4 +465,5 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
     return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used,
                          segment_s=landing["segment_s"][0] if measured else 0.0,
                          copy_bandwidth=landing["copy_bandwidth"][0] if measured else 0.0,
-                         landing=landing if measured else None, load=load_since(started))
+                         landing=landing if measured else None, load=load_since(started),
+                         measured=time.strftime(MEASURED_FORMAT))
