@@ -326,3 +326,27 @@ def test_describe_profile_names_the_date_and_the_load():
     assert "62% of 2 CPU(s)" in line and "LOADED" in line
     assert "date not recorded" in describe_profile(ReadCost(1e-4, 1e9)) and "unknown" in describe_profile(ReadCost(1e-4, 1e9))
     assert "none stored" in describe_profile(None)
+
+
+def test_old_and_new_profiles_price_reads_identically():
+    """A profile stored before the per-size terms (scalars only) and one with `landing` holding the
+    same terms price every read alike; with `landing` the scalars are derived from its first size
+    (what an older reader of the stored profile prices with); unmeasured terms are 0."""
+    from mlx_flash.io.read_cost import landing_terms, stage_saves_time
+
+    reads = np.array([4096, 65536, 262144, 524288, 1 << 20, 4 << 20])
+    base = {"sizes": SIZES, "depths": DEPTHS, "table": TABLE}
+    old = ReadCostCurve.from_dict({**base, "segment_s": 1e-6, "copy_bandwidth": 8e9})
+    for sizes in ([262144], [262144, 1048576]):
+        new = ReadCostCurve.from_dict({**base, "landing": {"sizes": sizes, "segment_s": [1e-6] * len(sizes),
+                                                           "copy_bandwidth": [8e9] * len(sizes)}})
+        assert (new.segment_s, new.copy_bandwidth) == (old.segment_s, old.copy_bandwidth) == (1e-6, 8e9)
+        np.testing.assert_array_equal(landing_terms(new, reads), landing_terms(old, reads))
+        for pieces in (1, 3, 16, 1024):
+            assert stage_saves_time(new, reads, [pieces] * len(reads)) == \
+                stage_saves_time(old, reads, [pieces] * len(reads))
+    np.testing.assert_array_equal(landing_terms(old, reads), [np.full(6, 1e-6), np.full(6, 1 / 8e9)])
+    varied = {"sizes": [262144, 1048576], "segment_s": [0.5e-6, 2.5e-6], "copy_bandwidth": [2e9, 4e9]}
+    d = ReadCostCurve.from_dict({**base, "landing": varied}).at_depth(4).to_dict()
+    assert (d["segment_s"], d["copy_bandwidth"], d["landing"]) == (0.5e-6, 2e9, varied)
+    np.testing.assert_array_equal(landing_terms(ReadCostCurve.from_dict(base), reads), np.zeros((2, 6)))

@@ -75,8 +75,9 @@ class ReadCostCurve:
     engine: str = field(default="threads", compare=False)  # how the measured reads were issued
     segment_s: float = 0.0  # seconds a read costs per destination segment beyond its first (0: none)
     copy_bandwidth: float = 0.0  # bytes/second of read time that copying staged rows out adds (0: unmeasured)
-    # the two terms per measured read size, {"sizes", "segment_s", "copy_bandwidth"} (lists; the
-    # scalars above are the first size's); None: the scalars at every size
+    # the two terms per measured read size, {"sizes", "segment_s", "copy_bandwidth"} (lists); when
+    # given, the scalars above are derived from it (its first size's: what older readers of a
+    # stored profile price with); None: the scalars, from a profile stored before, at every size
     landing: dict | None = field(default=None, compare=False)
     # how loaded the machine was while measuring (load_since: other_cpu_share, cpus, seconds,
     # source); None: unknown (a profile stored before loads were recorded)
@@ -95,6 +96,9 @@ class ReadCostCurve:
         x = np.log2(max(1, self.depth))
         self._row = np.array([np.interp(x, logd, t[:, j]) for j in range(len(self.sizes))])
         self._gaps = {}
+        if _measured_sizes(self.landing):
+            self.segment_s = float(self.landing["segment_s"][0])
+            self.copy_bandwidth = float(self.landing["copy_bandwidth"][0])
 
     def at_depth(self, depth: int) -> "ReadCostCurve":
         return ReadCostCurve(self.sizes, self.depths, self.table, depth, self.engine, self.segment_s,
@@ -237,21 +241,26 @@ def warn_if_loaded(curve, profile_file, key: str = "") -> bool:
     return True
 
 
+def _measured_sizes(landing) -> bool:
+    return bool(landing) and len(landing.get("sizes", ())) > 0
+
+
 def landing_terms(cost, read_bytes) -> tuple:
     """(seconds per extra destination segment, seconds of copy per byte) for reads of
     `read_bytes` (array): the cost model's terms at the measured size nearest in log2(bytes),
-    linear between measured sizes (ReadCostCurve.landing), else its scalars at every size;
-    (0, 0) where unmeasured."""
+    linear between measured sizes (ReadCostCurve.landing), else its scalars (segment_s,
+    copy_bandwidth) at every size; 0 where unmeasured (a copy bandwidth of 0)."""
     nbytes = np.asarray(read_bytes, np.float64)
     landing = getattr(cost, "landing", None)
-    if landing and len(landing.get("sizes", ())):
-        x = np.log2(np.maximum(nbytes, 1))
-        sizes = np.log2(np.asarray(landing["sizes"], np.float64))
-        seg = np.interp(x, sizes, np.asarray(landing["segment_s"], np.float64))
-        copy = np.interp(x, sizes, 1 / np.maximum(np.asarray(landing["copy_bandwidth"], np.float64), 1.0))
-        return seg, copy
-    seg, copy_bw = getattr(cost, "segment_s", 0.0), getattr(cost, "copy_bandwidth", 0.0)
-    return np.full(nbytes.shape, float(seg)), np.full(nbytes.shape, 1 / copy_bw if copy_bw > 0 else 0.0)
+    if not _measured_sizes(landing):  # one size's terms price every size
+        landing = {"sizes": [1], "segment_s": [getattr(cost, "segment_s", 0.0)],
+                   "copy_bandwidth": [getattr(cost, "copy_bandwidth", 0.0)]}
+    x = np.log2(np.maximum(nbytes, 1))
+    sizes = np.log2(np.asarray(landing["sizes"], np.float64))
+    bandwidth = np.asarray(landing["copy_bandwidth"], np.float64)
+    per_byte = np.divide(1.0, bandwidth, out=np.zeros_like(bandwidth), where=bandwidth > 0)
+    return (np.interp(x, sizes, np.asarray(landing["segment_s"], np.float64)),
+            np.interp(x, sizes, per_byte))
 
 
 def stage_saves_time(cost, read_bytes, segments) -> bool:
@@ -461,9 +470,6 @@ def measure_curve(directory, *, sizes=DEFAULT_SIZES, depths=DEFAULT_DEPTHS, file
         if read_path is None:
             path.unlink(missing_ok=True)
     table = np.maximum.accumulate(table, axis=1)  # a larger read never costs less: noise otherwise
-    measured = bool(landing["sizes"])
     return ReadCostCurve(list(sizes), list(depths), table.tolist(), engine=used,
-                         segment_s=landing["segment_s"][0] if measured else 0.0,
-                         copy_bandwidth=landing["copy_bandwidth"][0] if measured else 0.0,
-                         landing=landing if measured else None, load=load_since(started),
+                         landing=landing if landing["sizes"] else None, load=load_since(started),
                          measured=time.strftime(MEASURED_FORMAT))
