@@ -137,6 +137,7 @@ def test_prune_checkpoints_never_deletes_the_newest_written(tmp_path):
     for step in (1, 2, 3, 7):
         (root / f"step-{step:06d}").mkdir(parents=True)
         (root / f"step-{step:06d}" / R.TRAINER_JSON).write_text("{}")
+    (root / ".step-000000.deleting-1" / "sub").mkdir(parents=True)  # an interrupted delete's leftover
     # the one just written sorts before a leftover newer one: it stays all the same
     deleted = R.prune_checkpoints(tmp_path, 1, root / "step-000003")
     assert [d.name for d in deleted] == ["step-000001", "step-000002"]

@@ -449,11 +449,12 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
 def prune_checkpoints(out: Path, keep: int, newest: Path) -> list:
     """Delete all but the newest `keep` (>= 1) checkpoints of the run, never `newest` (the one just
     written, which --resume continues from). Each is renamed out of checkpoint_dirs' sight before
-    its files go, so an interrupted delete never leaves a half checkpoint. Returns the deleted."""
+    its files go, so an interrupted delete never leaves a half checkpoint (its leftovers go on the
+    next prune). Returns the deleted."""
     doomed = [d for d in checkpoint_dirs(out)[:-keep] if d != newest]
     for d in doomed:
-        gone = d.with_name(f".{d.name}.deleting-{os.getpid()}")
-        os.rename(d, gone)
+        os.rename(d, d.with_name(f".{d.name}.deleting-{os.getpid()}"))
+    for gone in (Path(out) / CHECKPOINTS).glob(".step-*.deleting-*"):
         shutil.rmtree(gone)
     return doomed
 
