@@ -53,6 +53,7 @@ def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
 def test_profile_part_shows_the_stored_profile_and_calibrate_remeasures_its_entry_alone(
         tiny_llama, tmp_path, monkeypatch, capsys):
     from mlx_flash.bench import io as bench_io
+    from mlx_flash.io import FlashLoader
     from mlx_flash.io.planner import _curve_key, calibrate, profile_file, save_cost
     from mlx_flash.io.read_cost import ReadCostCurve
     from mlx_flash.pack import read_manifest, write_pack
@@ -81,6 +82,7 @@ def test_profile_part_shows_the_stored_profile_and_calibrate_remeasures_its_entr
     assert main(["io", "--pack", str(pack), "--parts", "profile", "--threads", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())["profile"]
     assert calls == [] and r["measured"] == "2026-11-26T05:19:00" and r["load"] == loaded
+    assert r["engine"] == FlashLoader(pack, threads=2, plan=False).cost_engine()  # the entry's, as stored
     assert "measured 2026-11-26T05:19:00" in r["description"] and "LOADED" in r["description"]
     assert r["description"] in capsys.readouterr().out
     # --calibrate: measured once for the run (profile and large both price reads), that entry only

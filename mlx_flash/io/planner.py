@@ -77,7 +77,7 @@ def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | Non
     key = _curve_key(path, engine)
     curve = data.get(key)
     if curve and (engine != "aio" or curve.get("landing_version", 1) >= LANDING_VERSION):
-        cost = ReadCostCurve.from_dict(curve, depth=threads)
+        cost = ReadCostCurve.from_dict(curve, depth=threads, engine=engine)
         warn_if_loaded(cost, f, key)
         return cost
     if curve:

@@ -143,8 +143,11 @@ class ReadCostCurve:
                 "measured": self.measured}
 
     @classmethod
-    def from_dict(cls, d: dict, depth: int = 32) -> "ReadCostCurve":
-        return cls(d["sizes"], d["depths"], d["table"], depth, segment_s=d.get("segment_s", 0.0),
+    def from_dict(cls, d: dict, depth: int = 32, engine: str | None = None) -> "ReadCostCurve":
+        """The curve of a to_dict() (a stored profile entry); engine: the one its entry is stored
+        for (named by the entry's key, planner._curve_key)."""
+        return cls(d["sizes"], d["depths"], d["table"], depth, engine=engine or "threads",
+                   segment_s=d.get("segment_s", 0.0),
                    copy_bandwidth=d.get("copy_bandwidth", 0.0), landing=d.get("landing"),
                    load=d.get("load"), measured=d.get("measured"))
 
