@@ -183,3 +183,37 @@ def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
     pack_ppl = held_out_perplexity([build_moe_model(tmp_path / "pack", FlashConfig(mode="dense"))],
                                    text)["ppl"][0]
     assert row["ppl"] == pytest.approx(pack_ppl, rel=1e-4)
+
+
+def test_frozen_routing_replays_the_float_models_experts(moe_model):
+    from mlx_flash.calibration.expert_bits import layer_losses, routing_replay
+    from mlx_flash.moe.bitwidths import quantize_dequantize
+
+    tokens = np.random.default_rng(6).integers(0, 128, 129).astype(np.int32)
+    block = moe_model.layers[0].block_sparse_moe
+    router = moe_model.layers[1].block_sparse_moe.gate
+    ref = record_switch_inputs(moe_model, tokens, seq_len=128)
+    up = block.switch_mlp.up_proj
+    w = up.weight
+    with routing_replay(moe_model) as replays:
+        assert record_switch_inputs(moe_model, tokens, seq_len=128)[1][1].shape == (128, 2)
+        for r in replays:
+            r.mode = "replay"
+        up.weight = quantize_dequantize(w, 2, 32)  # layer 0 narrowed: layer 1 would route anew
+        try:
+            frozen = record_switch_inputs(moe_model, tokens, seq_len=128)
+        finally:
+            up.weight = w
+    assert moe_model.layers[1].block_sparse_moe.gate is router  # restored
+    up.weight = quantize_dequantize(w, 2, 32)
+    try:
+        free = record_switch_inputs(moe_model, tokens, seq_len=128)
+    finally:
+        up.weight = w
+    chosen = lambda ids: np.sort(ids[:128], axis=-1)
+    assert (chosen(free[1][1]) != chosen(ref[1][1])).any()  # the narrowing does flip choices
+    assert (chosen(frozen[1][1]) == chosen(ref[1][1])).all()  # replayed: the float model's
+    losses = layer_losses(moe_model, tokens, None, (2,), 32, seq_len=128)
+    fixed = layer_losses(moe_model, tokens, None, (2,), 32, seq_len=128, frozen_routing=True)
+    assert fixed[1][0] == pytest.approx(losses[1][0], rel=1e-5)  # no router after the last layer
+    assert fixed[0][0] != pytest.approx(losses[0][0], rel=1e-3)
