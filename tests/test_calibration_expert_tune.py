@@ -107,3 +107,27 @@ def test_lr_by_width_scales_each_widths_step(models):
     assert weighted[2] == pytest.approx(3 * plain[2], rel=1e-3)
     assert weighted[3] == pytest.approx(plain[3], rel=1e-3)
     assert first_step({2: 0.0, 3: 0.0}) == {2: 0.0, 3: 0.0}
+
+
+def test_checkpoints_are_the_shorter_runs(models):
+    teacher, student = models
+    tokens = np.random.default_rng(3).integers(0, 128, 300).astype(np.int32)
+    quantized = {}
+    errors = measure_errors(teacher, tokens, 32, (2, 3), progress=False, method="gptq-fit",
+                            quantized=quantized)
+    bits = assign_widths(errors, 2.5, widths=(2, 3))
+    quantize_resident(student, 4, 32)
+    seen = {}
+
+    def tune(steps, **kw):
+        return tune_expert_scales(student, teacher, quantized, bits, tokens, steps=steps,
+                                  group_size=32, seq_len=64, progress=False, **kw)["quantized"]
+
+    final = tune(4, checkpoint_every=2, on_checkpoint=lambda n, q: seen.setdefault(n, q))
+    assert sorted(seen) == [2, 4]
+    short = tune(2)
+    for key, stacks in quantized.items():
+        for role in stacks:
+            for got, want in ((seen[2], short), (seen[4], final)):
+                assert all(mx.array_equal(a, b) for a, b in zip(got[key][role], want[key][role]))
+            assert not mx.array_equal(seen[2][key][role][1], seen[4][key][role][1])

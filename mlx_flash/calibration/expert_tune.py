@@ -57,7 +57,8 @@ def _expert_grids(quantized, bits, group_size):
 
 def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np.ndarray, *,
                        steps: int, group_size: int, lr: float = 2e-3, seq_len: int = 256,
-                       seed: int = 0, progress: bool = True, lr_by_width: dict = None) -> dict:
+                       seed: int = 0, progress: bool = True, lr_by_width: dict = None,
+                       checkpoint_every: int = 0, on_checkpoint=None) -> dict:
     """Train the scales and biases of each expert at its width (module docstring).
 
     student / teacher: the same MoE architecture (student: non-expert weights as the pack holds
@@ -66,7 +67,9 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     {layer: [bits per expert]}. tokens: int32 training ids (never the evaluation text); each
     step is one random window of seq_len tokens. lr_by_width: {bits: factor} multiplying `lr`
     for the experts at that width (default 1 for every width): the narrow experts' scales can
-    be moved further than the wide ones' in the same steps.
+    be moved further than the wide ones' in the same steps. on_checkpoint(steps done, tuned
+    `quantized` as returned) is called every `checkpoint_every` steps (e.g. to score a validation
+    split: a run's first n steps are exactly an n-step run, same windows and Adam state).
 
     Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases for the
     experts at that width (integers and other rows unchanged), "kl": [nats per token, each
@@ -125,11 +128,20 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                     opt.update(params, grads)
                 mx.eval(params, opt.state, loss)
                 kl.append(float(loss))
+                if on_checkpoint and checkpoint_every and len(kl) % checkpoint_every == 0:
+                    on_checkpoint(len(kl), _tuned_stacks(quantized, grids, params, bits))
     finally:
         ops.set_kernels_enabled(kernels)
         for (layer, r), w in saved.items():
             getattr(found[layer][2], f"{r}_proj").weight = w
 
+    return {"quantized": _tuned_stacks(quantized, grids, params, bits), "kl": kl,
+            "seconds": time.perf_counter() - t0, "lr_by_width": dict(lr_by_width or {})}
+
+
+def _tuned_stacks(quantized, grids, params, bits) -> dict:
+    """A copy of `quantized` whose stacks hold the scales/biases of `params` ({"layer.role": {"a",
+    "c"}}) for the experts at each width (integers and other rows unchanged)."""
     tuned = {key: dict(stacks) for key, stacks in quantized.items()}
     for (layer, r), (_, s0, b0) in grids.items():
         a, c = params[f"{layer}.{r}"]["a"], params[f"{layer}.{r}"]["c"]
@@ -141,5 +153,4 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
             s_new[rows], b_new[rows] = scale[rows], bias[rows]
             tuned[(layer, b)][r] = (packed, mx.array(s_new).astype(s.dtype),
                                     mx.array(b_new).astype(bb.dtype))
-    return {"quantized": tuned, "kl": kl, "seconds": time.perf_counter() - t0,
-            "lr_by_width": dict(lr_by_width or {})}
+    return tuned
