@@ -57,7 +57,7 @@ def _calibrate_moe(model_dir, args) -> tuple:
         quantized = {}
         errors = measure_errors(model, tokens, group_size, widths, method=args.expert_quantizer,
                                 quantized=quantized)
-        if args.expert_importance == "layer-loss":
+        if args.expert_importance.startswith("layer-loss"):
             errors = _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, args)
         if tolerance is not None:
             found_bits = fewest_bits_within(model, tokens, errors, tolerance, group_size, widths,
@@ -95,10 +95,13 @@ def _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, arg
 
     t0 = time.perf_counter()
     # the narrowest width only: one pass per layer (the loss is largest there; all widths: 4x)
+    frozen = args.expert_importance == "layer-loss-frozen"
     losses = layer_losses(model, tokens[: args.expert_importance_tokens + 1], quantized or None,
-                          widths[:1], group_size)
-    print(f"--expert-importance layer-loss: KL from the float model (nats/token) when one layer's "
-          f"experts are at {widths[0]} bits, {time.perf_counter() - t0:.0f} s:", file=sys.stderr)
+                          widths[:1], group_size, frozen_routing=frozen)
+    print(f"--expert-importance {args.expert_importance}: KL from the float model (nats/token) "
+          f"when one layer's experts are at {widths[0]} bits"
+          f"{' with routing frozen' if frozen else ''}, "
+          f"{time.perf_counter() - t0:.0f} s:", file=sys.stderr)
     for layer, row in losses.items():
         print(f"  layer {layer}: " + " ".join(f"{v:.4f}" for v in row), file=sys.stderr)
     return scale_by_layer_loss(errors, losses)
@@ -196,13 +199,16 @@ def _main(argv):
                         metavar="BITS", help="--expert-bits: the widths an expert may get "
                                              "(default 2 3 4 8; e.g. 4 with --expert-bits 4: every "
                                              "expert at 4 bits, by --expert-quantizer)")
-    parser.add_argument("--expert-importance", choices=("output", "layer-loss"), default="output",
+    parser.add_argument("--expert-importance", choices=("output", "layer-loss", "layer-loss-frozen"),
+                        default="output",
                         help="--expert-bits: output = each expert's quantization error in its "
                              "layer's output (relative to the layer's output energy); layer-loss "
                              "= the same, each layer's rescaled so its total at the narrowest "
                              "width is the measured KL from the float model with that layer's "
                              "experts at that width (one forward pass per layer, EdgeMoE's loss "
-                             "change; layers differ by orders of magnitude)")
+                             "change; layers differ by orders of magnitude); layer-loss-frozen = "
+                             "layer-loss with every later router replaying the float model's "
+                             "choices (the rounding's own loss, not the routers' reaction)")
     parser.add_argument("--expert-importance-tokens", type=int, default=256,
                         help="--expert-importance layer-loss: calibration tokens per pass "
                              "(default 256)")

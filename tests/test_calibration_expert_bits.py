@@ -167,7 +167,7 @@ def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
     rng = np.random.default_rng(5)
     calib, text = (rng.integers(0, 128, n).astype(np.int32) for n in (300, 257))
     rows = assignment_perplexities(model, student, calib, text, 3.0, 32, loss_tokens=128)
-    assert [r["name"] for r in rows][0] == "all 4-bit" and len(rows) == 5
+    assert [r["name"] for r in rows][0] == "all 4-bit" and len(rows) == 6
     assert rows[0]["mean_bits"] == 4.0 and all(r["mean_bits"] <= 3.0 for r in rows[1:])
     # the layer-loss row's pack, written and run by the runtime (dense mode), scores the same
     quantized = {}
@@ -177,7 +177,10 @@ def test_assignment_perplexities_are_the_packs_held_out_perplexities(tmp_path):
     assert row["name"] == "knapsack, layer loss"
     # the last row prices each layer's measured loss at every width
     losses = layer_losses(model, calib[:129], quantized, WIDTHS, 32)
-    assert rows[4]["bits"] == assign_widths(scale_by_layer_loss(errors, losses), 3.0)
+    assert rows[5]["bits"] == assign_widths(scale_by_layer_loss(errors, losses), 3.0)
+    frozen = layer_losses(model, calib[:129], quantized, WIDTHS[:1], 32, frozen_routing=True)
+    assert rows[4]["name"] == "knapsack, layer loss, routing frozen"
+    assert rows[4]["bits"] == assign_widths(scale_by_layer_loss(errors, frozen), 3.0)
     write_pack(src, tmp_path / "pack", progress=False, quantize=4, group_size=32,
                expert_bits=row["bits"], expert_quantizer=stored_quantizer(quantized))
     pack_ppl = held_out_perplexity([build_moe_model(tmp_path / "pack", FlashConfig(mode="dense"))],

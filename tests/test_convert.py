@@ -105,9 +105,10 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}
     assert "--expert-bits-tolerance 1e+09%" in capsys.readouterr().err
     assert main(args + ["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-lr-width", "2=3",
-                        "--out", str(tmp_path / "pk")]) == 0
+                        "--expert-importance", "layer-loss-frozen", "--out", str(tmp_path / "pk")]) == 0
     err = capsys.readouterr().err
     assert "--expert-tune 2: KL from the float model" in err
+    assert "--expert-importance layer-loss-frozen: KL" in err and "bits with routing frozen" in err
     assert "learning rate x3 at 2 bits)" in err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
                       (["--expert-bits", "3", "--group-size", "128"], "--group-size 128"),

@@ -384,7 +384,8 @@ def assignment_perplexities(model, student, calib_tokens, eval_tokens, target_bi
     dequantized (`experts_at_widths`) and computed densely: the runtime's dense-mode values.
     Rows: all 4-bit; knapsack and greedy on the output-error proxy; knapsack on the proxy
     rescaled by the measured layer losses at the narrowest width (convert's --expert-importance
-    layer-loss); the same rescaled at every width (each layer's measured loss curve).
+    layer-loss); the same with routing frozen (layer-loss-frozen); the proxy rescaled at every
+    width (each layer's measured loss curve).
     """
     from ..moe.quality import held_out_perplexity
 
@@ -393,12 +394,16 @@ def assignment_perplexities(model, student, calib_tokens, eval_tokens, target_bi
     quantized = quantized or None
     losses = layer_losses(model, calib_tokens[: loss_tokens + 1], quantized, widths, group_size)
     scaled = scale_by_layer_loss(errors, {layer: row[:1] for layer, row in losses.items()})
+    frozen = layer_losses(model, calib_tokens[: loss_tokens + 1], quantized, widths[:1],
+                          group_size, frozen_routing=True)
     n = {layer: err.shape[0] for layer, err in errors.items()}
     variants = [("all 4-bit", {layer: [4] * k for layer, k in n.items()}),
                 ("knapsack, output error", assign_widths(errors, target_bits, widths=widths)),
                 ("greedy, output error", assign_widths(errors, target_bits, widths=widths,
                                                        solver="greedy")),
                 ("knapsack, layer loss", assign_widths(scaled, target_bits, widths=widths)),
+                ("knapsack, layer loss, routing frozen",
+                 assign_widths(scale_by_layer_loss(errors, frozen), target_bits, widths=widths)),
                 ("knapsack, layer loss at every width",
                  assign_widths(scale_by_layer_loss(errors, losses), target_bits, widths=widths))]
     rows = []
