@@ -20,6 +20,7 @@
 #include "layer_ops.h"
 #include "matvec_op.h"
 #include "moe_experts.h"
+#include "sparse_ffn.h"
 #include "mlx/array.h"
 #include "thread_pool.h"
 
@@ -32,6 +33,9 @@ using namespace flash_ext;
 
 // A projection from Python: (w, scales, biases, bias), the last three None where absent.
 using Proj = std::tuple<mx::array, std::optional<mx::array>, std::optional<mx::array>, std::optional<mx::array>>;
+// A row set from Python: (up, gate or None, down_t, n, neuron ids or None).
+using SetArg = std::tuple<mx::array, std::optional<mx::array>, mx::array, int, std::optional<mx::array>>;
+
 flash_ext::Linear linear(const Proj& p) {
   return {std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p)};
 }
@@ -158,6 +162,22 @@ NB_MODULE(_ext, m) {
       "up(x[t])) with the expert in bank slot slots[t, j]; x [T, D], slots integer [T, k]; gate / up / down are "
       "(w, scales, biases, None) banks [S, rows, columns] (MLX affine, 4 or 8 bits). Slots outside [0, S) give "
       "NaN rows.");
+  m.def(
+      "sparse_ffn",
+      [](const mx::array& x, const std::vector<SetArg>& sets, std::optional<mx::array> gate_values, int act,
+         float threshold, std::optional<mx::array> add) {
+        std::vector<flash_ext::RowSet> rs;
+        for (const auto& s : sets) rs.push_back({std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s)});
+        return flash_ext::sparse_ffn(x, rs, gate_values, act, threshold, add);
+      },
+      nb::arg("x"), nb::arg("sets"), nb::arg("gate_values").none() = nb::none(), nb::arg("act") = 0,
+      nb::arg("threshold") = 0.f, nb::arg("add").none() = nb::none(),
+      "A flash layer's FFN on its current rows as one CPU primitive: y = [add +] the sum over `sets` of "
+      "down_t[:n].T-weighted act(gate, up) rows, each part and partial sum rounded to the output dtype as "
+      "`y = y + part` rounds it. sets: (up, gate or None, down_t, n, ids or None), rows [R, K] float16 / "
+      "bfloat16; a set without gate rows takes gate_values[..., ids] (or [..., :n]). act 0: silu(g) * u "
+      "where |silu(g)| > threshold; 1: g * u where g > threshold; 2 (no gate): u where u > threshold. "
+      "Neuron ids outside gate_values give NaN.");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the best instruction set this CPU has (True) or force the portable scalar path (False).");
   m.def("isa", [] { return std::string(flash::isa_name(flash::active_isa())); },

@@ -1,6 +1,7 @@
 """mlx_flash.cpu.ops: CPU kernels vs MLX's own ops, and the MLX-op fallback (tolerances: cpu_checks.py)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -587,3 +588,83 @@ def test_experts_swiglu_long_prompt_batches_and_bad_slots():
     assert np.isfinite(y).all(axis=-1).sum() == 2 * k - 2
     with pytest.raises(ValueError, match="slots"):
         ops._ext.experts_swiglu(x, mx.array(slots[:3]), *[(*b, None) for b in banks], 32, 4, 32, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# A flash layer's FFN on its current rows (ops.sparse_ffn): the kernel against its twin op by op
+
+
+def _row_sets(dtype, k=64, n_gate=48, seed=0):
+    """Two row sets of an FFN layer: one carrying gate rows, one taking a resident gate's values at
+    neuron ids, plus an empty one; rows large enough that many hidden values pass the thresholds."""
+    keys = mx.random.split(mx.random.key(seed), 6)
+    rows = [(mx.random.normal((r, k), key=keys[i]) * 0.3).astype(dtype) for i, r in enumerate((40, 40, 40, 16, 16))]
+    ids = mx.array(np.random.default_rng(seed).permutation(n_gate)[:10].astype(np.int32))
+    gate_values = lambda lead: (mx.random.normal((*lead, n_gate), key=keys[5]) * 2).astype(dtype)  # noqa: E731
+    sets = [(rows[0], rows[1], rows[2], 30, None), (rows[3], None, rows[4], 10, ids), (rows[3], None, rows[4], 0, None)]
+    return sets, gate_values
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("act, threshold", [("silu", 0.0), ("silu", 0.3), ("relu_gated", 0.0), ("relu_gated", 0.5)])
+@pytest.mark.parametrize("m", [1, 7])  # a decode token, a prompt chunk (the tile kernels)
+def test_sparse_ffn_equals_its_ops_bit_for_bit(path, dtype, act, threshold, m):
+    sets, gate_values = _row_sets(dtype)
+    x = _x((1, m, 64), dtype, seed=m)
+    g = gate_values((1, m))
+    for add in (None, _x((1, m, 64), dtype, seed=99)):
+        y = ops.sparse_ffn(x, sets, g, act, threshold, add)
+        want = ops.sparse_ffn_ops(x, sets, g, act, threshold, add)
+        assert y.dtype == want.dtype == dtype and y.shape == (1, m, 64)
+        assert mx.array_equal(y, want).item(), f"max diff {mx.abs(y - want).max()}"
+    up, _, down, _, _ = sets[0]
+    relu = [(up, None, down, 30, None)]
+    assert mx.array_equal(ops.sparse_ffn(x, relu, act="relu", threshold=threshold),
+                          ops.sparse_ffn_ops(x, relu, act="relu", threshold=threshold)).item()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_sparse_ffn_silu_is_mlx_silu_for_every_value(dtype):
+    # every finite value of the dtype as a gate output, up = 1: h is silu(g) as nn.silu rounds it
+    v = np.arange(65536, dtype=np.uint16)
+    values = mx.array(v).view(dtype)
+    values = values[mx.array(np.nonzero(np.isfinite(_f32(values)))[0])]
+    k = 16
+    x = mx.zeros((1, k), dtype).at[0, 0].add(1)
+    up = mx.zeros((k, k), dtype).at[:, 0].add(1)
+    bad = 0
+    for start in range(0, values.size, k):
+        g = values[start: start + k][None]
+        n = g.shape[1]
+        y = ops.sparse_ffn(x, [(up[:n], None, mx.eye(k, dtype=dtype)[:n], n, None)], g, "silu", 0.0)[:, :n]
+        want = nn.silu(g)
+        bad += int((~mx.logical_or(y == want, mx.isnan(y) & mx.isnan(want))).sum().item())
+    assert bad == 0
+
+
+@needs_ext
+def test_sparse_ffn_follows_mlx_ops_without_the_kernels():
+    sets, gate_values = _row_sets(mx.float16)
+    x, g = _x((1, 1, 64), mx.float16, seed=3), gate_values((1, 1))
+    y = ops.sparse_ffn(x, sets, g, "silu", 0.2)
+    ops.set_kernels_enabled(False)
+    want = ops.sparse_ffn(x, sets, g, "silu", 0.2)
+    ops.set_kernels_enabled(True)
+    # the matvecs sum in other orders: float16 rounding of the parts and of their sum
+    assert mx.allclose(y, want, rtol=4 * 2.0**-10, atol=4 * 2.0**-10 * mx.abs(want).max().item()).item()
+
+
+@needs_ext
+def test_sparse_ffn_bad_arguments_raise():
+    sets, gate_values = _row_sets(mx.float16)
+    x = mx.ones((1, 64), mx.float16)
+    with pytest.raises(ValueError, match="needs gate_values"):
+        ops._ext.sparse_ffn(x, [(u, g, d, n, i) for u, g, d, n, i in sets[1:2]], None, 0, 0.0, None)
+    with pytest.raises(ValueError, match="n=41"):
+        ops._ext.sparse_ffn(x, [(sets[0][0], sets[0][1], sets[0][2], 41, None)], None, 0, 0.0, None)
+    with pytest.raises(ValueError, match="rows must be 2-D"):
+        ops._ext.sparse_ffn(mx.ones((1, 32), mx.float16), [(sets[0][0], None, sets[0][2], 3, None)], None, 2, 0.0, None)
+    with pytest.raises(ValueError, match="act"):
+        ops.sparse_ffn(x, sets, None, "gelu")

@@ -5,6 +5,7 @@ an independent reference: mlx-lm's own model with each MLP's activation threshol
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
@@ -388,3 +389,103 @@ def test_only_sparse_layers_no_later_sync_covers_evaluate_their_output(kinds, pr
     from mlx_flash.sparse.ffn import sparse_layers_to_eval
 
     assert sparse_layers_to_eval(kinds, prefetch) == want
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU kernel of a layer's FFN on its current rows (ops.sparse_ffn)
+
+
+def _ffn_flags(model):
+    return [layer.mlp._cpu_ffn for layer in model.layers]
+
+
+def _without_ffn_kernel(model):
+    for layer in model.layers:
+        layer.mlp._cpu_ffn = False  # the MLP's row projections, op by op
+    return model
+
+
+@pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_cats_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch, lookahead):
+    """A float16 CATS pack with a resident 4-bit gate (what convert --dtype float16 --gate-bits 4
+    makes), caches smaller than the active set: cache rows, lookahead rows and overflow rows of a
+    layer go to ops.sparse_ffn in one call, with the same logits as the MLP's ops, bit for bit."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+    from mlx_flash.sparse import ffn
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, [0.03, 0.05, 0.04, 0.06], dtype="float16", gate_bits=4)
+    text = write_text(tmp_path / "t.txt", n_words=300, seed=0)
+    assert calibrate_cli.main(["--model", str(pack), "--text", str(text), "--kind", "gate-threshold", "--quiet"]) == 0
+    ids = [5, 17, 99, 3, 42, 7, 61, 12]
+
+    def build():
+        return build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}, lookahead=lookahead)
+
+    calls = []
+    monkeypatch.setattr(ffn, "sparse_ffn", lambda x, sets, *a: calls.append(len(sets)) or ops.sparse_ffn(x, sets, *a))
+    model = build()
+    got = decode_logits(model, ids)
+    assert _ffn_flags(model) == [True] * 4
+    assert len(calls) == 4 * len(ids) and max(calls) >= 2  # one call per layer and token, over all row sets
+    if lookahead:
+        assert model.flash_runtime.ahead_used > 0
+    want = decode_logits(_without_ffn_kernel(build()), ids)
+    assert np.array_equal(got, want)
+    # every neuron in one set: the kernel applies the CATS threshold itself
+    dense = build_flash_model(pack, FlashConfig("dense"))
+    assert np.array_equal(decode_logits(dense, ids),
+                          decode_logits(_without_ffn_kernel(build_flash_model(pack, FlashConfig("dense"))), ids))
+    assert _ffn_flags(dense) == [True] * 4
+
+
+@pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
+def test_every_mode_takes_the_ffn_kernel_and_keeps_the_dense_logits(tiny_llama, tmp_path):
+    src = tiny_llama("src", layers=2, intermediate=96, dtype="float16")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    dense = build_flash_model(pack, FlashConfig("dense"))
+    want = run_steps(dense)
+    assert _ffn_flags(dense) == [True, True]
+    assert_identical(run_steps(_without_ffn_kernel(build_flash_model(pack, FlashConfig("dense")))), want)
+    for model in (build_flash_model(pack, FlashConfig("naive")),
+                  build_flash_model(pack, FlashConfig("flash"), predictors={i: all_neurons(96) for i in range(2)},
+                                    capacity={0: 30, 1: 50})):
+        got = run_steps(model)
+        assert _ffn_flags(model) == [True, True]
+        for x, y in zip(got, want):  # flash: cache rows and overflow rows summed as two parts
+            assert mx.allclose(x, y, atol=4 * 2.0 ** -10 * mx.abs(y).max().item(), rtol=0).item()
+
+
+@pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
+def test_first_call_check_scales_with_the_sizes_of_the_sums_terms(tiny_llama, tmp_path, monkeypatch):
+    """A kernel whose outputs are off by 1e-3 where the layer's outputs are ~1e-4: an absolute
+    2e-2 floor passed it; the tolerance scaled by the down sums' term sizes refuses it and the
+    layer keeps the MLP's output."""
+    from mlx_flash.sparse import ffn
+
+    src = tiny_llama("src", layers=2, intermediate=96, dtype="float16")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+
+    def build():
+        model = build_flash_model(pack, FlashConfig("dense"))
+        for layer in model.layers:  # tiny down rows: FFN outputs of ~1e-4
+            rows = model.flash_runtime.caches[layer.mlp.layer].rows
+            rows["down_t.weight"] = (rows["down_t.weight"] * 1e-3).astype(mx.float16)
+        return model
+
+    model = build()
+    ffn_out = {}
+    real = ffn.sparse_ffn
+
+    def off(x, sets, *a):
+        y = real(x, sets, *a)
+        ffn_out["max"] = mx.abs(y).max().item()
+        return y + 1e-3
+
+    monkeypatch.setattr(ffn, "sparse_ffn", off)
+    with pytest.warns(RuntimeWarning, match="CPU sparse FFN kernel"):
+        got = run_steps(model)
+    assert ffn_out["max"] < 2e-3 and _ffn_flags(model) == [False, False]
+    monkeypatch.setattr(ffn, "sparse_ffn", real)
+    assert_identical(got, run_steps(_without_ffn_kernel(build())))

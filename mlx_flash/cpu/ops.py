@@ -351,3 +351,57 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
     if _attention_kernel_ok(q, k, v, mask, sinks):
         return _ext.attention(q, k, v, scale, isinstance(mask, str))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+# ------------------------------------------------------------------------------------------------
+# A flash layer's FFN on its current rows
+
+SPARSE_FFN_ACTS = ("silu", "relu_gated", "relu")
+
+
+def _hidden(g, u, act, threshold):
+    """h of one row set by MLX's ops (sparse_ffn's activations; g is None for "relu")."""
+    if act == "relu":
+        return mx.where(u > threshold, u, mx.zeros_like(u))
+    if act == "relu_gated":
+        return mx.where(g > threshold, g, mx.zeros_like(g)) * u
+    a = nn.silu(g)
+    return mx.where(mx.abs(a) > threshold, a, mx.zeros_like(a)) * u
+
+
+def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
+    """A flash layer's FFN on the rows it holds: y = [add +] sum over the row sets of
+    down_t[:n].T @ h, each part and partial sum rounded to y's dtype as `y = y + part` does.
+
+    sets: (up, gate or None, down_t, n, ids or None) per row set: rows [R, K] of one half dtype,
+    the first n used; a set without gate rows takes gate_values[..., ids] (ids: int32 [n] neuron
+    ids, None: columns 0..n-1). act (g: the gate's output, u: up's, each rounded to y's dtype):
+      "silu"        a = silu(g); h = a * u where |a| > threshold, else 0   (SwiGLU; CATS)
+      "relu_gated"  h = g * u where g > threshold, else 0                  (ReLU, FATReLU)
+      "relu"        h = u where u > threshold, else 0 (sets without gate rows, no gate_values)
+    One kernel primitive on the CPU (a dozen MLX ops per row set otherwise; an extension built
+    before this op runs them too); x [..., K] -> [..., K].
+    """
+    if act not in SPARSE_FFN_ACTS:
+        raise ValueError(f"act {act!r} is not one of {', '.join(SPARSE_FFN_ACTS)}")
+    if use_kernel(x) and hasattr(_ext, "sparse_ffn") and all(s[0].dtype in HALF_DTYPES for s in sets):
+        return _ext.sparse_ffn(x, [(u, g, d, int(n), i) for u, g, d, n, i in sets], gate_values,
+                               SPARSE_FFN_ACTS.index(act), float(threshold), add)
+    return sparse_ffn_ops(x, sets, gate_values, act, threshold, add)
+
+
+def sparse_ffn_ops(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
+    """sparse_ffn's twin: the row projections' ops one by one (gather_matvec / _t, MLX's
+    elementwise ops), as FlashFFN's MLP computes it."""
+    y = add
+    for up, gate, down, n, ids in sets:
+        u = gather_matvec(x, up, n=n)
+        g = None
+        if act != "relu":
+            if gate is not None:
+                g = gather_matvec(x, gate, n=n)
+            else:
+                g = gate_values[..., :n] if ids is None else mx.take(gate_values, ids, axis=-1)
+        part = gather_matvec_t(_hidden(g, u, act, threshold), down, n=n)
+        y = part if y is None else y + part
+    return y

@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from ..cpu import endor as cpu_endor
 from ..io import host_bytes
-from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active, quantized_matvec
+from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active, quantized_matvec, sparse_ffn
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -56,6 +56,7 @@ class CurrentRows:
         self.resident_gate = resident_gate
         self.rows, self.n, self.add_down_bias, self.ids = None, 0, True, None
         self.gate_values = None  # full_gate(x) of the current call, when already computed
+        self.term_sizes = None  # a list while a first-call check records each down call's |h| @ |W|
         self.threshold, self.act, self.masked_role = 0.0, None, None
 
     def set_threshold(self, threshold: float, act, masked_role: str):
@@ -116,9 +117,21 @@ class RowDown(nn.Module):
         y = gather_matvec_t(h, c.rows["down_t.weight"], n=c.n, scales=c.rows.get("down_t.scales"),
                             biases=c.rows.get("down_t.biases"), group_size=q.get("group_size", 64),
                             bits=q.get("bits"))
+        if c.term_sizes is not None:
+            c.term_sizes.append(_term_sizes(h, c.rows, c.n, q))
         if c.add_down_bias and c.down_bias is not None:
             y = y + c.down_bias
         return y
+
+
+def _term_sizes(h, rows: dict, n: int, q: dict):
+    """|h| @ |W| of a down call on rows[:n] (float32 [..., K]): per output, the sum of its terms'
+    sizes, the scale of that sum's rounding error."""
+    w = rows["down_t.weight"][:n]
+    if "down_t.scales" in rows:
+        w = mx.dequantize(w, rows["down_t.scales"][:n], rows["down_t.biases"][:n],
+                          group_size=q.get("group_size", 64), bits=q.get("bits"))
+    return mx.abs(h.astype(mx.float32)) @ mx.abs(w.astype(mx.float32))
 
 
 class UpDownMLP(nn.Module):
@@ -376,9 +389,75 @@ class FlashFFN(nn.Module):
         self._endor_gpu = None  # GPU, ENDOR layer streamed: True once the decode-matvec kernels matched
         self._endor_cpu = None  # CPU, ENDOR layer: True once the CPU decode-matvec matched
         self._cpu_layout = None  # the decode-matvec's view of this layer's bundles, False: not taken
+        self._cpu_ffn = None  # CPU: True once ops.sparse_ffn matched the MLP, False: not taken
+        self._ffn_act = None  # ops.sparse_ffn's (act, threshold) for this MLP, once looked at
 
     def _run(self, x, rows, n, add_down_bias=True, ids=None):
         """The MLP on rows[:n]; ids: their neuron ids (mx int32 [n]) for a resident gate."""
+        return self._run_sets(x, [(rows, n, ids)], add_down_bias)
+
+    def _run_sets(self, x, sets, add_down_bias=True, add=None):
+        """[add +] the MLP on each row set (rows, n, ids), summed in order (`y = y + part`): one
+        CPU kernel call (ops.sparse_ffn) when this layer takes it, else the MLP per set."""
+        if self._cpu_ffn is not False:
+            y = self._ffn_kernel(x, sets, add)
+            if y is not None:
+                return y
+        return self._mlp_sets(x, sets, add_down_bias, add)
+
+    def _mlp_sets(self, x, sets, add_down_bias=True, add=None):
+        """[add +] the MLP itself on each row set, `y = y + part` (the down bias on the first part)."""
+        y = add
+        for rows, n, ids in sets:
+            part = self._run_mlp(x, rows, n, add_down_bias and y is None, ids)
+            y = part if y is None else y + part
+        return y
+
+    def _ffn_kernel_act(self, rows: dict):
+        """(act, threshold) of ops.sparse_ffn for this layer's MLP on rows like `rows`, or None when
+        the kernel does not compute it: half-precision rows without biases or quantization, no
+        down bias, an MLP of silu / CATS / ReLU / FATReLU (gated) or ReLU (up/down only)."""
+        c = self._current
+        names = set(rows)
+        gated = "gate.weight" in names or c.resident_gate is not None
+        if (names - {"up.weight", "gate.weight", "down_t.weight"} or c.down_bias is not None
+                or rows["up.weight"].dtype not in (mx.float16, mx.bfloat16)
+                or getattr(self.mlp, "hidden_act", "silu") not in ("silu", "cats", "relu", "fatrelu")
+                or (not gated and not (isinstance(self.mlp, UpDownMLP) and self.mlp._act is nn.relu))):
+            return None
+        if c.resident_gate is not None and "bias" in c.resident_gate:
+            return None
+        act, threshold = self._kernel_act(gated)
+        return (act, threshold) if act in ("silu", "relu_gated", "relu") else None
+
+    def _ffn_kernel(self, x, sets, add):
+        """ops.sparse_ffn over the row sets, or None when this layer or call does not take it (CPU
+        kernels off, dtypes that differ). Its first call is checked against the MLP (kept if not)."""
+        if metal_kernels.metal_active() or not kernels_active():
+            return None
+        c = self._current
+        if self._ffn_act is None:
+            self._ffn_act = self._ffn_kernel_act(sets[0][0])
+            if self._ffn_act is None:
+                self._cpu_ffn = False
+                return None
+        act, threshold = self._ffn_act
+        gate_values = None
+        if act != "relu" and "gate.weight" not in sets[0][0]:
+            gate_values = c.full_gate(x) if c.gate_values is None else c.gate_values
+        dtype = sets[0][0]["up.weight"].dtype
+        if x.dtype != dtype or (gate_values is not None and gate_values.dtype != dtype) or \
+                (add is not None and add.dtype != dtype):
+            return None
+        y = sparse_ffn(x, [(r["up.weight"], r.get("gate.weight"), r["down_t.weight"], n, ids)
+                           for r, n, ids in sets], gate_values, act, threshold, add)
+        if self._cpu_ffn is None:  # first call: the MLP on the same rows must agree
+            return self._first_call_checked(y, lambda: self._mlp_sets(x, sets, add=add), "_cpu_ffn",
+                                            f"CPU sparse FFN kernel ({act})")
+        return y
+
+    def _run_mlp(self, x, rows, n, add_down_bias=True, ids=None):
+        """The MLP itself (its row projections) on rows[:n]."""
         gate_rows = self._current.resident_gate is None  # the fused kernels take the gate from rows
         if gate_rows and self._fused_act is not False and metal_kernels.metal_active():
             y = self._run_fused(x, rows, n, add_down_bias)
@@ -542,22 +621,33 @@ class FlashFFN(nn.Module):
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
         if self._endor_cpu is None:  # first call: the row path must agree
-            return self._first_call_checked(x, y, decoded_rows, "_endor_cpu", f"CPU ENDOR decode-matvec ({act})")
+            return self._first_call_checked(y, lambda: self._run_mlp(x, decoded_rows(), self._n), "_endor_cpu",
+                                           f"CPU ENDOR decode-matvec ({act})")
         return y
 
-    def _first_call_checked(self, x, y, decoded_rows, flag: str, kernels: str):
-        """A decode-matvec path's first output y against the row path on the decoded rows: sets
-        `flag` (whether they agree) and returns y, or the row path's output (warned) if not."""
-        want = self._run(x, decoded_rows(), self._n)
-        # relative to the largest output: outputs reach thousands in late layers, where one
-        # float16 step of the row path's sums is more than an element-wise tolerance near zero
+    def _first_call_checked(self, y, reference, flag: str, kernels: str):
+        """A kernel path's first output y against the MLP's, `reference()` (the row path): sets
+        `flag` (whether they agree) and returns y, or the MLP's output (warned) if not.
+
+        They agree within 2e-2 of the largest output plus 2e-2 of the largest sum of the down
+        projection's term sizes (|h| @ |W|, per output): the scale of a sum's rounding error, small
+        where the outputs are small (an absolute floor would pass any error below it there), large
+        in late layers whose outputs reach thousands."""
+        c = self._current
+        c.term_sizes = []
+        try:
+            want = reference()
+            terms = c.term_sizes
+        finally:
+            c.term_sizes = None
+        scale = mx.stack([t.max() for t in terms]).max() if terms else mx.array(0.0)
         diff = mx.abs(y.astype(mx.float32) - want.astype(mx.float32)).max()
-        same = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 2e-2).item()
+        same = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 2e-2 * scale).item()
         setattr(self, flag, same)
         if same:
             return y
         warnings.warn(f"layer {self.layer}: the {kernels} differ from the MLP; this layer keeps the "
-                      f"decoded-row path", RuntimeWarning, stacklevel=3)
+                      f"row path", RuntimeWarning, stacklevel=3)
         mx.eval(want)
         return want
 
@@ -579,7 +669,8 @@ class FlashFFN(nn.Module):
             raise FlashError(f"{self._rt.loader.pack / entry.file}: bundle {bad}: its bitmaps' popcount "
                              f"disagrees with the bytes stored (corrupt or truncated)")
         if self._endor_gpu is None:  # first call: the row path (decoded on the CPU) must agree
-            return self._first_call_checked(x, y, decoded_rows, "_endor_gpu", f"ENDOR Metal kernels ({act})")
+            return self._first_call_checked(y, lambda: self._run_mlp(x, decoded_rows(), self._n), "_endor_gpu",
+                                           f"ENDOR Metal kernels ({act})")
         return y
 
     def _prefetched(self, x, step):
@@ -659,18 +750,20 @@ class FlashFFN(nn.Module):
         pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
             if len(upd.overflow) else []
         first = self._fill(cache, upd, pieces[0] if pieces else None, step)
-        ids = None if self._current.resident_gate is None else cache.ids[: cache.num_used]
-        y = self._run(x, cache.rows, cache.num_used, ids=_row_ids(ids))
+        by_id = self._current.resident_gate is not None  # rows take the resident gate at their neuron ids
+        sets = [(cache.rows, cache.num_used, _row_ids(cache.ids[: cache.num_used]) if by_id else None)]
         if ahead_n:
-            y = y + self._run(x, looked[1], ahead_n, add_down_bias=False,
-                              ids=None if self._current.resident_gate is None else _row_ids(looked[0][:ahead_n]))
+            sets.append((looked[1], ahead_n, _row_ids(looked[0][:ahead_n]) if by_id else None))
+        y = None
         for k, piece in enumerate(pieces):  # each a ReadPlan: the loader reads it as planned here
             if k:
+                y = self._run_sets(x, sets, add=y)
                 mx.eval(y)  # the streaming buffer is about to be refilled
+                sets = []
             # row k holds bundle piece.ids[k]; the first piece may have come with the cache fill
             buf = first if k == 0 and first is not None else self._read_stream(piece, step)
-            y = y + self._run(x, buf, len(piece), add_down_bias=False,
-                              ids=None if self._current.resident_gate is None else _row_ids(piece.ids))
+            sets.append((buf, len(piece), _row_ids(piece.ids) if by_id else None))
+        y = self._run_sets(x, sets, add=y)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None

@@ -1,0 +1,273 @@
+// A flash layer's FFN on its current rows as one CPU primitive (see sparse_ffn.h).
+
+#include "sparse_ffn.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "arg_checks.h"
+#include "cpu_features.h"
+#include "matvec.h"
+#include "mlx/ops.h"
+#include "mlx_view.h"
+#include "primitive.h"
+#include "row_ops.h"
+
+namespace flash_ext {
+
+namespace {
+
+thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add;
+thread_local std::vector<int32_t> tl_ids;
+
+// MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), rounded to dt as
+// its output array holds it.
+float mlx_exp(float x, int dt) {
+  float r;
+  if (std::isnan(x)) {
+    r = x;
+  } else if (x > 88.72283905206835f) {
+    r = std::numeric_limits<float>::infinity();
+  } else if (x < -88.72283905206835f) {
+    r = 0.f;
+  } else {
+    const float t = x * 1.442695f;
+    const float ipart = std::floor(t + 0.5f), fpart = t - ipart;
+    float y = 1.535336188319500e-4f;
+    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                    6.931472028550421e-1f, 1.000000000000000f})
+      y = std::fma(y, fpart, c);
+    const int32_t bits = (int32_t(ipart) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    r = scale * y;
+  }
+  round_to(dt, &r, 1);
+  return r;
+}
+
+// nn.silu(g) for g of dtype dt as MLX's CPU computes it: sigmoid from exp(|g|) (rounded to dt) as
+// 1 / (1 + e) or 1 minus that, rounded to dt, times g, rounded to dt (every float16 value checked).
+float mlx_silu(float g, int dt) {
+  const float y = 1.f / (1.f + mlx_exp(std::fabs(g), dt));
+  float s = g < 0.f ? y : 1.f - y;
+  round_to(dt, &s, 1);
+  float a = g * s;
+  round_to(dt, &a, 1);
+  return a;
+}
+
+struct SetLayout {
+  bool has_gate, has_ids;
+  int n;
+};
+
+class FlashSparseFFN : public CpuPrimitive {
+ public:
+  struct Params {
+    std::vector<SetLayout> sets;
+    bool has_gate_values, has_add;
+    int fmt, act, ydt;
+    float threshold;  // already rounded to ydt (MLX compares in the array's dtype)
+  };
+  FlashSparseFFN(mx::Stream s, Params p) : CpuPrimitive(s), p_(std::move(p)) {}
+
+  // h [M, n] from u (and g) [M, n], float32 values of dtype ydt; returns h.
+  static void activate(const Params& P, int M, int n, float* u, float* g) {
+    const int64_t count = int64_t(M) * n;
+    if (P.act == 2) {
+      for (int64_t i = 0; i < count; ++i) u[i] = u[i] > P.threshold ? u[i] : 0.f;
+      return;
+    }
+    if (P.act == 1) {
+      for (int64_t i = 0; i < count; ++i) u[i] = g[i] > P.threshold ? g[i] * u[i] : 0.f;
+      round_to(P.ydt, u, int(count));
+      return;
+    }
+    // silu(g) as MLX computes it (mx.sigmoid then the product, each rounded to the dtype), then the
+    // mask on it and the product with u.
+    for (int64_t i = 0; i < count; ++i) g[i] = mlx_silu(g[i], P.ydt);
+    for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(g[i]) > P.threshold ? g[i] * u[i] : 0.f;
+    round_to(P.ydt, u, int(count));
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Params P = p_;
+    size_t next = 0;
+    const View x = View::of(inputs[next++]);
+    View gate_values, add;
+    if (P.has_gate_values) gate_values = View::of(inputs[next++]);
+    if (P.has_add) add = View::of(inputs[next++]);
+    struct SetViews {
+      View up, gate, down, ids;
+    };
+    std::vector<SetViews> views;
+    for (const SetLayout& s : P.sets) {
+      SetViews v;
+      v.up = View::of(inputs[next++]);
+      if (s.has_gate) v.gate = View::of(inputs[next++]);
+      v.down = View::of(inputs[next++]);
+      if (s.has_ids) v.ids = View::of(inputs[next++]);
+      views.push_back(std::move(v));
+    }
+    uint8_t* out = allocate_output(outputs[0]);
+    const int odt = scalar_type(outputs[0].dtype());
+    dispatch(stream(), inputs, outputs, [=]() {
+      const int K = int(x.shape.back());
+      const int M = K == 0 ? 0 : int(x.size() / K);
+      const int64_t out_size = int64_t(M) * K;
+      if (out_size == 0) return;
+      float* xin = scratch(tl_x, size_t(out_size));
+      to_float(x, xin);
+      float* y = scratch(tl_y, size_t(out_size));
+      bool have_y = P.has_add;
+      if (P.has_add) to_float(add, y);
+      const int64_t n_gate = P.has_gate_values ? gate_values.shape.back() : 0;
+      for (size_t j = 0; j < P.sets.size(); ++j) {
+        const SetLayout& s = P.sets[j];
+        const SetViews& v = views[j];
+        const int n = s.n;
+        if (n == 0) {  // no rows: a zero part (`y + 0` leaves y as it is)
+          if (!have_y) std::fill(y, y + out_size, 0.f);
+          have_y = true;
+          continue;
+        }
+        float* u = scratch(tl_gu, size_t(2) * M * n);
+        float* g = u + size_t(M) * n;
+        flash::Problem ps[2];
+        WeightCopies copies[2];
+        const View* weights[2] = {&v.up, s.has_gate ? &v.gate : nullptr};
+        for (int r = 0; r < (s.has_gate ? 2 : 1); ++r) {
+          flash::Problem& p = ps[r];
+          set_weights(p, P.fmt, 0, *weights[r], nullptr, nullptr, copies[r]);
+          p.n = n;
+          p.M = M;
+          p.in = xin;
+          p.out = r == 0 ? u : g;
+          p.out_dtype = flash::DT_F32;
+        }
+        flash::matvec_many(ps, s.has_gate ? 2 : 1);
+        round_to(P.ydt, u, M * n);
+        if (s.has_gate) {
+          round_to(P.ydt, g, M * n);
+        } else if (P.act != 2) {  // the gate's values at the rows' neurons
+          const int32_t* ids = nullptr;
+          if (s.has_ids) {
+            int32_t* tmp = scratch(tl_ids, size_t(n));
+            for (int i = 0; i < n; ++i) tmp[i] = reinterpret_cast<const int32_t*>(v.ids.ptr)[v.ids.offset(i)];
+            ids = tmp;
+          }
+          const int gdt = scalar_type(gate_values.dtype);
+          for (int m = 0; m < M; ++m)
+            for (int i = 0; i < n; ++i) {
+              const int64_t c = ids ? ids[i] : i;
+              g[int64_t(m) * n + i] = c < 0 || c >= n_gate ? std::numeric_limits<float>::quiet_NaN()
+                                                           : flash::load_scalar(gate_values.ptr, gdt,
+                                                                                gate_values.offset(m * n_gate + c));
+            }
+        }
+        activate(P, M, n, u, g);
+        flash::Problem pd;
+        WeightCopies down_copy;
+        set_weights(pd, P.fmt, 0, v.down, nullptr, nullptr, down_copy);
+        pd.n = n;
+        pd.M = M;
+        pd.in = u;
+        float* part = have_y ? scratch(tl_part, size_t(out_size)) : y;
+        std::fill(part, part + out_size, 0.f);
+        pd.out = part;
+        pd.out_dtype = flash::DT_F32;
+        flash::matvec_t(pd);
+        round_to(P.ydt, part, int(out_size));
+        if (have_y) {
+          for (int64_t i = 0; i < out_size; ++i) y[i] += part[i];
+          round_to(P.ydt, y, int(out_size));
+        }
+        have_y = true;
+      }
+      if (!have_y) std::fill(y, y + out_size, 0.f);
+      store_row(out, odt, 0, int(out_size), y);
+    });
+  }
+
+  const char* name() const override { return "FlashSparseFFN"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Params& o = static_cast<const FlashSparseFFN&>(other).p_;
+    if (p_.sets.size() != o.sets.size()) return false;
+    for (size_t j = 0; j < p_.sets.size(); ++j)
+      if (p_.sets[j].has_gate != o.sets[j].has_gate || p_.sets[j].has_ids != o.sets[j].has_ids ||
+          p_.sets[j].n != o.sets[j].n)
+        return false;
+    return p_.has_gate_values == o.has_gate_values && p_.has_add == o.has_add && p_.fmt == o.fmt &&
+           p_.act == o.act && p_.ydt == o.ydt && p_.threshold == o.threshold;
+  }
+
+ private:
+  Params p_;
+};
+
+}  // namespace
+
+mx::array sparse_ffn(const mx::array& x, const std::vector<RowSet>& sets, const std::optional<mx::array>& gate_values,
+                     int act, float threshold, const std::optional<mx::array>& add) {
+  const std::string op = "sparse_ffn";
+  mx::Stream s = cpu_stream();
+  if (x.ndim() < 1) fail(op + ": x must have at least one dimension");
+  check_float(x, op + ": x");
+  if (act < 0 || act > 2) fail(op + ": act must be 0 (silu), 1 (relu_gated) or 2 (relu), got " + std::to_string(act));
+  if (sets.empty()) fail(op + ": needs at least one row set");
+  const int K = x.shape(-1);
+  const mx::Dtype wdt = sets[0].up.dtype();
+  if (wdt != mx::float16 && wdt != mx::bfloat16) fail(op + ": rows must be float16 or bfloat16");
+  const int fmt = wdt == mx::float16 ? flash::FMT_F16 : flash::FMT_BF16;
+  const mx::Dtype ydt = mx::promote_types(x.dtype(), wdt);
+  std::vector<mx::array> inputs = {x};
+  FlashSparseFFN::Params P;
+  P.has_gate_values = gate_values.has_value();
+  P.has_add = add.has_value();
+  P.fmt = fmt;
+  P.act = act;
+  P.ydt = scalar_type(ydt);
+  std::vector<float> t = {threshold};
+  flash::round_floats(P.ydt, t.data(), 1);
+  P.threshold = t[0];
+  mx::Shape out_shape = x.shape();
+  if (gate_values) {
+    check_float(*gate_values, op + ": gate_values");
+    if (gate_values->dtype() != ydt) fail(op + ": gate_values must have the output's dtype");
+    if (gate_values->ndim() != x.ndim() || !std::equal(x.shape().begin(), x.shape().end() - 1, gate_values->shape().begin()))
+      fail(op + ": gate_values must be [..., N] with x's leading shape, got " + shape_str(*gate_values));
+    inputs.push_back(*gate_values);
+  }
+  if (add) {
+    if (add->shape() != out_shape || add->dtype() != ydt)
+      fail(op + ": add must have the output's shape " + shape_str(out_shape) + " and dtype");
+    inputs.push_back(*add);
+  }
+  for (const RowSet& r : sets) {
+    const bool gated = r.gate.has_value();
+    if (act == 2 && gated) fail(op + ": act relu takes no gate rows");
+    if (act != 2 && !gated && !gate_values) fail(op + ": a row set without gate rows needs gate_values");
+    for (const mx::array* w : {&r.up, gated ? &*r.gate : nullptr, &r.down}) {
+      if (w == nullptr) continue;
+      if (w->dtype() != wdt || w->ndim() != 2 || w->shape(1) != K)
+        fail(op + ": rows must be 2-D [R, " + std::to_string(K) + "] of one half dtype, got " + shape_str(*w));
+      if (r.n < 0 || r.n > w->shape(0))
+        fail(op + ": n=" + std::to_string(r.n) + " is outside 0.." + std::to_string(w->shape(0)));
+      inputs.push_back(*w);
+    }
+    if (r.ids) {
+      check_integer(*r.ids, op + ": ids");
+      if (r.ids->ndim() != 1 || r.ids->shape(0) != r.n) fail(op + ": ids must be [n], got " + shape_str(*r.ids));
+      inputs.push_back(r.ids->dtype() == mx::int32 ? *r.ids : mx::astype(*r.ids, mx::int32, s));
+    }
+    P.sets.push_back({gated, r.ids.has_value(), r.n});
+  }
+  auto prim = std::make_shared<FlashSparseFFN>(s, std::move(P));
+  return mx::array(out_shape, ydt, prim, std::move(inputs));
+}
+
+}  // namespace flash_ext

@@ -1,0 +1,35 @@
+// A flash layer's FFN on the rows it holds now, as one CPU primitive: what FlashFFN's row projections
+// build as about a dozen MLX ops per row set (gate take, up matvec, the activation's elementwise ops,
+// down matvec, the adds between row sets) in one dispatch, with every intermediate rounded where the
+// op-by-op path rounds it.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace flash_ext {
+
+// One set of rows: up [R, K], gate [R, K] (absent: the gate comes from gate_values), down_t [R, K],
+// all float16 or all bfloat16; the first n rows are used; ids (int32 [n]): their neuron ids, the
+// columns of gate_values they take (absent: columns 0..n-1).
+struct RowSet {
+  mlx::core::array up;
+  std::optional<mlx::core::array> gate;
+  mlx::core::array down;
+  int n;
+  std::optional<mlx::core::array> ids;
+};
+
+// Activations (h from the gate's output g and the up projection's u, each rounded to the dtype):
+//   0 "silu":       a = silu(g) rounded; h = a * u where |a| > threshold, else 0 (SwiGLU; CATS)
+//   1 "relu_gated": h = g * u where g > threshold, else 0 (ReLU, FATReLU)
+//   2 "relu":       h = u where u > threshold, else 0 (no gate: down(relu(up x)))
+// y = [add +] sum over the row sets of round(h @ down_t[:n]) with each partial sum rounded, as
+// `y = y + part` computes it; x [..., K]; gate_values [..., N] when a set has no gate rows.
+mlx::core::array sparse_ffn(const mlx::core::array& x, const std::vector<RowSet>& sets,
+                            const std::optional<mlx::core::array>& gate_values, int act, float threshold,
+                            const std::optional<mlx::core::array>& add);
+
+}  // namespace flash_ext
