@@ -178,6 +178,10 @@ NB_MODULE(_ext, m) {
       "bfloat16; a set without gate rows takes gate_values[..., ids] (or [..., :n]). act 0: silu(g) * u "
       "where |silu(g)| > threshold; 1: g * u where g > threshold; 2 (no gate): u where u > threshold. "
       "Neuron ids outside gate_values give NaN.");
+  m.def("active_mask", &flash_ext::active_mask, nb::arg("g"), nb::arg("act"), nb::arg("act_threshold"),
+        nb::arg("threshold"),
+        "bool [N]: any over g's leading rows of |a| > threshold, a = silu(g) (act 0) or g where g > "
+        "act_threshold else 0 (act 1), the thresholds compared in g's dtype; g [..., N] (a gate's output).");
   m.def("set_simd", &flash::set_simd_enabled, nb::arg("enabled"),
         "Use the best instruction set this CPU has (True) or force the portable scalar path (False).");
   m.def("isa", [] { return std::string(flash::isa_name(flash::active_isa())); },

@@ -209,7 +209,58 @@ class FlashSparseFFN : public CpuPrimitive {
   Params p_;
 };
 
+class FlashActiveMask : public CpuPrimitive {
+ public:
+  FlashActiveMask(mx::Stream s, int act, float act_threshold, float threshold)
+      : CpuPrimitive(s), act_(act), act_threshold_(act_threshold), threshold_(threshold) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const View g = View::of(inputs[0]);
+    uint8_t* out = allocate_output(outputs[0]);
+    const int act = act_;
+    const float act_threshold = act_threshold_, threshold = threshold_;
+    dispatch(stream(), inputs, outputs, [=]() {
+      const int64_t N = g.shape.back(), M = N == 0 ? 0 : g.size() / N;
+      const int dt = scalar_type(g.dtype);
+      float* v = scratch(tl_x, size_t(g.size()));
+      to_float(g, v);
+      std::fill(out, out + N, uint8_t(0));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < N; ++i) {
+          const float x = v[m * N + i];
+          const float a = act == 0 ? mlx_silu(x, dt) : (x > act_threshold ? x : 0.f);
+          if (std::fabs(a) > threshold) out[i] = 1;
+        }
+    });
+  }
+  const char* name() const override { return "FlashActiveMask"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FlashActiveMask&>(other);
+    return act_ == o.act_ && act_threshold_ == o.act_threshold_ && threshold_ == o.threshold_;
+  }
+
+ private:
+  int act_;
+  float act_threshold_, threshold_;
+};
+
+// t as an MLX array of dtype dt holds it (a Python float compared with such an array).
+float in_dtype(float t, int dt) {
+  round_to(dt, &t, 1);
+  return t;
+}
+
 }  // namespace
+
+mx::array active_mask(const mx::array& g, int act, float act_threshold, float threshold) {
+  const std::string op = "active_mask";
+  if (g.ndim() < 1) fail(op + ": g must have at least one dimension");
+  check_float(g, op + ": g");
+  if (act != 0 && act != 1) fail(op + ": act must be 0 (silu) or 1 (relu / fatrelu), got " + std::to_string(act));
+  const int dt = scalar_type(g.dtype());
+  auto prim = std::make_shared<FlashActiveMask>(cpu_stream(), act, in_dtype(act_threshold, dt), in_dtype(threshold, dt));
+  return mx::array({g.shape(-1)}, mx::bool_, prim, {g});
+}
 
 mx::array sparse_ffn(const mx::array& x, const std::vector<RowSet>& sets, const std::optional<mx::array>& gate_values,
                      int act, float threshold, const std::optional<mx::array>& add) {

@@ -1,4 +1,4 @@
-// A flash layer's FFN on the rows it holds now, as one CPU primitive: what FlashFFN's row projections
+// A flash layer's FFN on the rows it holds now, and the mask of the neurons it needs, as CPU primitives: what FlashFFN's row projections
 // build as about a dozen MLX ops per row set (gate take, up matvec, the activation's elementwise ops,
 // down matvec, the adds between row sets) in one dispatch, with every intermediate rounded where the
 // op-by-op path rounds it.
@@ -31,5 +31,11 @@ struct RowSet {
 mlx::core::array sparse_ffn(const mlx::core::array& x, const std::vector<RowSet>& sets,
                             const std::optional<mlx::core::array>& gate_values, int act, float threshold,
                             const std::optional<mlx::core::array>& add);
+
+// The neurons a gate-threshold predictor keeps, from the gate's output g [..., N]: mask[i] = any over
+// the leading rows of |a| > threshold, a = silu(g) (act 0, as MLX rounds it) or g where g > act_threshold
+// else 0 (act 1: ReLU, FATReLU); both thresholds compared in g's dtype, as MLX compares a Python
+// float with an array. bool [N].
+mlx::core::array active_mask(const mlx::core::array& g, int act, float act_threshold, float threshold);
 
 }  // namespace flash_ext

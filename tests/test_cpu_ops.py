@@ -668,3 +668,27 @@ def test_sparse_ffn_bad_arguments_raise():
         ops._ext.sparse_ffn(mx.ones((1, 32), mx.float16), [(sets[0][0], None, sets[0][2], 3, None)], None, 2, 0.0, None)
     with pytest.raises(ValueError, match="act"):
         ops.sparse_ffn(x, sets, None, "gelu")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("activation, threshold", [("silu", 0.33266374), ("relu", 0.1), ("fatrelu:0.2713", 0.0)])
+def test_active_mask_is_the_predictors_mask_for_every_value(dtype, activation, threshold):
+    # every finite value of the dtype as a gate output: the kernel keeps what MLX's activation,
+    # abs and compare keep (thresholds that float16 / bfloat16 round), one row and several
+    from mlx_flash.sparse.predictor import activation_fn
+
+    v = mx.array(np.arange(65536, dtype=np.uint16)).view(dtype)
+    g = v[mx.array(np.nonzero(np.isfinite(_f32(v)))[0])][None]
+    want = mx.abs(activation_fn(activation)(g)) > threshold
+    got = ops.active_mask(g, activation, threshold)
+    assert got.dtype == mx.bool_ and got.shape == (g.shape[1],)
+    assert mx.array_equal(got, want[0]).item()
+    rows = g[:, : 64 * 7].reshape(1, 7, 64)  # any over a prompt's rows
+    assert mx.array_equal(ops.active_mask(rows, activation, threshold),
+                          (mx.abs(activation_fn(activation)(rows)) > threshold).reshape(7, 64).any(axis=0)).item()
+    ops.set_kernels_enabled(False)
+    assert mx.array_equal(ops.active_mask(g, activation, threshold), got).item()  # the MLX twin
+    ops.set_kernels_enabled(True)
+    with pytest.raises(ValueError, match="gelu"):
+        ops.active_mask(g, "gelu", threshold)

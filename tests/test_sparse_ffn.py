@@ -423,12 +423,14 @@ def test_cats_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llam
     def build():
         return build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)}, lookahead=lookahead)
 
-    calls = []
+    calls, masks = [], []
     monkeypatch.setattr(ffn, "sparse_ffn", lambda x, sets, *a: calls.append(len(sets)) or ops.sparse_ffn(x, sets, *a))
+    monkeypatch.setattr(ffn, "active_mask", lambda g, *a: masks.append(g.shape) or ops.active_mask(g, *a))
     model = build()
     got = decode_logits(model, ids)
     assert _ffn_flags(model) == [True] * 4
     assert len(calls) == 4 * len(ids) and max(calls) >= 2  # one call per layer and token, over all row sets
+    assert len(masks) == 4 * len(ids)  # the predictors' masks from the resident gate's output: one op each
     if lookahead:
         assert model.flash_runtime.ahead_used > 0
     want = decode_logits(_without_ffn_kernel(build()), ids)

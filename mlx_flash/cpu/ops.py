@@ -405,3 +405,32 @@ def sparse_ffn_ops(x, sets, gate_values=None, act="silu", threshold=0.0, add=Non
         part = gather_matvec_t(_hidden(g, u, act, threshold), down, n=n)
         y = part if y is None else y + part
     return y
+
+
+def _mask_activation(activation: str):
+    """(act code, act threshold) of active_mask for a predictor's activation name, or None."""
+    if activation == "silu":
+        return 0, 0.0
+    if activation == "relu":
+        return 1, 0.0
+    kind, _, arg = str(activation).partition(":")
+    return (1, float(arg)) if kind == "fatrelu" and arg else None
+
+
+def mask_activation_ok(activation: str) -> bool:
+    """True when active_mask computes this activation: "silu", "relu" or "fatrelu:T"."""
+    return _mask_activation(activation) is not None
+
+
+def active_mask(g, activation: str, threshold: float):
+    """The neurons a gate-threshold predictor keeps, from the gate's output g [..., N]: bool [N],
+    any over g's leading rows of |act(g)| > threshold (act "silu", "relu" or "fatrelu:T": g where
+    g > T else 0); thresholds compared in g's dtype. One kernel primitive on the CPU (MLX: the
+    activation, abs, compare and any)."""
+    code = _mask_activation(activation)
+    if code is None:
+        raise ValueError(f"activation {activation!r}: active_mask computes silu, relu or fatrelu:T")
+    if use_kernel(g) and hasattr(_ext, "active_mask"):
+        return _ext.active_mask(g, code[0], code[1], float(threshold))
+    a = nn.silu(g) if code[0] == 0 else mx.where(g > code[1], g, mx.zeros_like(g))
+    return (mx.abs(a) > threshold).reshape(-1, g.shape[-1]).any(axis=0)

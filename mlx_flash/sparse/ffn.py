@@ -29,7 +29,8 @@ from mlx.utils import tree_flatten
 
 from ..cpu import endor as cpu_endor
 from ..io import host_bytes
-from ..cpu.ops import gather_matvec, gather_matvec_t, kernels_active, quantized_matvec, sparse_ffn
+from ..cpu.ops import (active_mask, gather_matvec, gather_matvec_t, kernels_active, mask_activation_ok,
+                       quantized_matvec, sparse_ffn)
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -716,10 +717,12 @@ class FlashFFN(nn.Module):
         predictor, c = self._rt.predictors[self.layer], self._current
         if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
             c.gate_values = c.full_gate(x)  # one gate matvec for the mask and the rows' gate
-            mask = predictor.mask_from_gate(c.gate_values)
+            if mask_activation_ok(predictor.activation):  # one op: predictor.mask_from_gate, any over tokens
+                mask = active_mask(c.gate_values, predictor.activation, predictor.threshold)
+            else:
+                mask = predictor.mask_from_gate(c.gate_values).reshape(-1, self._n).any(axis=0)
         else:
-            mask = predictor(x)
-        mask = mask.reshape(-1, self._n).any(axis=0)
+            mask = predictor(x).reshape(-1, self._n).any(axis=0)
         ahead = self._rt.ahead_mask(self.layer, x)
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it

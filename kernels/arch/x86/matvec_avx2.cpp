@@ -229,13 +229,16 @@ FLASH_AVX2 void q_t_avx2(const Problem& p, int k0, int k1, float* acc) {
 template <int MB, bool BF, bool PF>
 FLASH_AVX2 void h_fwd_avx2(const Problem& p, const float* x, int m0, int i0, int i1) {
   const int K = p.K;
+  // Lines of the row about 4 KiB ahead are requested while this one is summed: one row ahead (or
+  // the hardware prefetcher alone) left lm_head-sized matvecs at ~60% of a plain streaming read.
+  const int ahead = int(std::max<int64_t>(1, 4096 / std::max<int64_t>(1, p.w_row_bytes)));
   for (int i = i0; i < i1; ++i) {
     int64_t r = row_of(p, i);
     if (bad_row(p, r)) {
       for (int m = 0; m < MB; ++m) store_out_simd(p.out, p.out_dtype, int64_t(m0 + m) * p.n + i, kNaN);
       continue;
     }
-    const uint8_t* next = PF ? prefetch_next_row(p, i + 1, i1) : nullptr;
+    const uint8_t* next = PF ? prefetch_next_row(p, i + ahead, i1) : nullptr;
     const uint16_t* wr = reinterpret_cast<const uint16_t*>(p.w + r * p.w_row_bytes);
     __m256 a0[MB], a1[MB];
     float tail[MB];
@@ -548,7 +551,8 @@ void fwd_rows(const Problem& p, const FwdInput& in, int i0, int i1) {
     else fwd_tiles(p, in.x, i0, i1, [&](int64_t r, float* dst) { panel_row_h<false>(p, r, dst); });
     return;
   }
-  with_flags(bf, p.rows != nullptr, [&](auto is_bf, auto pf) {
+  // Prefetching on dense rows too (as the quantized rows do): see h_fwd_avx2.
+  with_flags(bf, true, [&](auto is_bf, auto pf) {
     h_fwd_avx2_rows<decltype(is_bf)::value, decltype(pf)::value>(p, in.x, i0, i1);
   });
 }
