@@ -85,7 +85,8 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
     # the flash row's per-layer profile: its layers' bytes add up to the row's
     per_layer = result["modes"]["flash"]["layers"]
     assert sum(r["mb_read"] for r in per_layer.values()) * 1e6 == pytest.approx(rows["flash"]["bytes_read"])
-    assert "Flash per layer" in report and report.count("| sparse |") + report.count("| resident |") \
+    assert "Flash per layer" in report and "plan I/O ms" in report
+    assert report.count("| sparse |") + report.count("| resident |") \
         + report.count("| streamed |") >= len(per_layer)
     # the flash row's I/O reference: fio at its decode read sizes (whole bytes, 4 KiB units)
     sizes = {int(k): v for k, v in acc["decode_read_sizes"].items()}

@@ -418,9 +418,11 @@ def layer_lines(result) -> str:
     if row is None:
         return ""
     lines = ["", "Flash per layer, per token (call ms: the FFN call's wall time, its reads and, when "
-             "sparse, the host sync that evaluates the layers before it):", "",
-             "| layer | kind | cache rows | needed | hit rate | loaded | MB read | I/O ms | mem ms | call ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "sparse, the host sync that evaluates the layers before it; plan I/O ms: the read time "
+             "the memory plan priced for the layer's option with the stored read-cost curve):", "",
+             "| layer | kind | cache rows | needed | hit rate | loaded | MB read | I/O ms | plan I/O ms | mem ms "
+             "| call ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     if row.get("lookahead"):
         la = row["lookahead"]
         lines[1:1] = [f"Lookahead: {la['read']:.0f} neurons read ahead per token, {la['used']:.0f} of them "
@@ -428,8 +430,9 @@ def layer_lines(result) -> str:
     for layer, r in sorted(row["layers"].items(), key=lambda kv: int(kv[0])):
         hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
         rows = "-" if r.get("cache_rows") is None else f"{r['cache_rows']:.0f}"
+        priced = "-" if r.get("plan_io_ms") is None else f"{r['plan_io_ms']:.2f}"
         lines.append(f"| {layer} | {r['kind']} | {rows} | {r['needed']:.0f} | {hit} | {r['loaded']:.0f} | "
-                     f"{r['mb_read']:.2f} | {r['io_ms']:.2f} | {r['mem_ms']:.2f} | {r['call_ms']:.2f} |")
+                     f"{r['mb_read']:.2f} | {r['io_ms']:.2f} | {priced} | {r['mem_ms']:.2f} | {r['call_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -111,6 +111,7 @@ class MemoryPlan:
     capacity: dict = field(default_factory=dict)
     streamed_layers: list = field(default_factory=list)  # flash: whole layers, prefetched
     expected_read_s: float | None = None  # flash plans: the cost model's read seconds per token
+    layer_read_s: dict = field(default_factory=dict)  # flash plans: {layer: its option's read seconds per token}
     prefetch: bool = False  # flash: streamed layers are read ahead into a ring of two buffers
     # flash, every non-resident layer sparse or prefetched: the streaming buffer holds this many
     # rows (sparse overflow) and main-thread reads stage at most overflow_stage bytes per call;
@@ -448,9 +449,9 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     (options resident / sparse / streamed, memory in `units` steps) minimising expected read
     seconds per token; the budget left over becomes neuron-cache rows for the sparse layers.
     The fixed part: the prefetch ring when a layer streams, the streaming buffer (overflow of the
-    neuron caches) when a layer is sparse: a whole layer while the options are chosen, then
-    `overflow_rows` rows (overflow_bytes, when given) if no layer streams through it, the bytes
-    freed going to the sparse layers' neuron caches. FlashError when even the smallest plan does not fit."""
+    neuron caches) when a layer is sparse: a whole layer when layers may stream through it, or,
+    given `overflow_rows`, a plan where none does: a buffer of that many rows (overflow_bytes), the
+    knapsack choosing with the bytes that frees. FlashError when even the smallest plan does not fit."""
     bundles = {b.layer: b for b in manifest.bundles}
     layers = sorted(bundles)
     base = MemoryPlan("flash", resolve_budget(budget, manifest), pack_bytes(manifest),
@@ -484,14 +485,22 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     cases = [(True, False, prefetch_bytes(manifest)),
              (True, True, prefetch_bytes(manifest) + stream_bytes(manifest))] if prefetch else []
     cases.append((False, True, stream_bytes(manifest)))
+    # no layer streamed whole: the shared buffer holds only the largest overflow, and the knapsack
+    # spends the bytes that frees where the recorded reads say they save the most read time
+    small = overflow_bytes(manifest, overflow_rows) if overflow_rows is not None else None
+    if small is not None and small < stream_bytes(manifest):
+        cases.append((False, True, small))
     for ring, allow_sparse, fixed in cases:
+        no_streamed = fixed == small and not ring
         room = base.budget - base.resident - fixed
         if room < 0:
             continue
         unit = max(1, -(-room // units))
         options = {}
         for i in layers:
-            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0), ("streamed", 0, cost[i]["streamed"])]
+            opts = [("resident", -(-base.layer_bytes[i] // unit), 0.0)]
+            if not no_streamed:
+                opts.append(("streamed", 0, cost[i]["streamed"]))
             pred = int(predictor_bytes.get(i, 0))
             # a measured price holds with the window's cache rows, so the option pays for them;
             # without a cache a sparse layer reads each token's predictions whole
@@ -539,7 +548,9 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     # the shared buffer only takes sparse overflow (no layer streams through it): it holds the
     # largest overflow instead of a whole layer, and the bytes freed go to neuron caches below
     shared_by_streamed = not ring and "streamed" in choice.values()
-    if overflow_rows is not None and not shared_by_streamed \
+    if fixed == small and not ring:
+        plan.overflow_rows, plan.overflow_stage = overflow_sizes(manifest, overflow_rows)
+    elif overflow_rows is not None and not shared_by_streamed \
             and any(c.startswith("sparse") for c in choice.values()) \
             and overflow_bytes(manifest, overflow_rows) < stream_bytes(manifest):
         fixed += overflow_bytes(manifest, overflow_rows) - stream_bytes(manifest)
@@ -547,6 +558,7 @@ def plan_flash_layers(manifest, budget, predictor_bytes: dict, density: dict, re
     plan.stream = fixed
     plan.prefetch = ring
     plan.expected_read_s = total
+    plan.layer_read_s = {i: 0.0 if choice[i] == "resident" else cost[i][choice[i]] for i in layers}
     plan.resident_layers = [i for i in layers if choice[i] == "resident"]
     plan.streamed_layers = [i for i in layers if choice[i] == "streamed"]
     sparse = [i for i in layers if choice[i].startswith("sparse")]

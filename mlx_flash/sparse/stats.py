@@ -137,20 +137,23 @@ class FlashStats:
     def layer_summary(self) -> dict:
         """{layer: per-token means over the decode steps}: kind, cache_rows (the plan's, sparse
         layers), needed (neurons), hit_rate, loaded (neurons read), mb_read, io_ms, mem_ms,
-        call_ms (LayerStep.call_s)."""
+        call_ms (LayerStep.call_s), plan_io_ms (the read ms per token the flash plan priced for
+        the layer's option; None without a per-layer plan)."""
         decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
         out = {}
         for layer in sorted({i for s in decode for i in s.layers}):
             rows = [s.layers[layer] for s in decode if layer in s.layers]
             n, needed = len(rows), sum(r.neurons_needed for r in rows)
             rows_held = self.plan.capacity.get(layer) if self.plan is not None else None
+            priced = (self.plan.layer_read_s or {}).get(layer) if self.plan is not None else None
             out[layer] = {"kind": rows[-1].kind, "cache_rows": rows_held, "needed": needed / n,
                           "hit_rate": sum(r.hits for r in rows) / needed if needed else None,
                           "loaded": sum(r.neurons_loaded for r in rows) / n,
                           "mb_read": sum(r.bytes_read for r in rows) / n / 1e6,
                           "io_ms": 1e3 * sum(r.io_s for r in rows) / n,
                           "mem_ms": 1e3 * sum(r.mem_s for r in rows) / n,
-                          "call_ms": 1e3 * sum(r.call_s for r in rows) / n}
+                          "call_ms": 1e3 * sum(r.call_s for r in rows) / n,
+                          "plan_io_ms": None if priced is None else 1e3 * priced}
         return out
 
     def format(self) -> str:
