@@ -63,7 +63,7 @@ def test_coactivation_order_reads_fewer_bytes_for_the_same_neurons(relufied_pack
     data = collect_inputs(pack, texts, progress=False)
     rows = compare_orders(data, 0.0)
     for r in rows:
-        assert r["pack"]["needed"] == r["coactivation"]["needed"] == r["frequency"]["needed"]
+        assert r["pack"]["needed"] == r["coactivation"]["needed"] == r["frequency"]["needed"] == r["chain"]["needed"]
         assert r["coactivation"]["bytes"] < r["pack"]["bytes"]
     assert sum(r["pack"]["bytes"] for r in rows) > 1.02 * sum(r["coactivation"]["bytes"] for r in rows)
 
@@ -75,5 +75,5 @@ def test_bench_reorder_prints_the_comparison(relufied_pack, tmp_path, capsys):
     assert main(["reorder", "--model", str(pack), "--text", *map(str, texts), "--quiet",
                  "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "pack / co-activation" in out and "Reproduce: python -m mlx_flash.bench reorder" in out
+    assert "pack / co-activation" in out and "pack / chain" in out and "Reproduce: python -m mlx_flash.bench reorder" in out
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 2

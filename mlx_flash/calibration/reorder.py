@@ -14,7 +14,7 @@ import numpy as np
 
 from ..pack import read_manifest
 from ..pack.reorder import reorder_pack
-from ..sparse.neuron_order import bytes_per_token, coactivation_order, frequency_order
+from ..sparse.neuron_order import bytes_per_token, chain_order, coactivation_order, frequency_order
 from ..sparse.predictor import PREDICTORS_FILE, PREDICTORS_JSON
 from .dense_pass import CalibrationData
 from .fit import layer_activations, layer_threshold
@@ -71,9 +71,10 @@ def reorder_neurons(data: CalibrationData, orders: dict):
 
 
 def compare_orders(data: CalibrationData, target_sparsity: float, cost=None, progress=False) -> list:
-    """Rows per layer: bytes the read planner reads per held-out token for the same active
-    neurons under the pack's order, frequency order and co-activation order (both fitted on the
-    training tokens)."""
+    """Rows per layer: bytes the read planner reads per held-out token (and, with a `cost`, the
+    seconds the memory plan prices them at) for the same active neurons under the pack's order,
+    frequency order, co-activation order (calibrate --reorder's) and a nearest-neighbour chain
+    (neuron_order.chain_order), all fitted on the training tokens."""
     from tqdm import tqdm
 
     manifest = data.manifest
@@ -85,7 +86,8 @@ def compare_orders(data: CalibrationData, target_sparsity: float, cost=None, pro
         e = entries[i]
         kw = dict(offset=e.offset, align=manifest.alignment, cost=cost)
         orders = {"pack": np.arange(e.count), "frequency": frequency_order(fit),
-                  "coactivation": coactivation_order(fit, neurons_per_block(e, manifest.alignment))}
+                  "coactivation": coactivation_order(fit, neurons_per_block(e, manifest.alignment)),
+                  "chain": chain_order(fit)}
         row = {"layer": i, "active": float(held.mean()), "stride": e.stride}
         for name, order in orders.items():
             row[name] = bytes_per_token(held, order, e.stride, **kw)
