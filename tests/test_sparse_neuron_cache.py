@@ -167,3 +167,14 @@ def test_chunked_reads_stage_at_most_their_limit_and_are_planned_once(tmp_path_f
         cache.update(ids, 0, 5)
         cache.check({k: v for k, v in whole.items()})  # the same bytes landed in every row
         assert len(ld._local.staging) <= limit and len(plans) == 1
+
+
+def test_a_plan_within_the_limits_is_the_loaders_plan_unsplit(loader, monkeypatch):
+    from mlx_flash.sparse.neuron_cache import plan_chunks
+
+    ids = np.array([1, 4, 9, 10])
+    plan = loader.plan(0, ids)
+    monkeypatch.setattr(loader, "plan", lambda layer, i: plan)
+    pieces = plan_chunks(loader, 0, ids, max_bytes=plan.read_bytes, max_rows=len(plan))
+    assert len(pieces) == 1 and pieces[0] is plan  # no copy of a plan that needs no split
+    assert plan_chunks(loader, 0, ids, max_bytes=plan.read_bytes - 1, max_rows=len(plan))[0] is not plan

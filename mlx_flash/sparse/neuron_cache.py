@@ -45,8 +45,9 @@ def plan_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
     max_read (or one bundle): `max_bytes` below that still gets one read per piece. None: no
     limit. piece.index: the positions of its bundles in `ids`."""
     plan = loader.plan(layer, ids)
-    if (max_bytes is None and max_rows is None) or len(plan) == 0 or loader.entry(layer).encoding == "endor":
-        return [plan]
+    if ((max_bytes is None or plan.read_bytes <= max_bytes) and (max_rows is None or len(plan) <= max_rows)) \
+            or len(plan) == 0 or loader.entry(layer).encoding == "endor":
+        return [plan]  # within the limits (a decode token's overflow, mostly): no split, no copy
     sizes, ends = (plan.r1 - plan.r0).tolist(), np.append(plan.first[1:], len(plan)).tolist()
     max_bytes = float("inf") if max_bytes is None else max_bytes
     max_rows = len(plan) if max_rows is None else max(1, int(max_rows))
