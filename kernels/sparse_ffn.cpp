@@ -20,44 +20,41 @@ namespace flash_ext {
 
 namespace {
 
-thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add;
+thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add, tl_act;
 thread_local std::vector<int32_t> tl_ids;
 
-// MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), rounded to dt as
-// its output array holds it.
-float mlx_exp(float x, int dt) {
-  float r;
-  if (std::isnan(x)) {
-    r = x;
-  } else if (x > 88.72283905206835f) {
-    r = std::numeric_limits<float>::infinity();
-  } else if (x < -88.72283905206835f) {
-    r = 0.f;
-  } else {
-    const float t = x * 1.442695f;
-    const float ipart = std::floor(t + 0.5f), fpart = t - ipart;
-    float y = 1.535336188319500e-4f;
-    for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                    6.931472028550421e-1f, 1.000000000000000f})
-      y = std::fma(y, fpart, c);
-    const int32_t bits = (int32_t(ipart) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    r = scale * y;
-  }
-  round_to(dt, &r, 1);
-  return r;
+// MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), before its
+// output is rounded to the array's dtype.
+float mlx_exp(float x) {
+  if (std::isnan(x)) return x;
+  if (x > 88.72283905206835f) return std::numeric_limits<float>::infinity();
+  if (x < -88.72283905206835f) return 0.f;
+  const float t = x * 1.442695f;
+  const float ipart = std::floor(t + 0.5f), fpart = t - ipart;
+  float y = 1.535336188319500e-4f;
+  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                  6.931472028550421e-1f, 1.000000000000000f})
+    y = std::fma(y, fpart, c);
+  const int32_t bits = (int32_t(ipart) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return scale * y;
 }
 
-// nn.silu(g) for g of dtype dt as MLX's CPU computes it: sigmoid from exp(|g|) (rounded to dt) as
-// 1 / (1 + e) or 1 minus that, rounded to dt, times g, rounded to dt (every float16 value checked).
-float mlx_silu(float g, int dt) {
-  const float y = 1.f / (1.f + mlx_exp(std::fabs(g), dt));
-  float s = g < 0.f ? y : 1.f - y;
-  round_to(dt, &s, 1);
-  float a = g * s;
-  round_to(dt, &a, 1);
-  return a;
+// g[i] = nn.silu(g[i]) for n values of dtype dt as MLX's CPU computes it: sigmoid from exp(|g|)
+// (rounded to dt) as 1 / (1 + e) or 1 minus that, rounded to dt, times g, rounded to dt (every
+// float16 and bfloat16 value checked). tmp: room for 2n floats.
+void mlx_silu(float* g, int64_t n, int dt, float* tmp) {
+  float *e = tmp, *s = tmp + n;
+  for (int64_t i = 0; i < n; ++i) e[i] = mlx_exp(std::fabs(g[i]));
+  round_to(dt, e, int(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = 1.f / (1.f + e[i]);
+    s[i] = g[i] < 0.f ? y : 1.f - y;
+  }
+  round_to(dt, s, int(n));
+  for (int64_t i = 0; i < n; ++i) g[i] *= s[i];
+  round_to(dt, g, int(n));
 }
 
 struct SetLayout {
@@ -89,7 +86,7 @@ class FlashSparseFFN : public CpuPrimitive {
     }
     // silu(g) as MLX computes it (mx.sigmoid then the product, each rounded to the dtype), then the
     // mask on it and the product with u.
-    for (int64_t i = 0; i < count; ++i) g[i] = mlx_silu(g[i], P.ydt);
+    mlx_silu(g, count, P.ydt, scratch(tl_act, size_t(2 * count)));
     for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(g[i]) > P.threshold ? g[i] * u[i] : 0.f;
     round_to(P.ydt, u, int(count));
   }
@@ -225,12 +222,14 @@ class FlashActiveMask : public CpuPrimitive {
       float* v = scratch(tl_x, size_t(g.size()));
       to_float(g, v);
       std::fill(out, out + N, uint8_t(0));
+      if (act == 0) {
+        mlx_silu(v, g.size(), dt, scratch(tl_act, size_t(2 * g.size())));
+      } else {
+        for (int64_t i = 0; i < g.size(); ++i) v[i] = v[i] > act_threshold ? v[i] : 0.f;
+      }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < N; ++i) {
-          const float x = v[m * N + i];
-          const float a = act == 0 ? mlx_silu(x, dt) : (x > act_threshold ? x : 0.f);
-          if (std::fabs(a) > threshold) out[i] = 1;
-        }
+        for (int64_t i = 0; i < N; ++i)
+          if (std::fabs(v[m * N + i]) > threshold) out[i] = 1;
     });
   }
   const char* name() const override { return "FlashActiveMask"; }
