@@ -82,14 +82,19 @@ def test_tuning_lowers_the_kl_keeps_the_integers_and_restores_the_student(models
                            group_size=32, seq_len=64, progress=False)
 
 
-def test_lr_by_width_scales_each_widths_step(models):
+def _mixed_widths(models, seed):
+    """(teacher, student, tokens, quantized stacks, bits): experts at 2 and 3 bits (mean 2.5)."""
     teacher, student = models
-    tokens = np.random.default_rng(2).integers(0, 128, 300).astype(np.int32)
+    tokens = np.random.default_rng(seed).integers(0, 128, 300).astype(np.int32)
     quantized = {}
     errors = measure_errors(teacher, tokens, 32, (2, 3), progress=False, method="gptq-fit",
                             quantized=quantized)
-    bits = assign_widths(errors, 2.5, widths=(2, 3))
     quantize_resident(student, 4, 32)
+    return teacher, student, tokens, quantized, assign_widths(errors, 2.5, widths=(2, 3))
+
+
+def test_lr_by_width_scales_each_widths_step(models):
+    teacher, student, tokens, quantized, bits = _mixed_widths(models, 2)
 
     def first_step(lr_by_width):
         out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=1,
@@ -110,13 +115,7 @@ def test_lr_by_width_scales_each_widths_step(models):
 
 
 def test_checkpoints_are_the_shorter_runs(models):
-    teacher, student = models
-    tokens = np.random.default_rng(3).integers(0, 128, 300).astype(np.int32)
-    quantized = {}
-    errors = measure_errors(teacher, tokens, 32, (2, 3), progress=False, method="gptq-fit",
-                            quantized=quantized)
-    bits = assign_widths(errors, 2.5, widths=(2, 3))
-    quantize_resident(student, 4, 32)
+    teacher, student, tokens, quantized, bits = _mixed_widths(models, 3)
     seen = {}
 
     def tune(steps, **kw):
