@@ -32,8 +32,8 @@ def add_arguments(parser):
 def run(args):
     from ..calibration.dense_pass import collect_inputs
     from ..calibration.reorder import compare_orders
-    from ..io.planner import load_cost
-    from ..io.read_cost import describe_load
+    from ..io.planner import load_cost, profile_file
+    from ..io.read_cost import describe_profile
     from ..pack import read_manifest
 
     pack = Path(args.model)
@@ -50,8 +50,8 @@ def run(args):
     needed = sum(r["pack"]["needed"] for r in rows)
     print(f"Model: {pack}  ({len(rows)} layers, {data.n_train} tokens fit the orders, "
           f"{len(next(iter(data.xs.values()))) - data.n_train} held out)")
-    print(f"Cost model: {'stored read-cost profile' if cost is not None else 'none stored (touching blocks merged only)'}"
-          + (f" ({describe_load(getattr(cost, 'load', None))})" if cost is not None else ""))
+    print("Cost model: " + (describe_profile(cost, profile_file()) if cost is not None
+                            else "none stored (touching blocks merged only)"))
     unit = " KB/token" + (" (ms)" if priced else "")
     print("| layer | active % | bundle bytes | " + " | ".join(n + unit for n in names.values())
           + " | pack / co-activation | pack / chain |")
