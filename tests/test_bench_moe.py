@@ -67,7 +67,7 @@ def test_hit_rate_vs_slots_on_a_known_trace():
 
 
 @pytest.mark.slow
-def test_bench_run_moe_rows(moe_pack, tmp_path):
+def test_bench_run_moe_rows(moe_pack, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("Experts are read from flash into a cache of slots; the router picks them. " * 40)
     out = tmp_path / "bench"
@@ -78,6 +78,9 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
                        "--prompt-tokens", "8", "--gen-tokens", "4", "--repeats", "1",
                        "--peers", "none", "--text", str(text), "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
+    # the read-cost profile line, as bench run prints it for dense packs: stderr, results, report
+    profile = result["read_cost_profile"]
+    assert profile.startswith("read-cost profile ") and profile in capsys.readouterr().err
     rows = {r["label"].split(" (")[0]: r for r in result["rows"]}
     assert list(rows) == ["IO-FREE", "IO-QEXP", "cache only", "preload only", "ours"]
     assert all(r["ok_runs"] == 1 for r in rows.values())
@@ -88,6 +91,7 @@ def test_bench_run_moe_rows(moe_pack, tmp_path):
     assert result["hit_rate_vs_slots"][-1]["slots"] == 8
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Belady" in report and "bench run" in report
+    assert f"Reads priced by the {profile}." in report
     if shutil.which("fio"):  # rows that read experts, next to fio's time for their bytes
         assert "IO-QEXP" in {e["label"].split(" (")[0] for e in result["io_vs_fio"]}
         assert "Expert I/O per decode token vs fio" in report and "| IO-QEXP" in report

@@ -582,9 +582,10 @@ def hit_rate_vs_slots(routes, n_experts, top_k, measured=None) -> list:
     return rows
 
 
-def run_suite(suite, args, prompts, peer_names, out, command, machine, packages) -> int:
+def run_suite(suite, args, prompts, peer_names, out, command, machine, packages, profile_line) -> int:
     """`bench run` on an MoE pack: every row cold, in a fresh child, under the same cap.
-    machine, packages: bench run's machine_info() and package_versions()."""
+    machine, packages, profile_line: bench run's machine_info(), package_versions() and
+    stored_profile_line() (the read-cost profile that prices the runs' reads)."""
     import os
 
     from ..cpu import ops
@@ -631,6 +632,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages)
                      "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
                      "eviction": {m: {"max_residency_after": r} for m, r in suite.evictions.items()},
                      "cap": {**suite.cap, "cap_bytes": suite.cap_for(suite.budget_bytes)}},
+        "read_cost_profile": profile_line,
         "rows": table, "peers": peer_results, "hit_rate_vs_slots": fig13,
         "runs": [{k: v for k, v in r.items() if k != "value"} | {"value": _without_routes(r["value"])}
                  for r in suite.runs],
@@ -691,6 +693,7 @@ def moe_markdown(result) -> str:
                            else "MLX's own ops (gather_qmm)") + ".",
              f"Machine: {result['machine'].get('cpu', '?')}, {result['machine']['cpus']} cores, load "
              f"{result['machine']['load_average']} (shared machine: compare rows, not absolute figures).",
+             f"Reads priced by the {result['read_cost_profile']}.",
              f"Command: `{result['command']}`", "",
              "| row | tok/s | ms/token | I/O ms/token | MB read/token | preload MB/token | hit rate "
              "| host syncs/token | peak GB (cap) |",

@@ -518,9 +518,11 @@ def run(args) -> int:
     if suite.cap["used"]:
         suite.measure_baseline(prompts[0])
     command = _command(args)
+    profile_line = stored_profile_line(suite.pack, args.threads)  # what prices the runs' reads
+    print(profile_line, file=sys.stderr)
     if moe_bench.is_moe(suite.manifest):  # EdgeMoE's rows; --modes, --ablation, --sweeps are for FFN packs
         return moe_bench.run_suite(suite, args, prompts, peer_names, out, command, machine_info(),
-                                   package_versions())
+                                   package_versions(), profile_line)
     if "flash" in modes or args.ablation or suite.sweeps():
 
         if read_predictors_json(suite.pack) is None:
@@ -532,8 +534,6 @@ def run(args) -> int:
           + f"), budget {suite.budget_bytes / 1e9:.3f} GB, cap: "
           + (f"{suite.cap_for(suite.budget_bytes) / 1e9:.3f} GB" if suite.cap["used"] else
              f"none ({suite.cap['reason'] if args.cap else 'not asked'})"), file=sys.stderr)
-    profile_line = stored_profile_line(suite.pack, args.threads)  # what prices the runs' reads
-    print(profile_line, file=sys.stderr)
 
     # 1. the modes (Table 3)
     for rep in range(args.repeats):  # repeats outermost: background load hits every mode alike
