@@ -174,6 +174,14 @@ def _main(argv):
                              "this many bits (group size 32), out of the neuron bundles: bundles "
                              "2/3 the size, the model computes with the quantized gate, and "
                              "calibrate --kind gate-threshold predicts from it exactly (docs/relufy.md)")
+    parser.add_argument("--resident-bits", type=int, choices=(4, 8), default=None,
+                        help="pack, float models: MLX affine-quantize the resident linears "
+                             "(attention projections, the embedding / tied lm_head) at this many "
+                             "bits (group size --resident-group-size), FFN bundles unchanged: a "
+                             "smaller resident set (more of a memory budget for the FFN caches) and "
+                             "fewer bytes per token's matvecs (docs/relufy.md)")
+    parser.add_argument("--resident-group-size", type=int, choices=(32, 64, 128), default=64,
+                        help="--resident-bits: quantization group size (default 64)")
     parser.add_argument("--down-bits", type=int, choices=(4, 8, 16), default=16,
                         help="pack, already quantized sources: how to store each down projection "
                              "column (its groups must run the other way): 16 = the source's values "
@@ -300,8 +308,8 @@ def _main(argv):
         raise FlashError(f"--out {out}: already exists; remove it or choose another path")
     src = Path(args.model).expanduser()
     if args.format == "mlx":
-        if args.dtype or args.quantize:
-            raise FlashError("--dtype/--quantize: only with --format pack")
+        if args.dtype or args.quantize or args.resident_bits:
+            raise FlashError("--dtype/--quantize/--resident-bits: only with --format pack")
         if not src.exists():
             raise FlashError(f"--model {src}: no such file or folder")
         if not (src.is_file() and is_gguf(src)):
@@ -315,7 +323,8 @@ def _main(argv):
         write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
                    expert_bits=expert_bits, moe_routing=routing, expert_quantizer=quantizer,
-                   gate_bits=args.gate_bits)
+                   gate_bits=args.gate_bits, resident_bits=args.resident_bits,
+                   resident_group_size=args.resident_group_size)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

@@ -144,3 +144,17 @@ def test_gate_bits_flag_keeps_the_gate_resident(tiny_llama, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", str(src), "--gate-bits", "4", "--quantize", "4", "--out", str(tmp_path / "q")])
     assert e.value.code == 2 and "--gate-bits" in capsys.readouterr().err
+
+
+def test_resident_bits_flag_quantizes_the_resident_linears(tiny_llama, tmp_path, capsys):
+    src = tiny_llama("src", dtype="float16")
+    out = tmp_path / "pack"
+    assert main(["--model", str(src), "--gate-bits", "4", "--resident-bits", "8", "--resident-group-size",
+                 "32", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    q = manifest["config"]["quantization"]
+    assert (q["bits"], q["group_size"], q["model.layers.0.mlp.gate_proj"]["bits"]) == (8, 32, 4)
+    assert manifest["resident"]["tensors"]["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "uint32"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(src), "--resident-bits", "8", "--quantize", "4", "--out", str(tmp_path / "q")])
+    assert e.value.code == 2 and "--resident-bits" in capsys.readouterr().err

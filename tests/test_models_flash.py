@@ -397,3 +397,43 @@ def test_flash_plan_prices_calibrations_reads_with_the_loaders_cost_model(tiny_l
     model = build_flash_model(llama_pack, FlashConfig("flash", memory_budget=0.8))
     want = priced_read_fractions(model.flash_runtime.loader, sparse_read_calls(llama_pack, 5))
     assert want[0] and seen["sparse_read_fraction"] == want[0] and seen["cache_read_fraction"] == want[1]
+
+
+def test_resident_bits_pack_runs_its_linears_on_the_8bit_kernels_and_frees_budget(tiny_llama, tmp_path):
+    """convert --resident-bits 8: attention projections and the tied embedding / lm_head load as
+    quantized layers on the CPU kernels; every mode computes the source model with those weights
+    8-bit (and the gate 4-bit); at the same byte budget the smaller resident set leaves the
+    memory plan more neuron-cache rows."""
+    import mlx.nn as nn
+
+    from mlx_flash.cpu.patch import KernelQuantizedEmbedding, KernelQuantizedLinear
+
+    src = tiny_llama("src", layers=2, intermediate=96)
+    plain = write_pack(src, tmp_path / "plain", gate_bits=4, progress=False)
+    pack = write_pack(src, tmp_path / "pack", gate_bits=4, resident_bits=8, resident_group_size=32,
+                      progress=False)
+    reference = load_model(src, lazy=False)[0]
+    for layer in reference.layers:
+        g = layer.mlp.gate_proj
+        g.weight = mx.dequantize(*mx.quantize(g.weight, group_size=32, bits=4), group_size=32, bits=4)
+    nn.quantize(reference, group_size=32, bits=8, class_predicate=lambda p, m: "mlp" not in p
+                and isinstance(m, (nn.Linear, nn.Embedding)))
+    want = run_steps(reference)  # MLX's own quantized ops
+    dense = build_flash_model(pack, FlashConfig("dense"))
+    attn = dense.layers[0].self_attn
+    assert all(type(getattr(attn, f"{p}_proj")) is KernelQuantizedLinear and getattr(attn, f"{p}_proj").bits == 8
+               for p in "qkvo")
+    assert type(dense.model.embed_tokens) is KernelQuantizedEmbedding and dense.model.embed_tokens.bits == 8
+    runs = [dense, build_flash_model(pack, FlashConfig("naive")),
+            build_flash_model(pack, FlashConfig("flash"), capacity={0: 30, 1: 50},
+                              predictors={i: all_neurons(96) for i in range(2)})]
+    for got in map(run_steps, runs):
+        for x, y in zip(got, want):  # float32: the 8-bit kernels vs MLX's quantized matmuls
+            assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
+    m = read_manifest(plain)  # room for half a layer's rows beside the float pack's fixed part
+    budget = resident_bytes(m) + stream_bytes(m) + layer_bytes(m.bundles[0]) // 2
+    plans = [build_flash_model(p, FlashConfig("flash", memory_budget=budget), capacity={0: 96, 1: 96},
+                               predictors={i: all_neurons(96) for i in range(2)}).flash_stats.plan
+             for p in (plain, pack)]
+    assert plans[1].resident == read_manifest(pack).resident.length < plans[0].resident
+    assert sum(plans[1].capacity.values()) > sum(plans[0].capacity.values())

@@ -432,3 +432,36 @@ def test_resident_gate_pack_keeps_the_quantized_gate_out_of_the_bundles(tiny_lla
     with pytest.raises(FlashError, match=r"bundles\[1\]\.resident_gate needs the resident tensor "
                                          r"model\.layers\.1\.mlp\.gate_proj\.scales"):
         read_manifest(pack)
+
+
+def test_resident_bits_quantizes_the_resident_linears_and_leaves_the_bundles(tiny_llama, tmp_path):
+    """convert --resident-bits 8: attention projections and the tied embedding are MLX 8-bit
+    affine in the resident file (config names the bits, the resident gates keep theirs as
+    per-module overrides); the neuron bundles are the float pack's, byte for byte."""
+    src = tiny_llama("src", layers=2, intermediate=96)
+    plain = write_pack(src, tmp_path / "plain", dtype="float16", gate_bits=4, progress=False)
+    pack = write_pack(src, tmp_path / "pack", dtype="float16", gate_bits=4, resident_bits=8,
+                      resident_group_size=32, progress=False)
+    manifest, source = read_manifest(pack), mx.load(str(src / "model.safetensors"))
+    config, resident = load_resident(pack)
+    linears = ["model.embed_tokens"] + [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2)
+                                        for p in "qkvo"]
+    gates = [f"model.layers.{i}.mlp.gate_proj" for i in range(2)]
+    assert sorted(k[: -len(".scales")] for k in resident if k.endswith(".scales")) == sorted(linears + gates)
+    for name in linears:
+        want = mx.quantize(source[f"{name}.weight"].astype(mx.float16), group_size=32, bits=8)
+        for part, w in zip(("weight", "scales", "biases"), want):
+            assert mx.array_equal(resident[f"{name}.{part}"], w).item(), name
+    assert resident["model.norm.weight"].dtype == mx.float16  # norms stay float
+    assert config["quantization"] == {"bits": 8, "group_size": 32,
+                                      **{g: {"bits": 4, "group_size": 32} for g in gates}}
+    assert manifest.resident.length < 0.7 * read_manifest(plain).resident.length
+    for b, p in zip(manifest.bundles, read_manifest(plain).bundles):
+        assert b.resident_gate == p.resident_gate and b.stride == p.stride
+        assert (pack / b.file).read_bytes() == (plain / p.file).read_bytes()
+    for bad in ({"quantize": 4}, {"resident_bits": 5}, {"resident_group_size": 48}):
+        with pytest.raises(FlashError, match="--resident-"):
+            write_pack(src, tmp_path / "bad", **{"resident_bits": 8, **bad}, progress=False)
+    q = tiny_llama("q", quantize=(4, 32))
+    with pytest.raises(FlashError, match="--resident-bits needs a float source"):
+        write_pack(q, tmp_path / "qpack", resident_bits=8, progress=False)

@@ -27,7 +27,7 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
                expert_bits=None, moe_routing=None, weights=None, expert_quantizer=None,
-               gate_bits=None, gate_group_size=32) -> Path:
+               gate_bits=None, gate_group_size=32, resident_bits=None, resident_group_size=64) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -55,6 +55,11 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       (layout.py "resident_gate"): bundles hold up and down only (2/3 of a float gated bundle) and
       the model computes with the quantized gate, from which `calibrate --kind gate-threshold`
       predicts the active neurons exactly. Float source, no `quantize`, dense encoding only.
+    resident_bits: None, 4 or 8: the resident linears (attention projections, embedding / lm_head;
+      every resident float matrix whose rows split into `resident_group_size` groups, norms
+      excluded) MLX affine-quantized at this many bits, the FFN bundles as they are (float). The
+      config's "quantization" names these bits, with the resident gates' own as per-module
+      overrides. Float source, no `quantize`, dense encoding only.
     moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
       slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
     weights: {tensor name: mx.array} to convert instead of `src_dir`'s model*.safetensors (which
@@ -82,12 +87,19 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
                          f"(no --quantize, dense encoding)")
     if gate_bits is not None and gate_group_size not in (32, 64, 128):
         raise FlashError(f"--gate-group-size {gate_group_size!r}: choose 32, 64 or 128")
+    if resident_bits is not None and (resident_bits not in (4, 8) or quantize or encoding != "dense"
+                                      or expert_bits is not None):
+        raise FlashError(f"--resident-bits {resident_bits!r}: choose 4 or 8, for a float pack "
+                         f"(no --quantize, dense encoding)")
+    if resident_bits is not None and resident_group_size not in (32, 64, 128):
+        raise FlashError(f"--resident-group-size {resident_group_size!r}: choose 32, 64 or 128")
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     gate = {"bits": gate_bits, "group_size": gate_group_size} if gate_bits else None
+    linears = {"bits": resident_bits, "group_size": resident_group_size} if resident_bits else None
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
-               expert_bits, moe_routing, weights, expert_quantizer, gate)
+               expert_bits, moe_routing, weights, expert_quantizer, gate, linears)
     return out
 
 
@@ -132,8 +144,10 @@ def _should_quantize(name, arr, group_size):
 
 
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
-           expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None, gate=None):
-    """gate: {"bits", "group_size"} to keep gated neuron FFNs' gates resident and quantized."""
+           expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None, gate=None,
+           linears=None):
+    """gate: {"bits", "group_size"} to keep gated neuron FFNs' gates resident and quantized;
+    linears: {"bits", "group_size"} to quantize the other resident linears."""
     config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
     if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
@@ -168,6 +182,11 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         if not resident_gates:
             raise FlashError(f"{src}: --gate-bits: the model's FFNs have no gate")
         config["quantization"] = dict(gate)
+    if linears:
+        if src_quant or any(k.endswith(".scales") for k in weights):
+            raise FlashError(f"{src}: already quantized; --resident-bits needs a float source")
+        # the resident linears' bits are the default; each resident gate keeps its own
+        config["quantization"] = {**linears, **{m: dict(gate) for m in resident_gates.values()}}
     gate_weights = {f"{m}.weight" for m in resident_gates.values()}
     # Tensors that go into bundles; the rest is resident.
     bundled = set()
@@ -193,9 +212,11 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
-        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights:
+        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights or (
+                linears and _should_quantize(k, v, linears["group_size"])):
             base = k[: -len(".weight")]
-            bits, size = (gate["bits"], gate["group_size"]) if k in gate_weights else (quantize, group_size)
+            bits, size = ((gate["bits"], gate["group_size"]) if k in gate_weights
+                          else (linears["bits"], linears["group_size"]) if linears else (quantize, group_size))
             q, s, b = mx.quantize(v, group_size=size, bits=bits)
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
         else:
