@@ -670,6 +670,26 @@ def test_sparse_ffn_bad_arguments_raise():
         ops.sparse_ffn(x, sets, None, "gelu")
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("activation, threshold", [("silu", 0.33266374), ("relu", 0.1), ("fatrelu:0.2713", 0.0)])
+def test_active_mask_twin_is_the_predictors_mask_for_every_value(dtype, activation, threshold):
+    # the MLX twin (kernels off) keeps exactly what a gate-threshold predictor keeps, for every
+    # finite gate value, and any over a prompt's rows
+    from mlx_flash.sparse.predictor import LayerPredictor
+
+    v = mx.array(np.arange(65536, dtype=np.uint16)).view(dtype)
+    g = v[mx.array(np.nonzero(np.isfinite(_f32(v)))[0])][None]
+    rows = g[:, : 64 * 7].reshape(1, 7, 64)
+    ops.set_kernels_enabled(False)
+    try:
+        got, got_rows = ops.active_mask(g, activation, threshold), ops.active_mask(rows, activation, threshold)
+    finally:
+        ops.set_kernels_enabled(True)
+    predictor = LayerPredictor(0, "gate-threshold", g.shape[1], threshold=threshold, activation=activation)
+    assert mx.array_equal(got, predictor.mask_from_gate(g)[0]).item()
+    assert mx.array_equal(got_rows, predictor.mask_from_gate(rows).reshape(7, 64).any(axis=0)).item()
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("activation, threshold", [("silu", 0.33266374), ("relu", 0.1), ("fatrelu:0.2713", 0.0)])

@@ -354,6 +354,34 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None):
 
 
 # ------------------------------------------------------------------------------------------------
+# FFN activations: the one definition the kernels' MLX twins, the predictors and relu_llama share
+
+ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
+
+
+def fatrelu(g, threshold):
+    """FATReLU (Song et al. 2024): g where g > threshold, else 0."""
+    return mx.where(g > threshold, g, mx.zeros_like(g))
+
+
+def cats(a, threshold):
+    """CATS (Lee et al. 2024) on a = silu(gate x): a where |a| > threshold, else 0."""
+    return mx.where(mx.abs(a) > threshold, a, mx.zeros_like(a))
+
+
+def activation_fn(name: str):
+    """The elementwise activation called `name`: one of ACTIVATIONS, or "fatrelu:T" (FATReLU at
+    threshold T, the relu_llama model's)."""
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name]
+    kind, _, arg = str(name).partition(":")
+    if kind == "fatrelu":
+        t = float(arg)
+        return lambda g: fatrelu(g, t)
+    raise FlashError(f"unknown activation {name!r} (one of {', '.join(ACTIVATIONS)} or fatrelu:T)")
+
+
+# ------------------------------------------------------------------------------------------------
 # A flash layer's FFN on its current rows
 
 SPARSE_FFN_ACTS = ("silu", "relu_gated", "relu")
@@ -362,11 +390,10 @@ SPARSE_FFN_ACTS = ("silu", "relu_gated", "relu")
 def _hidden(g, u, act, threshold):
     """h of one row set by MLX's ops (sparse_ffn's activations; g is None for "relu")."""
     if act == "relu":
-        return mx.where(u > threshold, u, mx.zeros_like(u))
+        return fatrelu(u, threshold)
     if act == "relu_gated":
-        return mx.where(g > threshold, g, mx.zeros_like(g)) * u
-    a = nn.silu(g)
-    return mx.where(mx.abs(a) > threshold, a, mx.zeros_like(a)) * u
+        return fatrelu(g, threshold) * u
+    return cats(nn.silu(g), threshold) * u
 
 
 def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
@@ -424,13 +451,12 @@ def mask_activation_ok(activation: str) -> bool:
 
 def active_mask(g, activation: str, threshold: float):
     """The neurons a gate-threshold predictor keeps, from the gate's output g [..., N]: bool [N],
-    any over g's leading rows of |act(g)| > threshold (act "silu", "relu" or "fatrelu:T": g where
-    g > T else 0); thresholds compared in g's dtype. One kernel primitive on the CPU (MLX: the
+    any over g's leading rows of |act(g)| > threshold (act: activation_fn's "silu", "relu" or
+    "fatrelu:T"); thresholds compared in g's dtype. One kernel primitive on the CPU (MLX: the
     activation, abs, compare and any)."""
     code = _mask_activation(activation)
     if code is None:
         raise ValueError(f"activation {activation!r}: active_mask computes silu, relu or fatrelu:T")
     if use_kernel(g) and hasattr(_ext, "active_mask"):
         return _ext.active_mask(g, code[0], code[1], float(threshold))
-    a = nn.silu(g) if code[0] == 0 else mx.where(g > code[1], g, mx.zeros_like(g))
-    return (mx.abs(a) > threshold).reshape(-1, g.shape[-1]).any(axis=0)
+    return (mx.abs(activation_fn(activation)(g)) > threshold).reshape(-1, g.shape[-1]).any(axis=0)

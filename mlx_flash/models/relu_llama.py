@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from ..cpu.ops import cats, fatrelu
+
 ACTIVATIONS = ("relu", "fatrelu", "drelu", "cats")
 THRESHOLDED = ("fatrelu", "cats")  # activations with activation_threshold
 
@@ -56,12 +58,11 @@ def gated_hidden(gate: mx.array, up: mx.array, hidden_act: str, threshold: float
     if hidden_act == "relu":
         return nn.relu(gate) * up
     if hidden_act == "fatrelu":
-        return mx.where(gate > threshold, gate, mx.zeros_like(gate)) * up
+        return fatrelu(gate, threshold) * up
     if hidden_act == "drelu":
         return nn.relu(gate) * nn.relu(up)
     if hidden_act == "cats":
-        a = nn.silu(gate)
-        return mx.where(mx.abs(a) > threshold, a, mx.zeros_like(a)) * up
+        return cats(nn.silu(gate), threshold) * up
     raise ValueError(f"unknown hidden_act {hidden_act!r}")
 
 

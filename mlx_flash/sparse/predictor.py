@@ -46,11 +46,10 @@ import zlib
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..cpu.ops import half_matvec, quantized_matvec
+from ..cpu.ops import ACTIVATIONS, activation_fn, half_matvec, quantized_matvec
 from ..pack import layer_bundles, read_layer_components, read_manifest
 from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
 from ..paths import fsync_file
@@ -64,24 +63,11 @@ LOW_RANK = ("low-rank", "low-rank-gate")  # kinds with low-rank factors
 STORED = LOW_RANK + ("quant-gate",)  # kinds whose tensors live in predictors.safetensors
 GATE_ESTIMATES = ("low-rank-gate", "quant-gate")  # mask = gate_score(x) > cut
 QUANT_GATE = ("gate.weight", "gate.scales", "gate.biases")
-ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
 
 def monotone(activation: str) -> bool:
     """ReLU-family activations: zero below a threshold, increasing above it."""
     return activation == "relu" or str(activation).startswith("fatrelu:")
-
-
-def activation_fn(name: str):
-    """The elementwise activation called `name`: one of ACTIVATIONS, or "fatrelu:T" (FATReLU, the
-    relu_llama model's: g where g > T, else 0)."""
-    if name in ACTIVATIONS:
-        return ACTIVATIONS[name]
-    kind, _, arg = str(name).partition(":")
-    if kind == "fatrelu":
-        t = float(arg)
-        return lambda g: mx.where(g > t, g, mx.zeros_like(g))
-    raise FlashError(f"{PREDICTORS_JSON}: unknown activation {name!r}")
 
 
 def _logit(p: float) -> float:
