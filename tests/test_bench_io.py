@@ -26,6 +26,8 @@ def test_io_bench_reports(tiny_llama, tmp_path, monkeypatch):
                  "--no-fio", "--json", str(out), "--plot", str(png)]) == 0
     r = json.loads(out.read_text())
     assert r["evict_method"] and r["sequential"]["gbps"] > 0 and "io --pack" in r["command"]
+    # the machine and packages as bench run records them (bench.report.machine_info)
+    assert {"platform", "python", "machine", "cpus", "load_average"} <= set(r["machine"]) and r["packages"]["mlx"]
     assert {(p["chunk_bundles"], p["threads"]) for p in r["chunk_sweep"]} == {(1, 1), (1, 2), (4, 1), (4, 2)}
     assert [c["fraction"] for c in r["bundled_vs_unbundled"]] == [0.05, 0.1, 0.25]
     for c in r["bundled_vs_unbundled"]:

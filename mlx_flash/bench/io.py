@@ -34,7 +34,6 @@ device returned, including alignment edges and merged gaps).
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from ..io.read_cost import (FREE_COPY, REMEASURE_COMMAND, describe_load, describ
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
+from .report import machine_info, package_versions
 
 
 def add_arguments(parser):
@@ -916,17 +916,6 @@ def bundled_vs_unbundled(bench, threads, fractions, with_fio):
                        "curve": cost.to_dict() if hasattr(cost, "to_dict") else None}
 
 
-def machine():
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
-    try:
-        import mlx.core as mx
-        info["mlx"] = mx.__version__
-    except Exception:
-        pass
-    return info
-
-
 def plot(result, path):
     try:
         import matplotlib
@@ -1017,7 +1006,8 @@ def run(args) -> int:
     e0 = bench.entries[bench.layers[0]]
     print(f"pack {bench.pack}: {len(bench.layers)} bundle files, {e0['count']} bundles of "
           f"{e0['stride']} bytes per layer")
-    result = {"pack": str(bench.pack), "machine": machine(), "command": args.command_line,
+    result = {"pack": str(bench.pack), "machine": machine_info(),
+              "packages": package_versions(), "command": args.command_line,
               "fraction": args.fraction, "parts": parts}
     if "profile" in parts:
         result["profile"] = profile_report(bench, top)

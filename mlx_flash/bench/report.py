@@ -1,4 +1,5 @@
-"""Tables, plots and the markdown report of `python -m mlx_flash.bench run` (from results.json).
+"""Tables, plots and the markdown report of `python -m mlx_flash.bench run` (from results.json),
+and the machine and package description every bench report records.
 
 Table 2 (paper): Naive / Hybrid / +Predictor / +Windowing / +Bundling with DRAM (GB of weights
 the memory plan holds), flash -> DRAM (MB per token), effective read throughput (GB/s = bytes
@@ -8,6 +9,8 @@ compute and total ms for each mode and peer.
 
 import json
 import os
+import platform
+from importlib import metadata
 from pathlib import Path
 
 TABLE2 = (("Naive", "modes", "naive", (0, 0, 0, 0)),
@@ -15,6 +18,38 @@ TABLE2 = (("Naive", "modes", "naive", (0, 0, 0, 0)),
           ("+Predictor", "ablation", "+predictor", (1, 1, 0, 0)),
           ("+Windowing", "ablation", "+windowing", (1, 1, 1, 0)),
           ("+Bundling", "modes", "flash", (1, 1, 1, 1)))
+
+
+def machine_info() -> dict:
+    """The machine a report's figures come from (bench run, bench io): platform, Python, CPU
+    model and count, memory bytes, load average (1, 5, 15 min) now."""
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_bytes"] = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    return info
+
+
+def package_versions() -> dict:
+    """{distribution: version} of the installed packages behind a report's figures."""
+    out = {}
+    for name in ("mlx", "mlx-lm", "mlx-flash-runtime", "numpy", "llama_cpp_python", "gguf",
+                 "matplotlib"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def write_json(path: Path, data):

@@ -19,14 +19,12 @@ DIR/report.md with tables and PNG plots, and a printed summary.
 import glob
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
 import sys
 import time
 import zlib
-from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,7 +47,7 @@ from . import peers as peer_mod
 from . import report
 from .cap import cgroup_status, run_capped
 from .io import write_unbundled
-from .report import write_json
+from .report import machine_info, package_versions, write_json
 
 DEFAULT_TEXT_GLOB = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
 MODES = ("dense", "naive", "hybrid", "flash")
@@ -181,37 +179,6 @@ def make_prompts(tokenizer, files, n_prompts, n_tokens) -> list[dict]:
     while len(prompts) < n_prompts:  # short texts: reuse prompts rather than fail
         prompts.append(prompts[len(prompts) % len(prompts)])
     return prompts
-
-
-def machine_info() -> dict:
-    """Platform, CPU, memory, disk of the pack, load average."""
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["memory_bytes"] = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    return info
-
-
-def package_versions() -> dict:
-
-    out = {}
-    for name in ("mlx", "mlx-lm", "mlx-flash-runtime", "numpy", "llama_cpp_python", "gguf",
-                 "matplotlib"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 # ---- running children ---------------------------------------------------------------------------
