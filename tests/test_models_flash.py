@@ -437,3 +437,42 @@ def test_resident_bits_pack_runs_its_linears_on_the_8bit_kernels_and_frees_budge
              for p in (plain, pack)]
     assert plans[1].resident == read_manifest(pack).resident.length < plans[0].resident
     assert sum(plans[1].capacity.values()) > sum(plans[0].capacity.values())
+
+
+def test_build_reads_the_manifest_predictors_and_resident_file_once_each(tiny_llama, tmp_path, monkeypatch):
+    """A calibrated CATS pack with 8-bit resident linears (convert --gate-bits 4 --resident-bits 8,
+    calibrate --kind gate-threshold): building its flash model parses manifest.json and
+    predictors.json once each and reads resident.safetensors once (mx.load; the checksum is taken
+    over the loaded tensors); flash computes its dense model."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+    from mlx_flash.pack import reader, schema
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, [0.03, 0.05, 0.04, 0.06], gate_bits=4, resident_bits=8,
+                          resident_group_size=32)
+    texts = [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+    assert calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--kind", "gate-threshold",
+                               "--quiet"]) == 0
+    ids = [5, 17, 99, 3, 42, 7, 61, 12]
+    dense = decode_logits(build_flash_model(pack, FlashConfig("dense")), ids)
+    parsed, loaded = [], []
+    real_json, real_load = schema.read_json_file, mx.load
+
+    def counting_json(path, what):
+        parsed.append(os.path.basename(path))
+        return real_json(path, what)
+
+    def counting_load(path, *args, **kwargs):
+        loaded.append(os.path.basename(str(path)))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr("mlx_flash.pack.layout.read_json_file", counting_json)
+    monkeypatch.setattr("mlx_flash.sparse.predictor.read_json_file", counting_json)
+    monkeypatch.setattr(mx, "load", counting_load)
+    monkeypatch.setattr(reader, "file_crc32", lambda path: pytest.fail(f"{path} read a second time"))
+    model = build_flash_model(pack, FlashConfig("flash"), lookahead=True)
+    assert sorted(parsed) == ["manifest.json", "predictors.json"]
+    assert loaded.count("resident.safetensors") == 1
+    plan = model.flash_stats.plan
+    assert len(plan.capacity) == 4 and model.flash_runtime.lookahead
+    np.testing.assert_allclose(decode_logits(model, ids), dense, rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ loses its projections; OPT's swap point `layer.mlp` gets a down(relu(up x)) modu
 Statistics: `model.flash_stats` (sparse.stats.FlashStats).
 """
 
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -20,14 +21,15 @@ from ..config import FlashConfig
 from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
-from ..pack import load_resident, read_manifest
+from ..pack import load_resident
 from ..sparse.budget import (budget_param, expected_read_seconds, plan_memory, priced_read_fractions,
                              resolve_budget, row_bytes)
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape, layout_key, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
 from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_capacity, load_predictors,
-                                predicted_density, sparse_read_calls, sparse_read_fraction)
+                                predicted_density, read_predictors_json, sparse_read_calls,
+                                sparse_read_fraction)
 from ..sparse.stats import FlashStats
 from .loader import build_model
 
@@ -52,29 +54,32 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
-    manifest = read_manifest(pack)
-    if any(b.kind != "neurons" for b in manifest.bundles):
-        raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
     loader = FlashLoader(pack, threads=cfg.threads)
+    manifest = loader.manifest  # manifest.json and predictors.json are parsed once each
+    pack_doc = functools.cache(lambda: read_predictors_json(pack, manifest))
     try:
+        if any(b.kind != "neurons" for b in manifest.bundles):
+            raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
         read_cost = measured = by_rows = overflow_rows = None
         if cfg.mode == "flash":
             if predictors is None:
-                predictors = pack_predictors(pack)
-                density = density if density is not None else predicted_density(pack)
-                calls = sparse_read_calls(pack, cfg.window)
+                predictors = pack_predictors(pack, manifest, pack_doc())
+                doc = pack_doc()
+                density = density if density is not None else predicted_density(pack, doc)
+                calls = sparse_read_calls(pack, cfg.window, doc)
                 if calls:  # calibration's real read sizes, priced with this machine's cost model now
                     measured, by_rows = priced_read_fractions(loader, calls)
                 else:  # older packs: the prices stored at calibration time
-                    measured = sparse_read_fraction(pack, cfg.window)
-                    by_rows = cache_read_fraction(pack, cfg.window)
+                    measured = sparse_read_fraction(pack, cfg.window, doc)
+                    by_rows = cache_read_fraction(pack, cfg.window, doc)
                 # one token's predicted neurons (99th percentile), the largest over the layers
-                overflow_rows = max(calibrated_capacity(pack, 1).values(), default=None)
-            capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window)
+                overflow_rows = max(calibrated_capacity(pack, 1, doc).values(), default=None)
+            capacity = capacity if capacity is not None else calibrated_capacity(pack, cfg.window, pack_doc())
             read_cost = lambda layer, k: expected_read_seconds(loader, layer, k)  # noqa: E731
         if lookahead is None:
             lookahead = os.environ.get("MLX_FLASH_LOOKAHEAD", "0") == "1"
-        ahead_rows = lookahead_rows(pack, manifest, predictors) if cfg.mode == "flash" and lookahead else 0
+        ahead_rows = (lookahead_rows(pack, manifest, predictors, pack_doc())
+                      if cfg.mode == "flash" and lookahead else 0)
         budget = cfg.memory_budget
         # two lookahead buffers and the reader's staging, out of the budget
         ahead_bytes = 3 * ahead_rows * max(row_bytes(b) for b in manifest.bundles) if ahead_rows else 0
@@ -235,16 +240,17 @@ def masks_like_model(mlp, threshold: float, act) -> bool:
     return getattr(mlp, "hidden_act", None) == "cats" and act is nn.silu and own >= threshold
 
 
-def lookahead_rows(pack: Path, manifest, predictors) -> int:
+def lookahead_rows(pack: Path, manifest, predictors, doc=None) -> int:
     """Rows of each lookahead buffer: the median over the layers of one token's predicted neurons
-    (calibration's Req_1), when every layer has the exact resident-gate predictor; else 0 (off)."""
+    (calibration's Req_1), when every layer has the exact resident-gate predictor; else 0 (off).
+    doc: the pack's predictors.json when already read."""
     if not predictors or len(predictors) < 2 or not all(
             getattr(p, "kind", None) == "gate-threshold" and getattr(p, "resident_gate", False)
             for p in predictors.values()):
         return 0
     if len({layout_key(b) for b in manifest.bundles}) != 1:
         return 0  # the two buffers serve every layer: one bundle layout
-    req = sorted(calibrated_capacity(pack, 1).values())
+    req = sorted(calibrated_capacity(pack, 1, doc).values())
     return int(req[len(req) // 2])
 
 
@@ -266,9 +272,10 @@ def lookahead_pairs(model, kinds: dict, predictors: dict, manifest) -> dict:
     return pairs
 
 
-def pack_predictors(pack: Path):
-    """The pack's calibrated predictors {layer: predictor}; FlashError when it has none."""
-    predictors = load_predictors(pack)
+def pack_predictors(pack: Path, manifest=None, doc=None):
+    """The pack's calibrated predictors {layer: predictor}; FlashError when it has none.
+    manifest / doc: the pack's Manifest and predictors.json when already read."""
+    predictors = load_predictors(pack, manifest, doc)
     if not predictors:
         raise FlashError(f"{pack}: --mode flash needs activation predictors and this pack has none; "
                          f"make them with python -m mlx_flash.calibrate --model {pack}")

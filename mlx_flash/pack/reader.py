@@ -5,6 +5,7 @@ all anyway); each bundle has its own crc32 in a table at the end of its layer fi
 can check exactly the bundles it reads (crc32 via zlib runs at several GB/s and releases the GIL).
 """
 
+import json
 import zlib
 from pathlib import Path
 
@@ -29,23 +30,57 @@ def load_resident(pack_dir, *, manifest=None, verify=True):
         raise FlashError(f"{path}: cannot read resident tensors ({e.strerror})") from None
     if size != res.length:
         raise FlashError(f"{path}: {size} bytes, manifest says {res['length']} (truncated or replaced)")
-    if verify:
-        crc = 0
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                crc = zlib.crc32(chunk, crc)
-        if crc != res.crc32:
-            raise FlashError(f"{path}: checksum mismatch (crc32 {crc:08x}, manifest {res['crc32']:08x})")
     try:
         weights = mx.load(str(path))
     except Exception as e:
         raise FlashError(f"{path}: unreadable safetensors ({e})") from None
+    if verify:
+        crc = loaded_crc32(path, weights, size)
+        if crc != res.crc32:
+            raise FlashError(f"{path}: checksum mismatch (crc32 {crc:08x}, manifest {res['crc32']:08x})")
     missing = set(res.tensors) - set(weights)
     if missing:
         raise FlashError(f"{path}: missing tensors {sorted(missing)[:3]}")
     for name, spec in res.endor.items():
         weights[name] = decode_resident(weights, name, spec, path)
     return dict(manifest.config), weights
+
+
+def loaded_crc32(path: Path, weights: dict, size: int) -> int:
+    """crc32 of the safetensors file `path` (`size` bytes) whose tensors mx.load gave as `weights`:
+    its header read again (a few kB), then the tensors' bytes in file order, evaluated (the one
+    read of the data); safetensors data is contiguous, so that is every byte of the file. A file
+    whose tensors do not tile its data is read whole instead."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+    try:
+        spans = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in
+                       json.loads(header).items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        spans = None
+    tiled = spans is not None and all(k in weights for _, _, k in spans) and \
+        [b for b, _, _ in spans] == [0] + [e for _, e, _ in spans[:-1]] and \
+        len(head) + len(header) + (spans[-1][1] if spans else 0) == size
+    if not tiled:
+        return file_crc32(path)
+    mx.eval([weights[k] for _, _, k in spans])
+    crc = zlib.crc32(header, zlib.crc32(head))
+    for b, e, k in spans:
+        view = memoryview(weights[k])
+        if view.nbytes != e - b:
+            return file_crc32(path)
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+def file_crc32(path: Path) -> int:
+    """crc32 of a whole file, read in 4 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def decode_resident(weights: dict, name: str, spec: dict, path) -> mx.array:

@@ -213,12 +213,13 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     return js_path
 
 
-def read_predictors_json(pack_dir):
-    """The validated predictors.json of a pack, or None when the pack has none."""
-    return _read_predictors(pack_dir)[0]
+def read_predictors_json(pack_dir, manifest=None):
+    """The validated predictors.json of a pack, or None when the pack has none; `manifest`: the
+    pack's Manifest when the caller has read it already."""
+    return _read_predictors(pack_dir, manifest)[0]
 
 
-def _read_predictors(pack_dir):
+def _read_predictors(pack_dir, manifest=None):
     """(validated predictors.json, the pack's Manifest it was checked against), or (None, None)
     when the pack has no predictors."""
     path = Path(pack_dir) / PREDICTORS_JSON
@@ -230,7 +231,7 @@ def _read_predictors(pack_dir):
     if doc.get("format_version") != FORMAT_VERSION:
         raise FlashError(f"{path}: predictors format version {doc.get('format_version')}, this "
                          f"mlx-flash reads {FORMAT_VERSION}; re-run python -m mlx_flash.calibrate")
-    manifest = read_manifest(pack_dir)
+    manifest = manifest or read_manifest(pack_dir)
     if doc.get("pack_resident_crc32") != manifest.resident.crc32:
         raise FlashError(f"{path}: calibrated for a different pack; re-run python -m mlx_flash.calibrate")
     validate_predictors(doc, path, manifest)
@@ -291,13 +292,18 @@ def validate_predictors(doc: dict, path, manifest) -> None:
         c.fail("layers", f"do not match the pack's {len(counts)} FFN layers")
 
 
-def load_predictors(pack_dir):
+def load_predictors(pack_dir, manifest=None, doc=None):
     """{layer: LayerPredictor} from a pack's predictors files, or None when it has none.
 
-    Raises FlashError naming the file when a file is corrupt, truncated or from another pack.
+    manifest / doc: the pack's Manifest and its validated predictors.json (read_predictors_json)
+    when the caller has read them already. Raises FlashError naming the file when a file is
+    corrupt, truncated or from another pack.
     """
     pack = Path(pack_dir)
-    doc, manifest = _read_predictors(pack)  # the manifest is read once
+    if doc is None:
+        doc, manifest = _read_predictors(pack, manifest)  # the manifest is read once
+    else:
+        manifest = manifest or read_manifest(pack)
     if doc is None:
         return None
     factors = {}
@@ -364,11 +370,12 @@ def load_predictors(pack_dir):
     return out
 
 
-def predicted_density(pack_dir) -> dict | None:
+def predicted_density(pack_dir, doc=None) -> dict | None:
     """{layer: fraction of the layer's neurons predicted active per token} from a pack's
     calibration: the held-out `predicted` statistic, a synthetic pack's designed fraction, or
-    Req_1 / n_neurons; None when the pack has no predictors."""
-    doc = read_predictors_json(pack_dir)
+    Req_1 / n_neurons; None when the pack has no predictors. doc: the pack's predictors.json
+    when already read (read_predictors_json), as for the functions below."""
+    doc = doc if doc is not None else read_predictors_json(pack_dir)
     if doc is None:
         return None
     out = {}
@@ -385,34 +392,34 @@ def predicted_density(pack_dir) -> dict | None:
     return out
 
 
-def sparse_read_fraction(pack_dir, window: int) -> dict | None:
+def sparse_read_fraction(pack_dir, window: int, doc=None) -> dict | None:
     """{layer: (with a neuron cache of `window` tokens, without a cache): seconds a sparse layer
     reads per token / seconds to read it whole}, from the read costs calibration measured on its
     held-out predictions (stats.read_s: budget.measured_read_seconds; windows beyond the measured
     ones use the largest), for the layers that have them; None when the pack has no predictors
     or none has measured reads."""
     out = {}
-    for layer, read, whole in _measured_reads(pack_dir):
+    for layer, read, whole in _measured_reads(pack_dir, doc):
         per_window = read.get("window_s")
         if per_window:
             out[layer] = (float(per_window[min(window, len(per_window)) - 1]) / whole, float(per_window[0]) / whole)
     return out or None
 
 
-def cache_read_fraction(pack_dir, window: int) -> dict | None:
+def cache_read_fraction(pack_dir, window: int, doc=None) -> dict | None:
     """{layer: [(neuron-cache rows, seconds a sparse layer with that cache reads per token /
     seconds to read it whole)]}, from the read costs calibration measured for caches smaller than
     the window's union (stats.read_s.cache: budget.measured_cache_read_seconds) at this `window`;
     None when the pack has no predictors or none was measured at this window."""
     out = {}
-    for layer, read, whole in _measured_reads(pack_dir):
+    for layer, read, whole in _measured_reads(pack_dir, doc):
         cache = read.get("cache")
         if isinstance(cache, dict) and cache.get("window") == window:
             out[layer] = [(int(r), float(s) / whole) for r, s in zip(cache["rows"], cache["seconds"])]
     return out or None
 
 
-def sparse_read_calls(pack_dir, window: int) -> dict | None:
+def sparse_read_calls(pack_dir, window: int, doc=None) -> dict | None:
     """{layer: {"window": [reads, bytes], "uncached": [reads, bytes], "cache": [(rows, reads,
     bytes)]}}: the mean reads and bytes per token calibration's held-out predictions issued
     through the read planner (stats.read_s.window_reads: with a neuron cache of `window` tokens,
@@ -421,7 +428,7 @@ def sparse_read_calls(pack_dir, window: int) -> dict | None:
     to price with the machine's current cost model; None when the pack has no such record
     (calibrated before it was kept: use sparse_read_fraction)."""
     out = {}
-    for layer, read, _ in _measured_reads(pack_dir):
+    for layer, read, _ in _measured_reads(pack_dir, doc):
         per_window = read.get("window_reads")
         if not per_window:
             continue
@@ -433,10 +440,10 @@ def sparse_read_calls(pack_dir, window: int) -> dict | None:
     return out or None
 
 
-def _measured_reads(pack_dir) -> list:
+def _measured_reads(pack_dir, doc=None) -> list:
     """[(layer, stats.read_s, seconds to read the layer whole)] for the layers whose predictors
     carry calibration's measured read costs ([] when the pack has no predictors)."""
-    doc = read_predictors_json(pack_dir)
+    doc = doc if doc is not None else read_predictors_json(pack_dir)
     out = []
     for key, entry in (doc or {}).get("layers", {}).items():
         read = (entry.get("stats") or {}).get("read_s")
@@ -445,7 +452,7 @@ def _measured_reads(pack_dir) -> list:
     return out
 
 
-def calibrated_capacity(pack_dir, window: int) -> dict:
+def calibrated_capacity(pack_dir, window: int, doc=None) -> dict:
     """{layer: Req_i}: neuron rows that hold the union of predicted-active neurons over the last
     `window` tokens (the calibration text's 99th percentile, windows 1..max_window measured).
 
@@ -454,7 +461,7 @@ def calibrated_capacity(pack_dir, window: int) -> dict:
     """
     if window < 1:
         raise FlashError(f"window {window}: must be at least 1 token")
-    doc = read_predictors_json(pack_dir)
+    doc = doc if doc is not None else read_predictors_json(pack_dir)
     if doc is None:
         raise FlashError(f"{Path(pack_dir) / PREDICTORS_JSON}: missing; run python -m mlx_flash.calibrate")
     out = {}
