@@ -43,6 +43,7 @@ flash_ext::Linear linear(const Proj& p) {
 }  // namespace
 
 void bind_endor(nb::module_& m);  // endor_bind.cpp
+void bind_io(nb::module_& m);     // io_bind.cpp
 
 NB_MODULE(_ext, m) {
   m.doc() = "mlx_flash CPU matvec kernels as MLX primitives";
@@ -213,5 +214,6 @@ NB_MODULE(_ext, m) {
       "Threads the kernels run on (1..256); before the first kernel call, or it only caps the chunks "
       "(importing mlx_flash.cpu.ops applies MLX_FLASH_THREADS).");
   bind_endor(m);
+  bind_io(m);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;
 }

@@ -88,3 +88,51 @@ def test_failed_read_in_a_later_batch_is_reported(tmp_path):
         ctx.close()
         os.close(fd)
     assert res[:3].tolist() == [8192] * 3 and res[3] == -errno.EINVAL
+
+
+@pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
+def test_read_all_lands_plain_and_vectored_reads_with_more_reads_than_depth(tmp_path):
+    """read_all (the kernels' loop): 10 reads through a context of depth 3 (refilled as reads
+    land), reads 4-6 vectored into two swapped halves; a misaligned O_DIRECT buffer fails its read
+    alone (-EINVAL), the others still land."""
+    fd, data = direct_file(tmp_path, 64 * 8192)
+    ctx = aio.AioContext(3)
+    buf = aligned_buffer(10 * 8192)
+    out, base = np.frombuffer(buf, np.uint8), address(buf)
+    block = np.random.default_rng(2).permutation(64)[:10]
+    iov = np.zeros(6, aio.IOVEC)
+    for j, r in enumerate(range(4, 7)):
+        iov[2 * j] = (base + r * 8192 + 4096, 4096)
+        iov[2 * j + 1] = (base + r * 8192, 4096)
+    vectored = np.zeros(10, bool)
+    vectored[4:7] = True
+    sizes = np.where(vectored, 2, 8192)
+    addresses = base + np.arange(10, dtype=np.uint64) * 8192
+    addresses[4:7] = iov.ctypes.data + 32 * np.arange(3, dtype=np.uint64)
+    addresses[9] += 1  # misaligned
+    try:
+        res = ctx.read_all(np.full(10, fd), block * 8192, sizes, addresses, vectored)
+    finally:
+        ctx.close()
+        os.close(fd)
+    assert res[:9].tolist() == [8192] * 9 and res[9] == -errno.EINVAL
+    rows, want = out.reshape(10, 2, 4096), data.reshape(64, 2, 4096)[block]
+    assert np.array_equal(rows[:4], want[:4]) and np.array_equal(rows[7:9], want[7:9])
+    assert np.array_equal(rows[4:7, 0], want[4:7, 1]) and np.array_equal(rows[4:7, 1], want[4:7, 0])
+
+
+@pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
+def test_read_all_reports_a_failed_submission(tmp_path):
+    """A read io_submit refuses (a closed file descriptor): OSError, after every read submitted
+    before it has completed."""
+    fd, _ = direct_file(tmp_path, 4 * 8192)
+    ctx = aio.AioContext(4)
+    buf = aligned_buffer(2 * 8192)
+    try:
+        with pytest.raises(OSError) as err:
+            ctx.read_all(np.array([fd, 10 ** 6]), np.array([0, 8192]), np.full(2, 8192),
+                         address(buf) + np.arange(2, dtype=np.uint64) * 8192)
+        assert err.value.errno == errno.EBADF
+    finally:
+        ctx.close()
+        os.close(fd)

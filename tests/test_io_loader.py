@@ -227,9 +227,22 @@ def aio_only(monkeypatch) -> list:
         return real_read(self, fds, offsets, sizes, addresses, vectored,
                          more=spied_more if more else None, **kw)
 
+    real_read_all = aio.AioContext.read_all
+
+    def spy_all(self, fds, offsets, sizes, addresses, vectored=None):  # a small call's reads at once
+        calls.append(vectored)
+        return real_read_all(self, fds, offsets, sizes, addresses, vectored)
+
     monkeypatch.setattr(aio.AioContext, "read", spy)
+    monkeypatch.setattr(aio.AioContext, "read_all", spy_all)
     monkeypatch.setattr(FileLayer, "preadv", lambda *a: pytest.fail("a read left AIO"))
     return calls
+
+
+def pipelined_aio(monkeypatch):
+    """Every AIO call through AioContext.read's loop (reads checked as they land), as a call above
+    STAGED_BATCH bytes is read, instead of the kernels' read-everything-at-once loop."""
+    monkeypatch.setattr(aio, "read_loop_kernel", None)
 
 
 @pytest.mark.skipif(not aio.available(), reason="Linux native AIO")
@@ -268,6 +281,7 @@ def test_checks_run_on_the_calling_thread_once_every_read_is_submitted(make_pack
         return real_check(self, job, members)
 
     monkeypatch.setattr(FlashLoader, "_check_rows", check)
+    pipelined_aio(monkeypatch)
     with FlashLoader(pack, threads=2, plan=False, engine="aio") as loader:  # a read per bundle
         ids = list(range(0, 16, 2))  # 8 reads, 2 in flight
         dest = loader.alloc(0, len(ids))
@@ -324,6 +338,7 @@ def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch, kwargs, i
                          more=more and (lambda: record(more())), **kw)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
+    pipelined_aio(monkeypatch)
     with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
         d = loader.alloc(0, len(ids))
         stats = loader.read(0, ids, d)
@@ -340,6 +355,46 @@ def test_aio_short_and_failed_reads_are_redone(make_pack, monkeypatch, kwargs, i
             OSError(errno.EIO, "Input/output error")))
         with pytest.raises(FlashError, match=r"layer_001\.bin: read error at offset \d+"):
             loader.read(1, ids, loader.alloc(1, len(ids)))
+
+
+@pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
+@pytest.mark.parametrize("kwargs,ids", [(dict(dtype="float16", quantize=(4, 32)),
+                                         [0, 3, 17, 40, 41, 42, 77, 95]),
+                                        (ALIGNED, [0, 3, 4, 5, 9, 11, 14, 15])])
+def test_small_calls_read_at_once_and_redo_short_and_failed_reads(make_pack, monkeypatch, kwargs, ids):
+    """A call of at most STAGED_BATCH bytes goes to the kernels' loop in one AioContext.read_all
+    (never the pipelined read); its reads that come back short or failed (bytes wiped) are redone,
+    and every bundle lands checked, staged (first pack) or zero copy (second)."""
+    import ctypes
+
+    pack = make_pack(**kwargs)
+    real_read_all, spoiled = aio.AioContext.read_all, []
+
+    def flaky_read_all(self, fds, offsets, sizes, addresses, vectored=None):
+        res = real_read_all(self, fds, offsets, sizes, addresses, vectored)
+        for k in range(0, len(res), 3):  # every third read: short, or EIO; its bytes are wiped
+            vec = vectored is not None and vectored[k]
+            pieces = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * int(sizes[k]))).from_address(
+                int(addresses[k]))).reshape(-1, 2).tolist() if vec else [(int(addresses[k]), int(sizes[k]))]
+            for base, length in pieces:
+                ctypes.memset(base, 0, length)
+            res[k] = 512 if k % 2 else -errno.EIO
+            spoiled.append(k)
+        return res
+
+    monkeypatch.setattr(aio.AioContext, "read_all", flaky_read_all)
+    monkeypatch.setattr(aio.AioContext, "read", lambda *a, **k: pytest.fail("a small call was pipelined"))
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        d = loader.alloc(0, len(ids))
+        stats = loader.read(0, ids, d)
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert stats.reads >= 2 and spoiled  # some spoiled, some not
+        check_rows(pack, loader, 0, ids, d, list(range(len(ids))))
+        d0, d1 = loader.alloc(0, len(ids)), loader.alloc(1, len(ids))  # two requests in one call
+        loader.read_many([(0, ids, d0, None), (1, ids[::-1], d1, None)])
+        check_rows(pack, loader, 0, ids, d0, list(range(len(ids))))
+        check_rows(pack, loader, 1, ids[::-1], d1, list(range(len(ids))))
 
 
 def test_truncated_bundle_file_is_refused(make_pack):
@@ -654,6 +709,7 @@ def test_endor_bundles_decode_as_their_reads_land(tiny_llama, tmp_path, monkeypa
         return real_read(self, fds, offsets, sizes, addresses, vectored, on_done=spoil, **kw)
 
     monkeypatch.setattr(aio.AioContext, "read", flaky_read)
+    pipelined_aio(monkeypatch)
     batches = []
     real_decode = FlashLoader._decode
     monkeypatch.setattr(FlashLoader, "_decode", lambda self, job, flat, members=None: (

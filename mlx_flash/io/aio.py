@@ -12,6 +12,7 @@ Only used on Linux, for files opened with O_DIRECT (native AIO on buffered files
 import ctypes
 import ctypes.util
 import errno
+import importlib
 import platform
 import sys
 
@@ -27,6 +28,18 @@ EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8
 assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
 
 _libc = None
+
+
+def _read_loop_kernel():
+    """The kernels' aio_read (kernels/aio_read.h: submit and reap every read in one C++ loop, GIL
+    released), or None when the extension is missing, older, or not built for Linux."""
+    try:
+        return importlib.import_module("mlx_flash._ext").aio_read  # by name: the compiled module is optional
+    except (ImportError, AttributeError):
+        return None
+
+
+read_loop_kernel = _read_loop_kernel()
 
 
 def available() -> bool:
@@ -138,6 +151,21 @@ class AioContext:
             while completed < submitted:  # the kernel may still write into caller buffers
                 reap(submitted - completed)
             raise
+        return res
+
+    def read_all(self, fds, offsets, sizes, addresses, vectored=None) -> np.ndarray:
+        """`read` without callbacks: every read submitted and reaped in one call of the kernels'
+        loop (no Python per submission or completion; the GIL is released while reads fly), or
+        `read` itself without the kernels. Same arguments and result (bytes read or -errno per read)."""
+        if read_loop_kernel is None:
+            return self.read(fds, offsets, sizes, addresses, vectored)
+        res = np.empty(len(sizes), np.int64)
+        flags = None if vectored is None else np.ascontiguousarray(vectored, np.uint8)
+        err = read_loop_kernel(self._ctx.value, np.ascontiguousarray(fds, np.int64),
+                               np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(sizes, np.int64),
+                               np.ascontiguousarray(addresses, np.uint64), flags, self.depth, res)
+        if err:
+            raise OSError(-err, "io_submit / io_getevents failed")
         return res
 
     def close(self):
