@@ -49,6 +49,16 @@ def check_token_ids(model, ids) -> None:
                          f"(0..{vocab - 1 if vocab else '?'})")
 
 
+def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True) -> list:
+    """Token ids for a user prompt as `python -m mlx_flash.generate` sends it: through the chat
+    template when the tokenizer has one (after `system_prompt`, if given)."""
+    if use_chat_template and tokenizer.has_chat_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
 def _prompt_ids(tokenizer, prompt):
     """Token ids of a prompt as mlx-lm's stream_generate makes them (a BOS unless already there)."""
     if not isinstance(prompt, str):

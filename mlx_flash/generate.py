@@ -81,15 +81,6 @@ def read_prompt(prompt: str) -> str:
                          f"{e.start})") from None
 
 
-def encode_prompt(tokenizer, prompt: str, system_prompt=None, use_chat_template=True) -> list:
-    """Token ids for a user prompt, through the chat template when the tokenizer has one."""
-    if use_chat_template and tokenizer.has_chat_template:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(prompt)
-
-
 def flash_loader(model):
     """The FlashLoader a flash pack's model reads with (dense FFN runtime or MoE expert store), or
     None for a model loaded whole."""
@@ -105,7 +96,7 @@ def _main(argv):
     # MLX and mlx-lm take seconds to import: `--help` and flag errors come first
     import mlx.core as mx
 
-    from .api import check_prompt_fits, load, stream_generate
+    from .api import check_prompt_fits, encode_prompt, load, stream_generate
 
     if args.seed is not None:
         mx.random.seed(args.seed)

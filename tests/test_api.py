@@ -85,3 +85,16 @@ def test_generate_stays_callable_after_the_cli_module_is_imported(loaded):
     importlib.import_module("mlx_flash.generate")
     assert mlx_flash.generate(model, tokenizer, "Hello", max_tokens=3) == api.generate(model, tokenizer, "Hello",
                                                                                        max_tokens=3)
+
+
+def test_encode_prompt_is_the_chat_template_of_a_user_turn(loaded):
+    # generate and bench kernels --generate both send prompts through this
+    from mlx_flash.api import encode_prompt
+
+    _, tokenizer = loaded
+    user = [{"role": "user", "content": "Name a color."}]
+    assert encode_prompt(tokenizer, "Name a color.") == tokenizer.apply_chat_template(user, add_generation_prompt=True)
+    system = [{"role": "system", "content": "Be brief."}]
+    assert encode_prompt(tokenizer, "Name a color.", "Be brief.") == tokenizer.apply_chat_template(
+        system + user, add_generation_prompt=True)
+    assert encode_prompt(tokenizer, "Name a color.", use_chat_template=False) == tokenizer.encode("Name a color.")

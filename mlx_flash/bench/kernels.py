@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..api import load, stream_generate
+from ..api import encode_prompt, load, stream_generate
 from ..cpu import ops
 from ..cpu import patch as kl
 from ..errors import FlashError
@@ -252,14 +252,6 @@ def _bench_case(name, kind, n, k, m, opts, args, bandwidth):
     return row
 
 
-def _chat_ids(tokenizer, prompt):
-    """Token ids of `prompt` as `python -m mlx_flash.generate` sends it (chat template applied)."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True))
-    return list(tokenizer.encode(prompt))
-
-
 def _decode_rate(stamps):
     """Generation tokens/s from the wall-clock times at which tokens 1..n arrived: (n-1) tokens
     over the time from the first to the last (prompt processing excluded), the same rule for every
@@ -398,7 +390,7 @@ def _generate(args):
     def use(label):  # kernels off for MLX's own path; int8 activations only for their engine
         ops.set_kernels_enabled(label != "mlx")
         ops.set_q8_activations(label == "mlx_flash_q8x")
-    ids = _chat_ids(tokenizer, args.prompt)
+    ids = list(encode_prompt(tokenizer, args.prompt))
     results = {"model": str(source or "embedded default"), "gguf": str(gguf) if gguf else None,
                "threads": threads, "kernel_threads": ops._ext.num_threads(),
                "prompt_tokens": len(ids), "max_tokens": args.max_tokens}
