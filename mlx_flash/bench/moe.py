@@ -415,10 +415,6 @@ def io_per_token(first, last, tokens) -> dict:
 MLX_ROW = "MLX ops: "  # label prefix of a row run with the CPU kernels off (bench run --mlx-rows)
 
 
-def is_moe(manifest) -> bool:
-    return any(b.kind == "experts" for b in manifest.bundles)
-
-
 def suite_rows(args, pack, manifest) -> list:
     """[(label, pack, mode, kwargs)]: EdgeMoE's baselines and the Figure 16 ablation rows (those
     named by --moe-rows, default all)."""

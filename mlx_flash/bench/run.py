@@ -36,7 +36,7 @@ from ..io import FlashLoader, evict
 from ..io.cache import pack_files
 from ..io.planner import profile_file
 from ..io.read_cost import describe_profile
-from ..models import is_flash_pack, load_tokenizer
+from ..models import is_flash_pack, is_moe_pack, load_tokenizer
 from ..pack import read_manifest, write_pack
 from ..paths import flash_home
 from ..sources import default_gguf_path, is_gguf, resolve_model
@@ -213,7 +213,7 @@ class Suite:
 
         kwargs = {"pack": str(self.pack), "mode": "naive", "prompt": prompt["ids"][:8],
                   "gen_tokens": 4, "threads": self.args.threads}
-        if moe_bench.is_moe(self.manifest):
+        if is_moe_pack(self.manifest):
             function = "mlx_flash.bench.moe:generate_moe"
         else:
             function = "mlx_flash.bench.measure:generate_flash"
@@ -487,7 +487,7 @@ def run(args) -> int:
     command = _command(args)
     profile_line = stored_profile_line(suite.pack, args.threads)  # what prices the runs' reads
     print(profile_line, file=sys.stderr)
-    if moe_bench.is_moe(suite.manifest):  # EdgeMoE's rows; --modes, --ablation, --sweeps are for FFN packs
+    if is_moe_pack(suite.manifest):  # EdgeMoE's rows; --modes, --ablation, --sweeps are for FFN packs
         return moe_bench.run_suite(suite, args, prompts, peer_names, out, command, machine_info(),
                                    package_versions(), profile_line)
     if "flash" in modes or args.ablation or suite.sweeps():
