@@ -236,3 +236,20 @@ def test_kernels_are_the_default_on_cpu_and_mlx_ops_the_switch_off(tmp_path):
     for mode, kw in (("naive", {}), ("flash", {"capacity": 2}), ("hybrid", {"capacity": 8})):
         for g, w in zip(run(mode, **kw), dense):
             np.testing.assert_array_equal(g, w, err_msg=f"{mode} {kw}")
+
+
+def test_switch_glus_finds_each_moe_layers_one_switch_glu(tmp_path):
+    from mlx_flash.errors import FlashError
+    from mlx_flash.moe.switch import switch_glus
+
+    model, _ = load_model(write_tiny_moe(tmp_path / "src", "deepseek_v2"))  # layer 0 stays dense
+    found = switch_glus(model)
+    assert sorted(found) == [1, 2]
+    for i, (parent, name, switch) in found.items():
+        assert parent is model.layers[i].mlp and name == "switch_mlp" and switch is parent.switch_mlp
+    assert switch_glus(model, [2]) == {2: found[2]}
+    with pytest.raises(FlashError, match="layer 0: expected one SwitchGLU, found 0"):
+        switch_glus(model, [1, 0])
+    model.layers[2].mlp.second = found[2][2]  # two under one layer: which one streams is unclear
+    with pytest.raises(FlashError, match="layer 2: expected one SwitchGLU, found 2"):
+        switch_glus(model)

@@ -21,22 +21,10 @@ from ..errors import FlashError
 from ..moe.bitwidths import (WIDTHS, assign_widths, input_moments, mean_bits,
                              quantization_errors, quantize_dequantize)
 from ..moe.quantize import dequantize_experts, gptq_factor, quantize_experts
+from ..moe.switch import switch_glus
 from .relufication import distill_kl
 
 SEQ_LEN = 256
-
-
-def switch_glus(model) -> dict:
-    """{layer index: (parent module, attribute name, mlx-lm SwitchGLU)} of an MoE model."""
-    from mlx_lm.models.switch_layers import SwitchGLU
-
-    found = {}
-    for i, layer in enumerate(model.layers):
-        for _, parent in layer.named_modules():
-            for name, child in parent.children().items():
-                if isinstance(child, SwitchGLU):
-                    found[i] = (parent, name, child)
-    return found
 
 
 class _InputRecorder(nn.Module):

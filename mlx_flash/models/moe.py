@@ -27,7 +27,7 @@ from ..errors import FlashError
 from ..io import FlashLoader
 from ..moe.cache import split_slots_by_curves
 from ..moe.store import ExpertStore, expert_layers, scratch_bank_bytes
-from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead,
+from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead, switch_glus,
                           swap_switch_glu)
 from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
 from .loader import build_model
@@ -218,15 +218,8 @@ def _dense_mixed(pack, manifest, layers):
     model = build_model(manifest.config, weights)
     groups = {layer: {g.bits: (np.asarray(g.experts), read_layer_components(pack, g))
                       for g in entry.groups} for layer, entry in layers.items()}
-    from mlx_lm.models.switch_layers import SwitchGLU
-
-    for layer, entry in layers.items():
-        found = [(parent, name, child) for _, parent in model.layers[layer].named_modules()
-                 for name, child in parent.children().items() if isinstance(child, SwitchGLU)]
-        if len(found) != 1:
-            raise FlashError(f"layer {layer}: expected one SwitchGLU, found {len(found)}")
-        parent, name, switch = found[0]
-        setattr(parent, name, ResidentMixedSwitchGLU(switch, groups[layer], entry.count))
+    for layer, (parent, name, switch) in switch_glus(model, layers).items():
+        setattr(parent, name, ResidentMixedSwitchGLU(switch, groups[layer], layers[layer].count))
     # the experts are loaded already; the strict load checks that the rest is the pack's
     weights.update((k, v) for k, v in tree_flatten(model.parameters()) if ".switches." in k)
     _load(model, weights, pack)

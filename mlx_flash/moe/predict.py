@@ -47,16 +47,9 @@ class _RouteRecorder(nn.Module):
 def record_routing(model, tokens: np.ndarray, width: int, seq_len=256) -> RoutingTrace:
     """Run `model` (an mlx-lm MoE model, all experts resident) over `tokens` in sequences of
     `seq_len` and record its routing; `width` = experts the lookahead guesses per layer."""
-    from mlx_lm.models.switch_layers import SwitchGLU
+    from .switch import router_lookahead, switch_glus
 
-    from .switch import router_lookahead
-
-    found = []
-    for i, layer in enumerate(model.layers):
-        for _, parent in layer.named_modules():
-            for name, child in parent.children().items():
-                if isinstance(child, SwitchGLU):
-                    found.append((i, parent, name, child))
+    found = [(i, *where) for i, where in sorted(switch_glus(model).items())]
     recorders = []
     for j, (i, parent, name, switch) in enumerate(found):
         ahead = router_lookahead(found[j + 1][1], width) if j + 1 < len(found) else None

@@ -23,7 +23,7 @@ extension built, MLX_FLASH_KERNELS not 0 / `set_kernels_enabled`, default device
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwiGLU
+from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..cpu import ops
 from ..errors import FlashError
@@ -245,23 +245,30 @@ def router_lookahead(block, width):
     return lookahead
 
 
+def switch_glus(model, layers=None) -> dict:
+    """{layer index: (parent module, attribute name, mlx-lm SwitchGLU)}: the SwitchGLU under each
+    `model.layers[i]` that has one (mlx-lm names it `mlp.switch_mlp` or
+    `block_sparse_moe.switch_mlp`). layers: indices that must each have exactly one (FlashError
+    otherwise); None: every layer, those without one left out."""
+    found, counts = {}, {}
+    for i, block in enumerate(model.layers):
+        for _, parent in block.named_modules():
+            for name, child in parent.children().items():
+                if isinstance(child, SwitchGLU):
+                    found[i], counts[i] = (parent, name, child), counts.get(i, 0) + 1
+    for layer in (layers if layers is not None else counts):
+        if counts.get(layer, 0) != 1:
+            raise FlashError(f"layer {layer}: expected one SwitchGLU, found {counts.get(layer, 0)}")
+    return found if layers is None else {layer: found[layer] for layer in layers}
+
+
 def swap_switch_glu(model, store, make_module=None):
-    """Replace each MoE layer's mlx-lm SwitchGLU with a StreamedSwitchGLU over `store`.
-
-    Finds the SwitchGLU under `model.layers[i]` for each of `store`'s layers (mlx-lm names it
-    `mlp.switch_mlp` or `block_sparse_moe.switch_mlp`). make_module: optional
-    callable(layer, switch_glu, moe_block) -> module (defaults to a plain StreamedSwitchGLU).
-    Returns {layer: (moe block, new module)}.
+    """Replace each MoE layer's mlx-lm SwitchGLU (switch_glus) with a StreamedSwitchGLU over
+    `store`. make_module: optional callable(layer, switch_glu, moe_block) -> module (defaults to a
+    plain StreamedSwitchGLU). Returns {layer: (moe block, new module)}.
     """
-    from mlx_lm.models.switch_layers import SwitchGLU
-
     out = {}
-    for layer in store.entries:
-        found = [(parent, name, child) for parent_path, parent in model.layers[layer].named_modules()
-                 for name, child in parent.children().items() if isinstance(child, SwitchGLU)]
-        if len(found) != 1:
-            raise FlashError(f"layer {layer}: expected one SwitchGLU, found {len(found)}")
-        parent, name, switch = found[0]
+    for layer, (parent, name, switch) in switch_glus(model, store.entries).items():
         module = (make_module(layer, switch, parent) if make_module
                   else StreamedSwitchGLU(store, layer, switch.activation))
         setattr(parent, name, module)
