@@ -90,8 +90,7 @@ def _permuted_resident(pack: Path, manifest: dict, gates: dict) -> tuple:
     order}) to a temporary name, update the manifest's length and crc32; (tmp, path)."""
     import mlx.core as mx
 
-    from .reader import load_resident
-    from .writer import _file_crc32
+    from .reader import file_crc32, load_resident
     from ..paths import fsync_file, save_safetensors
 
     _, weights = load_resident(pack, manifest=read_manifest(pack))
@@ -109,7 +108,7 @@ def _permuted_resident(pack: Path, manifest: dict, gates: dict) -> tuple:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    res["length"], res["crc32"] = tmp.stat().st_size, _file_crc32(tmp)
+    res["length"], res["crc32"] = tmp.stat().st_size, file_crc32(tmp)
     if res.get("memory_length") is not None:
         res["memory_length"] = res["length"]  # dense packs only: nothing decoded
     return tmp, path

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from ..errors import FlashError
 from ..paths import atomic_dir, save_safetensors
+from .reader import file_crc32
 from .schema import write_metadata
 from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENDOR_MIN_ZEROS, ENDOR_VERSION,
                      FORMAT, FORMAT_VERSION, MANIFEST,
@@ -279,7 +280,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         "down_bits": down_bits,
         "down": _down_summary(down_errors, requantized, down_bits),
         "resident": {"file": RESIDENT_FILE, "length": res_path.stat().st_size,
-                     "crc32": _file_crc32(res_path),
+                     "crc32": file_crc32(res_path),
                      "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
                                  for k, v in sorted(resident.items())},
                      "endor": resident_endor,
@@ -500,14 +501,6 @@ def _write_bytes(path: Path, pieces, file_length):
         raise
     finally:
         os.close(fd)
-
-
-def _file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _decoded_extra(resident, name, spec) -> int:
