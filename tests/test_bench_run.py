@@ -81,6 +81,7 @@ def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_pa
 
     report = (out / "report.md").read_text()
     assert "SYNTHETIC" in report and "Table 3" in report and "| flash |" in report
+    assert f"- Reads priced by the {result['read_cost_profile']}\n" in report
     assert "Byte accounting" in report and "equal the bytes the loader read" in report
     # the flash row's per-layer profile: its layers' bytes add up to the row's
     per_layer = result["modes"]["flash"]["layers"]

@@ -281,7 +281,10 @@ def markdown(result) -> str:
             f"window {p['window']}, {p['threads']} reads in flight, memory budget "
             f"{p['memory_budget']} = {p['budget_bytes'] / 1e9:.3f} GB of weights",
             f"- Cold runs: before every run the files it reads were evicted with {ev}",
-            f"- Memory: {cap_text}", ""]
+            f"- Memory: {cap_text}"]
+    if result.get("read_cost_profile"):
+        out.append(f"- Reads priced by the {result['read_cost_profile']}")
+    out.append("")
     out += ["## Per token, end to end (cf. paper Table 3)", ""] + _table3_md(result) + [""]
     out += ["I/O = reads from the pack, Mem = neuron-cache management, Compute = the rest of each "
             "decode step; dense runs need every weight (they do not fit under a cap below the "
