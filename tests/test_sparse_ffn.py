@@ -491,3 +491,38 @@ def test_first_call_check_scales_with_the_sizes_of_the_sums_terms(tiny_llama, tm
     assert ffn_out["max"] < 2e-3 and _ffn_flags(model) == [False, False]
     monkeypatch.setattr(ffn, "sparse_ffn", real)
     assert_identical(got, run_steps(_without_ffn_kernel(build())))
+
+
+def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch):
+    """A layer whose cache fill and overflow are both there reads them in one loader call of one
+    read plan (their bundles interleave; planned apart, each reads through the other's gaps): the
+    logits are the two-plan path's bit for bit and the fill lands in its cache rows."""
+    from mlx_flash.io import host_bytes
+    from mlx_flash.pack import read_layer_components
+    from mlx_flash.sparse.ffn import FlashFFN
+
+    src = tiny_llama("src", layers=2, intermediate=N, dtype="float16")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    layers = {i: {"kind": "gate-threshold", "n_neurons": N, "rank": 0, "threshold": 0.02,
+                  "prob_threshold": 0.5, "stats": {}, "capacity": [6] * 4} for i in range(2)}
+    save_predictors(pack, {"activation": "silu"}, layers, {})
+    real, joint = FlashFFN._fill_with_overflow, []
+
+    def counted(self, cache, upd, step):
+        buf = real(self, cache, upd, step)
+        joint.append(buf is not None)
+        return buf
+
+    monkeypatch.setattr(FlashFFN, "_fill_with_overflow", counted)
+    model = build_flash_model(pack, FlashConfig("flash", window=1))
+    calls = []
+    real_read_many = model.flash_runtime.loader.read_many
+    model.flash_runtime.loader.read_many = lambda requests: calls.append(len(requests)) or real_read_many(requests)
+    got = run_steps(model)
+    for layer, cache in model.flash_runtime.caches.items():  # every cached row holds its bundle
+        rows = read_layer_components(pack, read_manifest(pack).bundles[layer])
+        cache.check({name: host_bytes(a).reshape(N, -1) for name, a in rows.items() if name in cache.rows})
+    # the prompt's layers (and a decode step's) had both; every layer read in one request
+    assert joint[:2] == [True, True] and sum(joint) >= 3 and all(n == 1 for n in calls)
+    monkeypatch.setattr(FlashFFN, "_fill_with_overflow", lambda *a: None)  # two plans, as before
+    assert_identical(got, run_steps(build_flash_model(pack, FlashConfig("flash", window=1))))

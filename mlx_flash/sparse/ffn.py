@@ -713,6 +713,30 @@ class FlashFFN(nn.Module):
             _count_read(step, stats, time.perf_counter() - t0, len(piece) if buf is not None else 0)
         return buf
 
+    def _fill_with_overflow(self, cache, upd, step):
+        """Read a layer's cache fill and its whole overflow in one loader call of one read plan
+        (their bundles interleave in the file: planned apart, each reads through the other's
+        gaps) when both are there and together fit the streaming buffer's rows and the staging
+        limit: the overflow lands in buffer rows 0.. in (sorted) id order, as its own read would
+        place it, the fill after it, copied into its cache rows (upd.fill_slots) before anything
+        computes with them. Returns the buffer, or None when not taken (nothing read)."""
+        rt, fill, over = self._rt, upd.fill, upd.overflow
+        if fill is None or not len(fill) or not len(over):
+            return None
+        buf = rt.stream_rows(self.layer)
+        if len(over) + len(fill) > next(iter(buf.values())).shape[0]:
+            return None
+        plan = rt.loader.plan(self.layer, np.concatenate([over, fill]))
+        if (rt.max_read_bytes is not None and plan.read_bytes > rt.max_read_bytes) or \
+                (cache.max_read_bytes is not None and plan.read_bytes > cache.max_read_bytes):
+            return None
+        t0 = time.perf_counter()
+        stats = rt.loader.read(self.layer, plan, buf, plan.index)  # bundle i -> row of its position
+        cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
+        # the fill's neurons are counted by the cache update (upd.loaded)
+        _count_read(step, stats, time.perf_counter() - t0, len(over))
+        return buf
+
     def _sparse(self, x, step):
         predictor, c = self._rt.predictors[self.layer], self._current
         if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
@@ -750,9 +774,13 @@ class FlashFFN(nn.Module):
             rt.ahead_copied += copied
         if ahead is not None:
             rt.start_ahead(self.layer, ahead)
-        pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
-            if len(upd.overflow) else []
-        first = self._fill(cache, upd, pieces[0] if pieces else None, step)
+        joint = self._fill_with_overflow(cache, upd, step)
+        if joint is not None:  # the overflow is in rows 0.. of the streaming buffer, one piece
+            pieces, first = [upd.overflow], joint
+        else:
+            pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
+                if len(upd.overflow) else []
+            first = self._fill(cache, upd, pieces[0] if pieces else None, step)
         by_id = self._current.resident_gate is not None  # rows take the resident gate at their neuron ids
         sets = [(cache.rows, cache.num_used, _row_ids(cache.ids[: cache.num_used]) if by_id else None)]
         if ahead_n:
@@ -763,9 +791,11 @@ class FlashFFN(nn.Module):
                 y = self._run_sets(x, sets, add=y)
                 mx.eval(y)  # the streaming buffer is about to be refilled
                 sets = []
-            # row k holds bundle piece.ids[k]; the first piece may have come with the cache fill
+            # row k holds bundle piece.ids[k] (a ReadPlan, or the sorted ids the joint read placed
+            # so); the first piece may have come with the cache fill
             buf = first if k == 0 and first is not None else self._read_stream(piece, step)
-            sets.append((buf, len(piece), _row_ids(piece.ids) if by_id else None))
+            ids = piece.ids if hasattr(piece, "ids") else piece
+            sets.append((buf, len(piece), _row_ids(ids) if by_id else None))
         y = self._run_sets(x, sets, add=y)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
