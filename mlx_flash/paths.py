@@ -146,13 +146,14 @@ def save_safetensors(path: Path, arrays: dict, metadata=None) -> None:
         raise write_error(e, path) from None
 
 
-def write_json_atomic(path: Path, doc) -> None:
-    """Write JSON to `path`: temporary file, fsync, rename, fsync of the folder."""
+def write_json_atomic(path: Path, doc, default=None) -> None:
+    """Write JSON to `path`: temporary file, fsync, rename, fsync of the folder. default: as
+    json.dumps' (e.g. str, for reports that hold paths)."""
     path = Path(path)
     tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "w") as f:
-            f.write(json.dumps(doc, indent=1))
+            f.write(json.dumps(doc, indent=1, default=default))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

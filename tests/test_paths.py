@@ -306,3 +306,14 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
     with atomic_dir(target, replace=True) as tmp:
         (tmp / "a").write_text("3")
     assert (target / "a").read_text() == "3" and stale(tmp_path) == []
+
+
+def test_write_json_atomic_takes_a_default_for_values_json_lacks(tmp_path):
+    # bench reports hold paths: default=str writes them as text; without it nothing is left behind
+    from mlx_flash.paths import write_json_atomic
+
+    write_json_atomic(tmp_path / "r.json", {"pack": tmp_path, "n": 1}, default=str)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"pack": str(tmp_path), "n": 1}
+    with pytest.raises(TypeError):
+        write_json_atomic(tmp_path / "s.json", {"pack": tmp_path})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]

@@ -4,10 +4,11 @@ On Linux, MLX's wheel bundles the reference BLAS; preloading OpenBLAS makes floa
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m mlx_flash.bench blas
 """
 
-import json
 import time
 
 import mlx.core as mx
+
+from ..paths import write_json_atomic
 
 
 def add_arguments(parser):
@@ -55,6 +56,5 @@ def run(args):
     print(f"float32 matmul {n}x{n}x{n}: {result['matmul_gflops']:.1f} GFLOP/s (best of {args.repeats})")
     print(f"float32 matvec 4096x4096:    {result['matvec_gb_per_s']:.2f} GB/s of weights")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json_atomic(args.json, result)
     return 0

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
+from ..paths import write_json_atomic
 
 
 def add_arguments(parser):
@@ -350,7 +351,7 @@ def run(args) -> int:
               "total": total, "summary": summary}
     print(markdown(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json_atomic(args.json, result)
     return 0
 
 
@@ -456,8 +457,8 @@ def _run_warm(args, pack, bundles, layers) -> int:
                      f"{dec / s / 1e9:.2f} | " + (f"{c * 1e3:.3f} | {dec / c / 1e9:.2f} |" if c else "| |"))
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": args.command_line, "ms": result,
-                                               "encoded_bytes": enc, "decoded_bytes": dec}, indent=1))
+        write_json_atomic(args.json, {"command": args.command_line, "ms": result,
+                                      "encoded_bytes": enc, "decoded_bytes": dec})
     return 0
 
 
@@ -492,7 +493,7 @@ def _run_ffn(args, pack, bundles, layers) -> int:
     lines.append(f"| all | {a:.3f} | {b:.3f} | {a / b:.2f}x | |")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": args.command_line, "layers": rows}, indent=1))
+        write_json_atomic(args.json, {"command": args.command_line, "layers": rows})
     return 0
 
 

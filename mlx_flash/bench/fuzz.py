@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import FlashError
+from ..paths import write_json_atomic
 
 TARGETS = ("manifest", "manifest-endor", "predictors", "gguf", "kernels")
 CASE_TIMEOUT_S = 60  # a case running longer counts as a hang
@@ -446,7 +447,7 @@ def run(args):
         for tb in r["tracebacks"][:3]:
             print(f"--- {t} ---\n{tb}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json_atomic(args.json, report)
     return 1 if total["crashes"] or total["tracebacks"] or total["hangs"] else 0
 
 

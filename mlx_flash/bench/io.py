@@ -52,6 +52,7 @@ from ..io.read_cost import (FREE_COPY, REMEASURE_COMMAND, describe_load, describ
 from ..io import aio
 from ..io.files import FileLayer, address, aligned_buffer, read_full
 from ..pack import FORMAT, FORMAT_VERSION, read_layer_components, read_manifest, write_bundle_file, write_manifest
+from ..paths import write_json_atomic
 from .report import machine_info, package_versions
 
 
@@ -1049,9 +1050,7 @@ def run(args) -> int:
     if "segments" in parts:
         print_destination_kinds(result["segment_kinds"], SEGMENT_KINDS)
     if args.json:
-        tmp = Path(f"{args.json}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, result)
         print(f"\nresults: {args.json}")
     if "sweep" in parts and (args.plot or "").lower() != "none":
         path = args.plot or (Path(args.json).with_suffix(".png") if args.json else Path("io_bench.png"))

@@ -20,7 +20,6 @@ ids (the prompt's text repeated) / time to the first token, for the same engines
 """
 
 import io
-import json
 import os
 import platform
 import sys
@@ -36,6 +35,7 @@ from ..api import encode_prompt, load, stream_generate
 from ..cpu import ops
 from ..cpu import patch as kl
 from ..errors import FlashError
+from ..paths import write_json_atomic
 from ..sources import default_gguf_path
 
 TARGET_FRACTION = 0.70
@@ -614,9 +614,7 @@ def run(args):
           + (" -- other processes were using the CPU; figures are pessimistic" if busy else ""))
     print(f"command: {result['command']}")
     if args.json:
-        tmp = Path(f"{args.json}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, result)
         print(f"saved {args.json}")
     return 0
 

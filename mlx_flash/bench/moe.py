@@ -587,7 +587,8 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages,
     from ..cpu import ops
     from ..models.moe import _n_experts, top_k_of
     from . import peers as peer_mod
-    from .report import write_json, write_text
+    from ..paths import write_json_atomic
+    from .report import write_text
 
     manifest = suite.manifest
     config = manifest.config
@@ -635,7 +636,7 @@ def run_suite(suite, args, prompts, peer_names, out, command, machine, packages,
     }
     result["speedups"] = moe_speedups(table, peer_results)
     result["io_vs_fio"] = expert_io_accounting(table, args.threads)
-    write_json(out / "results.json", result)
+    write_json_atomic(out / "results.json", result, default=str)
     text = moe_markdown(result) + expert_io_lines(result["io_vs_fio"])
     write_text(out / "report.md", text)
     (out / "runs.partial.json").unlink(missing_ok=True)

@@ -10,11 +10,12 @@ activation) from the same weights on the same random token batches, with the fro
 as the distillation teacher; a case's first steps (tracing) are not timed; the cases take turns step by step.
 """
 
-import json
 import statistics
 import time
 
 import numpy as np
+
+from ..paths import write_json_atomic
 
 VARIANTS = {  # name: train_step_fn keyword arguments
     "eager": {"compiled": False, "fused_loss": False},   # the step before compilation and ce_and_kl
@@ -98,6 +99,5 @@ def run(args):
               f"{min(secs):.2f}-{max(secs):.2f})  {rate:6.1f} tokens/s  x{rate / base:.2f} tokens/s "
               f"vs the first case", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json_atomic(args.json, results)
     return 0

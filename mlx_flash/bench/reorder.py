@@ -14,8 +14,9 @@ the memory plan prices a loader call (ms per token). Same neurons, different ord
 what `calibrate --reorder` saves in bytes read per token. Nothing is read from disk here.
 """
 
-import json
 from pathlib import Path
+
+from ..paths import write_json_atomic
 
 
 def add_arguments(parser):
@@ -73,10 +74,9 @@ def run(args):
              if priced else ""))
     print(f"Reproduce: {getattr(args, 'command_line', 'python -m mlx_flash.bench reorder ...')}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": getattr(args, "command_line", None), "rows": rows,
-                                               "total_bytes": total, "reads": reads, "needed": needed,
-                                               "seconds": seconds},
-                                              indent=1))
+        write_json_atomic(args.json, {"command": getattr(args, "command_line", None), "rows": rows,
+                                      "total_bytes": total, "reads": reads, "needed": needed,
+                                      "seconds": seconds})
     return 0
 
 

@@ -7,7 +7,6 @@ read / I/O time) and I/O latency (ms per token). Table 3: per token I/O, memory 
 compute and total ms for each mode and peer.
 """
 
-import json
 import os
 import platform
 from importlib import metadata
@@ -50,13 +49,6 @@ def package_versions() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return out
-
-
-def write_json(path: Path, data):
-    """Write JSON to a temp file beside `path`, then rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
 
 
 def write_text(path: Path, text: str):

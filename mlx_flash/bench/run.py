@@ -38,7 +38,7 @@ from ..io.planner import profile_file
 from ..io.read_cost import describe_profile
 from ..models import is_flash_pack, is_moe_pack, load_tokenizer
 from ..pack import read_manifest, write_pack
-from ..paths import flash_home
+from ..paths import flash_home, write_json_atomic
 from ..sources import default_gguf_path, is_gguf, resolve_model
 from ..sparse.budget import pack_bytes, resolve_budget
 from ..sparse.predictor import read_predictors_json
@@ -47,7 +47,7 @@ from . import peers as peer_mod
 from . import report
 from .cap import cgroup_status, run_capped
 from .io import write_unbundled
-from .report import machine_info, package_versions, write_json
+from .report import machine_info, package_versions
 
 DEFAULT_TEXT_GLOB = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
 MODES = ("dense", "naive", "hybrid", "flash")
@@ -289,7 +289,7 @@ class Suite:
         self.runs.append(rec)
         if self.out is not None:  # what is done so far survives an interrupted suite
 
-            write_json(self.out / "runs.partial.json", self.runs)
+            write_json_atomic(self.out / "runs.partial.json", self.runs, default=str)
         return rec
 
     def flash_run(self, group, label, mode, prompt, *, budget=None, window=None, gen_tokens=None,
@@ -580,7 +580,7 @@ def run(args) -> int:
     result["table3"] = report.table3_rows(result)
     result["speedups"] = report.speedups(result)
     result["plots"] = report.plots(result, out)
-    report.write_json(out / "results.json", result)
+    write_json_atomic(out / "results.json", result, default=str)
     endor_table = (encoding_markdown(result) if endor_pack else "") + fio_lines(result) + layer_lines(result)
     report.write_text(out / "report.md", report.markdown(result) + endor_table)
     (out / "runs.partial.json").unlink(missing_ok=True)
