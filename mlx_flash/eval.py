@@ -20,6 +20,7 @@ from .calibration.quality import (DEFAULT_MAX_TOKENS, DEFAULT_SEQUENCE_LENGTH, e
 from .cli import run_cli
 from .config import MODES, parse_memory_budget
 from .errors import FlashError
+from .paths import write_json_atomic
 from .sparse.predictor import KINDS
 
 
@@ -70,14 +71,10 @@ def build_parser():
 
 
 def _write_json(dest, obj):
-    text = json.dumps(obj, indent=1)
     if dest == "-":
-        print(text)
+        print(json.dumps(obj, indent=1))
         return
-    path = Path(dest)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_json_atomic(Path(dest), obj)
 
 
 def _main(argv):
