@@ -186,3 +186,61 @@ def test_moe_rows_picks_the_rows_to_run(moe_pack):
     assert every == ["IO-FREE", "IO-EXP", "IO-QEXP", "cache only", "preload only", "ours"]
     args.moe_rows = ["ours", "io-exp", "cache"]  # the suite's order, whatever the flag's
     assert [r[0].split(" (")[0] for r in suite_rows(args, moe_pack, m)] == ["IO-EXP", "cache only", "ours"]
+
+
+def test_routing_stability_counts_the_experts_a_quantized_layer_re_routes(tmp_path):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from conftest import write_tiny_moe
+
+    from mlx_flash.bench.moe import routing_stability
+    from mlx_flash.models import load_model
+
+    src = write_tiny_moe(tmp_path / "m", "mixtral", layers=3, experts=6, top_k=2)
+
+    def load():  # layer 0's experts loud enough that their rounding reaches the later routers
+        m, _ = load_model(src, lazy=False)
+        sw = m.model.layers[0].block_sparse_moe.switch_mlp
+        for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
+            proj.weight = proj.weight * 8
+        return m
+
+    model = load()
+    tokens = np.random.default_rng(0).integers(0, 128, 128).astype(np.int32)
+    rows = routing_stability(model, tokens, [8, 2], layer=0, seq_len=64)
+
+    class Recorder(nn.Module):  # each call's top-2 experts as a bool mask, by hand
+        def __init__(self, gate, seen):
+            super().__init__()
+            self.gate, self.seen = gate, seen
+
+        def __call__(self, x):
+            g = self.gate(x)
+            top = np.argsort(-np.array(g), axis=-1)[..., :2]
+            mask = np.zeros(g.shape, bool)
+            np.put_along_axis(mask, top, True, axis=-1)
+            self.seen.append(mask)
+            return g
+
+    def chosen(m):
+        seen = [[] for _ in m.model.layers]
+        for layer, s in zip(m.model.layers, seen):
+            layer.block_sparse_moe.gate = Recorder(layer.block_sparse_moe.gate, s)
+        for start in (0, 64):
+            mx.eval(m(mx.array(tokens[start: start + 64])[None]))
+        for layer in m.model.layers:
+            layer.block_sparse_moe.gate = layer.block_sparse_moe.gate.gate
+        return seen
+
+    ref = chosen(model)
+    for row in rows:
+        q = load()
+        sw = q.model.layers[0].block_sparse_moe.switch_mlp
+        for proj in (sw.gate_proj, sw.up_proj, sw.down_proj):
+            proj.weight = mx.dequantize(*mx.quantize(proj.weight, 32, row["bits"]), 32, row["bits"])
+        want = [np.mean([(new & ~old).sum(-1).mean() for new, old in zip(n, o)])
+                for n, o in zip(chosen(q), ref)]
+        np.testing.assert_allclose(row["changed"], want, atol=1e-6)
+        assert row["changed"][0] == 0  # a layer's own experts never change its router's input
+    assert rows[1]["kl"] > rows[0]["kl"] and max(rows[1]["changed"]) > 0

@@ -51,6 +51,12 @@ def add_arguments(p):
                         "next to every expert at 4 bits: one calibration for all rows")
     p.add_argument("--group-size", type=int, default=32,
                    help="--importance-samples' and --bits-variants' group size")
+    p.add_argument("--routing-stability", type=int, nargs="+", default=None, metavar="BITS",
+                   help="also report how many of each token's experts change at later layers when "
+                        "only layer --stability-layer's experts are quantized (mx.quantize, group "
+                        "size --group-size) at each BITS, on the first --stability-tokens --text tokens")
+    p.add_argument("--stability-layer", type=int, default=0)
+    p.add_argument("--stability-tokens", type=int, default=1024)
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -188,6 +194,53 @@ def bits_variant_rows(args, calib, text):
     return rows
 
 
+def routing_stability(model, tokens, widths, layer=0, group_size=32, seq_len=256) -> list:
+    """Rows {"bits", "kl": KL(float || perturbed) nats per token, "changed": [per MoE layer: mean
+    over tokens of the experts chosen that the float model did not choose]} with only `layer`'s
+    experts quantized-dequantized (mx.quantize) at each of `widths` bits, over the windows of
+    seq_len of `tokens`: how far a small error early re-routes the later layers."""
+    import mlx.core as mx
+
+    from ..calibration.expert_bits import experts_at_widths, routing_replay, switch_glus
+    from ..calibration.training import distill_kl
+
+    found = switch_glus(model)
+    if layer not in found:
+        raise FlashError(f"--stability-layer {layer}: not an MoE layer of the model")
+    n_exp = found[layer][2].up_proj.weight.shape[0]
+    windows = [mx.array(tokens[s: s + seq_len])[None] for s in range(0, len(tokens) - seq_len + 1, seq_len)]
+    if not windows:
+        raise FlashError(f"--stability-tokens: need at least {seq_len} --text tokens")
+    rows = []
+    with routing_replay(model) as replays:
+        ref = [model(w) for w in windows]
+        mx.eval(ref)
+        ref_chosen = [r.chosen for r in replays]
+        for bits in widths:
+            for r in replays:
+                r.chosen = []
+            with experts_at_widths(model, {layer: [bits] * n_exp}, group_size):
+                logits = [model(w) for w in windows]
+                kl = float(mx.mean(mx.stack([distill_kl(q, t) for t, q in zip(ref, logits)])).item())
+            changed = [float(np.mean([np.array(mx.sum(new & ~old, axis=-1)).mean()
+                                      for new, old in zip(r.chosen, old_calls)]))
+                       for r, old_calls in zip(replays, ref_chosen)]
+            rows.append({"bits": bits, "kl": kl, "changed": changed})
+    return rows
+
+
+def print_routing_stability(rows, layer, tokens, top_k, shown=(5, 10, 20, 25)):
+    shown = [i for i in shown if i < len(rows[0]["changed"])] or [len(rows[0]["changed"]) - 1]
+    print(f"# routing stability: only layer {layer}'s experts quantized (mx.quantize), {tokens} "
+          f"--text tokens; experts per token (of {top_k}) that differ from the float model's")
+    print(f"| layer {layer}'s experts at | KL from float (nats/token) | changed at layers "
+          f"{' / '.join(map(str, shown))} | mean over all layers |")
+    print("|---|---|---|---|")
+    for r in rows:
+        changed = " / ".join(f"{r['changed'][i]:.2f}" for i in shown)
+        print(f"| {r['bits']} bits | {r['kl']:.4f} | {changed} | {np.mean(r['changed']):.2f} |", flush=True)
+
+
 def moefied_perplexity(model_dir, config, tokens, ks):
     """Held-out perplexity of the dense source and of the moefied model at each top-k."""
     from ..models import load_model
@@ -289,6 +342,11 @@ def run(args):
         result["bits_variants"] = bits_variant_rows(args, calib[:2048], text)
     if args.ppl_packs:
         result["pack_perplexity"] = pack_perplexity(args.ppl_packs, text)
+    if args.routing_stability:
+        n = (min(args.stability_tokens, len(text)) // 256) * 256
+        result["routing_stability"] = routing_stability(model, text[:n], args.routing_stability,
+                                                        args.stability_layer, args.group_size)
+        print_routing_stability(result["routing_stability"], args.stability_layer, n, top_k)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

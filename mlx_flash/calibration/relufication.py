@@ -23,7 +23,6 @@ into place whole.
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,15 +32,14 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..paths import fsync_file
 from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
-from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS
+from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa: F401
+from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
+                       TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, checkpoint_dirs,
+                       compiled_update, copy_tokenizer, distill_kl, kernels_off, make_optimizer,
+                       next_token_nll, prune_checkpoints, save_checkpoint, text_sequences,
+                       write_json, write_model_folder, write_weights)
 
-SEQ_LEN = 256             # tokens per training / evaluation sequence
-CHECKPOINTS = "checkpoints"
-TRAINER_JSON = "trainer.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
-WEIGHTS_FILE = "model.safetensors"
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
 FROZEN = ("model.embed_tokens",)                   # tied input/output embeddings stay as they are
@@ -228,60 +226,7 @@ def check_disjoint(train_files, eval_files):
         raise FlashError(f"--eval-text {sorted(map(str, both))[0]}: also training text; the two must be disjoint")
 
 
-def text_sequences(files, tokenizer, seq_len: int = SEQ_LEN, max_tokens=None, flag="--text") -> np.ndarray:
-    """int32 [n, seq_len] token ids: the files' text (dense_pass.text_tokens: each file encoded
-    separately, then joined) cut into consecutive sequences; the remainder is dropped."""
-    from .dense_pass import text_tokens
-
-    tokens = text_tokens(files, tokenizer, max_tokens, flag=flag, min_tokens=seq_len)
-    n = len(tokens) // seq_len
-    return tokens[: n * seq_len].reshape(n, seq_len)
-
-
-def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
-    """Sequence indices of training step `step` (0-based): a fresh permutation per epoch, from the
-    seed alone, so a resumed run sees exactly the batches an uninterrupted one would."""
-    start = step * batch_size
-    out = []
-    for k in range(start, start + batch_size):
-        epoch, pos = divmod(k, n)
-        out.append(np.random.default_rng(seed + epoch).permutation(n)[pos])
-    return np.asarray(out)
-
-
 # ---- losses and measurements -------------------------------------------------------------------------
-
-def next_token_nll(logits, tokens):
-    """Per position negative log-likelihood (nats) of tokens[:, 1:] given logits[:, :-1]."""
-    return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:])
-
-
-def distill_kl(student_logits, teacher_logits):
-    """Mean over positions of KL(teacher || student) (nats), both over the whole vocabulary."""
-    t = teacher_logits - mx.logsumexp(teacher_logits, axis=-1, keepdims=True)
-    s = student_logits - mx.logsumexp(student_logits, axis=-1, keepdims=True)
-    return mx.mean(mx.sum(mx.exp(t) * (t - s), axis=-1))
-
-
-def ce_and_kl(logits, tokens, teacher_logits):
-    """(next-token cross-entropy, KL(teacher || student)), both means over positions (nats), with
-    three passes of exp over the vocabulary instead of next_token_nll's and distill_kl's six (on
-    one CPU core an exp pass over 256 x 49152 logits takes ~0.2 s): the student's log-sum-exp
-    (and its backward pass) is shared, the teacher's softmax is one pass, and
-    KL = lse_s - sum p s - (lse_t - sum p t) with p the teacher's softmax."""
-    lse = mx.logsumexp(logits, axis=-1)
-    target = mx.take_along_axis(logits[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
-    ce = mx.mean(lse[:, :-1] - target)
-    if teacher_logits is None:
-        return ce, mx.array(0.0)
-    t_max = mx.max(teacher_logits, axis=-1, keepdims=True)
-    e = mx.exp(teacher_logits - t_max)
-    z = mx.sum(e, axis=-1, keepdims=True)
-    p = e / z
-    lse_t = (t_max + mx.log(z))[..., 0]
-    kl = mx.mean(lse - mx.sum(p * logits, axis=-1) - (lse_t - mx.sum(p * teacher_logits, axis=-1)))
-    return ce, kl
-
 
 def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
     """Held-out quality and sparsity of a model over `sequences` (whole-sequence forward passes):
@@ -375,107 +320,7 @@ def fit_layerwise(teacher, student, sequences: np.ndarray, *, ridge: float = 1e-
 
 # ---- files -------------------------------------------------------------------------------------------
 
-def write_json(path: Path, obj):
-    """Write JSON atomically (temporary name, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def write_weights(path: Path, weights: dict):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def copy_tokenizer(src: Path, dst: Path):
-    """Copy the source folder's tokenizer and chat-template files (everything but weights and config)."""
-    for f in Path(src).iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
-                and not f.name.startswith(".") and f.name not in (REPORT_JSON, TRAINER_JSON):
-            tmp = dst / f".{f.name}.tmp-{os.getpid()}"
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, dst / f.name)
-
-
-def write_model_folder(dst: Path, model, config: dict, tokenizer_src: Path):
-    """An mlx-lm model folder of the relu_llama model at dst (created if missing)."""
-    from mlx.utils import tree_flatten
-
-    dst.mkdir(parents=True, exist_ok=True)
-    copy_tokenizer(tokenizer_src, dst)
-    write_weights(dst / WEIGHTS_FILE, dict(tree_flatten(model.parameters())))
-    write_json(dst / "config.json", config)
-
-
-def checkpoint_dirs(out: Path) -> list:
-    """The run's checkpoint folders, oldest first."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-")
-                  and (d / TRAINER_JSON).is_file())
-
-
-def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Path, state: dict,
-                    keep: int = 0) -> Path:
-    """checkpoints/step-NNNNNN: model folder + trainer.json + optimizer state, renamed into place
-    whole; older checkpoints keep their model (for the curve) and drop their optimizer state.
-    keep > 0: then only the newest `keep` checkpoints stay (prune_checkpoints; a checkpoint of
-    a 135M float32 model is ~1.6 GB); 0 keeps all."""
-    from mlx.utils import tree_flatten
-
-    root = Path(out) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state['step']:06d}"
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_model_folder(tmp, model, config, tokenizer_src)
-    write_weights(tmp / OPTIMIZER_FILE, dict(tree_flatten(optimizer.state)))
-    write_json(tmp / TRAINER_JSON, state)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    for older in checkpoint_dirs(out):
-        if older != final and (older / OPTIMIZER_FILE).exists():
-            (older / OPTIMIZER_FILE).unlink()
-    if keep:
-        prune_checkpoints(out, keep, final)
-    return final
-
-
-def prune_checkpoints(out: Path, keep: int, newest: Path) -> list:
-    """Delete all but the newest `keep` (>= 1) checkpoints of the run, never `newest` (the one just
-    written, which --resume continues from). Each is renamed out of checkpoint_dirs' sight before
-    its files go, so an interrupted delete never leaves a half checkpoint (its leftovers go on the
-    next prune). Returns the deleted."""
-    doomed = [d for d in checkpoint_dirs(out)[:-keep] if d != newest]
-    for d in doomed:
-        os.rename(d, d.with_name(f".{d.name}.deleting-{os.getpid()}"))
-    for gone in (Path(out) / CHECKPOINTS).glob(".step-*.deleting-*"):
-        shutil.rmtree(gone)
-    return doomed
-
-
 # ---- training ------------------------------------------------------------------------------------
-
-FINAL_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak rate
-
-
-def make_optimizer(lr: float, warmup: int, weight_decay: float = 0.0, *, steps: int = 0, decay: str = "constant"):
-    """AdamW with a linear warm-up over `warmup` steps, then the peak rate held ("constant") or
-    decayed along a cosine to FINAL_LR_FRACTION of it at step `steps` ("cosine")."""
-    import mlx.optimizers as optim
-
-    if decay not in DECAYS:
-        raise FlashError(f"--decay {decay}: expected one of {', '.join(DECAYS)}")
-    after = optim.cosine_decay(lr, steps - warmup, lr * FINAL_LR_FRACTION) \
-        if decay == "cosine" and steps > warmup else (lambda _: mx.array(lr))
-    schedule = optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup), after],
-                                    [warmup]) if warmup > 0 else after
-    return optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
 
 
 def forward_hidden(model, tokens):
@@ -511,8 +356,6 @@ def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: fl
     forward, backward, clipping, update) is one mx.compile'd function of the model's and the
     optimizer's state; a new token shape retraces it. fused_loss: ce_and_kl (False: next_token_nll
     and distill_kl, the reference formulation, same values, twice the exp passes)."""
-    import mlx.optimizers as optim
-
     record = ActiveFractions()
     use_teacher = teacher is not None and (distill > 0 or hidden > 0)
 
@@ -538,33 +381,17 @@ def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: fl
         active = mx.mean(mx.stack(record.fractions))
         return ce + distill * kl + hidden * hid, ce, kl, hid, active
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
-
-    def update(tokens):
-        (loss, ce, kl, hid, active), grads = grad_fn(tokens)
-        if clip:
-            grads, _ = optim.clip_grad_norm(grads, clip)
-        optimizer.update(model, grads)
-        return loss, ce, kl, hid, active
-
-    if compiled:
-        # the compiled function takes and returns the state's arrays: every one must exist first
-        optimizer.init(model.trainable_parameters())
-        state = [model.state, optimizer.state]
-        update = mx.compile(update, inputs=state + ([teacher.state] if use_teacher else []), outputs=state)
+    update = compiled_update(model, optimizer, loss_fn, clip=clip, compiled=compiled,
+                             inputs=[teacher.state] if use_teacher else [])
 
     def step(tokens):
-        from ..cpu import ops
-
         for m in mlps(model):
             m.record = record
-        kernels = ops.kernels_active()
-        ops.set_kernels_enabled(False)  # our CPU kernels have no gradients (vjp); MLX's ops do
         try:
-            loss, ce, kl, hid, active = update(tokens)
-            mx.eval(loss, ce, kl, hid, active, model.parameters(), optimizer.state)
+            with kernels_off():
+                loss, ce, kl, hid, active = update(tokens)
+                mx.eval(loss, ce, kl, hid, active, model.parameters(), optimizer.state)
         finally:
-            ops.set_kernels_enabled(kernels)
             for m in mlps(model):
                 m.record = None
         return (float(loss.item()), float(ce.item()), float(kl.item()), float(hid.item()),
