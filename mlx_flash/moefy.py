@@ -2,7 +2,7 @@
 
     python -m mlx_flash.moefy [--model SRC] --text FILE [FILE ...] [--experts 16 --top-k 4]
         [--max-tokens 8192] [--eval-text FILE ...] --out DIR
-        [--finetune-steps N --finetune-text FILE ... [--finetune-train routers|experts] ...]
+        [--finetune-steps N --finetune-text FILE ... [--finetune-train experts|routers|both] ...]
 
 Splits each FFN of SRC (default: the embedded SmolLM2-135M) into experts by co-activation on the
 --text files and trains a router per layer (mlx_flash/moe/moefy.py); writes an mlx-lm `mixtral`
@@ -45,8 +45,8 @@ def build_parser():
                    help="validation text: perplexity before training and at every checkpoint")
     f.add_argument("--finetune-tokens", type=int, default=262144,
                    help="training tokens at most (the files shuffled by --seed first)")
-    f.add_argument("--finetune-train", choices=("routers", "experts"), default="routers",
-                   help="what trains: the routers, or the routers and the experts' weights")
+    f.add_argument("--finetune-train", choices=("routers", "experts", "both"), default="experts",
+                   help="what trains: the routers, the experts' weights, or both")
     f.add_argument("--finetune-lr", type=float, default=1e-4, help="peak AdamW learning rate")
     f.add_argument("--finetune-warmup", type=int, default=10, help="linear warm-up steps")
     f.add_argument("--finetune-decay", choices=("constant", "cosine"), default="constant")

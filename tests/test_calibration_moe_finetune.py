@@ -70,7 +70,7 @@ def _run(src, start, texts, out, **kw):
     return F.finetune_moe(start, src, texts[:2], out, **args)
 
 
-@pytest.mark.parametrize("trainable", ["routers", "experts"])
+@pytest.mark.parametrize("trainable", ["routers", "experts", "both"])
 def test_finetune_trains_only_what_it_is_told(moefied, tmp_path, trainable):
     src, start, texts = moefied
     report = _run(src, start, texts, tmp_path / "ft", trainable=trainable)
@@ -79,8 +79,8 @@ def test_finetune_trains_only_what_it_is_told(moefied, tmp_path, trainable):
     changed = {k for k in before if not np.array_equal(np.array(before[k]), np.array(after[k]))}
     routers = {k for k in before if k.endswith("block_sparse_moe.gate.weight")}
     experts = {k for k in before if ".switch_mlp." in k}
-    assert routers <= changed
-    assert (experts <= changed) == (trainable == "experts") and not (experts & changed and trainable == "routers")
+    assert (routers <= changed) == (trainable != "experts") and (not routers & changed) == (trainable == "experts")
+    assert (experts <= changed) == (trainable != "routers") and (not experts & changed) == (trainable == "routers")
     assert not changed - routers - experts  # attention, norms, embeddings stay the dense model's
     assert [e["step"] for e in report["eval"]] == [0, 2, 4]
     cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
@@ -89,7 +89,7 @@ def test_finetune_trains_only_what_it_is_told(moefied, tmp_path, trainable):
     assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 256)
 
 
-@pytest.mark.parametrize("trainable", ["routers", "experts"])
+@pytest.mark.parametrize("trainable", ["routers", "experts", "both"])
 def test_steps_on_a_fixed_batch_lower_the_kl_to_the_dense_teacher(moefied, trainable):
     from mlx_flash.calibration.relufication import load_float32
     from mlx_flash.calibration.training import make_optimizer
@@ -106,14 +106,14 @@ def test_steps_on_a_fixed_batch_lower_the_kl_to_the_dense_teacher(moefied, train
 
 def test_resume_continues_exactly_where_the_run_stopped(moefied, tmp_path):
     src, start, texts = moefied
-    _run(src, start, texts, tmp_path / "whole", trainable="experts")
-    _run(src, start, texts, tmp_path / "split", trainable="experts", steps=2)
-    _run(src, start, texts, tmp_path / "split", trainable="experts", resume=True)
+    _run(src, start, texts, tmp_path / "whole", trainable="both")
+    _run(src, start, texts, tmp_path / "split", trainable="both", steps=2)
+    _run(src, start, texts, tmp_path / "split", trainable="both", resume=True)
     whole, split = _weights(tmp_path / "whole"), _weights(tmp_path / "split")
     for k in whole:
         np.testing.assert_allclose(np.array(split[k]), np.array(whole[k]), rtol=1e-6, atol=1e-7, err_msg=k)
     with pytest.raises(FlashError, match="--out .*--resume"):
-        _run(src, start, texts, tmp_path / "whole", trainable="experts")
+        _run(src, start, texts, tmp_path / "whole", trainable="both")
     with pytest.raises(FlashError, match="--finetune-train routers"):
         _run(src, start, texts, tmp_path / "split", trainable="routers", steps=6, resume=True)
 

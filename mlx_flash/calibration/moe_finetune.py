@@ -5,8 +5,8 @@ tokens, layer by layer: nothing trains the model as a whole, so the routing is c
 error early changes which experts the deep layers pick). Here the MoE (the student) is trained
 end to end toward the dense model it came from (the teacher): loss = KL(teacher || student) of
 the next-token distributions + `ce_weight` x next-token cross-entropy, with AdamW on the routers
-only (`trainable="routers"`) or on the routers and the experts' weights ("experts"); attention,
-norms and embeddings stay the dense model's.
+(`trainable="routers"`), the experts' weights ("experts") or both ("both"); attention, norms and
+embeddings stay the dense model's.
 
 Speed: during training each MoE block runs as its dense equivalent (`DenseEquivalentMoE`): the
 16 experts together are the dense FFN's neurons, so the block is three dense matmuls over all of
@@ -20,7 +20,6 @@ import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,12 +27,11 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from .training import (OPTIMIZER_FILE, SEQ_LEN, TRAINER_JSON, batch_indices,
-                       ce_and_kl, checkpoint_dirs, compiled_update, kernels_off, make_optimizer,
-                       next_token_nll, save_checkpoint, text_sequences, write_json,
-                       write_model_folder)
+from .training import (OPTIMIZER_FILE, SEQ_LEN, TRAINER_JSON, ce_and_kl, checkpoint_dirs,
+                       compiled_update, kernels_off, make_optimizer, next_token_nll,
+                       save_checkpoint, text_sequences, train_loop, write_json, write_model_folder)
 
-TRAINABLE = ("routers", "experts")  # what AdamW moves: the routers, or the routers and the experts
+TRAINABLE = ("routers", "experts", "both")  # what AdamW moves: routers, experts' weights, or both
 REPORT_JSON = "moe_finetune.json"
 
 
@@ -83,13 +81,15 @@ def use_dense_equivalent(model):
 
 
 def set_trainable(model, trainable: str):
-    """Freeze everything, then unfreeze the routers (and with "experts" the experts' weights)."""
+    """Freeze everything, then unfreeze the routers ("routers"), the experts' weights ("experts")
+    or both ("both")."""
     if trainable not in TRAINABLE:
         raise FlashError(f"--finetune-train {trainable}: expected one of {', '.join(TRAINABLE)}")
     model.freeze()
     for layer in moe_blocks(model):
-        layer.block_sparse_moe.gate.unfreeze()
-        if trainable == "experts":
+        if trainable in ("routers", "both"):
+            layer.block_sparse_moe.gate.unfreeze()
+        if trainable in ("experts", "both"):
             layer.block_sparse_moe.switch_mlp.unfreeze()
 
 
@@ -166,8 +166,6 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     Returns the report written to out/moe_finetune.json: {"steps", "tokens_trained", "seconds",
     "losses" [{"step", "loss", "ce", "kl"}], "eval" [{"step", "seconds", "ppl"}]}.
     """
-    from tqdm import tqdm
-
     from mlx.utils import tree_unflatten
 
     from ..models import load_tokenizer
@@ -237,33 +235,10 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     set_trainable(student, trainable)
     student.train()
     step_fn = train_step_fn(student, optimizer, teacher, ce_weight=ce_weight, compiled=compiled)
-    t_start, t_run = time.perf_counter(), state["seconds"]
-    deadline = None if max_minutes is None else t_start + 60 * max_minutes
-    last_saved = state["step"]
-    bar = tqdm(total=steps, initial=state["step"], desc="moe finetune", unit="step", disable=not progress)
-    try:
-        while state["step"] < steps:
-            idx = batch_indices(state["step"], batch_size, len(sequences), seed)
-            loss, ce, kl = step_fn(mx.array(sequences[idx]))
-            if not math.isfinite(loss):
-                raise FlashError(f"step {state['step']}: loss is {loss}; lower --finetune-lr")
-            state["step"] += 1
-            state["tokens_trained"] += int(batch_size * seq_len)
-            state["seconds"] = t_run + time.perf_counter() - t_start
-            state["losses"].append({"step": state["step"], "loss": loss, "ce": ce, "kl": kl})
-            bar.update(1)
-            bar.set_postfix(kl=f"{kl:.3f}", ce=f"{ce:.3f}")
-            if checkpoint_every and state["step"] % checkpoint_every == 0:
-                bar.clear()
-                checkpoint()
-                last_saved = state["step"]
-            if deadline is not None and time.perf_counter() > deadline:
-                log(f"--max-minutes {max_minutes}: stopping at step {state['step']}")
-                break
-    finally:
-        bar.close()
-        if state["step"] != last_saved:
-            checkpoint()
+    train_loop(step_fn, state, sequences, steps=steps, batch_size=batch_size, seed=seed,
+               names=("loss", "ce", "kl"), checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               max_minutes=max_minutes, desc="moe finetune", lr_flag="--finetune-lr", progress=progress,
+               postfix=lambda v: {"kl": f"{v['kl']:.3f}", "ce": f"{v['ce']:.3f}"}, log=log)
     student.eval()
     write_model_folder(out, student, config, tokenizer_src)
     report = {k: state[k] for k in ("steps_planned", "tokens_trained", "seconds", "losses", "eval",

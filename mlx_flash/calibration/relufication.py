@@ -38,7 +38,7 @@ from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN, 
                        TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, checkpoint_dirs,
                        compiled_update, copy_tokenizer, distill_kl, kernels_off, make_optimizer,
                        next_token_nll, prune_checkpoints, save_checkpoint, text_sequences,
-                       write_json, write_model_folder, write_weights)
+                       train_loop, write_json, write_model_folder, write_weights)
 
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
@@ -444,8 +444,6 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     and on the final model, recorded in relufication.json.
     Returns the report dict written to out/relufication.json.
     """
-    from tqdm import tqdm
-
     from ..models import load_tokenizer
 
     src, out = Path(src), Path(out)
@@ -533,33 +531,12 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
             before["layerwise"] = measure(model, eval_seqs)
             log(f"held-out after the layer-wise fit ({fit['tokens']} tokens, {fit['seconds'] / 60:.1f} min): "
                 f"ppl {before['layerwise']['ppl']:.3f}, sparsity {100 * before['layerwise']['sparsity']:.1f}%")
-    t_start, t_run = time.perf_counter(), state["seconds"]
-    deadline = None if max_minutes is None else t_start + 60 * max_minutes
-    last_saved = state["step"]
-    bar = tqdm(total=steps, initial=state["step"], desc="relufy", unit="step", disable=not progress)
-    try:
-        while state["step"] < steps:
-            idx = batch_indices(state["step"], batch_size, len(sequences), seed)
-            loss, ce, kl, hid, sparsity = step_fn(mx.array(sequences[idx]))
-            if not math.isfinite(loss):
-                raise FlashError(f"step {state['step']}: loss is {loss}; lower --lr")
-            state["step"] += 1
-            state["tokens_trained"] += int(batch_size * seq_len)
-            state["seconds"] = t_run + time.perf_counter() - t_start
-            state["losses"].append({"step": state["step"], "loss": loss, "ce": ce, "kl": kl,
-                                    "hidden": hid, "sparsity": sparsity})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", ce=f"{ce:.3f}", sparsity=f"{100 * sparsity:.1f}%")
-            if checkpoint_every and state["step"] % checkpoint_every == 0:
-                save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints)
-                last_saved = state["step"]
-            if deadline is not None and time.perf_counter() > deadline:
-                log(f"--max-minutes {max_minutes}: stopping at step {state['step']}")
-                break
-    finally:
-        bar.close()
-        if state["step"] != last_saved:
-            save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints)
+    train_loop(step_fn, state, sequences, steps=steps, batch_size=batch_size, seed=seed,
+               names=("loss", "ce", "kl", "hidden", "sparsity"),
+               checkpoint=lambda: save_checkpoint(out, model, optimizer, config, src, state, keep_checkpoints),
+               checkpoint_every=checkpoint_every, max_minutes=max_minutes, desc="relufy", progress=progress,
+               postfix=lambda v: {"loss": f"{v['loss']:.3f}", "ce": f"{v['ce']:.3f}",
+                                  "sparsity": f"{100 * v['sparsity']:.1f}%"}, log=log)
     model.eval()
     write_model_folder(out, model, config, src)
     report = {"source": str(src), "activation": activation, "steps": state["step"],

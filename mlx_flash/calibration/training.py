@@ -12,8 +12,10 @@ into place whole.
 """
 
 import json
+import math
 import os
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,6 +135,47 @@ def compiled_update(model, optimizer, loss_fn, *, clip: float = 1.0, compiled: b
     optimizer.init(model.trainable_parameters())
     state = [model.state, optimizer.state]
     return mx.compile(update, inputs=state + list(inputs), outputs=state)
+
+
+def train_loop(step_fn, state: dict, sequences: np.ndarray, *, steps: int, batch_size: int, seed: int,
+               names: tuple, checkpoint, checkpoint_every: int = 0, max_minutes=None,
+               postfix=None, desc: str = "train", lr_flag: str = "--lr", progress: bool = True,
+               log=print):
+    """Run step_fn (tokens [batch_size, L] -> floats named `names`, the loss first) on the seeded
+    batches (batch_indices) of `sequences` [n, L] from state["step"] up to `steps`, updating
+    `state` ("step", "tokens_trained", "seconds", "losses" += {"step", name: value}); a progress
+    bar shows postfix(values dict); checkpoint() is called every `checkpoint_every` steps and at
+    the end if the last step was not saved. max_minutes: stop after the step that crosses it."""
+    from tqdm import tqdm
+
+    t_start, t_run = time.perf_counter(), state["seconds"]
+    deadline = None if max_minutes is None else t_start + 60 * max_minutes
+    last_saved = state["step"]
+    bar = tqdm(total=steps, initial=state["step"], desc=desc, unit="step", disable=not progress)
+    try:
+        while state["step"] < steps:
+            idx = batch_indices(state["step"], batch_size, len(sequences), seed)
+            values = dict(zip(names, step_fn(mx.array(sequences[idx]))))
+            loss = values[names[0]]
+            if not math.isfinite(loss):
+                raise FlashError(f"step {state['step']}: loss is {loss}; lower {lr_flag}")
+            state["step"] += 1
+            state["tokens_trained"] += int(batch_size * sequences.shape[1])
+            state["seconds"] = t_run + time.perf_counter() - t_start
+            state["losses"].append({"step": state["step"], **values})
+            bar.update(1)
+            if postfix is not None:
+                bar.set_postfix(postfix(values))
+            if checkpoint_every and state["step"] % checkpoint_every == 0:
+                checkpoint()
+                last_saved = state["step"]
+            if deadline is not None and time.perf_counter() > deadline:
+                log(f"--max-minutes {max_minutes}: stopping at step {state['step']}")
+                break
+    finally:
+        bar.close()
+        if state["step"] != last_saved:
+            checkpoint()
 
 
 @contextmanager
