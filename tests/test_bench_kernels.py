@@ -32,6 +32,7 @@ def test_kernels_bench_reports(embedded_model_dir, tiny_llama, tmp_path, capsys)
     assert 8 <= b["step_primitives"] < 100 and b["step_primitives_mlx"] > 3 * b["step_primitives"]
     assert 0 < b["build_ms"] < b["step_ms"]
     assert result["reference_bandwidth_gbs"] > 0 and "kernels" in result["command"]
+    assert result["machine"]["cpus"] >= 1 and result["packages"]["mlx"]  # as bench run and io record them
     (case,) = result["cases"]
     assert case["kind"] == "q4g32" and case["N"] == 192 and case["K"] == 576
     assert case["bytes_per_call"] == 192 * (576 // 2 + 4 * 576 // 32)  # packed 4-bit + f16 scales/biases

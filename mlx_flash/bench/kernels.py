@@ -37,6 +37,7 @@ from ..cpu import patch as kl
 from ..errors import FlashError
 from ..paths import write_json_atomic
 from ..sources import default_gguf_path
+from .report import machine_info, package_versions
 
 TARGET_FRACTION = 0.70
 
@@ -598,8 +599,8 @@ def run(args):
         finally:
             ops.set_q8_activations(False)
     load_after = os.getloadavg()
-    result = {"command": args.command_line, "machine": platform.platform(), "cpu_count": os.cpu_count(),
-              "mlx_version": mx.__version__, "kernel_threads": ops._ext.num_threads(),
+    result = {"command": args.command_line, "machine": machine_info(), "packages": package_versions(),
+              "kernel_threads": ops._ext.num_threads(),
               "bandwidth_gbs": {str(t): v for t, v in bw.items()}, "reference_bandwidth_gbs": bandwidth,
               "target_fraction": TARGET_FRACTION, "q8_activations": args.q8_activations, "cases": rows}
     if args.breakdown:
