@@ -1,6 +1,8 @@
 // aio_read.h: io_submit / io_getevents through syscall(2) (glibc has no wrappers for native AIO).
 #include "aio_read.h"
 
+#include "endor_decode.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -18,8 +20,22 @@ namespace flash {
 
 bool aio_read_available() { return true; }
 
+namespace {
+
+void crc_landed(const LandedCrcs& l, int64_t read) {
+  for (int64_t b = l.first[read]; b < l.first[read + 1]; ++b) {
+    uint32_t crc = 0;
+    for (int64_t p = 0; p < l.pieces; ++p)
+      crc = endor::crc32(crc, l.flat + l.starts[b] + l.piece_off[p], l.piece_len[p], l.isa);
+    l.crcs[b] = crc;
+  }
+}
+
+}  // namespace
+
 int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t* offsets, const int64_t* sizes,
-                     const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res) {
+                     const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res,
+                     const LandedCrcs* landed) {
   std::vector<iocb> cbs(static_cast<size_t>(n));
   std::vector<iocb*> ptrs(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -47,6 +63,11 @@ int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t*
     }
     for (long e = 0; e < got; ++e) res[events[e].data] = events[e].res;
     completed += got;
+    if (landed != nullptr)  // after recording every result: the work below runs while later reads fly
+      for (long e = 0; e < got; ++e) {
+        const int64_t k = static_cast<int64_t>(events[e].data);
+        if (res[k] == sizes[k] && (vectored == nullptr || !vectored[k])) crc_landed(*landed, k);
+      }
     return true;
   };
   while (completed < n) {
@@ -80,7 +101,7 @@ int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t*
 bool aio_read_available() { return false; }
 
 int64_t aio_read_all(uint64_t, int64_t n, const int64_t*, const int64_t*, const int64_t*, const uint64_t*,
-                     const uint8_t*, int64_t, int64_t* res) {
+                     const uint8_t*, int64_t, int64_t* res, const LandedCrcs*) {
   for (int64_t i = 0; i < n; ++i) res[i] = -ENOSYS;
   return -ENOSYS;
 }

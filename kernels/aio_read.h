@@ -3,7 +3,24 @@
 
 #include <cstdint>
 
+#include "cpu_features.h"
+
 namespace flash {
+
+// The crc32 of the bundles a read brought into staging, taken as the read lands (while later
+// reads are still in flight): read k holds bundles first[k]..first[k + 1] - 1, bundle b at
+// flat + starts[b]; its crc32 chains over `pieces` byte ranges (offset piece_off[p], piece_len[p]
+// bytes from its start) into crcs[b]. Bundles of a read that did not land whole are left as they were.
+struct LandedCrcs {
+  const uint8_t* flat;
+  const int64_t* first;
+  const int64_t* starts;
+  const int64_t* piece_off;
+  const int64_t* piece_len;
+  int64_t pieces;
+  uint32_t* crcs;
+  Isa isa;
+};
 
 // Read sizes[i] bytes at offsets[i] of fds[i] into addresses[i] (vectored[i] != 0: addresses[i] is
 // an array of sizes[i] struct iovec, IOCB_CMD_PREADV) through the io_setup context `ctx`, keeping
@@ -11,8 +28,10 @@ namespace flash {
 // (-ECANCELED for a read never submitted). Returns 0, or -errno of a failed io_submit /
 // io_getevents (every submitted read has completed by then: no buffer is written after return).
 // No allocation per read beyond one iocb; the caller's thread does all of it (GIL released).
+// landed: optional, the crc32 of each read's bundles taken as it lands (LandedCrcs).
 int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t* offsets, const int64_t* sizes,
-                     const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res);
+                     const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res,
+                     const LandedCrcs* landed = nullptr);
 
 // True when this build has the Linux AIO loop (false elsewhere: the caller uses its own).
 bool aio_read_available();

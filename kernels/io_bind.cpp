@@ -2,10 +2,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 
 #include "aio_read.h"
 
@@ -16,6 +19,10 @@ using I64 = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cp
 using U64 = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Flags = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Results = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Bytes1 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Crcs = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+// (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
+using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
 }  // namespace
 
 void bind_io(nb::module_& m) {
@@ -23,25 +30,49 @@ void bind_io(nb::module_& m) {
   m.def(
       "aio_read",
       [](uint64_t ctx, I64 fds, I64 offsets, I64 sizes, U64 addresses, std::optional<Flags> vectored, int64_t depth,
-         Results res) {
+         Results res, std::optional<Landed> landed) {
         const size_t n = fds.shape(0);
         if (offsets.shape(0) != n || sizes.shape(0) != n || addresses.shape(0) != n || res.shape(0) != n ||
             (vectored.has_value() && vectored->shape(0) != n))
           throw std::invalid_argument("aio_read: fds, offsets, sizes, addresses, vectored and res differ in length");
         if (ctx == 0) throw std::invalid_argument("aio_read: no AIO context");
         const uint8_t* vec = vectored.has_value() ? vectored->data() : nullptr;
+        flash::LandedCrcs crcs{};
+        if (landed.has_value()) {
+          auto& [flat, first, starts, piece_off, piece_len, out] = *landed;
+          const int64_t bundles = static_cast<int64_t>(starts.shape(0)), size = static_cast<int64_t>(flat.shape(0));
+          if (first.shape(0) != n + 1 || out.shape(0) != starts.shape(0) || piece_len.shape(0) != piece_off.shape(0))
+            throw std::invalid_argument("aio_read: landed crc32 arrays do not match the reads");
+          for (size_t k = 0; k < n; ++k)
+            if (first.data()[k] < 0 || first.data()[k] > first.data()[k + 1] || first.data()[k + 1] > bundles)
+              throw std::invalid_argument("aio_read: landed bundles of a read out of range");
+          int64_t extent = 0;
+          for (size_t p = 0; p < piece_off.shape(0); ++p) {
+            if (piece_off.data()[p] < 0 || piece_len.data()[p] < 0)
+              throw std::invalid_argument("aio_read: negative bundle piece");
+            extent = std::max(extent, piece_off.data()[p] + piece_len.data()[p]);
+          }
+          for (int64_t b = 0; b < bundles; ++b)
+            if (starts.data()[b] < 0 || starts.data()[b] > size - extent)
+              throw std::invalid_argument("aio_read: a landed bundle runs outside flat");
+          crcs = {flat.data(), first.data(), starts.data(), piece_off.data(), piece_len.data(),
+                  static_cast<int64_t>(piece_off.shape(0)), out.data(), flash::active_isa()};
+        }
         int64_t error;
         {
           nb::gil_scoped_release release;
           error = flash::aio_read_all(ctx, static_cast<int64_t>(n), fds.data(), offsets.data(), sizes.data(),
-                                      addresses.data(), vec, depth, res.data());
+                                      addresses.data(), vec, depth, res.data(),
+                                      landed.has_value() ? &crcs : nullptr);
         }
         return error;
       },
       nb::arg("ctx"), nb::arg("fds"), nb::arg("offsets"), nb::arg("sizes"), nb::arg("addresses"),
-      nb::arg("vectored").none(), nb::arg("depth"), nb::arg("res"),
+      nb::arg("vectored").none(), nb::arg("depth"), nb::arg("res"), nb::arg("landed").none() = nb::none(),
       "Every read i (sizes[i] bytes at offsets[i] of fds[i] into addresses[i]; vectored[i] != 0: an array of "
       "sizes[i] iovecs there) through the io_setup context ctx with at most depth in flight, in one loop with "
       "the GIL released; res[i] <- bytes read or -errno. Returns 0 or the -errno of a failed io_submit / "
-      "io_getevents (every submitted read has completed by then).");
+      "io_getevents (every submitted read has completed by then). landed: (flat, first, starts, piece_off, "
+      "piece_len, crcs): as read k lands whole (plain reads), crcs[b] <- the crc32 of bundle b (flat[starts[b]:], "
+      "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight.");
 }

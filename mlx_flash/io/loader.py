@@ -469,22 +469,50 @@ class FlashLoader:
         vectored = None
         if any(b[4] is not None for b in batches):
             vectored = np.concatenate([np.zeros(len(b[0]), bool) if b[4] is None else b[4] for b in batches])
-        res = ctx.read_all(*(np.concatenate([b[k] for b in batches]) for k in range(4)), vectored)
-        first = 0
+        crcs = self._landed_crcs(jobs, flat)
+        res = ctx.read_all(*(np.concatenate([b[k] for b in batches]) for k in range(4)), vectored,
+                           landed=crcs)
+        first = bundle = 0
         for job in jobs:
             results = res[first: first + len(job.r0)]
             first += len(job.r0)
             landed = np.flatnonzero(results == job.r1 - job.r0)
-            if len(landed) == len(job.r0):
+            got = None if crcs is None else crcs[-1][bundle: bundle + len(job.ids)]
+            bundle += len(job.ids)
+            if len(landed) == len(job.r0) and got is None:
                 self._finish(job, flat)
                 continue
             if len(landed):  # the short or failed reads are redone by _complete_aio
-                members = _members_of(job, landed)
-                if not job.zero_copy:
+                members = np.arange(len(job.ids)) if len(landed) == len(job.r0) else _members_of(job, landed)
+                if got is not None:  # checked as they landed: compare, then copy out
+                    bad = np.flatnonzero(got[members] != job.f.crc[job.ids[members]])
+                    if len(bad):
+                        raise _checksum_mismatch(job, int(members[bad[0]]))
+                    self._scatter(job, flat, members, checked=True)
+                elif not job.zero_copy:
                     self._scatter(job, flat, members)
                 elif self.verify:
                     self._check_rows(job, members)
-            self._complete_aio(job, results.copy(), staging, flat)
+            if len(landed) < len(job.r0):
+                self._complete_aio(job, results.copy(), staging, flat)
+
+    def _landed_crcs(self, jobs, flat):
+        """read_all's `landed` argument for a call whose every job is staged plain bundles (no
+        ENDOR) with one component layout, checked (verify): their crc32s taken as each read lands,
+        while later reads fly, instead of in one pass after the last; else None."""
+        if not self.verify or flat is None or any(j.zero_copy or j.lengths is not None for j in jobs) \
+                or any(j.pieces != jobs[0].pieces for j in jobs):
+            return None
+        starts, firsts, n = [], [], 0
+        for job in jobs:
+            reads = job.member_read
+            starts.append(job.pos[reads] + job.starts - job.r0[reads])
+            firsts.append(job.first + n)
+            n += len(job.ids)
+        pieces = [(0, jobs[0].tight)] if jobs[0].tight else jobs[0].pieces
+        return (flat, np.concatenate([*firsts, [n]]).astype(np.int64), np.concatenate(starts).astype(np.int64),
+                np.array([o for o, _ in pieces], np.int64), np.array([k for _, k in pieces], np.int64),
+                np.zeros(n, np.uint32))
 
     def _aio_batch(self, job, flat):
         """(fds, offsets, sizes, addresses, vectored) of a job's reads for AioContext.read:
@@ -773,15 +801,16 @@ class FlashLoader:
             iov.append(scratch[:k])
             n -= k
 
-    def _scatter(self, job, flat, members=None):
+    def _scatter(self, job, flat, members=None, checked=False):
         """Copy bundles `members` (indices into job.ids; default all) of a request from the staging
-        buffer to their rows, checking crc32 first (ENDOR layers: decode them into their rows)."""
+        buffer to their rows, checking crc32 first unless `checked` (ENDOR layers: decode them
+        into their rows)."""
         if job.lengths is not None:
             return self._decode(job, flat, members)
         members = np.arange(len(job.ids)) if members is None else np.asarray(members, np.int64)
         reads = job.member_read[members]
         offs = job.pos[reads] + job.starts[members] - job.r0[reads]
-        if self.verify:
+        if self.verify and not checked:
             self._check(job, flat, offs, members)
         slots, stride = job.slots[members], job.stride
         if copy_rows_kernel is None:  # numpy: runs of bundles one stride apart in staging going
