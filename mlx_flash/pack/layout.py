@@ -22,6 +22,10 @@ Resident gate (`convert --gate-bits B`, the layer entry's "resident_gate": {"sou
 module, "bits", "group_size"}): the layer's gate is not in its bundles but in the resident file,
 MLX affine-quantized (SOURCE.weight / .scales / .biases; config "quantization" names the bits and
 group size, and only these modules have scales): a bundle is up row + down column.
+Resident linears (`convert --resident-bits B`): the other resident matrices (attention projections,
+embedding / tied lm_head) MLX affine-quantized in the resident file the same way; config
+"quantization" then names their bits and group size, and each resident gate's as a per-module
+override ({module path: {"bits", "group_size"}}, mlx-lm's form). The bundles are unchanged.
 Expert bundle e (kind "experts") = expert e's full gate, up and down matrices in the source (mlx-lm
 SwitchGLU) orientation, with their scales and biases: no transposition, no re-quantization.
 
