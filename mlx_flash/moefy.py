@@ -30,7 +30,9 @@ def build_parser():
     p.add_argument("--text", nargs="+", default=None,
                    help="text the split and the routers are fitted on (not with --from-moefied / --resume)")
     p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="experts per token (default 4; with --from-moefied: that model's, or it is "
+                        "re-routed to this many before the fine-tune)")
     p.add_argument("--max-tokens", type=int, default=8192, help="training tokens")
     p.add_argument("--eval-text", nargs="+", default=None, help="held-out text for perplexity")
     p.add_argument("--eval-tokens", type=int, default=4096)
@@ -99,11 +101,11 @@ def _main(argv):
         model, config = load_model(src, lazy=False)
         tokenizer = load_tokenizer(src)
         tokens = text_tokens(args.text, tokenizer, args.max_tokens)
-        report = moefy(model, config, tokens, src, split_dir, experts=args.experts, top_k=args.top_k,
+        report = moefy(model, config, tokens, src, split_dir, experts=args.experts, top_k=args.top_k or 4,
                        seed=args.seed, text_label=args.text)
         recalls = [r["router_recall_train"] for r in report["layers"]]
         print(f"wrote {split_dir} ({report['tokens']} training tokens, {report['seconds']:.0f} s); "
-              f"router top-{args.top_k} recall on training tokens: mean {sum(recalls) / len(recalls):.3f}, "
+              f"router top-{args.top_k or 4} recall on training tokens: mean {sum(recalls) / len(recalls):.3f}, "
               f"min {min(recalls):.3f}")
         del model
     if finetune:
@@ -115,7 +117,8 @@ def _main(argv):
             decay=args.finetune_decay, batch_size=args.finetune_batch_size, ce_weight=args.finetune_ce,
             max_train_tokens=args.finetune_tokens, checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep_checkpoints, resume=args.resume, max_minutes=args.max_minutes,
-            eval_files=args.finetune_eval_text or (), seed=args.seed, progress=not args.verbose)
+            eval_files=args.finetune_eval_text or (), seed=args.seed, top_k=args.top_k,
+            progress=not args.verbose)
         print(f"wrote {out} (fine-tuned {report['finetune']['steps']} steps, "
               f"{report['finetune']['tokens_trained']} tokens, {report['finetune']['seconds'] / 60:.1f} min)")
     if args.eval_text:

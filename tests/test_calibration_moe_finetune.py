@@ -132,3 +132,14 @@ def test_moefy_cli_checks_its_fine_tune_flags(moefied, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(base + args)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_top_k_re_routes_the_start_model_before_training(moefied, tmp_path):
+    src, start, texts = moefied
+    _run(src, start, texts, tmp_path / "k1", trainable="routers", steps=1, top_k=1)
+    cfg = json.loads((tmp_path / "k1" / "config.json").read_text())
+    assert cfg["num_experts_per_tok"] == 1 and cfg["moefied"]["top_k"] == 1
+    before, after = _weights(start), _weights(tmp_path / "k1")
+    for k in before:
+        if k.endswith("switch_mlp.down_proj.weight"):  # mixtral's top-1 weight is 1, not ~1/2
+            np.testing.assert_allclose(np.array(after[k]), np.array(before[k]) / 2, rtol=1e-6)

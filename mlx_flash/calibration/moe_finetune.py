@@ -154,12 +154,15 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
                  ce_weight: float = 0.0, max_train_tokens: int = 262144, checkpoint_every: int = 50,
                  keep_checkpoints: int = 2, resume: bool = False, max_minutes=None,
                  eval_files=(), eval_tokens: int = 4096, compiled: bool = True, seed: int = 0,
-                 progress: bool = True, log=print) -> dict:
+                 top_k: int = None, progress: bool = True, log=print) -> dict:
     """Distill the moefied model in `start` from the dense model `teacher_src` (module docstring)
     for `steps` AdamW steps of batch_size x seq_len tokens of `train_files` (at most
     max_train_tokens, the files in spread_files' order); checkpoints (every `checkpoint_every`
     steps, newest `keep_checkpoints` kept) and the final model go to `out`.
 
+    top_k: route the start model to this many experts first (moe.quality.set_moefied_top_k: a
+    moefy split does not depend on its top-k, only its down matrices' scale), e.g. a top-4 model
+    from a top-8 one; None keeps start's.
     resume: continue from out's newest checkpoint (same batches as an unbroken run). max_minutes:
     stop after the step that crosses it, checkpoint, and write the model. eval_files: perplexity
     on eval_tokens of them (never training text) before training and at every checkpoint.
@@ -206,6 +209,15 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
         student, config = load_student(start)
         state = {"step": 0, "tokens_trained": 0, "seconds": 0.0, "losses": [], "eval": []}
     config = dict(config)
+    if top_k is not None and top_k != config["num_experts_per_tok"]:
+        from ..moe.quality import set_moefied_top_k
+
+        if resume or not 1 <= top_k <= config["num_local_experts"]:
+            raise FlashError(f"--top-k {top_k}: must be in 1..{config['num_local_experts']} and "
+                             f"not change on --resume (the checkpoint routes to {config['num_experts_per_tok']})")
+        set_moefied_top_k(student, top_k)
+        config["num_experts_per_tok"] = top_k
+        config["moefied"] = {**config.get("moefied", {}), "top_k": top_k}
     state.update(trainable=trainable, lr=lr, warmup=warmup, decay=decay, batch_size=batch_size,
                  seq_len=seq_len, ce_weight=ce_weight, steps_planned=steps, seed=seed,
                  train_sequences=int(len(sequences)), train_files=files, start=str(start),
