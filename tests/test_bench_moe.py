@@ -244,3 +244,20 @@ def test_routing_stability_counts_the_experts_a_quantized_layer_re_routes(tmp_pa
         np.testing.assert_allclose(row["changed"], want, atol=1e-6)
         assert row["changed"][0] == 0  # a layer's own experts never change its router's input
     assert rows[1]["kl"] > rows[0]["kl"] and max(rows[1]["changed"]) > 0
+
+
+def test_bench_moe_no_cache_tables_prints_only_the_asked_figures(tmp_path, capsys):
+    from calibration_packs import write_byte_tokenizer, write_text
+    from conftest import write_tiny_moe
+
+    src = write_tiny_moe(tmp_path / "m", "mixtral", layers=3, experts=6, top_k=2, vocab=256)
+    write_byte_tokenizer(src)
+    calib, held = write_text(tmp_path / "c.txt", seed=1), write_text(tmp_path / "h.txt", seed=2)
+    out = tmp_path / "r.json"
+    assert bench_main(["moe", "--model", str(src), "--calib-text", str(calib), "--text", str(held),
+                       "--tokens", "600", "--no-cache-tables", "--routing-stability", "8", "2",
+                       "--stability-tokens", "512", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 2 bits |" in printed and "| 8 bits |" in printed and "LRU" not in printed
+    result = json.loads(out.read_text())
+    assert "rows" not in result and [r["bits"] for r in result["routing_stability"]] == [8, 2]

@@ -57,6 +57,9 @@ def add_arguments(p):
                         "size --group-size) at each BITS, on the first --stability-tokens --text tokens")
     p.add_argument("--stability-layer", type=int, default=0)
     p.add_argument("--stability-tokens", type=int, default=1024)
+    p.add_argument("--no-cache-tables", action="store_true",
+                   help="skip the routing traces' cache and predictor tables (only the --ppl-k, "
+                        "--ppl-packs, --bits-variants, --routing-stability figures)")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -265,24 +268,11 @@ def moefied_perplexity(model_dir, config, tokens, ks):
     return out
 
 
-def run(args):
-    import mlx.core as mx  # noqa: F401
-
-    from ..models import load_model, load_tokenizer
-    from ..models.moe import top_k_of, _n_experts
-    from ..calibration.dense_pass import text_tokens
+def cache_tables(args, model, calib, text, width, top_k, n_experts) -> dict:
+    """The routing traces' tables, printed: hit rate of every policy at every per-layer cache
+    size next to Belady's, the predictors' recall / precision, and the calibrated slot split."""
     from ..moe.predict import RoutingProfile, record_routing
 
-    model, config = load_model(Path(args.model))
-    tokenizer = load_tokenizer(Path(args.model))
-    top_k, n_experts = top_k_of(config), _n_experts(config)
-    if n_experts is None:
-        raise FlashError(f"--model {args.model}: config.json names no expert count")
-    width = args.width or top_k
-    calib = text_tokens(args.calib_text, tokenizer, args.calib_tokens, flag="--calib-text")
-    text = text_tokens(args.text, tokenizer, args.tokens, flag="--text")
-    if set(map(str, args.calib_text)) & set(map(str, args.text)):
-        raise FlashError("--text: held-out text must not repeat a --calib-text file")
     t0 = time.perf_counter()
     calib_trace = record_routing(model, calib, width)
     profile = RoutingProfile(calib_trace, n_experts)
@@ -313,8 +303,32 @@ def run(args):
     for r in caps:
         print(f"| {r['slots']} | {r['policy']} | {r['equal']:.3f} | {r['calibrated']:.3f} | "
               f"{r['min']}..{r['max']} |")
-    result = {"command": args.command_line, "rows": rows, "capacity": caps,
-              "predictors": {k: {"recall": v[0], "precision": v[1]} for k, v in scores.items()}}
+    return {"rows": rows, "capacity": caps,
+            "predictors": {k: {"recall": v[0], "precision": v[1]} for k, v in scores.items()}}
+
+
+def run(args):
+    import mlx.core as mx  # noqa: F401
+
+    from ..models import load_model, load_tokenizer
+    from ..models.moe import top_k_of, _n_experts
+    from ..calibration.dense_pass import text_tokens
+
+    model, config = load_model(Path(args.model))
+    tokenizer = load_tokenizer(Path(args.model))
+    top_k, n_experts = top_k_of(config), _n_experts(config)
+    if n_experts is None:
+        raise FlashError(f"--model {args.model}: config.json names no expert count")
+    width = args.width or top_k
+    calib = text_tokens(args.calib_text, tokenizer, args.calib_tokens, flag="--calib-text")
+    text = text_tokens(args.text, tokenizer, args.tokens, flag="--text")
+    if set(map(str, args.calib_text)) & set(map(str, args.text)):
+        raise FlashError("--text: held-out text must not repeat a --calib-text file")
+    result = {"command": args.command_line}
+    if not args.no_cache_tables:
+        result.update(cache_tables(args, model, calib, text, width, top_k, n_experts))
+    else:
+        print(f"# {args.model}: {platform.machine()} {platform.node()}\n# command: {args.command_line}")
     if args.pack:
         rt = runtime_rows(args.pack, text, args.decode_tokens, max(top_k, n_experts // 2), width)
         print(f"# runtime on {args.pack}: {args.decode_tokens} teacher-forced decode steps, "
