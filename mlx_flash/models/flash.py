@@ -63,8 +63,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         read_cost = measured = by_rows = overflow_rows = None
         if cfg.mode == "flash":
             if predictors is None:
-                predictors = pack_predictors(pack, manifest, pack_doc())
                 doc = pack_doc()
+                predictors = pack_predictors(pack, manifest, doc)
                 density = density if density is not None else predicted_density(pack, doc)
                 calls = sparse_read_calls(pack, cfg.window, doc)
                 if calls:  # calibration's real read sizes, priced with this machine's cost model now
