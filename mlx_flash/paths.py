@@ -14,6 +14,9 @@ import secrets
 import shutil
 from pathlib import Path
 
+# Debian python3-doc's library pages: the offline real text that benches and pruning default to.
+PYTHON_DOC_LIBRARY = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
+
 from .errors import FlashError
 
 

@@ -38,7 +38,7 @@ from ..io.planner import profile_file
 from ..io.read_cost import describe_profile
 from ..models import is_flash_pack, is_moe_pack, load_tokenizer
 from ..pack import read_manifest, write_pack
-from ..paths import flash_home, write_json_atomic
+from ..paths import PYTHON_DOC_LIBRARY, flash_home, write_json_atomic
 from ..sources import default_gguf_path, is_gguf, resolve_model
 from ..sparse.budget import pack_bytes, resolve_budget
 from ..sparse.predictor import read_predictors_json
@@ -49,7 +49,6 @@ from .cap import cgroup_status, run_capped
 from .io import write_unbundled
 from .report import machine_info, package_versions
 
-DEFAULT_TEXT_GLOB = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
 MODES = ("dense", "naive", "hybrid", "flash")
 SWEEPS = ("budget", "window", "length")
 
@@ -76,7 +75,7 @@ def add_arguments(parser):
     parser.add_argument("--window", type=int, default=5, help="flash window k (tokens)")
     parser.add_argument("--threads", type=int, default=32, help="reads in flight")
     parser.add_argument("--text", nargs="+", help="text files for prompts (default: python3-doc "
-                        f"sources, {DEFAULT_TEXT_GLOB})")
+                        f"sources, {PYTHON_DOC_LIBRARY})")
     parser.add_argument("--ablation", action="store_true",
                         help="Table 2 rows: +Predictor (no window, unbundled), +Windowing "
                         "(unbundled), +Bundling")
@@ -150,10 +149,10 @@ def text_sources(paths) -> list[Path]:
             if not f.is_file():
                 raise FlashError(f"--text {f}: no such file")
         return files
-    files = [Path(p) for p in sorted(glob.glob(DEFAULT_TEXT_GLOB))]
+    files = [Path(p) for p in sorted(glob.glob(PYTHON_DOC_LIBRARY))]
     if not files:
         raise FlashError("--text: no prompt text given and python3-doc's sources are not installed "
-                         f"({DEFAULT_TEXT_GLOB}); pass --text FILE or apt-get install python3-doc")
+                         f"({PYTHON_DOC_LIBRARY}); pass --text FILE or apt-get install python3-doc")
     return files
 
 

@@ -17,9 +17,9 @@ import numpy as np
 
 from ..endor.prune import DEFAULT_LAYERS, check_args, prune_weight, select_linears
 from ..errors import FlashError
+from ..paths import PYTHON_DOC_LIBRARY
 
 # Calibration and held-out texts shipped on this machine (never the same files).
-PYTHON_DOC = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
 GIT_NOTES = "/usr/share/doc/git/RelNotes"
 
 
@@ -28,7 +28,7 @@ def default_texts() -> tuple:
     split in two halves), else git's release notes (2.x for calibration, 1.x held out)."""
     import glob
 
-    doc = sorted(glob.glob(PYTHON_DOC))
+    doc = sorted(glob.glob(PYTHON_DOC_LIBRARY))
     if len(doc) >= 4:
         return doc[::2], doc[1::2]
     notes = Path(GIT_NOTES)
