@@ -170,6 +170,7 @@ def generate_flash(pack, mode, prompt, gen_tokens, budget=None, window=5, thread
         "cache_rows_loaded": sum(c.rows_loaded - base_rows[i] for i, c in rt.caches.items()),
         "cache_rows_logged": cache_rows_logged,
         "cache_rows_from_lookahead": rt.ahead_copied,  # claimed rows the lookahead's reads filled
+        "cache_rows_from_stream": rt.fill_copied,  # fills read with their overflow, copied in
         "neurons_loaded_stats": sum(s.neurons_loaded for s in stats.steps),
         "neurons_read_loader": sum(r[2] for r in reads.log),
         "loader_seconds": io_s,

@@ -361,6 +361,7 @@ def aggregate(records) -> dict:
     row["accounting_ok"] = all(
         a["decode_bytes_stats"] == a["decode_bytes_loader"] and a["all_bytes_stats"] == a["all_bytes_loader"]
         and a["cache_rows_loaded"] == a["cache_rows_logged"] + a.get("cache_rows_from_lookahead", 0)
+        + a.get("cache_rows_from_stream", 0)
         and a["neurons_loaded_stats"] == a["neurons_read_loader"]
         and a["useful_bytes_loader"] == a["useful_bytes_expected"] for a in acc)
     return row

@@ -307,6 +307,8 @@ class FlashRuntime:
         self._ahead_pool = None
         # neurons the lookahead read / that a layer then needed / of those, copied into cache rows
         self.ahead_read = self.ahead_used = self.ahead_copied = 0
+        # cache rows read into the streaming buffer with their layer's overflow, then copied in
+        self.fill_copied = 0
 
     def set_lookahead(self, pairs: dict, rows: int):
         """Read the next sparse layer's predicted neurons while this one computes.
@@ -733,6 +735,7 @@ class FlashFFN(nn.Module):
         t0 = time.perf_counter()
         stats = rt.loader.read(self.layer, plan, buf, plan.index)  # bundle i -> row of its position
         cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
+        rt.fill_copied += len(fill)
         # the fill's neurons are counted by the cache update (upd.loaded)
         _count_read(step, stats, time.perf_counter() - t0, len(over))
         return buf
