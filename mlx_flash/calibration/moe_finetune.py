@@ -233,7 +233,7 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
         ppl = sequence_perplexity(student, eval_seqs)
         state["eval"].append({"step": state["step"], "seconds": state["seconds"], "ppl": ppl,
                               "tokens": int(eval_seqs[:, 1:].size)})
-        log(f"step {state['step']}: held-out perplexity {ppl:.3f} ({eval_seqs[:, 1:].size} tokens)")
+        log(f"step {state['step']}: validation perplexity {ppl:.3f} ({eval_seqs[:, 1:].size} tokens)")
 
     def checkpoint():
         nonlocal tokenizer_src
