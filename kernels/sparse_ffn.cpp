@@ -21,7 +21,7 @@ namespace flash_ext {
 namespace {
 
 thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add, tl_act;
-thread_local std::vector<int32_t> tl_ids;
+thread_local std::vector<int32_t> tl_ids, tl_rows;
 
 // MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), before its
 // output is rounded to the array's dtype.
@@ -91,6 +91,21 @@ class FlashSparseFFN : public CpuPrimitive {
     round_to(P.ydt, u, int(count));
   }
 
+  // True when an activated gate value v (silu(g) for silu, g for relu_gated) keeps its neuron.
+  static bool passes(const Params& P, float v) { return P.act == 0 ? std::fabs(v) > P.threshold : v > P.threshold; }
+
+  // h [M, na] of the rows `active` (nullptr: rows 0..n) from u [M, na] and the activated gate
+  // g [M, n] (silu already applied for silu), as activate computes it; returns h in u.
+  static void activate_rows(const Params& P, int M, int n, int na, const int32_t* active, float* u, const float* g) {
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < na; ++j) {
+        const float gv = g[int64_t(m) * n + (active ? active[j] : j)];
+        float& h = u[int64_t(m) * na + j];
+        h = passes(P, gv) ? gv * h : 0.f;
+      }
+    round_to(P.ydt, u, M * na);
+  }
+
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
     size_t next = 0;
@@ -134,23 +149,12 @@ class FlashSparseFFN : public CpuPrimitive {
         }
         float* u = scratch(tl_gu, size_t(2) * M * n);
         float* g = u + size_t(M) * n;
-        flash::Problem ps[2];
-        WeightCopies copies[2];
-        const View* weights[2] = {&v.up, s.has_gate ? &v.gate : nullptr};
-        for (int r = 0; r < (s.has_gate ? 2 : 1); ++r) {
-          flash::Problem& p = ps[r];
-          set_weights(p, P.fmt, 0, *weights[r], nullptr, nullptr, copies[r]);
-          p.n = n;
-          p.M = M;
-          p.in = xin;
-          p.out = r == 0 ? u : g;
-          p.out_dtype = flash::DT_F32;
-        }
-        flash::matvec_many(ps, s.has_gate ? 2 : 1);
-        round_to(P.ydt, u, M * n);
-        if (s.has_gate) {
-          round_to(P.ydt, g, M * n);
-        } else if (P.act != 2) {  // the gate's values at the rows' neurons
+        // Without gate rows the gate's values are known before any matvec: the up and down
+        // matvecs run only on the rows some token activates (the others' h is exactly 0, and
+        // matvec_t adds its rows in order, so skipping them leaves every sum as it was).
+        const int32_t* active = nullptr;
+        int na = n;
+        if (!s.has_gate && P.act != 2) {
           const int32_t* ids = nullptr;
           if (s.has_ids) {
             int32_t* tmp = scratch(tl_ids, size_t(n));
@@ -165,19 +169,52 @@ class FlashSparseFFN : public CpuPrimitive {
                                                            : flash::load_scalar(gate_values.ptr, gdt,
                                                                                 gate_values.offset(m * n_gate + c));
             }
+          if (P.act == 0) mlx_silu(g, int64_t(M) * n, P.ydt, scratch(tl_act, size_t(2) * M * n));
+          int32_t* rows = scratch(tl_rows, size_t(n));
+          na = 0;
+          for (int i = 0; i < n; ++i)
+            for (int m = 0; m < M; ++m)
+              if (passes(P, g[int64_t(m) * n + i])) {
+                rows[na++] = i;
+                break;
+              }
+          if (na < n) active = rows;
         }
-        activate(P, M, n, u, g);
+        flash::Problem ps[2];
+        WeightCopies copies[2];
+        const View* weights[2] = {&v.up, s.has_gate ? &v.gate : nullptr};
+        for (int r = 0; r < (s.has_gate ? 2 : 1); ++r) {
+          flash::Problem& p = ps[r];
+          set_weights(p, P.fmt, 0, *weights[r], nullptr, nullptr, copies[r]);
+          p.n = na;
+          p.M = M;
+          p.rows = active;
+          p.in = xin;
+          p.out = r == 0 ? u : g;
+          p.out_dtype = flash::DT_F32;
+        }
+        if (na > 0) flash::matvec_many(ps, s.has_gate ? 2 : 1);
+        round_to(P.ydt, u, M * na);
+        if (s.has_gate) {
+          round_to(P.ydt, g, M * n);
+          activate(P, M, n, u, g);
+        } else if (P.act != 2) {
+          activate_rows(P, M, n, na, active, u, g);
+        } else {
+          activate(P, M, n, u, g);
+        }
         flash::Problem pd;
         WeightCopies down_copy;
         set_weights(pd, P.fmt, 0, v.down, nullptr, nullptr, down_copy);
-        pd.n = n;
+        pd.n = na;
         pd.M = M;
+        pd.rows = active;
         pd.in = u;
         float* part = have_y ? scratch(tl_part, size_t(out_size)) : y;
         std::fill(part, part + out_size, 0.f);
         pd.out = part;
         pd.out_dtype = flash::DT_F32;
-        flash::matvec_t(pd);
+        if (na > 0) flash::matvec_t(pd);
         round_to(P.ydt, part, int(out_size));
         if (have_y) {
           for (int64_t i = 0; i < out_size; ++i) y[i] += part[i];

@@ -625,6 +625,29 @@ def test_sparse_ffn_equals_its_ops_bit_for_bit(path, dtype, act, threshold, m):
 
 
 @needs_ext
+@pytest.mark.parametrize("act, threshold", [("silu", 0.9), ("relu_gated", 1.6)])
+@pytest.mark.parametrize("m", [1, 3, 7])  # decode, a few tokens (any token's neuron is computed), the tiles
+def test_sparse_ffn_on_few_active_rows_equals_its_ops_bit_for_bit(path, act, threshold, m):
+    """A resident gate's values known first: the kernel multiplies only the rows some token
+    activates (~10% here, as in a CATS layer); the logits must not move, nor with no row active."""
+    k, n_gate = 64, 512
+    keys = mx.random.split(mx.random.key(5), 4)
+    up, down = ((mx.random.normal((n_gate, k), key=keys[i]) * 0.3).astype(mx.float16) for i in (0, 1))
+    g = (mx.random.normal((1, m, n_gate), key=keys[2]) * 0.8).astype(mx.float16)
+    ids = mx.array(np.random.default_rng(1).permutation(n_gate)[:300].astype(np.int32))
+    x, add = _x((1, m, k), mx.float16, seed=m), _x((1, m, k), mx.float16, seed=11)
+    share = float(mx.mean(mx.abs(nn.silu(g) if act == "silu" else g) > threshold).item())
+    assert 0.02 < share < 0.25
+    for sets in ([(up, None, down, n_gate, None)], [(up, None, down, 300, ids), (up, None, down, 200, None)]):
+        for a in (None, add):
+            y = ops.sparse_ffn(x, sets, g, act, threshold, a)
+            assert mx.array_equal(y, ops.sparse_ffn_ops(x, sets, g, act, threshold, a)).item()
+    none_active = [(up, None, down, n_gate, None)]
+    assert mx.array_equal(ops.sparse_ffn(x, none_active, g, act, 100.0, add), add).item()
+    assert not ops.sparse_ffn(x, none_active, g, act, 100.0).any().item()
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_sparse_ffn_silu_is_mlx_silu_for_every_value(dtype):
     # every finite value of the dtype as a gate output, up = 1: h is silu(g) as nn.silu rounds it
