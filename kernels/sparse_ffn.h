@@ -28,6 +28,8 @@ struct RowSet {
 //   2 "relu":       h = u where u > threshold, else 0 (no gate: down(relu(up x)))
 // y = [add +] sum over the row sets of round(h @ down_t[:n]) with each partial sum rounded, as
 // `y = y + part` computes it; x [..., K]; gate_values [..., N] when a set has no gate rows.
+// A set without gate rows multiplies only the rows some x row activates (its gate values are
+// known first; the others' h is 0 and adds nothing): a CATS layer pays for its active neurons.
 mlx::core::array sparse_ffn(const mlx::core::array& x, const std::vector<RowSet>& sets,
                             const std::optional<mlx::core::array>& gate_values, int act, float threshold,
                             const std::optional<mlx::core::array>& add);

@@ -407,7 +407,8 @@ def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
       "relu_gated"  h = g * u where g > threshold, else 0                  (ReLU, FATReLU)
       "relu"        h = u where u > threshold, else 0 (sets without gate rows, no gate_values)
     One kernel primitive on the CPU (a dozen MLX ops per row set otherwise; an extension built
-    before this op runs them too); x [..., K] -> [..., K].
+    before this op runs them too); sets taking gate_values multiply only the rows some token
+    activates (same result: the others add 0); x [..., K] -> [..., K].
     """
     if act not in SPARSE_FFN_ACTS:
         raise ValueError(f"act {act!r} is not one of {', '.join(SPARSE_FFN_ACTS)}")
