@@ -147,9 +147,18 @@ def test_large_reads_against_fio(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=True))
     assert ok["fio"] == "fio not installed" and "fio_gbps" not in ok and ok["verify"] is False
-    checked = []  # --large-verify: the loaders check crc32s as a runtime does
-    real = bench_io.FlashLoader._check
+    checked = []  # --large-verify: the loaders check crc32s as a runtime does (after the reads,
+    # or, for calls the kernels' AIO loop reads at once, as each read lands)
+    real, real_landed = bench_io.FlashLoader._check, bench_io.FlashLoader._landed_crcs
+
+    def landed(*a):
+        crcs = real_landed(*a)
+        if crcs is not None:
+            checked.append(1)
+        return crcs
+
     monkeypatch.setattr(bench_io.FlashLoader, "_check", lambda *a: checked.append(1) or real(*a))
+    monkeypatch.setattr(bench_io.FlashLoader, "_landed_crcs", landed)
     ok = check(bench_io.large_reads(bench, sizes, 2, 1 << 20, with_fio=False, verify=True))
     assert ok["verify"] is True and checked
     assert bench_io.fio_throughput(bench.paths(), {4096: 1}, 2, 1 << 20) is None
