@@ -11,7 +11,6 @@ Every file is written to a temporary name, fsynced and renamed; a checkpoint dir
 into place whole.
 """
 
-import json
 import math
 import os
 import shutil
@@ -24,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..paths import fsync_file
+from ..paths import fsync_file, write_json_atomic
 from .relufication_choices import DECAYS
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
@@ -194,11 +193,8 @@ def kernels_off():
 # ---- files -------------------------------------------------------------------------------------------
 
 def write_json(path: Path, obj):
-    """Write JSON atomically (temporary name, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    fsync_file(tmp)
-    os.replace(tmp, path)
+    """Write JSON atomically (paths.write_json_atomic: temporary name, fsync, rename)."""
+    write_json_atomic(path, obj)
 
 
 def write_weights(path: Path, weights: dict):
