@@ -27,9 +27,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from .training import (OPTIMIZER_FILE, SEQ_LEN, TRAINER_JSON, ce_and_kl, checkpoint_dirs,
-                       compiled_update, kernels_off, make_optimizer, next_token_nll,
-                       save_checkpoint, text_sequences, train_loop, write_json, write_model_folder)
+from .training import (SEQ_LEN, ce_and_kl, checkpoint_dirs, compiled_update, kernels_off,
+                       make_optimizer, next_token_nll, restore_trainer, save_checkpoint, text_sequences,
+                       train_loop, write_json, write_model_folder)
 
 TRAINABLE = ("routers", "experts", "both")  # what AdamW moves: routers, experts' weights, or both
 REPORT_JSON = "moe_finetune.json"
@@ -169,8 +169,6 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     Returns the report written to out/moe_finetune.json: {"steps", "tokens_trained", "seconds",
     "losses" [{"step", "loss", "ce", "kl"}], "eval" [{"step", "seconds", "ppl"}]}.
     """
-    from mlx.utils import tree_unflatten
-
     from ..models import load_tokenizer
     from .relufication import check_disjoint, load_float32
 
@@ -197,10 +195,7 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     optimizer = make_optimizer(lr, warmup, steps=steps, decay=decay)
     if resume:
         student, config = load_student(existing[-1])
-        if not (existing[-1] / OPTIMIZER_FILE).is_file():
-            raise FlashError(f"{existing[-1]}: no {OPTIMIZER_FILE} (only the newest checkpoint can be resumed)")
-        optimizer.state = tree_unflatten(list(mx.load(str(existing[-1] / OPTIMIZER_FILE)).items()))
-        state = json.loads((existing[-1] / TRAINER_JSON).read_text())
+        state = restore_trainer(existing[-1], optimizer)
         if state.get("trainable") != trainable:
             raise FlashError(f"--resume: {existing[-1]} trained {state.get('trainable')}, this run "
                              f"asks for --finetune-train {trainable}")

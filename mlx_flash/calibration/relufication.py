@@ -37,7 +37,7 @@ from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa:
 from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
                        TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, checkpoint_dirs,
                        compiled_update, copy_tokenizer, distill_kl, kernels_off, make_optimizer,
-                       next_token_nll, prune_checkpoints, save_checkpoint, text_sequences,
+                       next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, text_sequences,
                        train_loop, write_json, write_model_folder, write_weights)
 
 REPORT_JSON = "relufication.json"
@@ -402,11 +402,7 @@ def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: fl
 
 def restore_checkpoint(ckpt: Path, optimizer, config: dict):
     """(model, trainer state) from a checkpoint folder; the optimizer's state is restored in place."""
-    from mlx.utils import tree_unflatten
-
-    state = json.loads((ckpt / TRAINER_JSON).read_text())
-    if not (ckpt / OPTIMIZER_FILE).is_file():
-        raise FlashError(f"{ckpt}: no {OPTIMIZER_FILE} (only the newest checkpoint can be resumed)")
+    state = restore_trainer(ckpt, optimizer)
     saved_config = json.loads((ckpt / "config.json").read_text())
     keys = ("hidden_act", "activation_threshold") if config.get("activation_threshold") is not None \
         else ("hidden_act",)  # per-layer thresholds: the run's own, from its checkpoint
@@ -415,7 +411,6 @@ def restore_checkpoint(ckpt: Path, optimizer, config: dict):
             raise FlashError(f"--resume: {ckpt} was trained with {key} {saved_config.get(key)!r}, "
                              f"this run asks for {config.get(key)!r}")
     model = build_model(saved_config, dict(mx.load(str(ckpt / WEIGHTS_FILE))))
-    optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER_FILE)).items()))
     return model, state
 
 

@@ -11,6 +11,7 @@ Every file is written to a temporary name, fsynced and renamed; a checkpoint dir
 into place whole.
 """
 
+import json
 import math
 import os
 import shutil
@@ -222,6 +223,17 @@ def write_model_folder(dst: Path, model, config: dict, tokenizer_src: Path):
     copy_tokenizer(tokenizer_src, dst)
     write_weights(dst / WEIGHTS_FILE, dict(tree_flatten(model.parameters())))
     write_json(dst / "config.json", config)
+
+
+def restore_trainer(ckpt: Path, optimizer) -> dict:
+    """The trainer state (trainer.json) of checkpoint `ckpt`, with `optimizer`'s state restored in
+    place from it (save_checkpoint's counterpart); FlashError when it has no optimizer state."""
+    from mlx.utils import tree_unflatten
+
+    if not (ckpt / OPTIMIZER_FILE).is_file():
+        raise FlashError(f"{ckpt}: no {OPTIMIZER_FILE} (only the newest checkpoint can be resumed)")
+    optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER_FILE)).items()))
+    return json.loads((ckpt / TRAINER_JSON).read_text())
 
 
 def checkpoint_dirs(out: Path) -> list:
