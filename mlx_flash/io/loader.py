@@ -85,6 +85,14 @@ def _checksum_mismatch(job, i: int) -> FlashError:
     return FlashError(f"{job.f.path}: checksum mismatch in bundle {job.ids[i]} (offset {int(job.starts[i])})")
 
 
+def _check_crcs(job, members, crcs) -> None:
+    """Raise _checksum_mismatch for the first of bundles `members` (indices into job.ids) whose
+    crc32 in `crcs` differs from the file's table."""
+    bad = np.flatnonzero(crcs != job.f.crc[job.ids[members]])
+    if len(bad):
+        raise _checksum_mismatch(job, int(members[bad[0]]))
+
+
 def _segments_per_read(targets, slots, first) -> np.ndarray:
     """Destination pieces of each planned read landing zero copy (read k holds bundles
     first[k]..first[k + 1] - 1 going to rows slots[...]): one per bundle and component when a
@@ -485,9 +493,7 @@ class FlashLoader:
             if len(landed):  # the short or failed reads are redone by _complete_aio
                 members = np.arange(len(job.ids)) if len(landed) == len(job.r0) else _members_of(job, landed)
                 if got is not None:  # checked as they landed: compare, then copy out
-                    bad = np.flatnonzero(got[members] != job.f.crc[job.ids[members]])
-                    if len(bad):
-                        raise _checksum_mismatch(job, int(members[bad[0]]))
+                    _check_crcs(job, members, got[members])
                     self._scatter(job, flat, members, checked=True)
                 elif not job.zero_copy:
                     self._scatter(job, flat, members)
@@ -871,9 +877,7 @@ class FlashLoader:
             crcs, slots = np.zeros(len(members), np.uint32), job.slots[members]
             for _, n, mat in job.targets:  # component order: each bundle's crc32 chains through them
                 crc32_ranges(mat.reshape(-1), slots * mat.shape[1], n, crcs)
-            bad = np.flatnonzero(crcs != job.f.crc[job.ids[members]])
-            if len(bad):
-                raise _checksum_mismatch(job, int(members[bad[0]]))
+            _check_crcs(job, members, crcs)
             return
         for m in members.tolist():
             slot, crc = int(job.slots[m]), 0
