@@ -50,8 +50,10 @@ def _calibrate_moe(model_dir, args) -> tuple:
         raise FlashError(f"--calib-text: only for MoE models ({model_dir} has no mlx-lm SwitchGLU)")
     tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.calib_tokens,
                          flag="--calib-text")
-    bits = quantizer = None
+    bits = quantizer = windows = None
     tolerance = args.expert_bits_tolerance
+    if args.expert_tune_val_tokens:  # before the minutes of measuring: refuse too short a text now
+        windows = _validation_windows(model_dir, args)
     if args.expert_bits is not None or tolerance is not None:
         group_size = args.group_size or 64
         quantized = {}
@@ -69,7 +71,7 @@ def _calibrate_moe(model_dir, args) -> tuple:
         else:
             bits = assign_widths(errors, args.expert_bits, widths=widths, solver=args.expert_assign)
         if args.expert_tune:
-            quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args)
+            quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args, windows)
         quantizer = stored_quantizer(quantized) if quantized else None
         # scales and biases are stored in the experts' float dtype (--dtype's when given)
         itemsize = ({"float32": 4, "float16": 2, "bfloat16": 2}.get(args.dtype)
@@ -107,21 +109,45 @@ def _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, arg
     return scale_by_layer_loss(errors, losses)
 
 
-def _tune_experts(model_dir, teacher, quantized, bits, group_size, args) -> dict:
-    """`quantized` with each expert's scales/biases at its width tuned end to end against the
-    float model on --calib-text (calibration/expert_tune.py)."""
+def _validation_windows(model_dir, args) -> list:
+    """--expert-tune-val-tokens' windows: --calib-text tokens after the tuning range."""
     from .calibration.dense_pass import text_tokens
-    from .calibration.expert_tune import quantize_resident, tune_expert_scales
+    from .calibration.expert_tune import validation_windows
+    from .models import load_tokenizer
+
+    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), None, flag="--calib-text")
+    return validation_windows(tokens, min(len(tokens), args.expert_tune_tokens),
+                              args.expert_tune_val_tokens)
+
+
+def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, windows=None) -> dict:
+    """`quantized` with each expert's scales/biases at its width tuned end to end against the
+    float model on --calib-text (calibration/expert_tune.py); with validation `windows`, the
+    checkpoint that scores best on them."""
+    from .calibration.dense_pass import text_tokens
+    from .calibration.expert_tune import quantize_resident, tune_expert_scales, tune_keeping_best
     from .models import load_model, load_tokenizer
 
-    student, _ = load_model(model_dir, lazy=False)
-    if args.quantize:
-        quantize_resident(student, args.quantize, args.group_size or 64)
+    def resident_as_packed():
+        model, _ = load_model(model_dir, lazy=False)
+        if args.quantize:
+            quantize_resident(model, args.quantize, args.group_size or 64)
+        return model
+
+    student = resident_as_packed()
     tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.expert_tune_tokens,
                          flag="--calib-text")
-    out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=args.expert_tune,
-                             group_size=group_size, lr=args.expert_tune_lr,
-                             lr_by_width=args.expert_tune_lr_width)
+    kw = dict(steps=args.expert_tune, group_size=group_size, lr=args.expert_tune_lr,
+              lr_by_width=args.expert_tune_lr_width)
+    if windows:
+        out = tune_keeping_best(student, teacher, resident_as_packed(), quantized, bits, tokens,
+                                windows, checkpoint_every=args.expert_tune_every, **kw)
+        print(f"--expert-tune-val-tokens {args.expert_tune_val_tokens}: validation perplexity "
+              f"({len(windows)} windows of 256 after the first {len(tokens)} --calib-text tokens) "
+              f"at steps " + ", ".join(f"{n}: {p:.3f}" for n, p in out["validation"])
+              + f"; the pack keeps step {out['best_steps']}", file=sys.stderr)
+    else:
+        out = tune_expert_scales(student, teacher, quantized, bits, tokens, **kw)
     head, tail = (float(np.mean(out["kl"][s])) for s in (slice(0, 10), slice(-10, None)))
     rates = "".join(f", learning rate x{f:g} at {b} bits"
                     for b, f in sorted(out["lr_by_width"].items()))
@@ -249,6 +275,13 @@ def _main(argv):
     parser.add_argument("--expert-tune-tokens", type=int, default=65536,
                         help="--expert-tune: --calib-text tokens it draws its windows from "
                              "(default 65536)")
+    parser.add_argument("--expert-tune-val-tokens", type=int, default=0, metavar="N",
+                        help="--expert-tune: score the perplexity of N --calib-text tokens after "
+                             "the tuning range (windows of 256 spread evenly; never tuned on) "
+                             "before tuning and every --expert-tune-every steps, and keep the "
+                             "checkpoint that scores best (step 0, untuned, included)")
+    parser.add_argument("--expert-tune-every", type=int, default=20, metavar="STEPS",
+                        help="--expert-tune-val-tokens: steps between checkpoints (default 20)")
     parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
                         help="MoE models: calibration text files (never the text you evaluate on): "
                              "the routing statistics that split --memory-budget's expert slots "
@@ -282,6 +315,13 @@ def _main(argv):
         if not args.expert_tune:
             raise FlashError("--expert-tune-lr-width: only with --expert-tune")
         args.expert_tune_lr_width = dict(args.expert_tune_lr_width)
+    if args.expert_tune_val_tokens:
+        if not args.expert_tune:
+            raise FlashError("--expert-tune-val-tokens: only with --expert-tune")
+        if args.expert_tune_val_tokens < 256:
+            raise FlashError(f"--expert-tune-val-tokens {args.expert_tune_val_tokens}: must be >= 256")
+    if args.expert_tune_every < 1:
+        raise FlashError(f"--expert-tune-every {args.expert_tune_every}: must be >= 1")
     if args.expert_tune and args.expert_quantizer == "mlx":
         raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip, gptq or gptq-fit")
     if args.expert_widths and not wants_bits:

@@ -8,7 +8,8 @@ from conftest import write_tiny_moe
 
 from mlx_flash.calibration.expert_bits import experts_at_widths, measure_errors
 from mlx_flash.calibration.expert_tune import (dense_experts, quantize_resident,
-                                               tune_expert_scales)
+                                               tune_expert_scales, tune_keeping_best,
+                                               validation_windows, windows_perplexity)
 from mlx_flash.cpu.patch import patch_layers
 from mlx_flash.errors import FlashError
 from mlx_flash.models import load_model
@@ -130,3 +131,48 @@ def test_checkpoints_are_the_shorter_runs(models):
             for got, want in ((seen[2], short), (seen[4], final)):
                 assert all(mx.array_equal(a, b) for a, b in zip(got[key][role], want[key][role]))
             assert not mx.array_equal(seen[2][key][role][1], seen[4][key][role][1])
+
+
+def test_validation_windows_are_spread_after_the_tuning_range():
+    tokens = np.arange(1000, dtype=np.int32)
+    windows = validation_windows(tokens, 300, 256, seq_len=64)
+    assert len(windows) == 4 and all(len(w) == 65 for w in windows)
+    assert windows[0][0] == 300 and windows[-1][-1] == 999  # from the first to the last token after 300
+    with pytest.raises(FlashError, match="--expert-tune-val-tokens 1024: needs at least 1040"):
+        validation_windows(tokens, 300, 1024, seq_len=64)
+
+
+def test_tune_keeping_best_keeps_the_checkpoint_that_scores_best(models, tmp_path):
+    teacher, student, tokens, quantized, bits = _mixed_widths(models, 4)
+    judge, _ = load_model(write_tiny_moe(tmp_path / "j", "mixtral", experts=6, layers=2), lazy=False)
+    judge.update(student.parameters())  # the student's weights: non-expert ones as packed
+    windows = validation_windows(np.random.default_rng(5).integers(0, 128, 400).astype(np.int32),
+                                 0, 256, seq_len=64)
+
+    def keep(lr):
+        return tune_keeping_best(student, teacher, judge, quantized, bits, tokens, windows, steps=5,
+                                 checkpoint_every=2, group_size=32, seq_len=64, progress=False, lr=lr)
+
+    out = keep(2e-2)
+    steps, ppls = zip(*out["validation"])
+    assert steps == (0, 2, 4, 5)  # before tuning, every 2 steps and the last
+    assert len(set(ppls)) == 4 and out["best_steps"] == steps[int(np.argmin(ppls))]
+    assert windows_perplexity(judge, out["quantized"], bits, 32, windows) == pytest.approx(min(ppls))
+    still = keep(0.0)  # nothing moves: no checkpoint beats the untuned stacks, which are kept
+    assert still["best_steps"] == 0 and still["quantized"] is quantized
+
+
+def test_tune_keeping_best_returns_the_best_checkpoints_stacks(models, monkeypatch):
+    from mlx_flash.calibration import expert_tune
+
+    teacher, student, tokens, quantized, bits = _mixed_widths(models, 6)
+    scores = iter([5.0, 3.0, 1.0, 2.0])  # steps 0, 2, 4, 5: the best is step 4, not the last
+    monkeypatch.setattr(expert_tune, "windows_perplexity", lambda *a: next(scores))
+    out = tune_keeping_best(student, teacher, student, quantized, bits, tokens, [], steps=5,
+                            checkpoint_every=2, group_size=32, seq_len=64, progress=False)
+    assert out["best_steps"] == 4 and out["validation"] == [(0, 5.0), (2, 3.0), (4, 1.0), (5, 2.0)]
+    four = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=4, group_size=32,
+                              seq_len=64, progress=False)["quantized"]
+    for key, stacks in four.items():
+        for role, want in stacks.items():
+            assert all(mx.array_equal(a, b) for a, b in zip(out["quantized"][key][role], want))

@@ -1,6 +1,7 @@
 """python -m mlx_flash.convert: sources -> flash pack, or GGUF -> mlx-lm folder; atomically."""
 
 import json
+import re
 
 import pytest
 
@@ -110,6 +111,15 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert "--expert-tune 2: KL from the float model" in err
     assert "--expert-importance layer-loss-frozen: KL" in err and "bits with routing frozen" in err
     assert "learning rate x3 at 2 bits)" in err
+    # a validation split after the tuning range scored at every checkpoint; the best one is kept
+    assert main(["--model", str(src), "--group-size", "32", "--calib-text", str(text), str(text),
+                 "--expert-bits", "3", "--expert-tune", "3", "--expert-tune-tokens", "300",
+                 "--expert-tune-val-tokens", "256", "--expert-tune-every", "2",
+                 "--out", str(tmp_path / "pv")]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"--expert-tune-val-tokens 256: validation perplexity \(1 windows of 256 after "
+                     r"the first 300 --calib-text tokens\) at steps 0: [\d.]+, 2: [\d.]+, 3: [\d.]+; "
+                     r"the pack keeps step [023]\n", err), err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
                       (["--expert-bits", "3", "--group-size", "128"], "--group-size 128"),
                       (["--expert-bits", "3", "--expert-bits-tolerance", "5"], "--expert-bits-tolerance"),
@@ -123,7 +133,15 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
                        "--expert-tune-lr-width 2"),
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-quantizer", "mlx"],
                        "--expert-tune"),
-                      (["--expert-bits", "3", "--expert-widths", "4"], "--expert-bits 3")):
+                      (["--expert-bits", "3", "--expert-widths", "4"], "--expert-bits 3"),
+                      (["--expert-bits", "3", "--expert-tune-val-tokens", "256"],
+                       "--expert-tune-val-tokens"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-val-tokens", "100"],
+                       "--expert-tune-val-tokens 100"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-val-tokens", "4096"],
+                       "--expert-tune-val-tokens 4096: needs at least"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-every", "0"],
+                       "--expert-tune-every 0")):
         with pytest.raises(SystemExit) as e:
             main(args + bad + ["--out", str(tmp_path / "q")])
         err = capsys.readouterr().err.strip()

@@ -154,3 +154,58 @@ def _tuned_stacks(quantized, grids, params, bits) -> dict:
             tuned[(layer, b)][r] = (packed, mx.array(s_new).astype(s.dtype),
                                     mx.array(b_new).astype(bb.dtype))
     return tuned
+
+
+def validation_windows(tokens: np.ndarray, start: int, n_tokens: int, seq_len: int = 256) -> list:
+    """n_tokens // seq_len windows of seq_len + 1 token ids (seq_len scored next tokens each),
+    spread evenly over tokens[start:]: a validation split apart from tuning windows drawn from
+    tokens[:start]. Raises FlashError when tokens[start:] cannot hold them apart."""
+    n = n_tokens // seq_len
+    rest = tokens[start:]
+    if n < 1 or len(rest) < n * (seq_len + 1):
+        raise FlashError(f"--expert-tune-val-tokens {n_tokens}: needs at least "
+                         f"{max(n, 1) * (seq_len + 1)} --calib-text tokens after the "
+                         f"{start} tuning tokens (got {len(rest)})")
+    starts = np.linspace(0, len(rest) - seq_len - 1, n).astype(int)
+    return [rest[s: s + seq_len + 1] for s in starts]
+
+
+def windows_perplexity(model, quantized: dict, bits: dict, group_size: int, windows: list) -> float:
+    """Perplexity of `model` with its experts at `bits` from the `quantized` stacks (computed
+    densely) on `windows` (validation_windows: each scored on its own)."""
+    import math
+
+    from ..moe.quality import sequence_nll
+    from .expert_bits import experts_at_widths
+
+    with experts_at_widths(model, bits, group_size, quantized), dense_experts(model):
+        nll = np.concatenate([sequence_nll(model, w, len(w) - 1) for w in windows])
+    return math.exp(float(np.mean(nll)))
+
+
+def tune_keeping_best(student, teacher, judge, quantized: dict, bits: dict, tokens: np.ndarray,
+                      windows: list, *, steps: int, checkpoint_every: int, group_size: int,
+                      **tune_kw) -> dict:
+    """tune_expert_scales scored on validation `windows` before tuning (step 0) and every
+    `checkpoint_every` steps (and at the last step); keeps the checkpoint with the least
+    validation perplexity. judge: a third copy of the student (non-expert weights as the pack
+    holds them) used only for scoring.
+
+    Returns tune_expert_scales' dict with "quantized" = the kept checkpoint's stacks (the
+    untuned `quantized` when step 0 scores best), "validation": [(steps, perplexity)],
+    "best_steps"."""
+    scored = [(0, windows_perplexity(judge, quantized, bits, group_size, windows))]
+    best = {"steps": 0, "ppl": scored[0][1], "quantized": quantized}
+
+    def on_checkpoint(n, tuned):
+        ppl = windows_perplexity(judge, tuned, bits, group_size, windows)
+        scored.append((n, ppl))
+        if ppl < best["ppl"]:
+            best.update(steps=n, ppl=ppl, quantized=tuned)
+
+    out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=steps,
+                             group_size=group_size, checkpoint_every=checkpoint_every,
+                             on_checkpoint=on_checkpoint, **tune_kw)
+    if scored[-1][0] != steps:
+        on_checkpoint(steps, out["quantized"])
+    return {**out, "quantized": best["quantized"], "validation": scored, "best_steps": best["steps"]}
