@@ -149,16 +149,15 @@ def save_safetensors(path: Path, arrays: dict, metadata=None) -> None:
         raise write_error(e, path) from None
 
 
-def write_json_atomic(path: Path, doc, default=None) -> None:
-    """Write JSON to `path`: temporary file, fsync, rename, fsync of the folder. default: as
-    json.dumps' (e.g. str, for reports that hold paths)."""
+def write_file_atomic(path: Path, write, suffix: str = "") -> Path:
+    """Write one file whole: `write(tmp)` fills a temporary path beside `path` (ending in
+    `suffix`), then fsync, rename to `path`, fsync of the folder; on failure the temporary goes."""
     path = Path(path)
-    tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temporary_path(path)
+    tmp = tmp.with_name(tmp.name + suffix)
     try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(doc, indent=1, default=default))
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
         fsync_file(path.parent)
     except BaseException as e:
@@ -166,3 +165,11 @@ def write_json_atomic(path: Path, doc, default=None) -> None:
         if isinstance(e, OSError):
             raise write_error(e, path) from None
         raise
+    return path
+
+
+def write_json_atomic(path: Path, doc, default=None) -> None:
+    """Write JSON to `path` (write_file_atomic). default: as json.dumps' (e.g. str, for reports
+    that hold paths)."""
+    text = json.dumps(doc, indent=1, default=default)
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))

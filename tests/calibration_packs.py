@@ -25,6 +25,14 @@ def write_byte_tokenizer(folder):
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+
+
+def write_chat_template(folder):
+    """A chat template kept apart from the tokenizer, as transformers saves it (chat_template.jinja)."""
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
 def write_text(path, n_words=400, seed=0):
     rng = np.random.default_rng(seed)
     path.write_text(" ".join(rng.choice(WORDS, n_words)) + "\n")

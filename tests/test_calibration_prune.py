@@ -22,6 +22,18 @@ def pruned_model(tiny_llama, tmp_path, name="pruned", *, dtype="float16", method
     return pr.write_model_folder(src, tmp_path / name, config, weights, {"method": method}), paths
 
 
+def test_pruned_folder_keeps_the_chat_template(tiny_llama, tmp_path):
+    from calibration_packs import CHAT_TEMPLATE, write_byte_tokenizer, write_chat_template
+
+    src = tiny_llama("src")
+    write_byte_tokenizer(src)
+    write_chat_template(src)
+    config, weights, _, _ = pr.prune(src, method="magnitude", sparsity=0.5, progress=False, say=lambda m: None)
+    out = pr.write_model_folder(src, tmp_path / "pruned", config, weights, {"method": "magnitude"})
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert json.loads((out / "config.json").read_text())["pruning"] == {"method": "magnitude"}
+
+
 def test_wanda_norms_are_input_channel_norms(tiny_llama):
     src = tiny_llama("src", layers=1)
     model, _, _ = pr.load_float_model(src)

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 from mlx_flash.errors import FlashError
 from mlx_flash.calibration import relufication as R
-from calibration_packs import write_byte_tokenizer, write_text
+from calibration_packs import CHAT_TEMPLATE, write_byte_tokenizer, write_chat_template, write_text
 
 
 @pytest.fixture
@@ -119,9 +119,12 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(src, texts, tmp_pa
 def test_keep_checkpoints_deletes_the_older_ones_and_resumes_from_the_newest(src, texts, tmp_path):
     kw = dict(activation="relu", seq_len=32, lr=1e-3, warmup=0, checkpoint_every=1, keep_checkpoints=2,
               progress=False, log=lambda *a: None)
+    write_chat_template(src)
     R.relufy(src, texts[:1], tmp_path / "run", steps=3, **kw)
     ckpts = R.checkpoint_dirs(tmp_path / "run")
     assert [d.name for d in ckpts] == ["step-000002", "step-000003"]
+    for folder in (ckpts[-1], tmp_path / "run"):  # each a model folder with the source's chat template
+        assert (folder / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     assert (ckpts[-1] / R.OPTIMIZER_FILE).exists() and (tmp_path / "run" / R.WEIGHTS_FILE).exists()
     assert not [p for p in (tmp_path / "run" / R.CHECKPOINTS).iterdir() if p.name.startswith(".")]
     R.relufy(src, texts[:1], tmp_path / "run", steps=5, resume=True, **kw)

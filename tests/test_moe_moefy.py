@@ -4,6 +4,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+from calibration_packs import CHAT_TEMPLATE, write_byte_tokenizer, write_chat_template
 from conftest import write_tiny_llama
 
 from mlx_flash.models import load_model
@@ -24,6 +25,8 @@ def test_balanced_kmeans_makes_equal_clusters_of_similar_rows():
 
 def test_moefied_model_equals_dense_ffn_with_every_expert_and_a_zero_router(tmp_path):
     src = write_tiny_llama(tmp_path / "dense", quantize=(4, 32), intermediate=128)
+    write_byte_tokenizer(src)
+    write_chat_template(src)
     tokens = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, np.uint8)
     model, config = load_model(src, lazy=False)
     out = tmp_path / "moe"
@@ -34,6 +37,7 @@ def test_moefied_model_equals_dense_ffn_with_every_expert_and_a_zero_router(tmp_
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "mixtral" and cfg["moefied"]["experts"] == 4 and "derived_from" in cfg
     assert "Derived model" in (out / "README.md").read_text()
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     moe, _ = load_model(out, lazy=False)
     tokens = mx.array([[1, 5, 9, 77, 3, 100, 42, 8]])
     # Route every token to every expert with equal scores: the MoE layer is the dense FFN.

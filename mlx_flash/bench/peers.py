@@ -18,7 +18,6 @@ here (--gguf FILE gives one).
 import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import mlx.core as mx
 from ..calibration.synthetic import is_synthetic
 from ..errors import FlashError
 from ..pack import load_pack_weights
-from ..paths import atomic_output_dir
+from ..model_folder import write_model_folder
 from ..sources import default_gguf_path, write_moe_gguf
 from ..sources.gguf_export import write_gpt2_gguf
 
@@ -120,13 +119,7 @@ def generate_llama_cpp(gguf, prompt, gen_tokens, threads=None, temp=0.0, seed=0)
 def export_mlx_folder(pack: Path, out: Path) -> Path:
     """An mlx-lm folder with the pack's whole model (config, one safetensors, tokenizer files)."""
     config, weights = load_pack_weights(pack)
-    with atomic_output_dir(out) as tmp:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for f in pack.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy(f, tmp / f.name)
-    return out
+    return write_model_folder(out, weights, config, pack)
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ sources are pruned on their dequantized values; the pruned model is saved in flo
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -177,16 +176,7 @@ def _tree_cast(params):
 
 def write_model_folder(src: Path, out: Path, config: dict, weights: dict, info: dict) -> Path:
     """An mlx-lm folder at `out` (config.json with a "pruning" entry, model.safetensors, the source's
-    tokenizer files), written into a temporary folder beside it, fsynced, then renamed."""
-    from ..pack.writer import PASSTHROUGH
-    from ..paths import atomic_output_dir
+    tokenizer and chat-template files), written whole (model_folder.write_model_folder)."""
+    from ..model_folder import write_model_folder as write_folder
 
-    with atomic_output_dir(out) as tmp:
-        config = dict(config, pruning=info)
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for pattern in PASSTHROUGH:
-            for f in src.glob(pattern):
-                if f.is_file():
-                    shutil.copy2(f, tmp / f.name)
-    return out
+    return write_folder(out, weights, dict(config, pruning=info), src)

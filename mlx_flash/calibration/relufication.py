@@ -36,9 +36,9 @@ from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated
 from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa: F401
 from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
                        TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, checkpoint_dirs,
-                       compiled_update, copy_tokenizer, distill_kl, kernels_off, make_optimizer,
+                       compiled_update, distill_kl, kernels_off, make_optimizer,
                        next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, text_sequences,
-                       train_loop, write_json, write_model_folder, write_weights)
+                       train_loop, write_json, write_model_folder)
 
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj

@@ -24,15 +24,14 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
-from ..paths import fsync_file, write_json_atomic
+from ..model_folder import WEIGHTS_FILE, write_model_files, write_weights
+from ..paths import atomic_dir, write_json_atomic
 from .relufication_choices import DECAYS
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
 CHECKPOINTS = "checkpoints"
 TRAINER_JSON = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
-WEIGHTS_FILE = "model.safetensors"
-REPORT_FILES = ("relufication.json", "moe_finetune.json", "moefy_report.json")  # a run's reports, not model files
 
 
 # ---- text ------------------------------------------------------------------------------------------
@@ -198,31 +197,13 @@ def write_json(path: Path, obj):
     write_json_atomic(path, obj)
 
 
-def write_weights(path: Path, weights: dict):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def copy_tokenizer(src: Path, dst: Path):
-    """Copy the source folder's tokenizer and chat-template files (everything but weights and config)."""
-    for f in Path(src).iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
-                and not f.name.startswith(".") and f.name not in REPORT_FILES + (TRAINER_JSON,):
-            tmp = dst / f".{f.name}.tmp-{os.getpid()}"
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, dst / f.name)
-
-
 def write_model_folder(dst: Path, model, config: dict, tokenizer_src: Path):
-    """An mlx-lm model folder of `model` at dst (created if missing)."""
+    """`model` as an mlx-lm model in folder `dst` (created if missing; a run's folder keeps its
+    checkpoints and reports beside it): model_folder.write_model_files, each file whole."""
     from mlx.utils import tree_flatten
 
     dst.mkdir(parents=True, exist_ok=True)
-    copy_tokenizer(tokenizer_src, dst)
-    write_weights(dst / WEIGHTS_FILE, dict(tree_flatten(model.parameters())))
-    write_json(dst / "config.json", config)
+    write_model_files(dst, dict(tree_flatten(model.parameters())), config, tokenizer_src)
 
 
 def restore_trainer(ckpt: Path, optimizer) -> dict:
@@ -253,17 +234,11 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
     a 135M float32 model is ~1.6 GB); 0 keeps all."""
     from mlx.utils import tree_flatten
 
-    root = Path(out) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state['step']:06d}"
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_model_folder(tmp, model, config, tokenizer_src)
-    write_weights(tmp / OPTIMIZER_FILE, dict(tree_flatten(optimizer.state)))
-    write_json(tmp / TRAINER_JSON, state)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    final = Path(out) / CHECKPOINTS / f"step-{state['step']:06d}"
+    with atomic_dir(final, replace=True) as tmp:
+        write_model_folder(tmp, model, config, tokenizer_src)
+        write_weights(tmp / OPTIMIZER_FILE, dict(tree_flatten(optimizer.state)))
+        write_json(tmp / TRAINER_JSON, state)
     for older in checkpoint_dirs(out):
         if older != final and (older / OPTIMIZER_FILE).exists():
             (older / OPTIMIZER_FILE).unlink()

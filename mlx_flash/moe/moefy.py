@@ -19,8 +19,6 @@ predictors are measured on a model derived from the embedded dense one:
 The output folder's config carries `"derived_from"` and `"moefied"` and a README says how it was made.
 """
 
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import FlashError
+from ..model_folder import write_model_folder
 
 ROUTER_SPREAD = 0.01  # std of the shipped router logits: mixtral's top-k softmax ~ 1/k each
 
@@ -184,28 +183,13 @@ def moefy(model, config, tokens, src, out, *, experts=16, top_k=4, seq_len=256, 
 
 
 def _write_folder(src, out, weights, config):
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
-                                                         "generation_config.json"):
-            shutil.copy2(f, tmp / f.name)
+    """The mixtral folder `out` with a README saying how it was derived, replacing an existing one."""
     m = config["moefied"]
-    (tmp / "README.md").write_text(
+    readme = (
         f"# Derived model: MoEfied {Path(config['derived_from']).name}\n\n"
         f"Not a trained MoE. Built by `python -m mlx_flash.moefy` from the dense model's own weights: "
         f"each FFN's {config['intermediate_size'] * m['experts']} neurons split into {m['experts']} "
         f"experts by balanced k-means on their co-activation over {m['train_tokens']} tokens of "
         f"text, with a linear router per layer trained to pick the top-{m['top_k']} experts by "
         f"activation mass. It exists to measure expert caching and prediction on real routing.\n")
-    for f in tmp.iterdir():
-        with open(f, "rb+") as fh:
-            import os
-            os.fsync(fh.fileno())
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    write_model_folder(out, weights, config, src, texts={"README.md": readme}, replace=True)

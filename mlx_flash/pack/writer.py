@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import shutil
 import zlib
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
+from ..model_folder import copy_tokenizer_files
 from ..paths import atomic_dir, save_safetensors
 from .reader import file_crc32
 from .schema import write_metadata
@@ -19,9 +19,6 @@ from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENDOR_MIN_ZEROS, ENDOR_
                      FORMAT, FORMAT_VERSION, MANIFEST,
                      RESIDENT_FILE, dtype_name, find_ffn, round_up)
 
-PASSTHROUGH = ("tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "*.jinja",
-               "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
-               "chat_template.json", "*.tiktoken")
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -261,10 +258,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     res_path = tmp / RESIDENT_FILE
     save_safetensors(res_path, resident, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for pattern in PASSTHROUGH:
-        for f in src.glob(pattern):
-            if f.is_file():
-                shutil.copy2(f, tmp / f.name)
+    copy_tokenizer_files(src, tmp)
     manifest = {
         "format": FORMAT,
         "format_version": ENDOR_VERSION if endor else FORMAT_VERSION,
