@@ -185,6 +185,22 @@ def test_measure_counts_zero_hidden_values(src, texts):
     assert dense["sparsity"] is None and dense["ppl"] > 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_measure_is_the_perplexity_of_every_next_token_in_uneven_batches(arch, tiny_llama, tmp_path):
+    from conftest import write_tiny_moe
+
+    from mlx_flash.models import load_model
+
+    folder = tiny_llama("dense") if arch == "llama" else write_tiny_moe(tmp_path / "moe", "mixtral")
+    model, _ = load_model(folder, lazy=False)
+    seqs = np.random.default_rng(0).integers(0, 128, (5, 24)).astype(np.int32)
+    r = R.measure(model, seqs, batch_size=2)  # batches of 2, 2, 1 sequences
+    tokens = mx.array(seqs)
+    want = float(mx.exp(mx.mean(R.next_token_nll(model(tokens), tokens))).item())
+    assert r["tokens"] == 5 * 23 and r["ppl"] == pytest.approx(want, rel=1e-5)
+    assert r["sparsity"] is None and r["sparsity_per_layer"] is None
+
+
 @pytest.mark.parametrize("activation", ["fatrelu", "cats"])
 def test_target_sparsity_sets_per_layer_thresholds_kept_on_resume(src, texts, tmp_path, activation):
     kw = dict(activation=activation, target_sparsity=0.8, seq_len=32, checkpoint_every=1, lr=1e-3,

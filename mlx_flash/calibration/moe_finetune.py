@@ -16,7 +16,6 @@ Float32 (on Linux: OpenBLAS preloaded), the shared compiled step of calibration/
 """
 
 import json
-import math
 import os
 import random
 import sys
@@ -24,11 +23,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..errors import FlashError
 from .training import (SEQ_LEN, ce_and_kl, checkpoint_dirs, compiled_update, kernels_off,
-                       make_optimizer, next_token_nll, restore_trainer, save_checkpoint, text_sequences,
+                       make_optimizer, restore_trainer, save_checkpoint, text_sequences,
                        train_loop, write_json, write_model_folder)
 
 TRAINABLE = ("routers", "experts", "both")  # what AdamW moves: routers, experts' weights, or both
@@ -128,18 +126,6 @@ def train_step_fn(model, optimizer, teacher, *, ce_weight: float = 0.0, clip: fl
     return step
 
 
-def sequence_perplexity(model, sequences: np.ndarray, batch_size: int = 4) -> float:
-    """Perplexity of `model` over int32 sequences [n, L] (each predicts its tokens 1..L-1)."""
-    nll, count = 0.0, 0
-    with kernels_off():
-        for s in range(0, len(sequences), batch_size):
-            tokens = mx.array(sequences[s: s + batch_size])
-            loss = next_token_nll(model(tokens), tokens)
-            nll += float(mx.sum(loss).item())
-            count += int(loss.size)
-    return math.exp(nll / count)
-
-
 def spread_files(files, seed: int) -> list:
     """The files sorted, then shuffled by `seed`: a token budget then samples the whole set,
     not its alphabetical start."""
@@ -170,7 +156,7 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     "losses" [{"step", "loss", "ce", "kl"}], "eval" [{"step", "seconds", "ppl"}]}.
     """
     from ..models import load_tokenizer
-    from .relufication import check_disjoint, load_float32
+    from .relufication import check_disjoint, load_float32, measure
 
     start, out = Path(start), Path(out)
     if steps < 1:
@@ -225,7 +211,8 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
         if eval_seqs is None:
             return
         student.eval()
-        ppl = sequence_perplexity(student, eval_seqs)
+        with kernels_off():  # as the training steps run the model
+            ppl = measure(student, eval_seqs)["ppl"]
         state["eval"].append({"step": state["step"], "seconds": state["seconds"], "ppl": ppl,
                               "tokens": int(eval_seqs[:, 1:].size)})
         log(f"step {state['step']}: validation perplexity {ppl:.3f} ({eval_seqs[:, 1:].size} tokens)")

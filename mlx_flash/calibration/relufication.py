@@ -229,12 +229,13 @@ def check_disjoint(train_files, eval_files):
 # ---- losses and measurements -------------------------------------------------------------------------
 
 def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
-    """Held-out quality and sparsity of a model over `sequences` (whole-sequence forward passes):
-    {"ppl", "tokens", "sparsity" (fraction of FFN hidden values == 0, all layers),
-     "sparsity_per_layer" [layers]} (sparsity None for a model without a ReLU-family MLP)."""
+    """Held-out quality and sparsity of a model over int32 `sequences` [n, L] (each predicts its
+    tokens 1..L-1; batch_size sequences per forward pass): {"ppl", "tokens", "sparsity" (fraction
+    of FFN hidden values == 0, all layers), "sparsity_per_layer" [layers]} (sparsity None for a
+    model without ReLU-family MLPs, e.g. a dense SiLU or a mixtral model)."""
     record = ActiveFractions()
-    layers = mlps(model)
-    relu = all(hasattr(m, "record") for m in layers)
+    relu = all(hasattr(getattr(layer, "mlp", None), "record") for layer in model.layers)
+    layers = mlps(model) if relu else []
     if relu:
         for m in layers:
             m.record = record
@@ -251,8 +252,7 @@ def measure(model, sequences: np.ndarray, batch_size: int = 4) -> dict:
                 active += np.array([f.item() for f in record.fractions]) * tokens.shape[0]
     finally:
         for m in layers:
-            if relu:
-                m.record = None
+            m.record = None
     per_layer = (1 - active / len(sequences)).tolist() if relu else None
     return {"ppl": math.exp(nll_sum / count), "tokens": count,
             "sparsity": float(np.mean(per_layer)) if relu else None, "sparsity_per_layer": per_layer}
