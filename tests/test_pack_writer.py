@@ -357,9 +357,16 @@ def test_endor_quantized_keeps_pruned_zeros_exact(tiny_llama, tmp_path, bits):
         assert err < (0.02 if bits == 8 else 0.3) * mx.abs(ref[k]).max().item(), k
 
 
-def test_endor_refuses_quantized_sources(tiny_llama, tmp_path):
-    with pytest.raises(FlashError, match="--encoding endor needs a float source"):
-        write_pack(tiny_llama("q", quantize=(4, 32)), tmp_path / "p", progress=False, encoding="endor")
+@pytest.mark.parametrize("flag, kwargs", [("--quantize", {"quantize": 4}),
+                                           ("--encoding endor", {"encoding": "endor"}),
+                                           ("--gate-bits", {"gate_bits": 4}),
+                                           ("--resident-bits", {"resident_bits": 8})])
+def test_every_flag_that_needs_floats_refuses_a_quantized_source_alike(tiny_llama, tmp_path, flag, kwargs):
+    src = tiny_llama("q", quantize=(4, 32))
+    with pytest.raises(FlashError) as e:
+        write_pack(src, tmp_path / "p", progress=False, **kwargs)
+    assert str(e.value).startswith(f"{src}: already quantized; {flag} needs a float source")
+    assert leftovers(tmp_path, "p") == []
 
 
 @pytest.mark.parametrize("payload", [{"dtype": "float16"}, {"dtype": "bfloat16"},
@@ -462,6 +469,3 @@ def test_resident_bits_quantizes_the_resident_linears_and_leaves_the_bundles(tin
     for bad in ({"quantize": 4}, {"resident_bits": 5}, {"resident_group_size": 48}):
         with pytest.raises(FlashError, match="--resident-"):
             write_pack(src, tmp_path / "bad", **{"resident_bits": 8, **bad}, progress=False)
-    q = tiny_llama("q", quantize=(4, 32))
-    with pytest.raises(FlashError, match="--resident-bits needs a float source"):
-        write_pack(q, tmp_path / "qpack", resident_bits=8, progress=False)

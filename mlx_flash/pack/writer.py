@@ -141,6 +141,16 @@ def _should_quantize(name, arr, group_size):
             and mx.issubdtype(arr.dtype, mx.floating) and arr.shape[-1] % group_size == 0)
 
 
+def _check_float_source(src, quantized: bool, flags: dict) -> None:
+    """FlashError naming the first of `flags` ({flag: its value}) that is set, when the source is
+    quantized: these quantize the weights themselves or need their exact values."""
+    needs_float = [flag for flag, value in flags.items() if value]
+    if quantized and needs_float:
+        why = (" (its zeros must be exact; python -m mlx_flash.prune saves float16)"
+               if needs_float[0] == "--encoding endor" else "")
+        raise FlashError(f"{src}: already quantized; {needs_float[0]} needs a float source{why}")
+
+
 def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding="dense",
            expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None, gate=None,
            linears=None):
@@ -148,12 +158,10 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     linears: {"bits", "group_size"} to quantize the other resident linears."""
     config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
-    if quantize and (src_quant or any(k.endswith(".scales") for k in weights)):
-        raise FlashError(f"{src}: already quantized; convert without --quantize")
     endor = encoding == "endor"
-    if endor and (src_quant or any(k.endswith(".scales") for k in weights)):
-        raise FlashError(f"{src}: --encoding endor needs a float source (its zeros must be exact; "
-                         f"python -m mlx_flash.prune saves float16)")
+    _check_float_source(src, src_quant or any(k.endswith(".scales") for k in weights),
+                        {"--quantize": quantize, "--encoding endor": endor, "--gate-bits": gate,
+                         "--resident-bits": linears})
     if dtype is not None:
         target = FLOAT_DTYPES[dtype]
         for k, v in weights.items():  # in place: a caller's weights are freed as they are written
@@ -175,14 +183,10 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
     resident_gates = {layer: info["modules"]["gate"] for layer, info in ffn.items()
                       if gate and info["kind"] == "neurons" and "gate" in info["modules"]}
     if gate:
-        if src_quant or any(k.endswith(".scales") for k in weights):
-            raise FlashError(f"{src}: already quantized; --gate-bits needs a float source")
         if not resident_gates:
             raise FlashError(f"{src}: --gate-bits: the model's FFNs have no gate")
         config["quantization"] = dict(gate)
     if linears:
-        if src_quant or any(k.endswith(".scales") for k in weights):
-            raise FlashError(f"{src}: already quantized; --resident-bits needs a float source")
         # the resident linears' bits are the default; each resident gate keeps its own
         config["quantization"] = {**linears, **{m: dict(gate) for m in resident_gates.values()}}
     gate_weights = {f"{m}.weight" for m in resident_gates.values()}
