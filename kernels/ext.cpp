@@ -44,6 +44,7 @@ flash_ext::Linear linear(const Proj& p) {
 
 void bind_endor(nb::module_& m);  // endor_bind.cpp
 void bind_io(nb::module_& m);     // io_bind.cpp
+void bind_cache(nb::module_& m);  // cache_bind.cpp
 
 NB_MODULE(_ext, m) {
   m.doc() = "mlx_flash CPU matvec kernels as MLX primitives";
@@ -215,5 +216,6 @@ NB_MODULE(_ext, m) {
       "(importing mlx_flash.cpu.ops applies MLX_FLASH_THREADS).");
   bind_endor(m);
   bind_io(m);
+  bind_cache(m);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;
 }

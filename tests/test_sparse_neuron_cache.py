@@ -5,7 +5,7 @@ import pytest
 
 from mlx_flash.io import FlashLoader, host_bytes
 from mlx_flash.pack import write_pack
-from mlx_flash.sparse.neuron_cache import NeuronCache
+from mlx_flash.sparse.neuron_cache import NeuronCache, cache_update_kernel
 
 N = 96  # neurons per layer of the tiny model
 
@@ -178,3 +178,48 @@ def test_a_plan_within_the_limits_is_the_loaders_plan_unsplit(loader, monkeypatc
     pieces = plan_chunks(loader, 0, ids, max_bytes=plan.read_bytes, max_rows=len(plan))
     assert len(pieces) == 1 and pieces[0] is plan  # no copy of a plan that needs no split
     assert plan_chunks(loader, 0, ids, max_bytes=plan.read_bytes - 1, max_rows=len(plan))[0] is not plan
+
+
+needs_kernel = pytest.mark.skipif(cache_update_kernel() is None, reason="CPU kernels not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("capacity, window, p_active", [(40, 3, 0.15), (12, 5, 0.2), (N, 2, 0.5), (1, 2, 0.1),
+                                                        (0, 3, 0.2), (30, 1, 0.05)])
+def test_update_kernel_equals_numpy_update_row_for_row(loader, capacity, window, p_active):
+    """update(read=False) by the kernels' cache_update against the numpy update on the same
+    activations: the same counters, overflow, fill and slots, and afterwards the same ids,
+    pointers, last_active and row bytes (swap-delete copies included) at every step."""
+    rng = np.random.default_rng(7 + capacity)
+    kernel, numpy_ = NeuronCache(loader, 1, capacity), NeuronCache(loader, 1, capacity)
+    numpy_.update_kernel = None
+    for hk, hn in zip(kernel._host, numpy_._host):  # the same random bytes: any row mix-up shows
+        hk[:] = hn[:] = rng.integers(0, 256, hk.shape, dtype=np.uint8)
+    moved = 0
+    for step in range(80):
+        p = p_active if step % 9 else 0.6  # now and then more than fits: the window shrinks
+        active = np.nonzero(rng.random(N) < p)[0]
+        a, b = kernel.update(active, step, window, read=False), numpy_.update(active, step, window, read=False)
+        for f in ("needed", "hits", "loaded", "evicted", "rows_moved", "window"):
+            assert getattr(a, f) == getattr(b, f), (step, f)
+        assert a.overflow.tolist() == b.overflow.tolist()
+        assert (a.fill is None) == (b.fill is None)
+        if a.fill is not None:
+            assert a.fill.tolist() == b.fill.tolist() and a.fill_slots.tolist() == b.fill_slots.tolist()
+        assert kernel.num_used == numpy_.num_used
+        for name in ("ids", "slot_of", "last_active"):
+            assert np.array_equal(getattr(kernel, name), getattr(numpy_, name)), (step, name)
+        for hk, hn in zip(kernel._host, numpy_._host):
+            assert np.array_equal(hk, hn), step
+        assert (kernel.rows_moved, kernel.rows_loaded) == (numpy_.rows_moved, numpy_.rows_loaded)
+        moved += a.rows_moved
+    assert capacity < 2 or moved > 0  # swap-delete ran
+
+
+@needs_kernel
+def test_update_kernel_rejects_unsorted_or_out_of_range_ids(loader):
+    cache = NeuronCache(loader, 0, 8)
+    for bad in ([5, 3], [2, 2], [N]):
+        with pytest.raises(ValueError, match="sorted, unique and below"):
+            cache.update(np.array(bad), 0, window=3, read=False)
+    assert cache.num_used == 0

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cpu.ops import extension
 from ..io import host_bytes
+
+
+def cache_update_kernel():
+    """The kernels' cache_update (NeuronCache.update(read=False) in one call), or None when the
+    extension is missing or older."""
+    return getattr(extension(), "cache_update", None)
 
 
 @dataclass
@@ -96,6 +103,10 @@ class NeuronCache:
         self.num_used = 0
         self.rows_moved = 0  # lifetime counters: every row write is one of these two
         self.rows_loaded = 0
+        self.update_kernel = cache_update_kernel()  # None: numpy (the reference the kernel is tested on)
+        # the kernel's outputs and scratch, sized once: overflow / fill / fill slots, 2 x capacity
+        self._outputs = [np.empty(self.n_neurons, np.int64) for _ in range(3)] + \
+            [np.empty(2 * self.capacity, np.int64)]
 
     @property
     def row_bytes(self) -> int:
@@ -176,6 +187,8 @@ class NeuronCache:
         """
         t0 = time.perf_counter()
         active = np.asarray(active, np.int64)
+        if not read and self.update_kernel is not None:
+            return self._update_kernel(active, step, window, t0)
         out = CacheUpdate(needed=len(active))
         slots = self.slot_of[active]
         present = slots >= 0
@@ -204,6 +217,21 @@ class NeuronCache:
         live = self.last_active[: self.num_used]
         out.window = int(step - live.min() + 1) if self.num_used else 0
         out.io_s, out.mem_s = t2 - t1, t1 - t0
+        return out
+
+    def _update_kernel(self, active, step: int, window: int, t0: float) -> CacheUpdate:
+        """update(read=False) by the kernels' cache_update: the same rows, ids and counters."""
+        over, fill, slots, scratch = self._outputs
+        (self.num_used, hits, evicted, moved, n_fill, n_over, win) = self.update_kernel(
+            np.ascontiguousarray(active), int(step), int(window), self.ids, self.slot_of, self.last_active,
+            self.num_used, self._host, over, fill, slots, scratch)
+        self.rows_moved += moved
+        self.rows_loaded += n_fill
+        out = CacheUpdate(needed=len(active), hits=hits, evicted=evicted, rows_moved=moved,
+                          overflow=over[:n_over].copy(), window=win, loaded=n_fill)
+        if n_fill:
+            out.fill, out.fill_slots = fill[:n_fill].copy(), slots[:n_fill].copy()
+        out.mem_s = time.perf_counter() - t0
         return out
 
     def check(self, bundles=None):
