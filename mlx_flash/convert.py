@@ -141,7 +141,10 @@ def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, windows
               lr_by_width=args.expert_tune_lr_width)
     if windows:
         out = tune_keeping_best(student, teacher, resident_as_packed(), quantized, bits, tokens,
-                                windows, checkpoint_every=args.expert_tune_every, **kw)
+                                windows, checkpoint_every=args.expert_tune_every,
+                                on_score=lambda n, p: print(f"--expert-tune step {n}: validation "
+                                                            f"perplexity {p:.3f}", file=sys.stderr,
+                                                            flush=True), **kw)
         print(f"--expert-tune-val-tokens {args.expert_tune_val_tokens}: validation perplexity "
               f"({len(windows)} windows of 256 after the first {len(tokens)} --calib-text tokens) "
               f"at steps " + ", ".join(f"{n}: {p:.3f}" for n, p in out["validation"])

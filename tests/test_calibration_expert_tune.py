@@ -168,9 +168,12 @@ def test_tune_keeping_best_returns_the_best_checkpoints_stacks(models, monkeypat
     teacher, student, tokens, quantized, bits = _mixed_widths(models, 6)
     scores = iter([5.0, 3.0, 1.0, 2.0])  # steps 0, 2, 4, 5: the best is step 4, not the last
     monkeypatch.setattr(expert_tune, "windows_perplexity", lambda *a: next(scores))
+    seen = []
     out = tune_keeping_best(student, teacher, student, quantized, bits, tokens, [], steps=5,
-                            checkpoint_every=2, group_size=32, seq_len=64, progress=False)
+                            checkpoint_every=2, group_size=32, seq_len=64, progress=False,
+                            on_score=lambda n, p: seen.append((n, p)))
     assert out["best_steps"] == 4 and out["validation"] == [(0, 5.0), (2, 3.0), (4, 1.0), (5, 2.0)]
+    assert seen == out["validation"]
     four = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=4, group_size=32,
                               seq_len=64, progress=False)["quantized"]
     for key, stacks in four.items():

@@ -117,6 +117,7 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
                  "--expert-tune-val-tokens", "256", "--expert-tune-every", "2",
                  "--out", str(tmp_path / "pv")]) == 0
     err = capsys.readouterr().err
+    assert "--expert-tune step 2: validation perplexity " in err
     assert re.search(r"--expert-tune-val-tokens 256: validation perplexity \(1 windows of 256 after "
                      r"the first 300 --calib-text tokens\) at steps 0: [\d.]+, 2: [\d.]+, 3: [\d.]+; "
                      r"the pack keeps step [023]\n", err), err

@@ -185,23 +185,26 @@ def windows_perplexity(model, quantized: dict, bits: dict, group_size: int, wind
 
 def tune_keeping_best(student, teacher, judge, quantized: dict, bits: dict, tokens: np.ndarray,
                       windows: list, *, steps: int, checkpoint_every: int, group_size: int,
-                      **tune_kw) -> dict:
+                      on_score=None, **tune_kw) -> dict:
     """tune_expert_scales scored on validation `windows` before tuning (step 0) and every
     `checkpoint_every` steps (and at the last step); keeps the checkpoint with the least
     validation perplexity. judge: a third copy of the student (non-expert weights as the pack
-    holds them) used only for scoring.
+    holds them) used only for scoring. on_score(steps, perplexity): called as each is scored.
 
     Returns tune_expert_scales' dict with "quantized" = the kept checkpoint's stacks (the
     untuned `quantized` when step 0 scores best), "validation": [(steps, perplexity)],
     "best_steps"."""
-    scored = [(0, windows_perplexity(judge, quantized, bits, group_size, windows))]
-    best = {"steps": 0, "ppl": scored[0][1], "quantized": quantized}
+    scored, best = [], {}
 
     def on_checkpoint(n, tuned):
         ppl = windows_perplexity(judge, tuned, bits, group_size, windows)
         scored.append((n, ppl))
-        if ppl < best["ppl"]:
+        if on_score:
+            on_score(n, ppl)
+        if not best or ppl < best["ppl"]:
             best.update(steps=n, ppl=ppl, quantized=tuned)
+
+    on_checkpoint(0, quantized)
 
     out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=steps,
                              group_size=group_size, checkpoint_every=checkpoint_every,
