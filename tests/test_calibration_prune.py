@@ -34,6 +34,18 @@ def test_pruned_folder_keeps_the_chat_template(tiny_llama, tmp_path):
     assert json.loads((out / "config.json").read_text())["pruning"] == {"method": "magnitude"}
 
 
+def test_sequence_nll_is_each_next_tokens_negative_log_likelihood(tiny_llama):
+    model, _, _ = pr.load_float_model(tiny_llama("src"))
+    seqs = np.random.default_rng(0).integers(0, 128, (3, 17)).astype(np.int32)
+    nll = pr.sequence_nll(model, seqs)
+    logits = np.array(model(mx.array(seqs[:, :-1])), np.float64)  # [3, 16, vocab]
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = -np.take_along_axis(log_probs, seqs[:, 1:, None], -1)[..., 0].reshape(-1)
+    assert nll.dtype == np.float64 and nll.shape == (3 * 16,)
+    np.testing.assert_allclose(nll, want, rtol=1e-5, atol=1e-5)
+
+
 def test_wanda_norms_are_input_channel_norms(tiny_llama):
     src = tiny_llama("src", layers=1)
     model, _, _ = pr.load_float_model(src)

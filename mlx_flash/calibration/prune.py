@@ -140,14 +140,11 @@ def prune(folder: Path, *, method="wanda", sparsity=0.5, layers=DEFAULT_LAYERS, 
 
 
 def sequence_nll(model, sequences) -> np.ndarray:
-    """float64 [positions] next-token negative log-likelihoods (nats), whole-sequence forwards."""
-    out = []
-    for seq in sequences:
-        logits = model(mx.array(seq[:-1])[None])[0].astype(mx.float32)
-        target = mx.array(seq[1:])
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
-        out.append(np.array(nll, np.float64))
-    return np.concatenate(out)
+    """float64 [positions] next-token negative log-likelihoods (nats) of int32 `sequences` [n, L],
+    one whole-sequence forward each (moe.quality.sequence_nll's windows of L - 1)."""
+    from ..moe.quality import sequence_nll as window_nll
+
+    return np.concatenate([window_nll(model, seq, len(seq) - 1) for seq in sequences]).astype(np.float64)
 
 
 def held_out_perplexity(dense_model, pruned_weights, tokenizer, files, *, max_tokens=2048,
