@@ -20,7 +20,7 @@ from .calibration.quality import (DEFAULT_MAX_TOKENS, DEFAULT_SEQUENCE_LENGTH, e
 from .cli import run_cli
 from .config import MODES, parse_memory_budget
 from .errors import FlashError
-from .paths import write_json_atomic
+from .paths import write_json_atomic, write_text_atomic
 from .sparse.predictor import KINDS
 
 
@@ -112,10 +112,7 @@ def _main(argv):
     table = format_sweep(rows)
     print(table)
     if args.markdown:
-        path = Path(args.markdown)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(table + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(Path(args.markdown), table + "\n")
     if args.json:
         _write_json(args.json, rows)
     return 0

@@ -7,7 +7,8 @@ formats chat prompts as its source does.
 import shutil
 from pathlib import Path
 
-from .paths import atomic_dir, atomic_output_dir, save_safetensors, write_file_atomic, write_json_atomic
+from .paths import (atomic_dir, atomic_output_dir, save_safetensors, write_file_atomic, write_json_atomic,
+                    write_text_atomic)
 
 WEIGHTS_FILE = "model.safetensors"
 # What a tokenizer and its chat template need, as mlx-lm / transformers save them.
@@ -45,7 +46,7 @@ def write_model_files(folder, weights: dict, config: dict, tokenizer_src, texts=
     folder = Path(folder)
     copy_tokenizer_files(tokenizer_src, folder)
     for name, text in (texts or {}).items():
-        write_file_atomic(folder / name, lambda tmp, text=text: tmp.write_text(text))
+        write_text_atomic(folder / name, text)
     write_weights(folder / WEIGHTS_FILE, weights)
     write_json_atomic(folder / "config.json", config)
     return folder

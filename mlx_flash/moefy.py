@@ -16,12 +16,12 @@ again; --resume continues OUT's newest checkpoint.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from .cli import run_cli
 from .errors import FlashError
+from .paths import write_json_atomic
 
 
 def build_parser():
@@ -137,7 +137,7 @@ def _main(argv):
             for i, (n, v) in enumerate(zip(names, ppl["ppl"]))))
         report["eval"] = ppl
     if report:
-        Path(out, "moefy_report.json").write_text(json.dumps(report, indent=1))
+        write_json_atomic(Path(out, "moefy_report.json"), report)
 
 
 def main(argv=None):

@@ -168,8 +168,12 @@ def write_file_atomic(path: Path, write, suffix: str = "") -> Path:
     return path
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` whole (write_file_atomic)."""
+    return write_file_atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def write_json_atomic(path: Path, doc, default=None) -> None:
-    """Write JSON to `path` (write_file_atomic). default: as json.dumps' (e.g. str, for reports
-    that hold paths)."""
-    text = json.dumps(doc, indent=1, default=default)
-    write_file_atomic(path, lambda tmp: tmp.write_text(text))
+    """Write JSON to `path` whole (write_file_atomic). default: as json.dumps' (e.g. str, for
+    reports that hold paths)."""
+    write_text_atomic(path, json.dumps(doc, indent=1, default=default))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .calibration.relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS
 from .errors import FlashError
+from .paths import write_text_atomic
 
 
 def build_parser():
@@ -108,7 +109,7 @@ def _main(argv):
         table = R.format_curve(rows)
         print(table)
         if args.markdown:
-            Path(args.markdown).write_text(table + "\n")
+            write_text_atomic(Path(args.markdown), table + "\n")
         if args.json:
             R.write_json(Path(args.json), rows)
         return 0

@@ -317,3 +317,25 @@ def test_write_json_atomic_takes_a_default_for_values_json_lacks(tmp_path):
     with pytest.raises(TypeError):
         write_json_atomic(tmp_path / "s.json", {"pack": tmp_path})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_write_file_atomic_keeps_the_old_file_until_the_new_one_is_whole(tmp_path):
+    from mlx_flash.paths import write_file_atomic, write_text_atomic
+
+    path = tmp_path / "plot.png"
+    path.write_text("old")
+    seen = []
+
+    def fail_midway(tmp):
+        seen.append(tmp)
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_file_atomic(path, fail_midway, suffix=".png")
+    assert seen[0].suffix == ".png"  # savefig / mx.save_safetensors read the format from it
+    assert path.read_text() == "old" and list(tmp_path.iterdir()) == [path]
+    write_text_atomic(path, "new")
+    assert path.read_text() == "new" and list(tmp_path.iterdir()) == [path]
+    with pytest.raises(FlashError, match="missing.*cannot write"):
+        write_text_atomic(tmp_path / "missing" / "r.md", "table")

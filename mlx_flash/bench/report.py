@@ -12,6 +12,8 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+from ..paths import write_file_atomic, write_text_atomic
+
 TABLE2 = (("Naive", "modes", "naive", (0, 0, 0, 0)),
           ("Hybrid", "modes", "hybrid", (1, 0, 0, 0)),
           ("+Predictor", "ablation", "+predictor", (1, 1, 0, 0)),
@@ -52,9 +54,7 @@ def package_versions() -> dict:
 
 
 def write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
 
 
 def _get(result, group, label):
@@ -185,10 +185,9 @@ def plots(result, out: Path) -> dict:
 
 def _save(fig, path, plt):
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    # the temporary keeps the suffix, from which savefig takes the format
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=path.suffix)
     plt.close(fig)
-    tmp.replace(path)
     return path.name
 
 

@@ -52,7 +52,7 @@ from ..errors import FlashError
 from ..cpu.ops import ACTIVATIONS, activation_fn, half_matvec, quantized_matvec
 from ..pack import layer_bundles, read_layer_components, read_manifest
 from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
-from ..paths import fsync_file
+from ..paths import write_file_atomic
 
 FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
@@ -168,18 +168,6 @@ class LayerPredictor:
                 f"prob_threshold={self.prob_threshold:.3g}, cut={self.cut:.4g}, nbytes={self.nbytes})")
 
 
-def _atomic_write(path: Path, write) -> None:
-    # keep the suffix last: mx.save_safetensors appends ".safetensors" to any other name
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-        fsync_file(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     """Write predictors.safetensors then predictors.json into `pack_dir`, each atomically.
@@ -196,7 +184,8 @@ def save_predictors(pack_dir, meta: dict, layers: dict, factors: dict) -> Path:
     st_path, js_path = pack / PREDICTORS_FILE, pack / PREDICTORS_JSON
     try:
         if arrays:
-            _atomic_write(st_path, lambda p: mx.save_safetensors(str(p), arrays))
+            # the temporary keeps the suffix: mx.save_safetensors appends ".safetensors" otherwise
+            write_file_atomic(st_path, lambda p: mx.save_safetensors(str(p), arrays), suffix=st_path.suffix)
             crc = zlib.crc32(st_path.read_bytes())
         else:
             st_path.unlink(missing_ok=True)
