@@ -118,6 +118,15 @@ def test_resume_continues_exactly_where_the_run_stopped(moefied, tmp_path):
         _run(src, start, texts, tmp_path / "split", trainable="routers", steps=6, resume=True)
 
 
+def test_refusals_before_anything_loads(moefied, tmp_path):
+    src, start, texts = moefied
+    with pytest.raises(FlashError, match="--resume: .* no checkpoint"):
+        _run(src, start, texts, tmp_path / "none", resume=True)
+    with pytest.raises(FlashError, match="--eval-text .* also training text"):
+        _run(src, start, texts, tmp_path / "x", eval_files=[texts[1]])
+    assert not (tmp_path / "none").exists() and not (tmp_path / "x").exists()
+
+
 def test_moefy_cli_checks_its_fine_tune_flags(moefied, tmp_path, capsys):
     from mlx_flash import moefy as cli
 

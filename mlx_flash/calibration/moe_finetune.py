@@ -16,9 +16,7 @@ Float32 (on Linux: OpenBLAS preloaded), the shared compiled step of calibration/
 """
 
 import json
-import os
 import random
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +24,7 @@ import mlx.nn as nn
 
 from ..errors import FlashError
 from .training import (SEQ_LEN, ce_and_kl, checkpoint_dirs, compiled_update, kernels_off,
-                       make_optimizer, restore_trainer, save_checkpoint, text_sequences,
+                       make_optimizer, restore_trainer, save_checkpoint, start_run, text_sequences,
                        train_loop, write_json, write_model_folder)
 
 TRAINABLE = ("routers", "experts", "both")  # what AdamW moves: routers, experts' weights, or both
@@ -156,21 +154,16 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     "losses" [{"step", "loss", "ce", "kl"}], "eval" [{"step", "seconds", "ppl"}]}.
     """
     from ..models import load_tokenizer
-    from .relufication import check_disjoint, load_float32, measure
+    from .relufication import load_float32, measure
 
     start, out = Path(start), Path(out)
     if steps < 1:
         raise FlashError(f"--finetune-steps {steps}: must be at least 1")
     if batch_size < 1 or seq_len < 2:
         raise FlashError(f"--finetune-batch-size {batch_size}: must be at least 1")
-    existing = checkpoint_dirs(out)
-    if resume and not existing:
-        raise FlashError(f"--resume: {out} has no checkpoint to resume from")
-    if not resume and existing:
+    if not resume and checkpoint_dirs(out):
         raise FlashError(f"--out {out}: already holds a fine-tune's checkpoints (pass --resume to continue it)")
-    check_disjoint(train_files, eval_files)
-    if sys.platform == "linux" and "openblas" not in os.environ.get("LD_PRELOAD", "").lower():
-        log("note: OpenBLAS is not preloaded; float32 training is much slower (README, Linux notes)")
+    existing = start_run(out, resume, train_files, eval_files, log)
     tokenizer_src = existing[-1] if resume else start  # tokenizer files: copied into every checkpoint
     tokenizer = load_tokenizer(tokenizer_src)
     files = spread_files(train_files, seed)

@@ -22,8 +22,6 @@ into place whole.
 
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -35,10 +33,10 @@ from ..errors import FlashError
 from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
 from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa: F401
 from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
-                       TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, checkpoint_dirs,
-                       compiled_update, distill_kl, kernels_off, make_optimizer,
-                       next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, text_sequences,
-                       train_loop, write_json, write_model_folder)
+                       TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, check_disjoint,
+                       checkpoint_dirs, compiled_update, distill_kl, kernels_off, make_optimizer,
+                       next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, start_run,
+                       text_sequences, train_loop, write_json, write_model_folder)
 
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
@@ -218,12 +216,6 @@ def split_by_file(files, every: int = 10) -> tuple:
     files = sorted({str(Path(f)) for f in files})
     heldout = files[::every]
     return [f for f in files if f not in heldout], heldout
-
-
-def check_disjoint(train_files, eval_files):
-    both = {Path(f).resolve() for f in train_files} & {Path(f).resolve() for f in eval_files}
-    if both:
-        raise FlashError(f"--eval-text {sorted(map(str, both))[0]}: also training text; the two must be disjoint")
 
 
 # ---- losses and measurements -------------------------------------------------------------------------
@@ -454,14 +446,9 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
         raise FlashError(f"--sparsity-allocation {allocation}: expected one of {', '.join(ALLOCATIONS)}")
     if allocation != "uniform" and (hidden_act != "cats" or target_sparsity is None):
         raise FlashError(f"--sparsity-allocation {allocation}: needs --activation cats with --target-sparsity")
-    existing = checkpoint_dirs(out)
-    if resume and not existing:
-        raise FlashError(f"--resume: {out} has no checkpoint to resume from")
     if not resume and out.exists() and any(out.iterdir()):
         raise FlashError(f"--out {out}: already exists and is not empty (pass --resume to continue its run)")
-    check_disjoint(train_files, eval_files)
-    if sys.platform == "linux" and "openblas" not in os.environ.get("LD_PRELOAD", "").lower():
-        log("note: OpenBLAS is not preloaded; float32 training is much slower (README, Linux notes)")
+    existing = start_run(out, resume, train_files, eval_files, log)
     tokenizer = load_tokenizer(src)
     teacher, src_config = load_float32(src)
     sequences = text_sequences(train_files, tokenizer, seq_len, max_train_tokens)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,28 @@ SEQ_LEN = 256             # tokens per training / evaluation sequence
 CHECKPOINTS = "checkpoints"
 TRAINER_JSON = "trainer.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+# ---- the start of a run ----------------------------------------------------------------------------
+
+def check_disjoint(train_files, eval_files):
+    """FlashError when a held-out (--eval-text) file is also training text."""
+    both = {Path(f).resolve() for f in train_files} & {Path(f).resolve() for f in eval_files}
+    if both:
+        raise FlashError(f"--eval-text {sorted(map(str, both))[0]}: also training text; the two must be disjoint")
+
+
+def start_run(out: Path, resume: bool, train_files, eval_files, log=print) -> list:
+    """The checks a fine-tune makes before loading anything (--resume needs a checkpoint in `out`;
+    training and held-out text are disjoint), and a note when float32 training will run without
+    OpenBLAS on Linux; returns the run's checkpoints (checkpoint_dirs)."""
+    existing = checkpoint_dirs(out)
+    if resume and not existing:
+        raise FlashError(f"--resume: {out} has no checkpoint to resume from")
+    check_disjoint(train_files, eval_files)
+    if sys.platform == "linux" and "openblas" not in os.environ.get("LD_PRELOAD", "").lower():
+        log("note: OpenBLAS is not preloaded; float32 training is much slower (README, Linux notes)")
+    return existing
 
 
 # ---- text ------------------------------------------------------------------------------------------
