@@ -136,3 +136,26 @@ def test_read_all_reports_a_failed_submission(tmp_path):
     finally:
         ctx.close()
         os.close(fd)
+
+
+def test_submit_returns_at_once_and_wait_lands_every_read(tmp_path):
+    """submit sends at most `depth` reads and returns; wait reaps them and submits the rest: 7
+    reads of 8 KiB through a context of depth 3 land in order, a misaligned one fails alone."""
+    fd, data = direct_file(tmp_path, 32 * 8192)
+    ctx = aio.AioContext(3)
+    buf = aligned_buffer(7 * 8192)
+    out, base = np.frombuffer(buf, np.uint8), address(buf)
+    block = np.random.default_rng(3).permutation(32)[:7]
+    addresses = base + np.arange(7, dtype=np.uint64) * 8192
+    addresses[5] += 1  # misaligned
+    try:
+        pending = ctx.submit(np.full(7, fd), block * 8192, np.full(7, 8192), addresses)
+        assert pending["submitted"] == 3 and pending["completed"] == 0
+        res = ctx.wait(pending)
+    finally:
+        ctx.close()
+        os.close(fd)
+    assert pending["completed"] == pending["submitted"] == 7
+    assert res.tolist() == [8192] * 5 + [-errno.EINVAL, 8192]
+    rows, want = out.reshape(7, 8192), data.reshape(32, 8192)[block]
+    assert np.array_equal(rows[:5], want[:5]) and np.array_equal(rows[6], want[6])

@@ -14,8 +14,7 @@ import pytest
 
 from mlx_flash.config import FlashConfig
 from mlx_flash.errors import FlashError
-from mlx_flash.io import FileLayer, FlashLoader, ReadCost, host_bytes
-from mlx_flash.io import aio
+from mlx_flash.io import FileLayer, FlashLoader, ReadCost, aio, host_bytes
 from mlx_flash.io import files as io_files
 from mlx_flash.io import loader as loader_module
 from mlx_flash.io.planner import load_cost
@@ -90,6 +89,37 @@ def test_read_many_layers_at_once(make_pack):
         assert stats.bundles == 8 and sum(stats.read_sizes.values()) == stats.reads
     check_rows(pack, None, 0, [9, 2, 70], d0, [4, 0, 1])
     check_rows(pack, None, 1, [95, 94, 0, 1, 50], d1, [0, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("direct,raw", [(True, False), (True, True), (False, False)])
+def test_started_reads_land_what_read_lands_when_finished(make_pack, direct, raw):
+    """start_read submits and returns; finish_read reaps, checks and copies out: the rows equal
+    the pack's, two keys in flight at once, a synchronous read on the calling thread between
+    them; without O_DIRECT (no native AIO) start_read reads at once. A corrupt bundle fails at
+    finish_read."""
+    pack = make_pack(dtype="float16", quantize=(4, 32), intermediate=128)
+    rng = np.random.default_rng(5)
+    with FlashLoader(pack, threads=4, direct=direct, cost=COST) as loader:
+        alloc = loader.alloc_raw if raw else loader.alloc
+        d0, d1, d2 = alloc(0, 40), alloc(1, 40), alloc(0, 40)
+        ids0, ids1, ids2 = (np.sort(rng.choice(128, size=40, replace=False)) for _ in range(3))
+        s0 = loader.start_read(0, ids0, d0, None, key=0)
+        s1 = loader.start_read(1, ids1, d1, np.arange(40)[::-1], key=1)
+        assert ("job" in s0) == (direct and aio.available())
+        loader.read(0, ids2, d2)
+        stats = [loader.finish_read(s) for s in (s1, s0)]
+        assert [s.bundles for s in stats] == [40, 40] and all(s.bytes_read > 0 for s in stats)
+        check_rows(pack, loader, 0, ids0, d0, list(range(40)))
+        check_rows(pack, loader, 1, ids1, d1, list(range(40))[::-1])
+        check_rows(pack, loader, 0, ids2, d2, list(range(40)))
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 7 * entry["stride"] + 11] ^= 0x40
+    path.write_bytes(bytes(data))
+    with FlashLoader(pack, threads=2, direct=direct, cost=COST) as loader:
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+            loader.finish_read(loader.start_read(0, [6, 7, 8], (loader.alloc_raw if raw else loader.alloc)(0, 3)))
 
 
 def test_quantized_sparse_matmul_on_loaded_rows(make_pack):

@@ -359,15 +359,21 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
 
 
 def _count_neurons_read(runtime) -> list:
-    """[neurons read so far] through `runtime`'s loader (read_many is where every read goes)."""
+    """[neurons read so far] through `runtime`'s loader (every read goes through read_many, or
+    start_read when native AIO takes it)."""
     count, loader = [0], runtime.loader
-    read_many = loader.read_many
+    read_many, start_read = loader.read_many, loader.start_read
 
     def counted(requests):
         count[0] += sum(len(ids) for _, ids, _, _ in requests)
         return read_many(requests)
 
-    loader.read_many = counted
+    def counted_start(layer, ids, *args, **kw):
+        started = start_read(layer, ids, *args, **kw)
+        count[0] += len(ids) if "job" in started else 0  # else read_many read it
+        return started
+
+    loader.read_many, loader.start_read = counted, counted_start
     return count
 
 

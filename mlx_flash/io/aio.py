@@ -54,6 +54,19 @@ def _syscall():
     return _libc.syscall
 
 
+def _iocbs(first: int, fds, offsets, sizes, addresses, vectored) -> np.ndarray:
+    """IOCB array of reads numbered first, first + 1, ... (AioContext.read's arguments)."""
+    iocbs = np.zeros(len(sizes), IOCB)
+    iocbs["data"] = first + np.arange(len(sizes))
+    iocbs["fildes"] = fds
+    iocbs["buf"] = addresses
+    iocbs["nbytes"] = sizes
+    iocbs["offset"] = offsets
+    if vectored is not None:
+        iocbs["opcode"] = np.where(vectored, PREADV, PREAD)
+    return iocbs
+
+
 class AioContext:
     """An io_setup context with room for `depth` reads in flight. Close it when done."""
 
@@ -98,14 +111,7 @@ class AioContext:
         def add(fds, offsets, sizes, addresses, vectored):
             nonlocal res, ptrs
             n, first = len(sizes), len(res)
-            iocbs = np.zeros(n, IOCB)
-            iocbs["data"] = first + np.arange(n)
-            iocbs["fildes"] = fds
-            iocbs["buf"] = addresses
-            iocbs["nbytes"] = sizes
-            iocbs["offset"] = offsets
-            if vectored is not None:
-                iocbs["opcode"] = np.where(vectored, PREADV, PREAD)
+            iocbs = _iocbs(first, fds, offsets, sizes, addresses, vectored)
             keep.append(iocbs)
             ptrs = np.concatenate([ptrs, iocbs.ctypes.data + 64 * np.arange(n, dtype=np.uint64)])
             res = np.concatenate([res, np.full(n, -errno.ECANCELED, np.int64)])
@@ -174,6 +180,61 @@ class AioContext:
         if err:
             raise OSError(-err, "io_submit / io_getevents failed")
         return res
+
+    def submit(self, fds, offsets, sizes, addresses, vectored=None) -> dict:
+        """Submit reads (the arguments of `read`) and return without waiting for them: up to
+        `depth` go out now, the rest in `wait`. The caller keeps every buffer alive and calls
+        `wait` (one pending submission per context at a time) before reusing them."""
+        n = len(sizes)
+        pending = {"iocbs": _iocbs(0, fds, offsets, sizes, addresses, vectored),
+                   "res": np.full(n, -errno.ECANCELED, np.int64), "submitted": 0, "completed": 0}
+        pending["ptrs"] = pending["iocbs"].ctypes.data + 64 * np.arange(n, dtype=np.uint64)
+        try:
+            self._submit_some(pending)
+        except BaseException:
+            self.wait(pending, submit=False)  # the kernel may still write into caller buffers
+            raise
+        return pending
+
+    def wait(self, pending: dict, submit=True) -> np.ndarray:
+        """Each read's result (bytes read, or -errno) of a `submit`, once all are in: reaps them
+        (the GIL released while it waits) and submits what did not fit in flight before."""
+        call, getevents = _syscall(), self._nr[2]
+        ctx, ev_ptr, res = ctypes.c_ulong(self._ctx.value), self._events.ctypes.data, pending["res"]
+        error = None
+        while pending["completed"] < pending["submitted"] or (submit and pending["submitted"] < len(res)):
+            if submit and error is None:
+                try:
+                    self._submit_some(pending)
+                except OSError as e:
+                    error, submit = e, False
+            if pending["completed"] == pending["submitted"]:
+                continue
+            got = call(ctypes.c_long(getevents), ctx, ctypes.c_long(1), ctypes.c_long(self.depth),
+                       ctypes.c_void_p(ev_ptr), None)
+            if got < 0:
+                if ctypes.get_errno() == errno.EINTR:
+                    continue
+                raise OSError(ctypes.get_errno(), "io_getevents failed")
+            idx = self._events["data"][:got].astype(np.int64)
+            res[idx] = self._events["res"][:got]
+            pending["completed"] += got
+        if error is not None:
+            raise error
+        return res
+
+    def _submit_some(self, pending: dict) -> None:
+        """io_submit as many of a pending submission's reads as the context has room for."""
+        n, done = len(pending["res"]), pending["submitted"]
+        room = min(self.depth - (done - pending["completed"]), n - done)
+        if room <= 0:
+            return
+        got = _syscall()(ctypes.c_long(self._nr[3]), ctypes.c_ulong(self._ctx.value), ctypes.c_long(room),
+                         ctypes.c_void_p(pending["ptrs"].ctypes.data + 8 * done))
+        if got > 0:
+            pending["submitted"] += got
+        elif got < 0 and ctypes.get_errno() not in (errno.EAGAIN, errno.EINTR):
+            raise OSError(ctypes.get_errno(), "io_submit failed")
 
     def close(self):
         if self._ctx.value:

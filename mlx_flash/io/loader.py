@@ -149,6 +149,26 @@ def host_bytes(arr) -> np.ndarray:
     return np.frombuffer(mv.cast("B"), np.uint8)
 
 
+def _count_job(stats, job, pos: int) -> int:
+    """Add a prepared job's reads to `stats` and give its staged reads positions from `pos` in
+    the staging buffer (job.pos); returns the staging bytes used so far."""
+    sizes = job.r1 - job.r0
+    if not job.zero_copy:
+        job.pos = pos + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        pos += int(sizes.sum())
+    stats.direct = job.f.direct
+    stats.bundles += len(job.ids)
+    stats.bytes_useful += (int(job.lengths.sum()) if job.lengths is not None
+                           else len(job.ids) * sum(n for _, n in job.pieces))
+    stats.reads += len(sizes)
+    stats.bytes_read += int(sizes.sum())
+    for n, k in zip(*np.unique(sizes, return_counts=True)):
+        stats.read_sizes[int(n)] = stats.read_sizes.get(int(n), 0) + int(k)
+    stats.zero_copy_reads += len(sizes) if job.zero_copy else 0
+    stats.bounced_reads += 0 if job.zero_copy else len(sizes)
+    return pos
+
+
 @dataclass
 class _Open:
     path: Path
@@ -218,6 +238,7 @@ class FlashLoader:
         self._workers: list[threading.Thread] = []
         self._tasks = None
         self._aio_contexts = []
+        self._started = {}  # start_read key -> {"ctx": its AioContext, "staging": its buffer}
         self._finish_pool = None
         self._target_cache = {}
         if engine not in ("auto", "threads", "aio"):
@@ -293,20 +314,7 @@ class FlashLoader:
         for layer, ids, dest, slots in requests:
             job = self._prepare(layer, ids, dest, slots)
             jobs.append(job)
-            sizes = job.r1 - job.r0
-            if not job.zero_copy:
-                job.pos = pos + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-                pos += int(sizes.sum())
-            stats.direct = job.f.direct
-            stats.bundles += len(job.ids)
-            stats.bytes_useful += (int(job.lengths.sum()) if job.lengths is not None
-                                   else len(job.ids) * sum(n for _, n in job.pieces))
-            stats.reads += len(sizes)
-            stats.bytes_read += int(sizes.sum())
-            for n, k in zip(*np.unique(sizes, return_counts=True)):
-                stats.read_sizes[int(n)] = stats.read_sizes.get(int(n), 0) + int(k)
-            stats.zero_copy_reads += len(sizes) if job.zero_copy else 0
-            stats.bounced_reads += 0 if job.zero_copy else len(sizes)
+            pos = _count_job(stats, job, pos)
         staging = self._staging(pos) if pos else None
         flat = np.frombuffer(staging, np.uint8) if staging is not None else None
         use_aio = [self._aio_ok(job) for job in jobs]
@@ -345,6 +353,42 @@ class FlashLoader:
             raise error
         stats.seconds = time.perf_counter() - t0
         stats.decode_seconds = sum(job.decode_s for job in jobs)
+        return stats
+
+    def start_read(self, layer, ids, dest, slots=None, key=0) -> dict:
+        """Submit the reads of `read(layer, ids, dest, slots)` and return at once: the device
+        reads while the caller computes; `finish_read` reaps, checks and copies them out (until
+        then the destination rows are undefined). One started read per `key` at a time, each
+        with its own AIO context and staging buffer (no thread, nothing runs between the calls).
+        A read native AIO cannot take is done here, in full."""
+        t0 = time.perf_counter()
+        job = self._prepare(layer, ids, dest, slots)
+        if not self._aio_ok(job):
+            return {"stats": self.read(layer, ids, dest, slots), "t0": t0}
+        stats = ReadStats()
+        pos = _count_job(stats, job, 0)
+        started = self._started.get(key)
+        if started is None:
+            started = self._started[key] = {"ctx": aio.AioContext(self.threads), "staging": None}
+            with self._lock:
+                self._aio_contexts.append(started["ctx"])
+        if pos and (started["staging"] is None or len(started["staging"]) < pos):
+            started["staging"] = aligned_buffer(pos)
+        staging = started["staging"] if pos else None
+        flat = np.frombuffer(staging, np.uint8) if staging is not None else None
+        submitted = started["ctx"].submit(*self._aio_batch(job, flat))
+        return {"stats": stats, "t0": t0, "job": job, "ctx": started["ctx"], "submitted": submitted,
+                "staging": staging, "flat": flat}
+
+    def finish_read(self, started: dict) -> ReadStats:
+        """The ReadStats of a `start_read` once its bundles are in `dest`, checked (its seconds:
+        from the start to now)."""
+        stats = started["stats"]
+        if "job" in started:
+            res = started["ctx"].wait(started["submitted"])
+            self._after_reads([started["job"]], res, None, started["staging"], started["flat"])
+            stats.seconds = time.perf_counter() - started["t0"]
+            stats.decode_seconds = started["job"].decode_s
         return stats
 
     def cost_engine(self) -> str:
@@ -480,6 +524,12 @@ class FlashLoader:
         crcs = self._landed_crcs(jobs, flat)
         res = ctx.read_all(*(np.concatenate([b[k] for b in batches]) for k in range(4)), vectored,
                            landed=crcs)
+        self._after_reads(jobs, res, crcs, staging, flat)
+
+    def _after_reads(self, jobs, res, crcs, staging, flat):
+        """Check and copy out (staged) or check (zero copy) the bundles of jobs whose reads all
+        finished (res: each read's AIO result, jobs' reads in order; crcs: `_landed_crcs`' taken
+        as they landed, or None), redoing short or failed reads (_complete_aio)."""
         first = bundle = 0
         for job in jobs:
             results = res[first: first + len(job.r0)]

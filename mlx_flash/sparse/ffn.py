@@ -34,7 +34,7 @@ from ..cpu.ops import (active_mask, gather_matvec, gather_matvec_t, kernels_acti
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
-from .neuron_cache import NeuronCache, plan_chunks
+from .neuron_cache import CacheUpdate, NeuronCache, plan_chunks
 
 
 class CurrentRows:
@@ -302,9 +302,8 @@ class FlashRuntime:
         self.lookahead: dict[int, tuple] = {}
         self.currents: dict[int, CurrentRows] = {}
         self.ahead_rows = 0
-        self.ahead: dict[int, tuple] = {}  # layer j -> (future, neuron ids, buffer) being read
+        self.ahead: dict[int, tuple] = {}  # layer j -> (start_read handle, neuron ids, buffer) in flight
         self._ahead_bufs: dict[int, dict] = {}
-        self._ahead_pool = None
         # neurons the lookahead read / that a layer then needed / of those, copied into cache rows
         self.ahead_read = self.ahead_used = self.ahead_copied = 0
         # cache rows read into the streaming buffer with their layer's overflow, then copied in
@@ -316,12 +315,11 @@ class FlashRuntime:
         pairs: {layer i: (layer j, scale)}: layer j's FFN input is estimated from layer i's as
         x_i * scale (scale = j's post-attention RMSNorm weight / i's: the same residual stream,
         normalised; it misses what layer i's FFN and layer j's attention add), and j's resident
-        gate on it gives a lookahead mask. Its neurons not in j's cache (at most `rows`) are read
-        in a background thread into one of two lookahead buffers; layer j takes the ones it needs
-        from there instead of from flash (a missed neuron is read then, as without lookahead)."""
+        gate on it gives a lookahead mask. Its neurons not in j's cache (at most `rows`) are
+        submitted (FlashLoader.start_read: no thread, the device reads while layer i computes)
+        into one of two lookahead buffers once layer i's own reads are in; layer j reaps them
+        and takes the ones it needs from there, its other neurons read beside them."""
         self.lookahead, self.ahead_rows = dict(pairs), int(rows)
-        if self.lookahead and self.ahead_rows > 0 and self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-flash-lookahead")
 
     def ahead_mask(self, layer: int, x):
         """Lazy bool [n_j]: the lookahead mask of the layer after `layer` from its input x, or None."""
@@ -341,21 +339,29 @@ class FlashRuntime:
         if not len(ids):
             return
         k = j % 2  # consecutive layers alternate: layer j's rows stay until j + 1 has synced
+        self.drain_ahead(k)
         if k not in self._ahead_bufs:
             self._ahead_bufs[k] = self.loader.alloc(j, self.ahead_rows)
         buf = self._ahead_bufs[k]
-        fut = self._ahead_pool.submit(self.loader.read, j, ids, buf, np.arange(len(ids)))
-        self.ahead[j] = (fut, ids, buf)
+        start = getattr(self.loader, "start_read", None)  # submitted now, reaped by await_ahead
+        started = (start(j, ids, buf, np.arange(len(ids)), key=k) if start is not None
+                   else {"stats": self.loader.read(j, ids, buf, np.arange(len(ids)))})
+        self.ahead[j] = (started, ids, buf)
 
-    def take_ahead(self, layer: int, step):
-        """(neuron ids, buffer) of `layer`'s lookahead read once it is in (counted in `step`:
-        the wait as I/O time), or None when none was started."""
-        pending = self.ahead.pop(layer, None)
-        if pending is None:
-            return None
-        fut, ids, buf = pending
+    def drain_ahead(self, parity=None) -> None:
+        """Wait for lookahead reads no layer took (an aborted pass), of one buffer or all: nothing
+        may still land in a buffer, or be reaped from its context, once it is reused."""
+        for j in [j for j in self.ahead if parity is None or j % 2 == parity]:
+            started = self.ahead.pop(j)[0]
+            if "job" in started:
+                self.loader.finish_read(started)
+
+    def await_ahead(self, pending, step):
+        """(neuron ids, buffer) of a lookahead read `pending` ((start_read's handle, ids, buffer)
+        popped from `ahead`) once it is in, counted in `step` (the wait as I/O time)."""
+        started, ids, buf = pending
         t0 = time.perf_counter()
-        stats = fut.result()
+        stats = self.loader.finish_read(started) if "job" in started else started["stats"]
         _count_read(step, stats, time.perf_counter() - t0, len(ids))
         return ids, buf
 
@@ -364,9 +370,7 @@ class FlashRuntime:
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown(wait=True)
-            self._ahead_pool = None
+        self.drain_ahead()
         self.loader.close()
 
     def stream_rows(self, layer: int) -> dict:
@@ -754,10 +758,11 @@ class FlashFFN(nn.Module):
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
         mx.eval(mask, x) if ahead is None else mx.eval(mask, x, ahead)
-        looked = self._rt.take_ahead(self.layer, step)  # before the cache moves any row
+        rt = self._rt
+        pending = rt.ahead.pop(self.layer, None)  # this layer's lookahead read, maybe still in flight
         active = np.nonzero(np.array(mask))[0]
-        cache = self._rt.caches[self.layer]
-        upd = cache.update(active, len(self._rt.stats.steps), self._rt.window, read=False)
+        cache = rt.caches[self.layer]
+        upd = cache.update(active, len(rt.stats.steps), rt.window, read=False)
         step.io_s += upd.io_s
         step.io_read_s += upd.io_s
         step.decode_s += upd.decode_s
@@ -767,16 +772,8 @@ class FlashFFN(nn.Module):
         step.neurons_needed += upd.needed
         step.hits += upd.hits
         step.window.append(upd.window)
-        rt = self._rt
-        ahead_n = 0
-        if looked is not None:  # rows the lookahead read: copied into the cache, or computed there
-            upd.overflow, ahead_n, copied = _use_ahead(cache, upd, *looked)
-            step.neurons_loaded -= copied  # counted once, as the lookahead read them
-            rt.ahead_read += len(looked[0])
-            rt.ahead_used += ahead_n + copied
-            rt.ahead_copied += copied
-        if ahead is not None:
-            rt.start_ahead(self.layer, ahead)
+        # what the lookahead is reading leaves the update: the rest is read now, beside it
+        served = _split_ahead(upd, pending[1]) if pending is not None else None
         joint = self._fill_with_overflow(cache, upd, step)
         if joint is not None:  # the overflow is in rows 0.. of the streaming buffer, one piece
             pieces, first = [upd.overflow], joint
@@ -784,6 +781,18 @@ class FlashFFN(nn.Module):
             pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
                 if len(upd.overflow) else []
             first = self._fill(cache, upd, pieces[0] if pieces else None, step)
+            if pieces and first is None:
+                first = self._read_stream(pieces[0], step)
+        ahead_n = 0
+        if pending is not None:  # rows the lookahead read: copied into the cache, or computed there
+            looked = rt.await_ahead(pending, step)
+            ahead_n, copied = _use_ahead(cache, served, *looked)
+            step.neurons_loaded -= copied  # counted once, as the lookahead read them
+            rt.ahead_read += len(looked[0])
+            rt.ahead_used += ahead_n + copied
+            rt.ahead_copied += copied
+        if ahead is not None:  # after this layer's own reads: they have the device first
+            rt.start_ahead(self.layer, ahead)
         by_id = self._current.resident_gate is not None  # rows take the resident gate at their neuron ids
         sets = [(cache.rows, cache.num_used, _row_ids(cache.ids[: cache.num_used]) if by_id else None)]
         if ahead_n:
@@ -806,30 +815,45 @@ class FlashFFN(nn.Module):
         return y
 
 
-def _use_ahead(cache, upd, ids, buf):
-    """Serve a cache update's new neurons from a lookahead read (`ids` in rows 0.. of `buf`,
-    none of them cached when it started): fills among them are copied into their cache rows
-    and leave upd.fill; overflow neurons among them move to buf's first rows, in `ids`' order
-    (ids is rewritten to match). Returns (overflow still to read, rows of buf to compute,
-    fills copied)."""
-    pos = {int(n): r for r, n in enumerate(ids)}
-    hosts = [host_bytes(a).reshape(len(a), -1) for a in buf.values()]
-    copied = 0
-    if upd.fill is not None and len(upd.fill):
-        got = np.array([int(n) in pos for n in upd.fill], bool)
-        if got.any():
-            cache.copy_rows(upd.fill_slots[got], buf, [pos[int(n)] for n in upd.fill[got]])
-            upd.fill, upd.fill_slots = upd.fill[~got], upd.fill_slots[~got]
-            copied = int(got.sum())
+def _split_ahead(upd, ids):
+    """Take the neurons of `ids` (a lookahead read's, sorted) out of a cache update's fill and
+    overflow: returns them as an update of their own (fill, fill_slots, overflow) for `_use_ahead`."""
+    served = CacheUpdate()
+    fill = upd.fill if upd.fill is not None else np.zeros(0, np.int64)
+    got = _members(fill, ids)
+    served.fill = fill[got]
+    if upd.fill is not None:
+        served.fill_slots = upd.fill_slots[got]
+        upd.fill, upd.fill_slots = fill[~got], upd.fill_slots[~got]
     over = np.asarray(upd.overflow, np.int64)
-    if not len(over):
-        return over, 0, copied
-    got = np.array([int(n) in pos for n in over], bool)
-    src = np.array([pos[int(n)] for n in over[got]], np.int64)
-    for h in hosts:
-        h[: len(src)] = h[src]  # fancy indexing copies first: overlapping rows are safe
-    ids[: len(src)] = over[got]
-    return over[~got], len(src), copied
+    got = _members(over, ids)
+    served.overflow, upd.overflow = over[got], over[~got]
+    return served
+
+
+def _members(values, ids):
+    """Bool mask of `values` found in the sorted array `ids`."""
+    if not len(ids) or not len(values):
+        return np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(ids, values), len(ids) - 1)
+    return ids[at] == values
+
+
+def _use_ahead(cache, served, ids, buf):
+    """Serve the neurons a lookahead read holds (`served` from _split_ahead; `ids` sorted, in rows
+    0.. of `buf`, none of them cached when it started): its fills are copied into their cache
+    rows, its overflow neurons move to buf's first rows in order (ids rewritten to match).
+    Returns (rows of buf to compute, fills copied)."""
+    if len(served.fill):
+        cache.copy_rows(served.fill_slots, buf, np.searchsorted(ids, served.fill))
+    over = served.overflow
+    if len(over):
+        src = np.searchsorted(ids, over)
+        for a in buf.values():
+            h = host_bytes(a).reshape(len(a), -1)
+            h[: len(src)] = h[src]  # fancy indexing copies first: overlapping rows are safe
+        ids[: len(over)] = over
+    return len(over), len(served.fill)
 
 
 def _row_ids(ids):
