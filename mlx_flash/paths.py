@@ -163,6 +163,8 @@ def write_file_atomic(path: Path, write, suffix: str = "") -> Path:
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
+            if e.filename is not None and Path(e.filename) == tmp:
+                e.filename = str(path)  # the temporary's name means nothing to the user
             raise write_error(e, path) from None
         raise
     return path

@@ -91,3 +91,23 @@ def test_llama_cpp_runs_the_export_with_our_logits(moe_pack, tmp_path):
     # llama.cpp multiplies Q4_1 weights by Q8_1-quantized activations: ~1% apart (measured
     # 0.009 olmoe, 0.010 qwen3moe); a wrong layout, router or norm gives O(1)
     assert np.linalg.norm(theirs - ours) / np.linalg.norm(ours) < 0.03
+
+
+def test_gpt2_export_of_an_opt_pack_holds_its_tensors_and_lands_whole(tmp_path):
+    import gguf
+
+    from mlx_flash.sources.gguf_export import write_gpt2_gguf
+
+    pack = tmp_path / "opt-tiny"
+    assert convert_main(["--synthetic", "opt-tiny", "--out", str(pack)]) == 0
+    out = write_gpt2_gguf(pack, tmp_path / "m.gguf", default_gguf_path())
+    _, w = load_pack_weights(pack)
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    fc1 = np.array(w["model.decoder.layers.1.fc1.weight"].astype(mx.float32))
+    got = tensors["blk.1.ffn_up.weight"]
+    assert np.array_equal(np.asarray(got.data, np.float32).reshape(fc1.shape), fc1)
+    assert not list(tmp_path.glob(".*"))
+    (tmp_path / "blocked").mkdir()  # a folder where the file should go: one line naming it
+    with pytest.raises(FlashError, match="blocked: cannot write"):
+        write_gpt2_gguf(pack, tmp_path / "blocked", default_gguf_path())
+    assert not list(tmp_path.glob(".*"))

@@ -14,13 +14,13 @@ The file is written tensor by tensor: the tensor table from the manifest first, 
 tensors and one MoE layer's expert blocks at a time, so memory holds one layer's experts.
 """
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FlashError
 from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
+from ..paths import write_file_atomic
 from .gguf import gguf_name
 
 # mlx-lm model_type -> llama.cpp architecture
@@ -121,7 +121,7 @@ def _numpy(arr) -> np.ndarray:
 
 
 def write_moe_gguf(pack_dir, out, tokenizer_gguf) -> Path:
-    """Write the MoE pack `pack_dir` as a llama.cpp GGUF at `out` (temporary file, renamed).
+    """Write the MoE pack `pack_dir` as a llama.cpp GGUF at `out`, whole (paths.write_file_atomic).
 
     tokenizer_gguf: a GGUF whose gpt2 BPE tokenizer the pack uses (synthetic packs: the
     embedded model's). FlashError names the pack when its architecture or quantization has no
@@ -143,35 +143,33 @@ def write_moe_gguf(pack_dir, out, tokenizer_gguf) -> Path:
     _, resident = load_resident(pack, manifest=manifest)
     resident = {k: _numpy(v) for k, v in resident.items()}
     plan = _tensor_plan(manifest)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
-        _add_metadata(writer, config, pack, tokenizer_gguf)
-        shapes = _declared(plan, manifest, resident)
-        for (name, _, _), (shape, dtype, nbytes, raw) in zip(plan, shapes):
-            writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        layer_entry, layer_tensors = None, None
-        for name, base, where in plan:
-            if where == "resident":
-                tensors = resident
-            else:
-                if where is not layer_entry:  # one layer's experts in memory at a time
-                    comps = read_layer_components(pack, where)
-                    layer_tensors = {c.source: _numpy(comps[c.name]) for c in where.components}
-                    layer_entry = where
-                tensors = layer_tensors
-            arr, _ = _gguf_array(name, tensors, base)
-            writer.write_tensor_data(arr)
-        writer.close()
-        tmp.replace(out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+
+    def write(tmp):
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        try:
+            _add_metadata(writer, config, pack, tokenizer_gguf)
+            shapes = _declared(plan, manifest, resident)
+            for (name, _, _), (shape, dtype, nbytes, raw) in zip(plan, shapes):
+                writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            layer_entry, layer_tensors = None, None
+            for name, base, where in plan:
+                if where == "resident":
+                    tensors = resident
+                else:
+                    if where is not layer_entry:  # one layer's experts in memory at a time
+                        comps = read_layer_components(pack, where)
+                        layer_tensors = {c.source: _numpy(comps[c.name]) for c in where.components}
+                        layer_entry = where
+                    tensors = layer_tensors
+                arr, _ = _gguf_array(name, tensors, base)
+                writer.write_tensor_data(arr)
+        finally:
+            writer.close()
+
+    return write_file_atomic(out, write, suffix=out.suffix)
 
 
 def _declared(plan, manifest, resident) -> list:
@@ -244,8 +242,7 @@ def write_gpt2_gguf(pack: Path, out: Path, tokenizer_gguf: Path) -> Path:
         a = a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
         return np.array(a)
 
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")
-    writer = gguf.GGUFWriter(str(tmp), "gpt2")
+    writer = gguf.GGUFWriter(None, "gpt2")  # the file is opened by write() below
     writer.add_name(f"mlx-flash synthetic export of {pack.name}")
     writer.add_context_length(ctx)
     writer.add_embedding_length(hidden)
@@ -280,13 +277,13 @@ def write_gpt2_gguf(pack: Path, out: Path, tokenizer_gguf: Path) -> Path:
         writer.add_tensor(f"{b}ffn_up.bias", t("fc1.bias").astype(np.float32))
         writer.add_tensor(f"{b}ffn_down.weight", t("fc2.weight"))
         writer.add_tensor(f"{b}ffn_down.bias", t("fc2.bias").astype(np.float32))
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+
+    def write(tmp):
+        try:
+            writer.write_header_to_file(path=tmp)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+    return write_file_atomic(out, write, suffix=out.suffix)
