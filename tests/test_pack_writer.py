@@ -469,3 +469,16 @@ def test_resident_bits_quantizes_the_resident_linears_and_leaves_the_bundles(tin
     for bad in ({"quantize": 4}, {"resident_bits": 5}, {"resident_group_size": 48}):
         with pytest.raises(FlashError, match="--resident-"):
             write_pack(src, tmp_path / "bad", **{"resident_bits": 8, **bad}, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gate_bits": 5}, "--gate-bits 5: choose 2, 3, 4 or 8, for a float pack"),
+    ({"gate_bits": 4, "quantize": 4}, "--gate-bits 4: choose 2, 3, 4 or 8, for a float pack"),
+    ({"gate_bits": 4, "gate_group_size": 48}, "--gate-group-size 48: choose 32, 64 or 128"),
+    ({"resident_bits": 5}, "--resident-bits 5: choose 4 or 8, for a float pack"),
+    ({"resident_bits": 8, "encoding": "endor"}, "--resident-bits 8: choose 4 or 8, for a float pack"),
+    ({"resident_bits": 8, "resident_group_size": 48}, "--resident-group-size 48: choose 32, 64 or 128")])
+def test_resident_quantization_flags_refuse_alike_before_reading(tmp_path, kwargs, message):
+    with pytest.raises(FlashError) as e:  # no source folder: the flags are checked first
+        write_pack(tmp_path / "missing", tmp_path / "p", progress=False, **kwargs)
+    assert str(e.value).startswith(message)

@@ -79,18 +79,9 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         raise FlashError(f"--encoding {encoding!r}: choose dense or endor")
     if alignment <= 0 or alignment % 512:
         raise FlashError(f"alignment {alignment}: must be a positive multiple of 512 bytes")
-    if gate_bits is not None and (gate_bits not in (2, 3, 4, 8) or quantize or encoding != "dense"
-                                  or expert_bits is not None):
-        raise FlashError(f"--gate-bits {gate_bits!r}: choose 2, 3, 4 or 8, for a float pack "
-                         f"(no --quantize, dense encoding)")
-    if gate_bits is not None and gate_group_size not in (32, 64, 128):
-        raise FlashError(f"--gate-group-size {gate_group_size!r}: choose 32, 64 or 128")
-    if resident_bits is not None and (resident_bits not in (4, 8) or quantize or encoding != "dense"
-                                      or expert_bits is not None):
-        raise FlashError(f"--resident-bits {resident_bits!r}: choose 4 or 8, for a float pack "
-                         f"(no --quantize, dense encoding)")
-    if resident_bits is not None and resident_group_size not in (32, 64, 128):
-        raise FlashError(f"--resident-group-size {resident_group_size!r}: choose 32, 64 or 128")
+    float_pack = not quantize and encoding == "dense" and expert_bits is None
+    _check_resident_quantization("--gate", gate_bits, (2, 3, 4, 8), gate_group_size, float_pack)
+    _check_resident_quantization("--resident", resident_bits, (4, 8), resident_group_size, float_pack)
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     gate = {"bits": gate_bits, "group_size": gate_group_size} if gate_bits else None
@@ -99,6 +90,18 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
                expert_bits, moe_routing, weights, expert_quantizer, gate, linears)
     return out
+
+
+def _check_resident_quantization(flag: str, bits, choices: tuple, group_size, float_pack: bool):
+    """FlashError unless `{flag}-bits` (None: off) is one of `choices`, for a float pack (no
+    --quantize / --expert-bits, dense encoding), and `{flag}-group-size` is 32, 64 or 128."""
+    if bits is None:
+        return
+    if bits not in choices or not float_pack:
+        names = ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+        raise FlashError(f"{flag}-bits {bits!r}: choose {names}, for a float pack (no --quantize, dense encoding)")
+    if group_size not in (32, 64, 128):
+        raise FlashError(f"{flag}-group-size {group_size!r}: choose 32, 64 or 128")
 
 
 def _load_source(src: Path, weights=None):
