@@ -74,6 +74,12 @@ def test_synthetic_model_generates(tmp_path):
     logits = model(mx.array([[1, 2, 3, 4]]))
     assert logits.shape == (1, 4, ARCHS["opt-tiny"]["vocab_size"])
     assert bool(mx.all(mx.isfinite(logits)))
+    from mlx_flash.api import encode_prompt
+    from mlx_flash.models import load_tokenizer
+
+    # the embedded model's tokenizer and chat template
+    chat = encode_prompt(load_tokenizer(out), "hi")
+    assert chat[:1] == load_tokenizer(out).encode("<|im_start|>") and len(chat) > 5
 
 
 def test_bad_arguments(tmp_path, capsys):

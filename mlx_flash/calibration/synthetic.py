@@ -46,6 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
+from ..model_folder import copy_tokenizer_files
 from ..pack import read_manifest, write_manifest, write_pack
 from ..paths import atomic_output_dir
 from ..sources import resolve_model
@@ -98,7 +99,6 @@ MOE_ARCHS = {
                            rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 MOE_GROUP_SIZE = 32  # llama.cpp's Q4_1 / Q8_0 block length: the GGUF export is then lossless
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_RANK = 128
 
 
@@ -128,10 +128,7 @@ def _tokenizer_source() -> Path:
 
 def _write_tokenizer(out: Path, vocab_size: int) -> int:
     """Copy the embedded tokenizer into `out`, padded to `vocab_size`; return its token count."""
-    src = _tokenizer_source()
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
+    copy_tokenizer_files(_tokenizer_source(), out)
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = set(tok["model"]["vocab"].values()) | {t["id"] for t in tok.get("added_tokens", [])}
     n = max(ids) + 1
