@@ -31,6 +31,7 @@ from ..config import FlashConfig
 from ..errors import FlashError
 from ..models import build_flash_model, context_length, load, load_tokenizer
 from ..models.flash import pack_predictors
+from ..nll import token_nll
 from ..sparse.predictor import PREDICTORS_FILE, PREDICTORS_JSON
 from .dense_pass import collect_inputs, text_tokens
 from .fit import fit_predictors
@@ -59,7 +60,7 @@ def score_sequences(model, sequences, progress=True, desc="eval"):
             cache = make_prompt_cache(model)
             for t in range(len(seq) - 1):
                 logits = model(mx.array(seq[t: t + 1])[None], cache=cache)[0, -1].astype(mx.float32)
-                loss = mx.logsumexp(logits) - logits[int(seq[t + 1])]
+                loss = token_nll(logits, mx.array(int(seq[t + 1])))
                 best = mx.argmax(logits)
                 mx.eval(loss, best)
                 nll.append(loss.item())

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import FlashError
 from ..model_folder import WEIGHTS_FILE, write_model_files, write_weights
+from ..nll import token_nll
 from ..paths import atomic_dir, write_json_atomic
 from .relufication_choices import DECAYS
 
@@ -83,8 +84,9 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
 # ---- losses ------------------------------------------------------------------------------------------
 
 def next_token_nll(logits, tokens):
-    """Per position negative log-likelihood (nats) of tokens[:, 1:] given logits[:, :-1]."""
-    return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:])
+    """Per position negative log-likelihood (nats) of tokens[:, 1:] given logits[:, :-1]
+    (logits of model(tokens))."""
+    return token_nll(logits[:, :-1], tokens[:, 1:])
 
 
 def distill_kl(student_logits, teacher_logits):

@@ -3,8 +3,9 @@
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+
+from ..nll import token_nll
 
 
 
@@ -15,7 +16,7 @@ def sequence_nll(model, tokens: np.ndarray, seq_len=256) -> np.ndarray:
     for s in range(0, n, seq_len):
         x = mx.array(tokens[s: s + seq_len + 1])[None]
         logits = model(x[:, :-1]).astype(mx.float32)
-        nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="none")
+        nll = token_nll(logits, x[:, 1:])
         out.append(np.array(nll[0]))
     return np.concatenate(out)
 
