@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
     "moe": "MoE expert cache hit rate vs size (with Belady), next-layer predictors, streamed runtime",
     "moe_profile": "Where an MoE decode token's time goes: attention, router, experts, combine, LM head",
+    "host": "Where a decode token's time goes on the host: evals by call site, read waits, Python between",
     "kernels": "Effective weight bandwidth of the CPU kernels, and generation tokens/s",
     "reorder": "Bytes read per token at the same neurons: pack order vs co-activation order",
     "relufy_step": "Relufication training speed: tokens/s of eager vs compiled steps at several batch shapes",
