@@ -1,7 +1,9 @@
 """An mlx-lm model folder (model.safetensors, config.json, the source's tokenizer and chat-template
 files) written crash-consistently: the one writer of the folders that pruning, relufication, the
-MoE fine-tune, MoEfication and the peers' export produce, so each loads through mlx_flash.load and
-formats chat prompts as its source does.
+MoE fine-tune, MoEfication, the peers' export and the GGUF import produce, so each loads through
+mlx_flash.load and formats chat prompts as its source does. The synthetic source folders (one
+shard per layer, a padded tokenizer) write their shards and config with write_weights and
+write_config.
 """
 
 import shutil
@@ -11,6 +13,7 @@ from .paths import (atomic_dir, atomic_output_dir, save_safetensors, write_file_
                     write_text_atomic)
 
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 # What a tokenizer and its chat template need, as mlx-lm / transformers save them.
 TOKENIZER_FILES = ("tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "*.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -38,17 +41,26 @@ def write_weights(path: Path, weights: dict) -> None:
                       suffix=".safetensors")
 
 
+def write_config(folder, config: dict) -> Path:
+    """Write `config` as `folder`/config.json, whole (paths.write_json_atomic)."""
+    path = Path(folder) / CONFIG_FILE
+    write_json_atomic(path, config)
+    return path
+
+
 def write_model_files(folder, weights: dict, config: dict, tokenizer_src, texts=None) -> Path:
     """Write an mlx-lm model into the existing `folder`: tokenizer files copied from folder
-    `tokenizer_src`, `weights` as model.safetensors, `config` as config.json, and `texts`
+    `tokenizer_src` (None: the caller writes them, e.g. a GGUF's rebuilt tokenizer), `weights`
+    as model.safetensors, `config` as config.json, and `texts`
     ({file name: text}, e.g. a README). Each file lands whole; the folder as a whole does not
     (a run's folder keeps its checkpoints beside the model): a new folder is write_model_folder's."""
     folder = Path(folder)
-    copy_tokenizer_files(tokenizer_src, folder)
+    if tokenizer_src is not None:
+        copy_tokenizer_files(tokenizer_src, folder)
     for name, text in (texts or {}).items():
         write_text_atomic(folder / name, text)
     write_weights(folder / WEIGHTS_FILE, weights)
-    write_json_atomic(folder / "config.json", config)
+    write_config(folder, config)
     return folder
 
 

@@ -82,6 +82,22 @@ def test_synthetic_model_generates(tmp_path):
     assert chat[:1] == load_tokenizer(out).encode("<|im_start|>") and len(chat) > 5
 
 
+
+@pytest.mark.parametrize("arch", ["llama-tiny", "olmoe-tiny"])
+def test_source_folders_load_through_mlx_lm(tmp_path, arch):
+    """write_source_folder / write_moe_source_folder: shards and config.json through model_folder."""
+    from mlx_flash.calibration.synthetic import MOE_ARCHS, write_moe_source_folder, write_source_folder
+    from mlx_flash.models import load_model
+
+    out = tmp_path / "src"
+    write = write_moe_source_folder if arch in MOE_ARCHS else write_source_folder
+    made = write(arch, out, progress=False)
+    assert json.loads((out / "config.json").read_text()) == made["config"]
+    assert sorted(p.name for p in out.glob("model*.safetensors")) == [
+        "model-layer000.safetensors", "model-layer001.safetensors", "model-top.safetensors"]
+    model, _ = load_model(out)
+    assert bool(mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))))
+
 def test_bad_arguments(tmp_path, capsys):
     def error(argv):
         with pytest.raises(SystemExit) as e:

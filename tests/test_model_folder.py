@@ -74,3 +74,13 @@ def test_files_into_a_run_folder_keep_what_is_beside_them(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     write_model_files(run, weights, config, tmp_path / "tiny")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json", "model.safetensors"]
+
+
+def test_without_a_tokenizer_source_only_weights_and_config_are_written(tmp_path):
+    """tokenizer_src=None: the caller writes the tokenizer (sources/gguf_convert rebuilds it)."""
+    weights, config = tiny_weights(tmp_path)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_model_files(folder, weights, config, None)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((folder / "config.json").read_text()) == config

@@ -46,9 +46,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
-from ..model_folder import copy_tokenizer_files
+from ..model_folder import copy_tokenizer_files, write_config, write_weights
 from ..pack import read_manifest, write_manifest, write_pack
-from ..paths import atomic_output_dir
+from ..paths import atomic_output_dir, write_text_atomic
 from ..sources import resolve_model
 from ..sparse.predictor import save_predictors
 
@@ -137,7 +137,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
         tok.setdefault("added_tokens", []).extend(
             {"id": i, "content": f"<|synthetic_{i}|>", "single_word": False, "lstrip": False,
              "rstrip": False, "normalized": False, "special": True} for i in range(n, vocab_size))
-        (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+        write_text_atomic(out / "tokenizer.json", json.dumps(tok, ensure_ascii=False))
         n = vocab_size
     return n
 
@@ -257,7 +257,7 @@ def synthetic_source(arch: str, out: Path, *, sparsity: float = 0.95, rank: int 
             for k in [k for k, v in w.items() if k.endswith(".weight") and v.ndim == 2]:
                 w[k] = mx.where(mx.random.uniform(shape=w[k].shape) < weight_sparsity, 0, w[k])
         shards[f"model-layer{i:03d}.safetensors"] = w
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_config(out, config)
     return {"config": config, "predictor": predictor, "synthetic": label, "shards": shards}
 
 
@@ -270,7 +270,7 @@ def write_source_folder(arch: str, out: Path, *, progress: bool = True, **option
                      file=sys.stderr):
         weights = shards.pop(name)
         mx.eval(weights)
-        mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+        write_weights(out / name, weights)
     return made
 
 
@@ -432,9 +432,9 @@ def write_moe_source_folder(arch: str, out: Path, *, bits: int = 4, group_size: 
                     q = _random_quantized(rng, shape, kind, bits, group_size)
                     tensors.update({f"{name}.{k}": mx.array(v) for k, v in q.items()})
                 bar.update(nbytes(shape, kind))
-            mx.save_safetensors(str(out / shard), tensors, metadata={"format": "mlx"})
+            write_weights(out / shard, tensors)
             del tensors
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_config(out, config)
     return {"config": config, "synthetic": label}
 
 
