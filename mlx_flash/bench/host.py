@@ -106,10 +106,14 @@ def _wrap_runtime(spans):
     from ..io import aio, loader
     from ..sparse import ffn, neuron_cache
 
-    if hasattr(aio, "AioContext"):
-        spans.wrap(aio.AioContext, "read_all", "read wait (AioContext.read_all)")
-    spans.wrap(loader.FlashLoader, "read_many", "FlashLoader.read_many")
-    spans.wrap(loader.FlashLoader, "plan", "FlashLoader.plan")
+    for name in ("read_all", "wait"):  # the AIO loop's blocking calls: reads in flight
+        if name in getattr(aio, "AioContext", object).__dict__:
+            spans.wrap(aio.AioContext, name, f"read wait (AioContext.{name})")
+    # the read path's host steps (those of this version): per-call preparation, planning, checks, copies
+    for name in ("read_many", "plan", "start_read", "finish_read", "_prepare", "_aio_batch", "_landed_crcs",
+                 "_after_reads", "_scatter", "_finish"):
+        if name in loader.FlashLoader.__dict__:
+            spans.wrap(loader.FlashLoader, name, f"FlashLoader.{name}")
     spans.wrap(neuron_cache.NeuronCache, "update", "NeuronCache.update")
     for name in ("__call__", "_sparse", "_run_sets"):
         spans.wrap(ffn.FlashFFN, name, f"FlashFFN.{name}")
