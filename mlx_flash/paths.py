@@ -139,6 +139,17 @@ def atomic_dir(target: Path, *, replace=False):
         raise
 
 
+def load_safetensors(path: Path) -> dict:
+    """{name: mx.array} of the safetensors file `path`; a file MLX cannot read (truncated, not
+    safetensors) as one FlashError naming it."""
+    import mlx.core as mx
+
+    try:
+        return mx.load(str(path))
+    except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
+        raise FlashError(f"{path}: unreadable safetensors ({e})") from None
+
+
 def save_safetensors(path: Path, arrays: dict, metadata=None) -> None:
     """mx.save_safetensors with a full disk (MLX raises a bare RuntimeError) as one FlashError."""
     import mlx.core as mx

@@ -30,6 +30,14 @@ def test_checksum_mismatch_names_file(tiny_llama, tmp_path):
         load_pack_weights(pack2)
 
 
+def test_resident_file_of_the_right_size_but_not_safetensors_is_named(tiny_llama, tmp_path):
+    pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
+    path = pack / "resident.safetensors"
+    path.write_bytes(b"\xff" * path.stat().st_size)
+    with pytest.raises(FlashError, match=r"resident\.safetensors: unreadable safetensors"):
+        load_pack_weights(pack, verify=False)
+
+
 def test_truncated_bundle_file(tiny_llama, tmp_path):
     pack = write_pack(tiny_llama("src"), tmp_path / "pack", progress=False)
     entry = read_manifest(pack)["bundles"][0]

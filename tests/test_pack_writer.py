@@ -265,7 +265,7 @@ def test_bad_source_leaves_nothing(tmp_path):
         write_pack(tmp_path / "src", tmp_path / "pack", progress=False)
     (tmp_path / "src" / "config.json").write_text("{}")
     (tmp_path / "src" / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(FlashError, match="model.safetensors"):
+    with pytest.raises(FlashError, match=r"model\.safetensors: unreadable safetensors"):
         write_pack(tmp_path / "src", tmp_path / "pack", progress=False)
     assert leftovers(tmp_path, "pack") == []
 

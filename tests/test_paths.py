@@ -13,7 +13,7 @@ import pytest
 
 from mlx_flash.errors import FlashError
 from mlx_flash.paths import (atomic_dir, atomic_output_dir, clean_stale_temporaries, flash_home,
-                             save_safetensors, temporary_path)
+                             load_safetensors, save_safetensors, temporary_path)
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):
@@ -292,6 +292,16 @@ def test_full_disk_cli_convert_mlx_is_one_line_exit_2(tmp_path, small_disk, caps
     err = capsys.readouterr().err
     assert "Traceback" not in err and "cannot write" in err.strip().splitlines()[-1]
     assert stale(small_disk) == [] and not (small_disk / "out").exists()
+
+
+def test_load_safetensors_reads_arrays_and_names_an_unreadable_file(tmp_path):
+    import mlx.core as mx
+
+    save_safetensors(tmp_path / "w.safetensors", {"a": mx.arange(3)})
+    assert load_safetensors(tmp_path / "w.safetensors")["a"].tolist() == [0, 1, 2]
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(FlashError, match=r"bad\.safetensors: unreadable safetensors \("):
+        load_safetensors(tmp_path / "bad.safetensors")
 
 
 def test_atomic_dir_replaces_only_on_success(tmp_path):

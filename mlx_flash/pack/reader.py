@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashError
+from ..paths import load_safetensors
 from .layout import mx_dtype, read_manifest
 
 
@@ -30,10 +31,7 @@ def load_resident(pack_dir, *, manifest=None, verify=True):
         raise FlashError(f"{path}: cannot read resident tensors ({e.strerror})") from None
     if size != res.length:
         raise FlashError(f"{path}: {size} bytes, manifest says {res['length']} (truncated or replaced)")
-    try:
-        weights = mx.load(str(path))
-    except Exception as e:
-        raise FlashError(f"{path}: unreadable safetensors ({e})") from None
+    weights = load_safetensors(path)
     if verify:
         crc = loaded_crc32(path, weights, size)
         if crc != res.crc32:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..errors import FlashError
 from ..model_folder import copy_tokenizer_files
-from ..paths import atomic_dir, save_safetensors
+from ..paths import atomic_dir, load_safetensors, save_safetensors
 from .reader import file_crc32
 from .schema import write_metadata
 from .layout import (COMPONENT_ALIGN, DEFAULT_ALIGNMENT, ENDOR_MIN_ZEROS, ENDOR_VERSION,
@@ -121,10 +121,7 @@ def _load_source(src: Path, weights=None):
         raise FlashError(f"{src}: no model*.safetensors files")
     weights = {}
     for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
-            raise FlashError(f"{f}: unreadable safetensors ({e})") from None
+        weights.update(load_safetensors(f))
     return config, weights, files
 
 

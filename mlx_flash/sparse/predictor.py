@@ -52,7 +52,7 @@ from ..errors import FlashError
 from ..cpu.ops import ACTIVATIONS, activation_fn, half_matvec, quantized_matvec
 from ..pack import layer_bundles, read_layer_components, read_manifest
 from ..pack.schema import FieldCheck, check_checksum, check_pack_file, read_json_file, write_metadata
-from ..paths import write_file_atomic
+from ..paths import load_safetensors, write_file_atomic
 
 FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
@@ -306,10 +306,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
         if zlib.crc32(raw) != doc.get("tensors_crc32"):
             raise FlashError(f"{st_path}: checksum mismatch with {PREDICTORS_JSON} (corrupt or "
                              "from another calibration run)")
-        try:
-            factors = mx.load(str(st_path))
-        except Exception as e:
-            raise FlashError(f"{st_path}: unreadable safetensors ({e})") from None
+        factors = load_safetensors(st_path)
     bundles = layer_bundles(manifest)
     out = {}
     for key, entry in doc["layers"].items():
