@@ -104,9 +104,6 @@ class NeuronCache:
         self.rows_moved = 0  # lifetime counters: every row write is one of these two
         self.rows_loaded = 0
         self.update_kernel = cache_update_kernel()  # None: numpy (the reference the kernel is tested on)
-        # the kernel's outputs and scratch, sized once: overflow / fill / fill slots, 2 x capacity
-        self._outputs = [np.empty(self.n_neurons, np.int64) for _ in range(3)] + \
-            [np.empty(2 * self.capacity, np.int64)]
 
     @property
     def row_bytes(self) -> int:
@@ -221,16 +218,16 @@ class NeuronCache:
 
     def _update_kernel(self, active, step: int, window: int, t0: float) -> CacheUpdate:
         """update(read=False) by the kernels' cache_update: the same rows, ids and counters."""
-        over, fill, slots, scratch = self._outputs
+        over, fill, slots = (np.empty(len(active), np.int64) for _ in range(3))
         (self.num_used, hits, evicted, moved, n_fill, n_over, win) = self.update_kernel(
             np.ascontiguousarray(active), int(step), int(window), self.ids, self.slot_of, self.last_active,
-            self.num_used, self._host, over, fill, slots, scratch)
+            self.num_used, self._host, over, fill, slots, np.empty(2 * self.capacity, np.int64))
         self.rows_moved += moved
         self.rows_loaded += n_fill
         out = CacheUpdate(needed=len(active), hits=hits, evicted=evicted, rows_moved=moved,
-                          overflow=over[:n_over].copy(), window=win, loaded=n_fill)
+                          overflow=over[:n_over], window=win, loaded=n_fill)
         if n_fill:
-            out.fill, out.fill_slots = fill[:n_fill].copy(), slots[:n_fill].copy()
+            out.fill, out.fill_slots = fill[:n_fill], slots[:n_fill]
         out.mem_s = time.perf_counter() - t0
         return out
 
