@@ -5,6 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_flash.errors import FlashError
 from mlx_flash.models import get_model_classes, load_model
@@ -64,3 +65,18 @@ def test_unknown_model_type(tiny_llama):
         load_model(resolve_model(str(path)))
     with pytest.raises(FlashError):
         get_model_classes({"model_type": "no_such_arch"})
+
+
+def test_load_weights_checked_loads_all_or_names_the_packs_resident_file(tiny_llama):
+    from mlx_flash.models.loader import build_model, load_weights_checked
+
+    folder = tiny_llama("t")
+    config = json.loads((folder / "config.json").read_text())
+    weights = dict(mx.load(str(folder / "model.safetensors")))
+    model = build_model(config, weights)
+    load_weights_checked(model, weights, "PACK")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert mx.array_equal(dict(tree_flatten(model.parameters()))[name], weights[name])
+    del weights[name]
+    with pytest.raises(FlashError, match=r"^PACK/resident\.safetensors: does not match the model \("):
+        load_weights_checked(build_model(config, weights), weights, "PACK")

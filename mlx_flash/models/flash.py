@@ -31,7 +31,7 @@ from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_c
                                 predicted_density, read_predictors_json, sparse_read_calls,
                                 sparse_read_fraction)
 from ..sparse.stats import FlashStats
-from .loader import build_model
+from .loader import build_model, load_weights_checked
 
 
 def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=None, density=None,
@@ -137,11 +137,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
             runtime.prefetcher = StreamPrefetcher(runtime, plan.streamed_layers)
         runtime.currents = currents
         runtime.eval_sparse = sparse_layers_to_eval(kinds, runtime.prefetcher is not None)
-        try:
-            model.load_weights(list(weights.items()), strict=True)
-        except ValueError as e:
-            raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
-        mx.eval(model.parameters())
+        load_weights_checked(model, weights, pack)
         if ahead_rows:
             runtime.set_lookahead(lookahead_pairs(model, kinds, predictors or {}, manifest), ahead_rows)
         patch_layers(model)

@@ -10,6 +10,7 @@ import importlib
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 # mlx-lm 0.32 has no public class lookup: `_get_classes` is load_model's own default for
 # `get_model_classes`; used here only, so an mlx-lm upgrade touches one line.
@@ -62,6 +63,16 @@ def build_model(config: dict, weights: dict | None = None):
 
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=quantized)
     return model
+
+
+def load_weights_checked(model, weights: dict, pack) -> None:
+    """Load a pack's `weights` into `model` (built by build_model) strictly, evaluated; a
+    mismatch is one FlashError naming the pack's resident.safetensors."""
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
+    mx.eval(model.parameters())
 
 
 def load_model(path: Path, lazy: bool = True):

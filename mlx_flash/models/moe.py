@@ -30,7 +30,7 @@ from ..moe.store import ExpertStore, expert_layers, scratch_bank_bytes
 from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead, switch_glus,
                           swap_switch_glu)
 from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
-from .loader import build_model
+from .loader import build_model, load_weights_checked
 
 PREDICTORS = ("lookahead", "profile", "none")
 
@@ -168,7 +168,7 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
         return StreamedSwitchGLU(store, layer, switch.activation)
 
     swapped = swap_switch_glu(model, store, make)
-    _load(model, weights, pack)
+    load_weights_checked(model, weights, pack)
     patch_layers(model)
     if resident_bank:
         for layer, entry in layers.items():
@@ -207,7 +207,7 @@ def _dense(pack):
     """mlx-lm's own model of the pack, every expert resident in its SwitchGLU."""
     config, weights = load_pack_weights(pack)
     model = build_model(config, weights)
-    _load(model, weights, pack)
+    load_weights_checked(model, weights, pack)
     patch_layers(model)
     return model
 
@@ -222,7 +222,7 @@ def _dense_mixed(pack, manifest, layers):
         setattr(parent, name, ResidentMixedSwitchGLU(switch, groups[layer], layers[layer].count))
     # the experts are loaded already; the strict load checks that the rest is the pack's
     weights.update((k, v) for k, v in tree_flatten(model.parameters()) if ".switches." in k)
-    _load(model, weights, pack)
+    load_weights_checked(model, weights, pack)
     patch_layers(model)
     return model
 
@@ -232,12 +232,4 @@ def _n_experts(config):
         if config.get(key):
             return int(config[key])
     return None
-
-
-def _load(model, weights, pack):
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise FlashError(f"{pack}/resident.safetensors: does not match the model ({e})") from None
-    mx.eval(model.parameters())
 
