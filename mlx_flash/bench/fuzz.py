@@ -49,6 +49,8 @@ def tiny_source(path: Path, seed=0, pruned=False) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
+    from ..model_folder import write_model_files
+
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
               "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
               "rms_norm_eps": 1e-5, "vocab_size": 128, "rope_theta": 10000.0,
@@ -66,9 +68,7 @@ def tiny_source(path: Path, seed=0, pruned=False) -> Path:
                 w = mx.where(mx.abs(w) < mx.sort(mx.abs(w).flatten())[w.size // 2], 0, w)
             weights[name] = w
     path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_model_files(path, weights, config, tokenizer_src=None)
 
 
 def tiny_pack(root: Path, predictors=False, encoding="dense") -> Path:
