@@ -6,6 +6,7 @@ Each subcommand lives in its own module here and exposes `add_arguments(parser)`
 
 SUBCOMMANDS = {
     "fuzz": "Property-based fuzzing of the pack / predictors / GGUF readers and the CPU kernels",
+    "early_reads": "Recall / precision of a sparse layer's neurons known before its mask (pre-attention gate, lookahead, hot set)",
     "endor": "ENDOR Fig. 5 per layer: cold read + decode of dense, ENDOR and zstd bytes",
     "blas": "Float32 matmul/matvec speed of MLX's CPU backend and the BLAS it uses",
     "io": "Cold-cache read throughput of the flash loader (paper Fig. 2b)",
