@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "aio_read.h"
+#include "read_plan.h"
 
 namespace nb = nanobind;
 
@@ -21,11 +22,31 @@ using Flags = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::
 using Results = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Bytes1 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Crcs = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Plan = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 // (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
 using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
 }  // namespace
 
 void bind_io(nb::module_& m) {
+  m.def(
+      "plan_strided_reads",
+      [](I64 ids, int64_t count, int64_t offset, int64_t stride, int64_t align, bool merge, int64_t merge_gap,
+         int64_t max_read, Plan out) {
+        const int64_t n = static_cast<int64_t>(ids.shape(0));
+        if (out.shape(0) != 8 || static_cast<int64_t>(out.shape(1)) != n)
+          throw std::invalid_argument("plan_strided_reads: out must be int64 [8, len(ids)]");
+        if (stride <= 0 || align <= 0 || offset < 0)
+          throw std::invalid_argument("plan_strided_reads: stride and align must be > 0, offset >= 0");
+        int64_t* o = out.data();
+        return flash::plan_strided_reads(n, ids.data(), count, offset, stride, align, merge, merge_gap, max_read,
+                                         o, o + n, o + 2 * n, o + 3 * n, o + 4 * n, o + 5 * n, o + 6 * n, o + 7 * n);
+      },
+      nb::arg("ids"), nb::arg("count"), nb::arg("offset"), nb::arg("stride"), nb::arg("align"), nb::arg("merge"),
+      nb::arg("merge_gap"), nb::arg("max_read"), nb::arg("out"),
+      "The read plan of bundles `ids` of a plain layer (bundle i: stride bytes at offset + i * stride) as "
+      "io.planner.plan_read_arrays makes it: out rows <- sorted ids, index, starts, lengths, r0, r1, first, "
+      "member_read (r0, r1, first: the first k entries). Returns k (reads), -1 (an id outside 0..count-1) or -2 "
+      "(duplicate ids).");
   if (!flash::aio_read_available()) return;  // io.aio keeps its own loop (not Linux)
   m.def(
       "aio_read",

@@ -525,8 +525,9 @@ def test_read_plans_land_the_same_bytes_planned_once(make_pack, tiny_llama, tmp_
         assert np.array_equal(plan.ids, np.sort(ids)) and np.array_equal(ids[plan.index], plan.ids)
         assert len(plan.r0) < len(ids)  # neighbours merged
         plans = []
-        real = loader_module.plan_read_arrays
-        monkeypatch.setattr(loader_module, "plan_read_arrays", lambda *a, **k: plans.append(1) or real(*a, **k))
+        for name in ("plan_read_arrays", "plan_strided"):  # ENDOR layers / plain layers
+            real = getattr(loader_module, name)
+            monkeypatch.setattr(loader_module, name, lambda *a, real=real, **k: plans.append(1) or real(*a, **k))
         dest = loader.alloc(layer, 64)
         stats = loader.read(layer, plan, dest, slots[plan.index])
         assert plans == [] and stats.reads == len(plan.r0) and stats.bundles == 50

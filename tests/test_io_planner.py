@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from mlx_flash.io import ReadCost, aio, calibrate, load_cost, plan_reads
+from mlx_flash.errors import FlashError
+from mlx_flash.io import ReadCost, aio, calibrate, load_cost, plan_reads, planner
 
 
 def test_planner_merges_by_cost():
@@ -81,3 +82,47 @@ def test_an_aio_curve_whose_landing_terms_were_measured_an_older_way_is_measured
     save_cost(tmp_path, 32, curve, "aio")
     got = load_cost(tmp_path, 32, "aio")
     assert (got.segment_s, got.copy_bandwidth) == (1.5e-6, 5e9)
+
+
+def _random_strided_case(rng):
+    """Random ids (sorted, shuffled, runs, empty) of a random plain layer and a random planner."""
+    count = int(rng.integers(1, 3000))
+    stride = int(rng.choice([64, 1036, 3000, 4096, 12288]))
+    ids = rng.choice(count, int(rng.integers(0, min(count, 400) + 1)), replace=False)
+    if rng.random() < 0.3:  # a run of neighbours, as a chunked cache fill asks
+        lo = int(rng.integers(0, count))
+        ids = np.arange(lo, min(count, lo + int(rng.integers(1, 200))))
+    if rng.random() < 0.5:
+        ids = np.sort(ids)
+    cost = None if rng.random() < 0.2 else ReadCost(float(rng.choice([0.0, 1e-6, 2e-5, 1e-4])), 1e9)
+    return dict(ids=ids, count=count, offset=int(rng.integers(0, 4)) * 4096 + int(rng.choice([0, 17])),
+                stride=stride, align=int(rng.choice([1, 512, 4096])), cost=cost,
+                max_read=int(rng.choice([1000, 16384, 65536, 1 << 20])))
+
+
+def test_plan_strided_kernel_plans_exactly_as_numpy(monkeypatch):
+    # the kernel's one pass and the numpy planner give the same arrays, row for row, on random
+    # layers, ids, alignments, merge gaps and max_read (including reads of one oversized bundle)
+    if planner.plan_strided_kernel is None:
+        pytest.skip("kernels not built")
+    rng = np.random.default_rng(1)
+    names = ("ids", "index", "starts", "lengths", "r0", "r1", "first", "member_read")
+    for _ in range(400):
+        case = _random_strided_case(rng)
+        a, b, c = case.pop("ids"), case.pop("count"), case.pop("offset")
+        got = planner.plan_strided(a, b, c, **case)
+        with monkeypatch.context() as m:
+            m.setattr(planner, "plan_strided_kernel", None)
+            want = planner.plan_strided(a, b, c, **case)
+        for name, x, y in zip(names, got, want):
+            assert x.dtype == np.int64 and np.array_equal(x, y), (name, case)
+
+
+@pytest.mark.parametrize("ids, message", [([3, 7, 10], "bundle id out of range 0..9"),
+                                          ([-1, 2], "bundle id out of range 0..9"),
+                                          ([4, 2, 4], "duplicate bundle ids in one read")])
+def test_plan_strided_refuses_bad_ids_naming_the_file(monkeypatch, ids, message):
+    for kernel in (planner.plan_strided_kernel, None):
+        monkeypatch.setattr(planner, "plan_strided_kernel", kernel)
+        with pytest.raises(FlashError, match=f"^layer3.bin: {message}$"):
+            planner.plan_strided(ids, 10, 0, 4096, align=4096, cost=ReadCost(1e-5, 1e9), path="layer3.bin")

@@ -160,9 +160,9 @@ def test_chunked_reads_stage_at_most_their_limit_and_are_planned_once(tmp_path_f
                 assert p.r0[k] <= p.starts[a] and p.starts[b - 1] + entry.stride <= p.r1[k]
         whole = all_bundles(ld, 0)
         ld._local.staging = None  # staging grows to the largest call from here on
-        plans = []  # every plan_read_arrays call of the loader: one per update, however many pieces
-        real = loader_module.plan_read_arrays
-        monkeypatch.setattr(loader_module, "plan_read_arrays", lambda *a, **k: plans.append(1) or real(*a, **k))
+        plans = []  # every plan of a plain layer by the loader: one per update, however many pieces
+        real = loader_module.plan_strided
+        monkeypatch.setattr(loader_module, "plan_strided", lambda *a, **k: plans.append(1) or real(*a, **k))
         cache = NeuronCache(ld, 0, 70, max_read_bytes=limit)
         cache.update(ids, 0, 5)
         cache.check({k: v for k, v in whole.items()})  # the same bytes landed in every row
