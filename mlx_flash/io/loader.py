@@ -110,6 +110,15 @@ def _segments_per_read(targets, slots, first) -> np.ndarray:
     return 1 + np.add.reduceat(breaks, first)
 
 
+def _staged_offsets(job) -> np.ndarray:
+    """Where each bundle of a staged job sits in the staging buffer (bytes), computed once per job:
+    the landed crc32s and the copy out both need it."""
+    if job.staged_at is None:
+        reads = job.member_read
+        job.staged_at = job.pos[reads] + job.starts - job.r0[reads]
+    return job.staged_at
+
+
 def _members_of(job, reads) -> np.ndarray:
     """Indices into job.ids of the bundles that planned reads `reads` (indices) hold, read by
     read: array ops over those reads only (a batch of landed reads of a large request)."""
@@ -209,6 +218,7 @@ class _Job:
     iov: np.ndarray | None = None  # zero-copy AIO: iovecs of every read, in order (aio.IOVEC)
     iov_counts: np.ndarray | None = None  # iovecs of each read
     scratch: memoryview | None = None  # where gap iovecs point: kept alive while reads fly
+    staged_at: np.ndarray | None = None  # staged jobs: each bundle's offset in staging (_staged_offsets)
 
 
 class FlashLoader:
@@ -245,6 +255,7 @@ class FlashLoader:
         self._started = {}  # start_read key -> {"ctx": its AioContext, "staging": its buffer}
         self._finish_pool = None
         self._target_cache = {}
+        self._layout_cache = {}
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
@@ -461,12 +472,12 @@ class FlashLoader:
             ctx = self._local.aio = aio.AioContext(self.threads)
             with self._lock:
                 self._aio_contexts.append(ctx)
+        read_bytes = sum(int(j.r1.sum() - j.r0.sum()) for j in jobs)
+        if read_bytes <= STAGED_BATCH and aio.read_loop_kernel is not None:
+            return self._read_aio_at_once(ctx, jobs, staging, flat)
         counts = np.array([len(j.r0) for j in jobs])
         firsts = np.cumsum(counts) - counts  # index of each job's first read in the AIO results
         left, finishing = counts.copy(), []
-        read_bytes = sum(int((j.r1 - j.r0).sum()) for j in jobs)
-        if read_bytes <= STAGED_BATCH and aio.read_loop_kernel is not None:
-            return self._read_aio_at_once(ctx, jobs, staging, flat)
         # large reads land rarely: check each at once (Python per completion is then negligible)
         min_batch = 1 if read_bytes >= LARGE_READ * counts.sum() else None
         pending = iter(jobs[1:])
@@ -526,8 +537,8 @@ class FlashLoader:
         if any(b[4] is not None for b in batches):
             vectored = np.concatenate([np.zeros(len(b[0]), bool) if b[4] is None else b[4] for b in batches])
         crcs = self._landed_crcs(jobs, flat)
-        res = ctx.read_all(*(np.concatenate([b[k] for b in batches]) for k in range(4)), vectored,
-                           landed=crcs)
+        joined = batches[0][:4] if len(batches) == 1 else [np.concatenate([b[k] for b in batches]) for k in range(4)]
+        res = ctx.read_all(*joined, vectored, landed=crcs)
         self._after_reads(jobs, res, crcs, staging, flat)
 
     def _after_reads(self, jobs, res, crcs, staging, flat):
@@ -541,8 +552,13 @@ class FlashLoader:
             landed = np.flatnonzero(results == job.r1 - job.r0)
             got = None if crcs is None else crcs[-1][bundle: bundle + len(job.ids)]
             bundle += len(job.ids)
-            if len(landed) == len(job.r0) and got is None:
-                self._finish(job, flat)
+            if len(landed) == len(job.r0):
+                if got is None:
+                    self._finish(job, flat)
+                elif len(bad := np.flatnonzero(got != job.f.crc[job.ids])):
+                    raise _checksum_mismatch(job, int(bad[0]))
+                else:
+                    self._scatter(job, flat, checked=True)
                 continue
             if len(landed):  # the short or failed reads are redone by _complete_aio
                 members = np.arange(len(job.ids)) if len(landed) == len(job.r0) else _members_of(job, landed)
@@ -563,16 +579,19 @@ class FlashLoader:
         if not self.verify or flat is None or any(j.zero_copy or j.lengths is not None for j in jobs) \
                 or any(j.pieces != jobs[0].pieces for j in jobs):
             return None
+        pieces = [(0, jobs[0].tight)] if jobs[0].tight else jobs[0].pieces
+        piece_arrays = (np.array([o for o, _ in pieces], np.int64), np.array([k for _, k in pieces], np.int64))
+        if len(jobs) == 1:  # a decode token's call: no joining
+            job = jobs[0]
+            return (flat, np.append(job.first, len(job.ids)), _staged_offsets(job), *piece_arrays,
+                    np.zeros(len(job.ids), np.uint32))
         starts, firsts, n = [], [], 0
         for job in jobs:
-            reads = job.member_read
-            starts.append(job.pos[reads] + job.starts - job.r0[reads])
+            starts.append(_staged_offsets(job))
             firsts.append(job.first + n)
             n += len(job.ids)
-        pieces = [(0, jobs[0].tight)] if jobs[0].tight else jobs[0].pieces
         return (flat, np.concatenate([*firsts, [n]]).astype(np.int64), np.concatenate(starts).astype(np.int64),
-                np.array([o for o, _ in pieces], np.int64), np.array([k for _, k in pieces], np.int64),
-                np.zeros(n, np.uint32))
+                *piece_arrays, np.zeros(n, np.uint32))
 
     def _aio_batch(self, job, flat):
         """(fds, offsets, sizes, addresses, vectored) of a job's reads for AioContext.read:
@@ -780,17 +799,31 @@ class FlashLoader:
             return _Job(f, entry, targets, False, ids, slots, plan.starts, 0, False, [], 0, r0, r1,
                         first, member_read, lengths=plan.lengths, roles=roles)
         stride = entry.stride
-        pieces = [(c.offset, c.length) for c in entry.components]
-        used = sum(n for _, n in pieces)
-        tight = used if all(o == sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces)) else 0
-        align = self.alignment if f.direct and sys.platform != "darwin" else 1
-        zero_copy = stride % align == 0 and all(
-            off % align == 0 and n % align == 0 and address(mat) % align == 0
-            for off, n, mat in targets)
+        pieces, tight, zero_copy = self._layout(entry, f, targets)
         if zero_copy and stage_saves_time(self.cost, r1 - r0, _segments_per_read(targets, slots, first)):
             zero_copy = False  # one contiguous landing + a copy beats many small segments here
         return _Job(f, entry, targets, raw, ids, slots, plan.starts, stride, zero_copy, pieces, tight,
                     r0, r1, first, member_read)
+
+    def _layout(self, entry, f, targets):
+        """(pieces [(offset, length)] of the components in a bundle, tight: their bytes when packed
+        back to back else 0, whether reads can land straight in `targets`' rows): constants of a
+        layer and destination, kept with the cached targets (_targets) instead of redone per call."""
+        key = (entry.file, id(targets))
+        hit = self._layout_cache.get(key)
+        if hit is not None and hit[0] is targets:
+            return hit[1]
+        pieces = [(c.offset, c.length) for c in entry.components]
+        used = sum(n for _, n in pieces)
+        tight = used if all(o == sum(n for _, n in pieces[:i]) for i, (o, _) in enumerate(pieces)) else 0
+        align = self.alignment if f.direct and sys.platform != "darwin" else 1
+        aligned = entry.stride % align == 0 and all(
+            off % align == 0 and n % align == 0 and address(mat) % align == 0
+            for off, n, mat in targets)
+        if len(self._layout_cache) >= 1024:
+            self._layout_cache.pop(next(iter(self._layout_cache)))
+        self._layout_cache[key] = (targets, (pieces, tight, aligned))  # holds targets: ids stay unique
+        return pieces, tight, aligned
 
     def _targets(self, entry, dest):
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw).
@@ -861,12 +894,15 @@ class FlashLoader:
         into their rows)."""
         if job.lengths is not None:
             return self._decode(job, flat, members)
-        members = np.arange(len(job.ids)) if members is None else np.asarray(members, np.int64)
-        reads = job.member_read[members]
-        offs = job.pos[reads] + job.starts[members] - job.r0[reads]
+        if members is None:  # every bundle: the job's own arrays
+            members, offs, slots = np.arange(len(job.ids)), _staged_offsets(job), job.slots
+        else:
+            members = np.asarray(members, np.int64)
+            reads = job.member_read[members]
+            offs, slots = job.pos[reads] + job.starts[members] - job.r0[reads], job.slots[members]
         if self.verify and not checked:
             self._check(job, flat, offs, members)
-        slots, stride = job.slots[members], job.stride
+        stride = job.stride
         if copy_rows_kernel is None:  # numpy: runs of bundles one stride apart in staging going
             # to consecutive rows (chunks, experts) are one strided copy per run and component
             bounds = np.flatnonzero((np.diff(offs) != stride) | (np.diff(slots) != 1)) + 1
@@ -991,6 +1027,7 @@ class FlashLoader:
             ctx.close()
         self._aio_contexts = []
         self._target_cache.clear()
+        self._layout_cache.clear()
         for f in self._open_files.values():
             self.files.close(f.fd)
             if f.buffered_fd is not None:
