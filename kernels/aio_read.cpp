@@ -2,7 +2,6 @@
 #include "aio_read.h"
 
 #include "endor_decode.h"
-#include "row_copy.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -29,9 +28,6 @@ void crc_landed(const LandedCrcs& l, int64_t read) {
     for (int64_t p = 0; p < l.pieces; ++p)
       crc = endor::crc32(crc, l.flat + l.starts[b] + l.piece_off[p], l.piece_len[p], l.isa);
     l.crcs[b] = crc;
-    for (int64_t t = 0; t < l.targets; ++t)
-      copy_rows(l.flat + l.target_off[t], l.starts + b, l.target_len[t], reinterpret_cast<uint8_t*>(l.target_base[t]),
-                l.target_stride[t], l.slots + b, 1, l.isa);
   }
 }
 

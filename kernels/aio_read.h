@@ -20,15 +20,6 @@ struct LandedCrcs {
   int64_t pieces;
   uint32_t* crcs;
   Isa isa;
-  // Optional (targets > 0): then each landed bundle b is also copied out, target t's
-  // target_len[t] bytes at its offset target_off[t] to row slots[b] of target t (target_base[t] +
-  // slots[b] * target_stride[t]): the copy out overlaps with the reads still in flight.
-  int64_t targets = 0;
-  const int64_t* slots = nullptr;
-  const int64_t* target_off = nullptr;
-  const int64_t* target_len = nullptr;
-  const uint64_t* target_base = nullptr;
-  const int64_t* target_stride = nullptr;
 };
 
 // Read sizes[i] bytes at offsets[i] of fds[i] into addresses[i] (vectored[i] != 0: addresses[i] is

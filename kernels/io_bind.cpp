@@ -25,9 +25,6 @@ using Crcs = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Plan = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 // (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
 using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
-// (slots, target offsets, target lengths, target addresses, target row strides, target rows): each
-// landed bundle copied out to its rows as well (LandedCrcs' optional part).
-using LandedRows = std::tuple<I64, I64, I64, U64, I64, I64>;
 }  // namespace
 
 void bind_io(nb::module_& m) {
@@ -54,7 +51,7 @@ void bind_io(nb::module_& m) {
   m.def(
       "aio_read",
       [](uint64_t ctx, I64 fds, I64 offsets, I64 sizes, U64 addresses, std::optional<Flags> vectored, int64_t depth,
-         Results res, std::optional<Landed> landed, std::optional<LandedRows> rows) {
+         Results res, std::optional<Landed> landed) {
         const size_t n = fds.shape(0);
         if (offsets.shape(0) != n || sizes.shape(0) != n || addresses.shape(0) != n || res.shape(0) != n ||
             (vectored.has_value() && vectored->shape(0) != n))
@@ -81,29 +78,6 @@ void bind_io(nb::module_& m) {
               throw std::invalid_argument("aio_read: a landed bundle runs outside flat");
           crcs = {flat.data(), first.data(), starts.data(), piece_off.data(), piece_len.data(),
                   static_cast<int64_t>(piece_off.shape(0)), out.data(), flash::active_isa()};
-          if (rows.has_value()) {
-            auto& [slots, t_off, t_len, t_base, t_stride, t_rows] = *rows;
-            const size_t targets = t_off.shape(0);
-            if (slots.shape(0) != starts.shape(0) || t_len.shape(0) != targets || t_base.shape(0) != targets ||
-                t_stride.shape(0) != targets || t_rows.shape(0) != targets)
-              throw std::invalid_argument("aio_read: landed rows arrays do not match the bundles or targets");
-            for (size_t t = 0; t < targets; ++t)
-              if (t_off.data()[t] < 0 || t_len.data()[t] < 0 || t_off.data()[t] + t_len.data()[t] > extent ||
-                  t_len.data()[t] > t_stride.data()[t] || t_base.data()[t] == 0)
-                throw std::invalid_argument("aio_read: a landed rows target outside its bundle or row");
-            for (int64_t b = 0; b < bundles; ++b)
-              for (size_t t = 0; t < targets; ++t)
-                if (slots.data()[b] < 0 || slots.data()[b] >= t_rows.data()[t])
-                  throw std::invalid_argument("aio_read: a landed bundle's row out of range");
-            crcs.targets = static_cast<int64_t>(targets);
-            crcs.slots = slots.data();
-            crcs.target_off = t_off.data();
-            crcs.target_len = t_len.data();
-            crcs.target_base = t_base.data();
-            crcs.target_stride = t_stride.data();
-          }
-        } else if (rows.has_value()) {
-          throw std::invalid_argument("aio_read: landed rows need landed crc32s");
         }
         int64_t error;
         {
@@ -116,13 +90,10 @@ void bind_io(nb::module_& m) {
       },
       nb::arg("ctx"), nb::arg("fds"), nb::arg("offsets"), nb::arg("sizes"), nb::arg("addresses"),
       nb::arg("vectored").none(), nb::arg("depth"), nb::arg("res"), nb::arg("landed").none() = nb::none(),
-      nb::arg("rows").none() = nb::none(),
       "Every read i (sizes[i] bytes at offsets[i] of fds[i] into addresses[i]; vectored[i] != 0: an array of "
       "sizes[i] iovecs there) through the io_setup context ctx with at most depth in flight, in one loop with "
       "the GIL released; res[i] <- bytes read or -errno. Returns 0 or the -errno of a failed io_submit / "
       "io_getevents (every submitted read has completed by then). landed: (flat, first, starts, piece_off, "
       "piece_len, crcs): as read k lands whole (plain reads), crcs[b] <- the crc32 of bundle b (flat[starts[b]:], "
-      "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight. rows: "
-      "(slots, target_off, target_len, target_addr, target_stride, target_rows): each such bundle is then also "
-      "copied out, target_len[t] bytes from its offset target_off[t] to row slots[b] of target t.");
+      "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight.");
 }

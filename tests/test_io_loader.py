@@ -259,9 +259,9 @@ def aio_only(monkeypatch) -> list:
 
     real_read_all = aio.AioContext.read_all
 
-    def spy_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None, rows=None):  # a small call's reads at once
+    def spy_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None):  # a small call's reads at once
         calls.append(vectored)
-        return real_read_all(self, fds, offsets, sizes, addresses, vectored, landed, rows)
+        return real_read_all(self, fds, offsets, sizes, addresses, vectored, landed)
 
     monkeypatch.setattr(aio.AioContext, "read", spy)
     monkeypatch.setattr(aio.AioContext, "read_all", spy_all)
@@ -400,8 +400,8 @@ def test_small_calls_read_at_once_and_redo_short_and_failed_reads(make_pack, mon
     pack = make_pack(**kwargs)
     real_read_all, spoiled = aio.AioContext.read_all, []
 
-    def flaky_read_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None, rows=None):
-        res = real_read_all(self, fds, offsets, sizes, addresses, vectored, landed, rows)
+    def flaky_read_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None):
+        res = real_read_all(self, fds, offsets, sizes, addresses, vectored, landed)
         for k in range(0, len(res), 3):  # every third read: short, or EIO; its bytes are wiped
             vec = vectored is not None and vectored[k]
             pieces = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * int(sizes[k]))).from_address(

@@ -159,7 +159,7 @@ class AioContext:
             raise
         return res
 
-    def read_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None, rows=None) -> np.ndarray:
+    def read_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None) -> np.ndarray:
         """`read` without callbacks: every read submitted and reaped in one call of the kernels'
         loop (no Python per submission or completion; the GIL is released while reads fly), or
         `read` itself without the kernels. Same arguments and result (bytes read or -errno per read).
@@ -167,10 +167,7 @@ class AioContext:
         landed (kernels only): (flat uint8, first int64 [reads + 1], starts int64, piece offsets,
         piece lengths, crcs uint32 out): as plain read k lands whole, crcs[b] <- the crc32 of bundle b
         (flat[starts[b]:] over the pieces, chained) for b in first[k]..first[k + 1] - 1, while later
-        reads are still in flight; bundles of reads that did not land whole are left as they were.
-        rows (with landed): (slots, target offsets, target lengths, target addresses, target row
-        strides, target rows), int64 / uint64 arrays: each such bundle is then also copied out, its
-        bytes at target_off[t] to row slots[b] of target t, while later reads are in flight."""
+        reads are still in flight; bundles of reads that did not land whole are left as they were."""
         if read_loop_kernel is None:
             if landed is not None:
                 raise ValueError("read_all: landed crc32s need the kernels' loop")
@@ -179,7 +176,7 @@ class AioContext:
         flags = None if vectored is None else np.ascontiguousarray(vectored, np.uint8)
         err = read_loop_kernel(self._ctx.value, np.ascontiguousarray(fds, np.int64),
                                np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(sizes, np.int64),
-                               np.ascontiguousarray(addresses, np.uint64), flags, self.depth, res, landed, rows)
+                               np.ascontiguousarray(addresses, np.uint64), flags, self.depth, res, landed)
         if err:
             raise OSError(-err, "io_submit / io_getevents failed")
         return res

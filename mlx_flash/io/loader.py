@@ -537,16 +537,14 @@ class FlashLoader:
         if any(b[4] is not None for b in batches):
             vectored = np.concatenate([np.zeros(len(b[0]), bool) if b[4] is None else b[4] for b in batches])
         crcs = self._landed_crcs(jobs, flat)
-        rows = self._landed_rows(jobs[0]) if crcs is not None and len(jobs) == 1 else None
         joined = batches[0][:4] if len(batches) == 1 else [np.concatenate([b[k] for b in batches]) for k in range(4)]
-        res = ctx.read_all(*joined, vectored, landed=crcs, rows=rows)
-        self._after_reads(jobs, res, crcs, staging, flat, copied=rows is not None)
+        res = ctx.read_all(*joined, vectored, landed=crcs)
+        self._after_reads(jobs, res, crcs, staging, flat)
 
-    def _after_reads(self, jobs, res, crcs, staging, flat, copied=False):
+    def _after_reads(self, jobs, res, crcs, staging, flat):
         """Check and copy out (staged) or check (zero copy) the bundles of jobs whose reads all
         finished (res: each read's AIO result, jobs' reads in order; crcs: `_landed_crcs`' taken
-        as they landed, or None; copied: the landed bundles were copied out as they landed too,
-        `_landed_rows`), redoing short or failed reads (_complete_aio)."""
+        as they landed, or None), redoing short or failed reads (_complete_aio)."""
         first = bundle = 0
         for job in jobs:
             results = res[first: first + len(job.r0)]
@@ -559,7 +557,7 @@ class FlashLoader:
                     self._finish(job, flat)
                 elif len(bad := np.flatnonzero(got != job.f.crc[job.ids])):
                     raise _checksum_mismatch(job, int(bad[0]))
-                elif not copied:
+                else:
                     self._scatter(job, flat, checked=True)
                 continue
             if len(landed):  # the short or failed reads are redone by _complete_aio
@@ -594,19 +592,6 @@ class FlashLoader:
             n += len(job.ids)
         return (flat, np.concatenate([*firsts, [n]]).astype(np.int64), np.concatenate(starts).astype(np.int64),
                 *piece_arrays, np.zeros(n, np.uint32))
-
-    @staticmethod
-    def _landed_rows(job):
-        """read_all's `rows` argument copying a staged plain job's bundles to their rows as each read
-        lands (while later reads fly, instead of in one pass after the last), or None without the
-        kernels' copy."""
-        if copy_rows_kernel is None:
-            return None
-        mats = [mat for _, _, mat in job.targets]
-        return (np.ascontiguousarray(job.slots, np.int64), np.array([off for off, _, _ in job.targets], np.int64),
-                np.array([n for _, n, _ in job.targets], np.int64),
-                np.array([address(m) for m in mats], np.uint64), np.array([m.strides[0] for m in mats], np.int64),
-                np.array([m.shape[0] for m in mats], np.int64))
 
     def _aio_batch(self, job, flat):
         """(fds, offsets, sizes, addresses, vectored) of a job's reads for AioContext.read:
