@@ -49,8 +49,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
       --kind gate-threshold), each sparse layer followed by a sparse layer reads that layer's
       lookahead neurons while it computes (FlashRuntime.set_lookahead; its buffers, two of
       Req_1 rows plus their staging, come out of the budget). None: off unless the environment
-      sets MLX_FLASH_LOOKAHEAD=1 (idle, on the 88-minute CATS pack at 65%, it made flash slower:
-      129.7 vs 108.6 ms/token; loaded runs measured it faster: docs/benchmarks.md).
+      sets MLX_FLASH_LOOKAHEAD=1 (idle, on the 88-minute CATS packs at 65%, it made flash slower:
+      129.7 vs 108.6 ms/token, float16 resident; 67.8 vs 55.8, 8-bit resident: docs/benchmarks.md).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
