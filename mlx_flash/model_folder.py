@@ -6,9 +6,11 @@ shard per layer, a padded tokenizer) write their shards and config with write_we
 write_config.
 """
 
+import json
 import shutil
 from pathlib import Path
 
+from .errors import FlashError
 from .paths import (atomic_dir, atomic_output_dir, save_safetensors, write_file_atomic, write_json_atomic,
                     write_text_atomic)
 
@@ -46,6 +48,25 @@ def write_config(folder, config: dict) -> Path:
     path = Path(folder) / CONFIG_FILE
     write_json_atomic(path, config)
     return path
+
+
+def read_config(folder) -> dict:
+    """The object in `folder`/config.json (a model folder or pack); a missing, unreadable,
+    non-JSON or non-object file is one FlashError naming the file and the reason."""
+    path = Path(folder) / CONFIG_FILE
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise FlashError(f"{path}: missing") from None
+    except OSError as e:
+        raise FlashError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise FlashError(f"{path}: not JSON ({str(e)[:200]})") from None
+    if not isinstance(config, dict):
+        raise FlashError(f"{path}: not a JSON object (a {type(config).__name__})")
+    return config
 
 
 def write_model_files(folder, weights: dict, config: dict, tokenizer_src, texts=None) -> Path:

@@ -12,7 +12,7 @@ from conftest import write_tiny_llama
 import mlx_flash
 from mlx_flash.api import encode_prompt
 from mlx_flash.errors import FlashError
-from mlx_flash.model_folder import write_model_files, write_model_folder
+from mlx_flash.model_folder import read_config, write_config, write_model_files, write_model_folder
 from mlx_flash.models import load_tokenizer
 
 
@@ -84,3 +84,29 @@ def test_without_a_tokenizer_source_only_weights_and_config_are_written(tmp_path
     write_model_files(folder, weights, config, None)
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((folder / "config.json").read_text()) == config
+
+
+def test_read_config_returns_what_write_config_wrote(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 64, "eos_token_id": [1, 2]}
+    write_config(tmp_path, config)
+    assert read_config(tmp_path) == config
+    assert read_config(str(tmp_path)) == config
+
+
+@pytest.mark.parametrize("text, reason", [
+    (None, "missing"),
+    ('{"model_type": "llama",', "not JSON"),
+    (b"\xff\xfe{}", "not JSON"),
+    ('["llama"]', "not a JSON object"),
+    ("null", "not a JSON object"),
+])
+def test_read_config_bad_file_is_one_line_naming_it(tmp_path, text, reason):
+    if isinstance(text, bytes):
+        (tmp_path / "config.json").write_bytes(text)
+    elif text is not None:
+        (tmp_path / "config.json").write_text(text)
+    with pytest.raises(FlashError) as e:
+        read_config(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'config.json'}: {reason}")
+    assert "\n" not in message

@@ -16,7 +16,6 @@ here (--gguf FILE gives one).
 """
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ import mlx.core as mx
 from ..calibration.synthetic import is_synthetic
 from ..errors import FlashError
 from ..pack import load_pack_weights
-from ..model_folder import write_model_folder
+from ..model_folder import read_config, write_model_folder
 from ..sources import default_gguf_path, write_moe_gguf
 from ..sources.gguf_export import write_gpt2_gguf
 
@@ -71,7 +70,7 @@ def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
 
     folder = Path(folder)
     t0 = time.perf_counter()
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)
     if mlx_lm_model_classes(config) is not None:
         model, _ = mlx_lm_load_model(folder, lazy=False)
         loader = "mlx_lm.utils.load_model"

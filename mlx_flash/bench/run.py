@@ -17,7 +17,6 @@ DIR/report.md with tables and PNG plots, and a printed summary.
 """
 
 import glob
-import json
 import os
 import shlex
 import shutil
@@ -36,6 +35,7 @@ from ..io import FlashLoader, evict
 from ..io.cache import pack_files
 from ..io.planner import profile_file
 from ..io.read_cost import describe_profile
+from ..model_folder import read_config
 from ..models import is_flash_pack, is_moe_pack, load_tokenizer
 from ..pack import read_manifest, write_pack
 from ..paths import PYTHON_DOC_LIBRARY, flash_home, write_json_atomic
@@ -222,7 +222,7 @@ class Suite:
             raise FlashError(f"{self.pack}: the baseline run (naive, uncapped) failed: {r.error}")
         v = r.value
         self.baseline_bytes = max(0, v["summary"]["peak_rss"] - v["plan_weights_bytes"])
-        cfg = json.loads((self.pack / "config.json").read_text())
+        cfg = read_config(self.pack)
         layers = cfg.get("num_hidden_layers", len(self.manifest.bundles))
         hidden = cfg.get("hidden_size", 0)
         heads = cfg.get("num_attention_heads", 1)
@@ -245,7 +245,7 @@ class Suite:
     def sweep_length(self):
         if "length" not in self.sweeps():
             return 0
-        cfg = json.loads((self.pack / "config.json").read_text())
+        cfg = read_config(self.pack)
         limit = cfg.get("max_position_embeddings") or 10**9
         return max(1, min(self.args.sweep_length, limit - self.args.prompt_tokens - 2))
 

@@ -15,7 +15,6 @@ same outputs as mlx-lm's SwitchGLU on the top-k (tested), large matmuls instead 
 Float32 (on Linux: OpenBLAS preloaded), the shared compiled step of calibration/training.py.
 """
 
-import json
 import random
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import FlashError
+from ..model_folder import read_config
 from .training import (SEQ_LEN, ce_and_kl, checkpoint_dirs, compiled_update, kernels_off,
                        make_optimizer, restore_trainer, save_checkpoint, start_run, text_sequences,
                        train_loop, write_json, write_model_folder)
@@ -93,7 +93,7 @@ def load_student(folder: Path):
     """(mixtral model in float32 with dense-equivalent MoE blocks, its config) of a moefy folder."""
     from ..models import load_model
 
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_config(folder)
     if config.get("model_type") != "mixtral" or "quantization" in config:
         raise FlashError(f"{folder}: expected a float moefied mixtral folder (python -m mlx_flash.moefy's)")
     model, _ = load_model(Path(folder), lazy=False)

@@ -7,7 +7,6 @@ sources are pruned on their dequantized values; the pruned model is saved in flo
 (`convert --quantize 4|8` re-quantizes; `convert --encoding endor` keeps the zeros exact).
 """
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,6 +15,7 @@ import numpy as np
 
 from ..endor.prune import DEFAULT_LAYERS, check_args, prune_weight, select_linears
 from ..errors import FlashError
+from ..model_folder import read_config
 from ..paths import PYTHON_DOC_LIBRARY
 
 # Calibration and held-out texts shipped on this machine (never the same files).
@@ -44,7 +44,7 @@ def load_float_model(folder: Path):
     from ..models import get_model_classes
     from .dense_pass import dequantized
 
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)
     weights = {}
     for f in sorted(folder.glob("model*.safetensors")):
         weights.update(mx.load(str(f)))

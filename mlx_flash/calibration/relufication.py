@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import FlashError
+from ..model_folder import read_config
 from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
 from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa: F401
 from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
@@ -75,7 +76,7 @@ def load_float32(path: Path):
     from ..models import load_model
     from .dense_pass import dequantized
 
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = read_config(path)
     if config.get("model_type") not in SOURCE_TYPES:
         raise FlashError(f"--model {path}: model_type {config.get('model_type')!r}; relufication "
                          f"needs a llama-family gated FFN ({', '.join(SOURCE_TYPES)})")
@@ -395,7 +396,7 @@ def train_step_fn(model, optimizer, teacher=None, distill: float = 0.0, clip: fl
 def restore_checkpoint(ckpt: Path, optimizer, config: dict):
     """(model, trainer state) from a checkpoint folder; the optimizer's state is restored in place."""
     state = restore_trainer(ckpt, optimizer)
-    saved_config = json.loads((ckpt / "config.json").read_text())
+    saved_config = read_config(ckpt)
     keys = ("hidden_act", "activation_threshold") if config.get("activation_threshold") is not None \
         else ("hidden_act",)  # per-layer thresholds: the run's own, from its checkpoint
     for key in keys:
@@ -547,14 +548,14 @@ def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=
         raise FlashError(f"--curve {out}: no checkpoints ({out / CHECKPOINTS} is empty or missing)")
     first = json.loads((ckpts[0] / TRAINER_JSON).read_text())
     check_disjoint(first.get("train_files", []), eval_files)
-    src = Path(original or json.loads((ckpts[0] / "config.json").read_text()).get("relufied_from", ""))
+    src = Path(original or read_config(ckpts[0]).get("relufied_from", ""))
     tokenizer = load_tokenizer(ckpts[0])
     seqs = text_sequences(eval_files, tokenizer, seq_len, eval_tokens, flag="--eval-text")
     rows = []
     if src and (src / "config.json").is_file():
         teacher, src_config = load_float32(src)
         rows.append({"step": "original", "tokens_trained": 0, "seconds": 0.0, **measure(teacher, seqs)})
-        cfg = json.loads((ckpts[0] / "config.json").read_text())
+        cfg = read_config(ckpts[0])
         from mlx.utils import tree_flatten
 
         swapped = build_model(cfg, dict(tree_flatten(teacher.parameters())))
@@ -562,7 +563,7 @@ def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=
         del teacher, swapped
     for ckpt in ckpts:
         state = json.loads((ckpt / TRAINER_JSON).read_text())
-        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg = read_config(ckpt)
         model = build_model(cfg, dict(mx.load(str(ckpt / WEIGHTS_FILE))))
         model.eval()
         rows.append({"step": state["step"], "tokens_trained": state["tokens_trained"],

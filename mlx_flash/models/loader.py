@@ -7,7 +7,6 @@ memory (flash packs, calibration's dense float32 model).
 """
 
 import importlib
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +18,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
 from ..errors import FlashError
+from ..model_folder import read_config
 
 
 def mlx_lm_model_classes(config: dict):
@@ -90,7 +90,7 @@ def load_model(path: Path, lazy: bool = True):
 
 def load_tokenizer(path: Path):
     """mlx-lm's tokenizer wrapper for a folder or pack (eos ids from its config.json)."""
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path)
     eos = config.get("eos_token_id")
     try:
         return mlx_lm_load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
