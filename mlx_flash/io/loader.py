@@ -23,8 +23,8 @@ from ..paths import flash_home
 from . import aio
 from .files import (IOV_MAX, FileLayer, address, aligned_buffer, copy_rows, copy_rows_kernel, read_full,
                     use_huge_pages)
-from .planner import (DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, plan_read_arrays,
-                      plan_strided, sort_bundle_ids)
+from .planner import (DEFAULT_MAX_READ, ReadCost, ReadPlan, calibrate, load_cost, member_reads,
+                      plan_read_arrays, plan_strided, sort_bundle_ids)
 from .read_cost import FINISH_THREADS, stage_saves_time
 
 # A bundle file this large is measured in place (read-only): random reads of up to 1 MiB need room.
@@ -88,11 +88,12 @@ def _checksum_mismatch(job, i: int) -> FlashError:
 
 
 def _check_crcs(job, members, crcs) -> None:
-    """Raise _checksum_mismatch for the first of bundles `members` (indices into job.ids) whose
-    crc32 in `crcs` differs from the file's table."""
-    bad = np.flatnonzero(crcs != job.f.crc[job.ids[members]])
+    """Raise _checksum_mismatch for the first of bundles `members` (indices into job.ids; None:
+    every bundle, without index arrays) whose crc32 in `crcs` differs from the file's table."""
+    ids = job.ids if members is None else job.ids[members]
+    bad = np.flatnonzero(crcs != job.f.crc[ids])
     if len(bad):
-        raise _checksum_mismatch(job, int(members[bad[0]]))
+        raise _checksum_mismatch(job, int(bad[0] if members is None else members[bad[0]]))
 
 
 def _segments_per_read(targets, slots, first) -> np.ndarray:
@@ -555,9 +556,8 @@ class FlashLoader:
             if len(landed) == len(job.r0):
                 if got is None:
                     self._finish(job, flat)
-                elif len(bad := np.flatnonzero(got != job.f.crc[job.ids])):
-                    raise _checksum_mismatch(job, int(bad[0]))
                 else:
+                    _check_crcs(job, None, got)
                     self._scatter(job, flat, checked=True)
                 continue
             if len(landed):  # the short or failed reads are redone by _complete_aio
@@ -790,8 +790,7 @@ class FlashLoader:
                 if f.crc is None:
                     f.crc = read_checksum_table(f.path, entry)
         ids, r0, r1, first = plan.ids, plan.r0, plan.r1, plan.first
-        member_read = plan.member_read if plan.member_read is not None else \
-            np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
+        member_read = plan.member_read if plan.member_read is not None else member_reads(first, len(ids))
         if entry.encoding == "endor":
             if not isinstance(dest, dict):
                 raise FlashError(f"{f.path}: ENDOR bundles decode into component arrays (use FlashLoader.alloc)")

@@ -179,6 +179,11 @@ def plan_read_arrays(starts, length, *, align=1, cost: ReadCost | None = None,
     return a0[first], a1[bounds[1:] - 1], first
 
 
+def member_reads(first, n: int) -> np.ndarray:
+    """The read holding each of `n` bundles, reads k holding bundles first[k]..first[k + 1] - 1."""
+    return np.repeat(np.arange(len(first)), np.diff(np.append(first, n)))
+
+
 def sort_bundle_ids(ids, count, path="bundle file"):
     """(sorted ids, index: where each was in `ids`, a stable sort) of bundle ids (int64); FlashError
     naming `path` for an id outside 0..count-1 or a repeated id."""
@@ -211,8 +216,7 @@ def plan_strided(ids, count, offset, stride, *, align=1, cost: ReadCost | None =
     ids, index = sort_bundle_ids(ids, count, path)
     starts = offset + ids * stride
     r0, r1, first = plan_read_arrays(starts, stride, align=align, cost=cost, max_read=max_read)
-    member_read = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(ids))))
-    return ids, index, starts, np.full(len(ids), stride, np.int64), r0, r1, first, member_read
+    return ids, index, starts, np.full(len(ids), stride, np.int64), r0, r1, first, member_reads(first, len(ids))
 
 
 @dataclass
