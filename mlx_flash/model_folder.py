@@ -6,13 +6,11 @@ shard per layer, a padded tokenizer) write their shards and config with write_we
 write_config.
 """
 
-import json
 import shutil
 from pathlib import Path
 
-from .errors import FlashError
-from .paths import (atomic_dir, atomic_output_dir, save_safetensors, write_file_atomic, write_json_atomic,
-                    write_text_atomic)
+from .paths import (atomic_dir, atomic_output_dir, read_json_file, save_safetensors, write_file_atomic,
+                    write_json_atomic, write_text_atomic)
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -51,22 +49,9 @@ def write_config(folder, config: dict) -> Path:
 
 
 def read_config(folder) -> dict:
-    """The object in `folder`/config.json (a model folder or pack); a missing, unreadable,
-    non-JSON or non-object file is one FlashError naming the file and the reason."""
-    path = Path(folder) / CONFIG_FILE
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise FlashError(f"{path}: missing") from None
-    except OSError as e:
-        raise FlashError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise FlashError(f"{path}: not JSON ({str(e)[:200]})") from None
-    if not isinstance(config, dict):
-        raise FlashError(f"{path}: not a JSON object (a {type(config).__name__})")
-    return config
+    """The object in `folder`/config.json (a model folder or pack): paths.read_json_file, whose
+    FlashError names the file and the reason (missing, unreadable, not JSON, not an object)."""
+    return read_json_file(Path(folder) / CONFIG_FILE, "model config")
 
 
 def write_model_files(folder, weights: dict, config: dict, tokenizer_src, texts=None) -> Path:

@@ -1,6 +1,8 @@
 """Where mlx-flash keeps files (the cache home), and crash-consistent writes: temporary path beside
 the target, fsync, rename, fsync of the folder, so output appears whole or not at all.
 
+One reader of our small JSON files (config.json, manifest.json, predictors.json): read_json_file.
+
 A temporary name carries the writer's process id (`.NAME.tmp-PID-XXXX`), so a later writer of the
 same target removes the temporaries of processes that no longer run (killed, power loss) and leaves
 those of live ones alone. A full disk or any other OSError becomes one FlashError line naming the
@@ -12,10 +14,16 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 # Debian python3-doc's library pages: the offline real text that benches and pruning default to.
 PYTHON_DOC_LIBRARY = "/usr/share/doc/python3*/html/_sources/library/*.rst.txt"
+# Far above any config or metadata file we read, so a corrupt one fails here, not in a huge read.
+MAX_JSON_BYTES = 256 << 20
+# What a JSON document that is not an object holds, in JSON's own words (for read_json_file's message).
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
 
 from .errors import FlashError
 
@@ -89,6 +97,35 @@ def temporary_path(target: Path) -> Path:
     """A fresh temporary name beside `target`, marked with this process id."""
     target = Path(target)
     return target.parent / f"{_temp_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def read_json_file(path, what: str = "JSON file") -> dict:
+    """The object in the JSON file `path` (a model's config.json, a pack's manifest, predictors),
+    read only once it is a regular file of at most MAX_JSON_BYTES (a FIFO would block the read, a
+    device would never end). `what` names the file's role in the too-large message. Missing,
+    unreadable, not a regular file, too large, not JSON, or not an object: one FlashError line
+    '<path>: <reason>'."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise FlashError(f"{path}: not a regular file")
+        if st.st_size > MAX_JSON_BYTES:
+            raise FlashError(f"{path}: {st.st_size} bytes, too large for a {what} (at most "
+                             f"{MAX_JSON_BYTES})")
+        text = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FlashError(f"{path}: missing") from None
+    except OSError as e:
+        raise FlashError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise FlashError(f"{path}: not JSON this reader can parse (nested too deeply)") from None
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        raise FlashError(f"{path}: not JSON ({str(e)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise FlashError(f"{path}: not a JSON object ({_JSON_KINDS[type(doc)]})")
+    return doc
 
 
 def write_error(e: BaseException, path) -> FlashError:

@@ -195,7 +195,10 @@ def test_manifest_that_is_a_fifo_or_huge_is_refused(tmp_path):
         read_manifest(tmp_path)
     (tmp_path / "manifest.json").unlink()
     (tmp_path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # deep nesting
-    with pytest.raises(FlashError, match="unreadable manifest"):
+    with pytest.raises(FlashError, match=r"manifest\.json: not JSON this reader can parse \(nested too deeply\)"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text('["mlx-flash-pack"]')
+    with pytest.raises(FlashError, match=r"manifest\.json: not a JSON object \(an array\)"):
         read_manifest(tmp_path)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mlx_flash.errors import FlashError
 from mlx_flash.paths import (atomic_dir, atomic_output_dir, clean_stale_temporaries, flash_home,
-                             load_safetensors, save_safetensors, temporary_path)
+                             load_safetensors, read_json_file, save_safetensors, temporary_path)
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):
@@ -349,3 +349,75 @@ def test_write_file_atomic_keeps_the_old_file_until_the_new_one_is_whole(tmp_pat
     assert path.read_text() == "new" and list(tmp_path.iterdir()) == [path]
     with pytest.raises(FlashError, match="missing.*cannot write"):
         write_text_atomic(tmp_path / "missing" / "r.md", "table")
+
+
+def test_read_json_file_returns_the_object(tmp_path):
+    doc = {"model_type": "llama", "eos_token_id": [1, 2], "nested": {"a": None}}
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    assert read_json_file(tmp_path / "config.json") == doc
+    assert read_json_file(str(tmp_path / "config.json"), "manifest") == doc
+
+
+@pytest.mark.parametrize("content, reason", [
+    (None, "missing"),
+    ('{"model_type": "llama",', "not JSON ("),
+    (b"\xff\xfe{}", "not JSON ("),
+    ("[" * 100_000 + "]" * 100_000, "not JSON this reader can parse (nested too deeply)"),
+    ('["llama"]', "not a JSON object (an array)"),
+    ("null", "not a JSON object (null)"),
+    ("4096", "not a JSON object (a number)"),
+    ("1e400", "not a JSON object (a number)"),
+    ('"llama"', "not a JSON object (a string)"),
+    ("true", "not a JSON object (a boolean)"),
+])
+def test_read_json_file_bad_file_is_one_line_naming_it(tmp_path, content, reason):
+    path = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(FlashError) as e:
+        read_json_file(path)
+    assert str(e.value).startswith(f"{path}: {reason}") and "\n" not in str(e.value)
+
+
+def test_read_json_file_refuses_what_is_not_a_regular_file_without_reading_it(tmp_path):
+    import threading
+
+    os.mkfifo(tmp_path / "fifo.json")  # opening it to read would block until a writer comes
+    (tmp_path / "dir.json").mkdir()
+    result = {}
+
+    def read_both():
+        for name in ("fifo.json", "dir.json"):
+            try:
+                read_json_file(tmp_path / name)
+            except FlashError as e:
+                result[name] = str(e)
+
+    t = threading.Thread(target=read_both, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "hung reading a FIFO"
+    assert result == {name: f"{tmp_path / name}: not a regular file" for name in ("fifo.json", "dir.json")}
+
+
+def test_read_json_file_too_large_or_unreadable_is_one_line(tmp_path, monkeypatch):
+    import mlx_flash.paths as paths
+
+    path = tmp_path / "manifest.json"
+    path.write_text('{"format": "mlx-flash-pack"}')
+    monkeypatch.setattr(paths, "MAX_JSON_BYTES", 16)
+    with pytest.raises(FlashError) as e:
+        read_json_file(path, "manifest")
+    assert str(e.value) == f"{path}: 28 bytes, too large for a manifest (at most 16)"
+    monkeypatch.setattr(paths, "MAX_JSON_BYTES", 28)
+    assert read_json_file(path, "manifest") == {"format": "mlx-flash-pack"}
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # root reads any mode: fail the read itself
+    with pytest.raises(FlashError) as e:
+        read_json_file(path, "manifest")
+    assert str(e.value) == f"{path}: cannot read (Permission denied)"

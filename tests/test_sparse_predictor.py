@@ -141,7 +141,7 @@ def test_missing_and_corrupt_files(pack):
     with pytest.raises(FlashError, match="do not match the pack's 2 FFN layers"):
         load_predictors(pack)
     js.write_text("{not json")
-    with pytest.raises(FlashError, match="unreadable predictors file"):
+    with pytest.raises(FlashError, match=r"predictors\.json: not JSON \("):
         load_predictors(pack)
 
 

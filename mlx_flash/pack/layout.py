@@ -308,9 +308,8 @@ def read_manifest(pack_dir) -> Manifest:
     if not os.path.lexists(path):
         raise FlashError(f"{path}: not a flash pack (no manifest.json)")
     manifest = read_json_file(path, "manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FlashError(f"{path}: not a flash pack manifest (format {manifest.get('format')!r})"
-                         if isinstance(manifest, dict) else f"{path}: not a flash pack manifest")
+    if manifest.get("format") != FORMAT:  # read_json_file returns only objects
+        raise FlashError(f"{path}: not a flash pack manifest (format {manifest.get('format')!r})")
     version = manifest.get("format_version")
     if version not in READ_VERSIONS:
         raise FlashError(f"{path}: pack format version {version}, this mlx-flash reads versions "

@@ -13,7 +13,8 @@ import zlib
 from pathlib import Path
 
 from ..errors import FlashError
-from ..paths import write_json_atomic
+# read_json_file: how the pack reads manifest.json and predictors.json (the one JSON-file reader)
+from ..paths import read_json_file, write_json_atomic  # noqa: F401
 
 DTYPE_BYTES = {"bool_": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2,
                "bfloat16": 2, "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8}
@@ -35,26 +36,6 @@ def metadata_crc32(doc: dict) -> int:
     """crc32 of a metadata document without its own checksum (canonical JSON: sorted keys)."""
     body = {k: v for k, v in doc.items() if k != CHECKSUM_KEY}
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-MAX_METADATA_BYTES = 256 << 20
-
-
-def read_json_file(path: Path, what: str):
-    """The parsed JSON of a metadata file, checked to be a regular file of sane size first (a FIFO
-    would block the read, a device would never end)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise FlashError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise FlashError(f"{path}: not a regular file")
-    if st.st_size > MAX_METADATA_BYTES:
-        raise FlashError(f"{path}: {st.st_size} bytes, too large for {what}")
-    try:
-        return json.loads(Path(path).read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        raise FlashError(f"{path}: unreadable {what} ({str(e)[:200]})") from None
 
 
 def write_metadata(path: Path, doc: dict) -> None:

@@ -215,7 +215,7 @@ def _read_predictors(pack_dir, manifest=None):
     if not os.path.lexists(path):
         return None, None
     doc = read_json_file(path, "predictors file")
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if doc.get("format") != FORMAT:  # read_json_file returns only objects
         raise FlashError(f"{path}: not a predictors file")
     if doc.get("format_version") != FORMAT_VERSION:
         raise FlashError(f"{path}: predictors format version {doc.get('format_version')}, this "
