@@ -54,3 +54,50 @@ def test_hub_repo_offline_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FlashError, match=r"--model someone/some-model: not a local path.*hub failed"):
         resolve_model("someone/some-model")
+
+
+@pytest.mark.parametrize("content, reason", [
+    ('{"model_type": "llama",', "not JSON ("),
+    ('["llama"]', "not a JSON object (an array)"),
+    ('{"hidden_size": 64}', "no model_type"),
+])
+def test_folder_with_a_bad_config_names_it(tiny_llama, content, reason):
+    path = tiny_llama()
+    (path / "config.json").write_text(content)
+    with pytest.raises(FlashError) as e:
+        resolve_model(str(path))
+    assert str(e.value).startswith(f"{path / 'config.json'}: {reason}") and "\n" not in str(e.value)
+
+
+def test_folder_whose_config_is_a_fifo_is_refused_without_reading_it(tiny_llama):
+    import os
+    import threading
+
+    path = tiny_llama()
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")  # reading it would block until a writer comes
+    result = {}
+
+    def resolve():
+        try:
+            resolve_model(str(path))
+        except FlashError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=resolve, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "hung reading a FIFO config.json"
+    assert result == {"error": f"{path / 'config.json'}: not a regular file"}
+
+
+def test_cli_bad_config_is_one_line_exit_2(tiny_llama, tmp_path, capsys):
+    from mlx_flash.convert import main
+
+    path = tiny_llama()
+    (path / "config.json").write_text("null")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(path), "--out", str(tmp_path / "pack")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {path / 'config.json'}: not a JSON object (null)\n"
+    assert not (tmp_path / "pack").exists()

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashError
+from ..model_folder import CONFIG_FILE, read_config
 from ..paths import flash_home, write_error
 from .gguf_convert import convert_gguf
 
@@ -84,14 +85,10 @@ def check_safetensors(path: Path) -> None:
 
 def check_model_folder(path: Path) -> None:
     """A folder mlx-lm can load: config.json with model_type and intact safetensors."""
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FlashError(f"{path}: not a model folder (no config.json)")
-    try:
-        config = json.loads(config_path.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        raise FlashError(f"{config_path}: not valid JSON ({str(e)[:200]})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
+    config_path = path / CONFIG_FILE
+    if not os.path.lexists(config_path):
+        raise FlashError(f"{path}: not a model folder (no {CONFIG_FILE})")
+    if "model_type" not in read_config(path):
         raise FlashError(f"{config_path}: no model_type")
     weight_files = sorted(path.glob("model*.safetensors"))
     if not weight_files and not (path / "manifest.json").is_file():
