@@ -5,6 +5,7 @@ import collections
 import functools
 import json
 import os
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -110,6 +111,27 @@ def write_tiny_opt(path: Path, *, seed=0, hidden=64, layers=2, ffn=128, vocab=12
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def flash_error_within(call, seconds=30) -> str:
+    """The FlashError message `call()` raises, run in a daemon thread that must end within `seconds`:
+    a FIFO opened to read blocks until a writer comes, so a refusal has to come before any open."""
+    from mlx_flash.errors import FlashError
+
+    result = {}
+
+    def run():
+        try:
+            call()
+        except FlashError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"hung for {seconds} s (opened a FIFO?)"
+    assert "error" in result, "no FlashError"
+    return result["error"]
 
 
 @pytest.fixture
