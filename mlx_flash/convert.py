@@ -48,12 +48,15 @@ def _calibrate_moe(model_dir, args) -> tuple:
     found = switch_glus(model)
     if not found:
         raise FlashError(f"--calib-text: only for MoE models ({model_dir} has no mlx-lm SwitchGLU)")
-    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.calib_tokens,
-                         flag="--calib-text")
+    # tokenized once; calibration, tuning and the validation split each take their slice
+    counts = (args.calib_tokens, args.expert_tune_tokens) if args.expert_tune else (args.calib_tokens,)
+    all_tokens = text_tokens(args.calib_text, load_tokenizer(model_dir),
+                             None if args.expert_tune_val_tokens else max(counts), flag="--calib-text")
+    tokens = all_tokens[: args.calib_tokens]
     bits = quantizer = windows = None
     tolerance = args.expert_bits_tolerance
     if args.expert_tune_val_tokens:  # before the minutes of measuring: refuse too short a text now
-        windows = _validation_windows(model_dir, args)
+        windows = _validation_windows(all_tokens, args)
     if args.expert_bits is not None or tolerance is not None:
         group_size = args.group_size or 64
         quantized = {}
@@ -71,7 +74,8 @@ def _calibrate_moe(model_dir, args) -> tuple:
         else:
             bits = assign_widths(errors, args.expert_bits, widths=widths, solver=args.expert_assign)
         if args.expert_tune:
-            quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args, windows)
+            quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args,
+                                      all_tokens[: args.expert_tune_tokens], windows)
         quantizer = stored_quantizer(quantized) if quantized else None
         # scales and biases are stored in the experts' float dtype (--dtype's when given)
         itemsize = ({"float32": 4, "float16": 2, "bfloat16": 2}.get(args.dtype)
@@ -109,24 +113,23 @@ def _layer_loss_errors(model, tokens, errors, quantized, widths, group_size, arg
     return scale_by_layer_loss(errors, losses)
 
 
-def _validation_windows(model_dir, args) -> list:
-    """--expert-tune-val-tokens' windows: --calib-text tokens after the tuning range."""
-    from .calibration.dense_pass import text_tokens
+def _validation_windows(tokens, args) -> list:
+    """--expert-tune-val-tokens' windows: the --calib-text `tokens` (all of them) after the
+    tuning range."""
     from .calibration.expert_tune import validation_windows
-    from .models import load_tokenizer
 
-    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), None, flag="--calib-text")
     return validation_windows(tokens, min(len(tokens), args.expert_tune_tokens),
                               args.expert_tune_val_tokens)
 
 
-def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, windows=None) -> dict:
+def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, tokens,
+                  windows=None) -> dict:
     """`quantized` with each expert's scales/biases at its width tuned end to end against the
-    float model on --calib-text (calibration/expert_tune.py); with validation `windows`, the
-    checkpoint that scores best on them."""
-    from .calibration.dense_pass import text_tokens
+    float model on `tokens` (the first --expert-tune-tokens of --calib-text;
+    calibration/expert_tune.py); with validation `windows`, the checkpoint that scores best on
+    them."""
     from .calibration.expert_tune import quantize_resident, tune_expert_scales, tune_keeping_best
-    from .models import load_model, load_tokenizer
+    from .models import load_model
 
     def resident_as_packed():
         model, _ = load_model(model_dir, lazy=False)
@@ -135,8 +138,6 @@ def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, windows
         return model
 
     student = resident_as_packed()
-    tokens = text_tokens(args.calib_text, load_tokenizer(model_dir), args.expert_tune_tokens,
-                         flag="--calib-text")
     kw = dict(steps=args.expert_tune, group_size=group_size, lr=args.expert_tune_lr,
               lr_by_width=args.expert_tune_lr_width)
     if windows:
@@ -336,6 +337,13 @@ def _main(argv):
     if wants_bits and not args.calib_text:
         raise FlashError("--expert-bits: needs --calib-text FILE... (each expert's importance is "
                          "measured on text)")
+    if args.calib_text:
+        from .calibration.dense_pass import MIN_TOKENS  # (imports mlx-lm: only when calibrating)
+
+        for flag, n in (("--calib-tokens", args.calib_tokens),
+                        ("--expert-tune-tokens", args.expert_tune_tokens)):
+            if n < MIN_TOKENS:  # the text is tokenized once and sliced: refuse a short slice here
+                raise FlashError(f"{flag} {n}: must be >= {MIN_TOKENS}")
     if args.synthetic:
         if args.format != "pack":
             raise FlashError("--synthetic: only with --format pack")

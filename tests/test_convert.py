@@ -153,6 +153,62 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert e.value.code == 2 and "--calib-text" in capsys.readouterr().err
 
 
+def test_convert_tokenizes_calib_text_once_and_slices_it(embedded_model_dir, text, tmp_path,
+                                                          monkeypatch, capsys):
+    """Calibration, tuning and the validation split get the tokens separate tokenizations gave."""
+    import shutil
+
+    import numpy as np
+    from calibration_packs import write_text
+    from conftest import write_tiny_moe
+
+    from mlx_flash.calibration import dense_pass, expert_bits, expert_tune
+    from mlx_flash.models import load_tokenizer
+
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4, layers=1, vocab=49152)
+    for f in embedded_model_dir.glob("tokenizer*"):
+        shutil.copy2(f, src / f.name)
+    files = [str(text), str(write_text(tmp_path / "b.txt", seed=1)), str(text)]
+    calls, seen = {}, {}
+
+    def spy(module, name, **positions):  # counts the calls, keeps the arguments at `positions`
+        real = getattr(module, name)
+
+        def call(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            seen.update({key: a[i] for key, i in positions.items()})
+            return real(*a, **kw)
+        monkeypatch.setattr(module, name, call)
+        return real
+
+    text_tokens = spy(dense_pass, "text_tokens")
+    spy(expert_bits, "measure_errors", measured=1)
+    spy(expert_bits, "routing_statistics", routed=1)
+    spy(expert_tune, "tune_keeping_best", tuned=5, windows=6)
+    assert main(["--model", str(src), "--group-size", "32", "--calib-text", *files,
+                 "--calib-tokens", "100", "--expert-bits", "3", "--expert-quantizer", "minmax",
+                 "--expert-tune", "1", "--expert-tune-tokens", "300", "--expert-tune-val-tokens",
+                 "512", "--expert-tune-every", "1", "--out", str(tmp_path / "p")]) == 0
+    assert calls["text_tokens"] == 1
+    tok = load_tokenizer(src)
+    separate = {n: text_tokens(files, tok, n) for n in (100, 300, None)}
+    assert len(separate[300]) == 300 and len(separate[None]) > 300 + 2 * 257
+    np.testing.assert_array_equal(seen["measured"], separate[100])
+    np.testing.assert_array_equal(seen["routed"], separate[100])
+    np.testing.assert_array_equal(seen["tuned"], separate[300])
+    want = expert_tune.validation_windows(separate[None], 300, 512)
+    assert len(seen["windows"]) == len(want) == 2
+    for got, w in zip(seen["windows"], want):
+        np.testing.assert_array_equal(got, w)
+    capsys.readouterr()
+    for flag in ("--calib-tokens", "--expert-tune-tokens"):  # below text_tokens' minimum: refused
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(src), "--calib-text", *files, "--expert-bits", "3", flag, "63",
+                  "--out", str(tmp_path / "q")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.endswith(f"{flag} 63: must be >= 64"), err
+
+
 def test_gate_bits_flag_keeps_the_gate_resident(tiny_llama, tmp_path, capsys):
     src = tiny_llama("src", dtype="float16")
     out = tmp_path / "pack"
