@@ -131,8 +131,27 @@ def test_keep_checkpoints_deletes_the_older_ones_and_resumes_from_the_newest(src
     assert [d.name for d in R.checkpoint_dirs(tmp_path / "run")] == ["step-000004", "step-000005"]
     rows = R.curve(tmp_path / "run", [texts[1]], eval_tokens=64, seq_len=32, progress=False)
     assert [r["step"] for r in rows] == ["original", "swapped", 4, 5]
+    (R.checkpoint_dirs(tmp_path / "run")[0] / R.TRAINER_JSON).write_text("[4]")  # damaged
+    with pytest.raises(FlashError, match=r"step-000004/trainer\.json: not a JSON object \(an array\)$"):
+        R.curve(tmp_path / "run", [texts[1]], eval_tokens=64, seq_len=32, progress=False)
     with pytest.raises(FlashError, match="--keep-checkpoints -1"):
         R.relufy(src, texts, tmp_path / "x", steps=1, **dict(kw, keep_checkpoints=-1))
+
+
+def test_restore_trainer_names_a_damaged_trainer_json(tmp_path):
+    import mlx.optimizers as optim
+
+    ckpt = tmp_path / "step-000003"
+    ckpt.mkdir()
+    optimizer = optim.Adam(learning_rate=1e-3)
+    mx.save_safetensors(str(ckpt / R.OPTIMIZER_FILE), {"step": mx.array(3)})
+    (ckpt / R.TRAINER_JSON).write_text(json.dumps({"step": 3, "tokens_trained": 96}))
+    assert R.restore_trainer(ckpt, optimizer) == {"step": 3, "tokens_trained": 96}
+    assert optimizer.state["step"].item() == 3
+    (ckpt / R.TRAINER_JSON).write_text('{"step": 3, "tok')  # cut short
+    with pytest.raises(FlashError) as e:
+        R.restore_trainer(ckpt, optimizer)
+    assert str(e.value).startswith(f"{ckpt / R.TRAINER_JSON}: not JSON (") and "\n" not in str(e.value)
 
 
 def test_prune_checkpoints_never_deletes_the_newest_written(tmp_path):

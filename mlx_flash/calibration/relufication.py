@@ -20,7 +20,6 @@ Every file is written to a temporary name, fsynced and renamed; a checkpoint dir
 into place whole.
 """
 
-import json
 import math
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN, 
                        TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, check_disjoint,
                        checkpoint_dirs, compiled_update, distill_kl, kernels_off, make_optimizer,
                        next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, start_run,
-                       text_sequences, train_loop, write_json, write_model_folder)
+                       text_sequences, train_loop, trainer_state, write_json, write_model_folder)
 
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
@@ -546,7 +545,7 @@ def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=
     ckpts = checkpoint_dirs(out)
     if not ckpts:
         raise FlashError(f"--curve {out}: no checkpoints ({out / CHECKPOINTS} is empty or missing)")
-    first = json.loads((ckpts[0] / TRAINER_JSON).read_text())
+    first = trainer_state(ckpts[0])
     check_disjoint(first.get("train_files", []), eval_files)
     src = Path(original or read_config(ckpts[0]).get("relufied_from", ""))
     tokenizer = load_tokenizer(ckpts[0])
@@ -562,7 +561,7 @@ def curve(out: Path, eval_files, *, eval_tokens=4096, seq_len=SEQ_LEN, original=
         rows.append({"step": "swapped", "tokens_trained": 0, "seconds": 0.0, **measure(swapped, seqs)})
         del teacher, swapped
     for ckpt in ckpts:
-        state = json.loads((ckpt / TRAINER_JSON).read_text())
+        state = trainer_state(ckpt)
         cfg = read_config(ckpt)
         model = build_model(cfg, dict(mx.load(str(ckpt / WEIGHTS_FILE))))
         model.eval()

@@ -11,7 +11,6 @@ Every file is written to a temporary name, fsynced and renamed; a checkpoint dir
 into place whole.
 """
 
-import json
 import math
 import os
 import shutil
@@ -27,7 +26,7 @@ import numpy as np
 from ..errors import FlashError
 from ..model_folder import WEIGHTS_FILE, write_model_files, write_weights
 from ..nll import token_nll
-from ..paths import atomic_dir, write_json_atomic
+from ..paths import atomic_dir, read_json_file, write_json_atomic
 from .relufication_choices import DECAYS
 
 SEQ_LEN = 256             # tokens per training / evaluation sequence
@@ -239,7 +238,13 @@ def restore_trainer(ckpt: Path, optimizer) -> dict:
     if not (ckpt / OPTIMIZER_FILE).is_file():
         raise FlashError(f"{ckpt}: no {OPTIMIZER_FILE} (only the newest checkpoint can be resumed)")
     optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER_FILE)).items()))
-    return json.loads((ckpt / TRAINER_JSON).read_text())
+    return trainer_state(ckpt)
+
+
+def trainer_state(ckpt: Path) -> dict:
+    """The trainer state of checkpoint `ckpt` (trainer.json: step, tokens trained, seconds, losses);
+    a missing or damaged file is one FlashError naming it (paths.read_json_file)."""
+    return read_json_file(Path(ckpt) / TRAINER_JSON, "trainer state")
 
 
 def checkpoint_dirs(out: Path) -> list:
