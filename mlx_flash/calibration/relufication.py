@@ -10,14 +10,9 @@ next-token cross-entropy + `distill` x KL(teacher || student) where the teacher 
 original model. Sparsity is measured as the fraction of FFN hidden values that are exactly 0 (a
 neuron whose weights a flash runtime need not read for that token).
 
-A run's folder (`out`):
-    checkpoints/step-NNNNNN/   a loadable model folder (config.json, model.safetensors, tokenizer)
-                               + trainer.json (step, tokens trained, seconds, losses); the newest
-                               also holds optimizer.safetensors (AdamW state) for --resume;
-                               only the newest `keep_checkpoints` are kept (0: all)
-    config.json, model.safetensors, tokenizer files, relufication.json   the final model
-Every file is written to a temporary name, fsynced and renamed; a checkpoint directory is renamed
-into place whole.
+A run's folder (`out`): checkpoints/ as training.py lays them out (the newest `keep_checkpoints`
+kept, 0: all), and the final model beside them: config.json, model.safetensors, tokenizer files,
+relufication.json.
 """
 
 import math
