@@ -17,6 +17,7 @@ from .errors import FlashError
 from .moe.bitwidths import SOLVERS, WIDTHS
 from .moe.quantize import METHODS
 from .pack import read_manifest, write_pack
+from .pack.writer import check_resident_modules
 from .sources import convert_gguf, is_gguf, resolve_model
 
 
@@ -173,6 +174,46 @@ def _width_factor(value: str) -> tuple:
     return out
 
 
+def _resident_module(value: str) -> tuple:
+    """(name, (bits, group_size)) of --resident-module's NAME=BITS[:GROUP] (group default 64)."""
+    name, _, rest = value.partition("=")
+    bits, _, size = rest.partition(":")
+    try:
+        return name, (int(bits), int(size or 64))
+    except ValueError:
+        raise FlashError(f"--resident-module {value}: not NAME=BITS[:GROUP] (e.g. embed_tokens=8 "
+                         "or q_proj=4:32)") from None
+
+
+def _resident_quantizer(model_dir, args):
+    """write_pack's resident_quantizer for --resident-quantizer (None: mx.quantize), with the
+    float model's linear inputs on --resident-calib-text for the methods that weigh by them."""
+    from .calibration.resident_quant import input_moments, resident_quantizer
+
+    method = args.resident_quantizer
+    if method in ("mlx", "minmax") and args.resident_calib_text:
+        raise FlashError(f"--resident-calib-text: --resident-quantizer {method} uses no calibration "
+                         "text (clip, gptq and gptq-fit do)")
+    if method == "mlx":
+        return None
+    if not args.resident_bits:
+        raise FlashError(f"--resident-quantizer {method}: needs --resident-bits")
+    if not args.resident_calib_text:
+        if method in ("gptq", "gptq-fit"):
+            raise FlashError(f"--resident-quantizer {method}: needs --resident-calib-text FILES")
+        return resident_quantizer(method)
+    import mlx.core as mx
+
+    from .calibration.dense_pass import text_tokens
+    from .models import load_model, load_tokenizer
+
+    model, _ = load_model(model_dir, lazy=False)
+    model.set_dtype(mx.float32)
+    tokens = text_tokens(args.resident_calib_text, load_tokenizer(model_dir), args.resident_calib_tokens,
+                         flag="--resident-calib-text")
+    return resident_quantizer(method, input_moments(model, tokens))
+
+
 def _main(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mlx_flash.convert",
@@ -212,6 +253,23 @@ def _main(argv):
                              "fewer bytes per token's matvecs (docs/relufy.md)")
     parser.add_argument("--resident-group-size", type=int, choices=(32, 64, 128), default=64,
                         help="--resident-bits: quantization group size (default 64)")
+    parser.add_argument("--resident-module", type=_resident_module, nargs="+", default=None,
+                        metavar="NAME=BITS[:GROUP]",
+                        help="--resident-bits: these resident linears at their own bits (4, 8, or "
+                             "16 = kept float) and group size (default 64) instead; NAME is a "
+                             "module path or its end, e.g. embed_tokens=8 q_proj=4:32 (docs/relufy.md)")
+    parser.add_argument("--resident-quantizer", choices=METHODS, default="mlx",
+                        help="--resident-bits: how the resident linears are rounded, always in MLX's "
+                             "affine format: mlx = mx.quantize (default); minmax = each group's own "
+                             "min..max grid; clip = the range shrink with the least error; gptq = "
+                             "clip plus GPTQ's error-compensating rounding with each linear's inputs "
+                             "on --resident-calib-text; gptq-fit = gptq, then each row's scales and "
+                             "biases refit to those inputs")
+    parser.add_argument("--resident-calib-text", nargs="+", default=None, metavar="FILE",
+                        help="--resident-quantizer clip/gptq/gptq-fit: calibration text (never the "
+                             "text you evaluate on)")
+    parser.add_argument("--resident-calib-tokens", type=int, default=4096,
+                        help="--resident-calib-text: calibration tokens (default 4096)")
     parser.add_argument("--down-bits", type=int, choices=(4, 8, 16), default=16,
                         help="pack, already quantized sources: how to store each down projection "
                              "column (its groups must run the other way): 16 = the source's values "
@@ -371,11 +429,14 @@ def _main(argv):
         expert_bits = routing = quantizer = None
         if args.calib_text:
             expert_bits, routing, quantizer = _calibrate_moe(model_dir, args)
+        check_resident_modules(dict(args.resident_module or ()), args.resident_bits)  # before calibrating
+        resident_quantizer = _resident_quantizer(model_dir, args)
         write_pack(model_dir, out, dtype=args.dtype, quantize=args.quantize,
                    group_size=args.group_size or 64, down_bits=args.down_bits, encoding=args.encoding,
                    expert_bits=expert_bits, moe_routing=routing, expert_quantizer=quantizer,
                    gate_bits=args.gate_bits, resident_bits=args.resident_bits,
-                   resident_group_size=args.resident_group_size)
+                   resident_group_size=args.resident_group_size,
+                   resident_modules=dict(args.resident_module or ()), resident_quantizer=resident_quantizer)
         down = read_manifest(out).get("down")
         if down:
             print(down_report(down), file=sys.stderr)

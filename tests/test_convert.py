@@ -233,3 +233,39 @@ def test_resident_bits_flag_quantizes_the_resident_linears(tiny_llama, tmp_path,
     with pytest.raises(SystemExit) as e:
         main(["--model", str(src), "--resident-bits", "8", "--quantize", "4", "--out", str(tmp_path / "q")])
     assert e.value.code == 2 and "--resident-bits" in capsys.readouterr().err
+
+
+def test_resident_module_and_quantizer_flags(tiny_llama, tmp_path, capsys):
+    """--resident-module NAME=BITS[:GROUP] and --resident-quantizer gptq --resident-calib-text:
+    the pack holds each module at its own bits, GPTQ-rounded (not mx.quantize's values), and
+    its dense model runs; bad specs and a missing calibration text are one line, exit 2."""
+    import mlx.core as mx
+    from calibration_packs import write_byte_tokenizer
+
+    src = tiny_llama("src", dtype="float16", vocab=256)
+    write_byte_tokenizer(src)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97}" for i in range(2000)))
+    out = tmp_path / "pack"
+    assert main(["--model", str(src), "--gate-bits", "4", "--resident-bits", "4", "--resident-group-size", "32",
+                 "--resident-module", "embed_tokens=8", "v_proj=8:32", "--resident-quantizer", "gptq",
+                 "--resident-calib-text", str(text), "--resident-calib-tokens", "512", "--out", str(out)]) == 0
+    q = json.loads((out / "manifest.json").read_text())["config"]["quantization"]
+    assert (q["bits"], q["group_size"], q["model.embed_tokens"], q["model.layers.1.self_attn.v_proj"]) == (
+        4, 32, {"bits": 8, "group_size": 64}, {"bits": 8, "group_size": 32})
+    resident = mx.load(str(out / "resident.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    plain = mx.quantize(mx.load(str(src / "model.safetensors"))[f"{name}.weight"], group_size=32, bits=4)[0]
+    assert resident[f"{name}.weight"].shape == plain.shape and not mx.array_equal(resident[f"{name}.weight"], plain).item()
+    from mlx_flash import FlashConfig, load
+    model, _ = load(str(out), FlashConfig("dense"), progress=False)
+    assert model.model.embed_tokens.bits == 8 and model.layers[0].self_attn.q_proj.bits == 4
+    assert mx.isfinite(model(mx.array([[1, 2, 3]]))).all().item()
+    for argv, message in ((["--resident-bits", "8", "--resident-module", "q_proj"], "--resident-module q_proj: not NAME=BITS"),
+                          (["--resident-module", "q_proj=4"], "--resident-module: needs --resident-bits"),
+                          (["--resident-bits", "8", "--resident-quantizer", "gptq"], "needs --resident-calib-text"),
+                          (["--resident-bits", "8", "--resident-calib-text", str(text)], "--resident-calib-text: "
+                                                                                          "--resident-quantizer mlx")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(src), *argv, "--out", str(tmp_path / "bad")])
+        assert e.value.code == 2 and message in capsys.readouterr().err

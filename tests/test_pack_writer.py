@@ -482,3 +482,69 @@ def test_resident_quantization_flags_refuse_alike_before_reading(tmp_path, kwarg
     with pytest.raises(FlashError) as e:  # no source folder: the flags are checked first
         write_pack(tmp_path / "missing", tmp_path / "p", progress=False, **kwargs)
     assert str(e.value).startswith(message)
+
+
+def test_resident_modules_choose_each_linears_bits_and_the_config_names_them(tiny_llama, tmp_path):
+    """convert --resident-bits 4 --resident-module ...: a module named by its end or its whole
+    path gets its own bits / group size (16: kept float), the longest matching name wins, and the
+    config's "quantization" names each one that differs from the default."""
+    src = tiny_llama("src", layers=2, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", dtype="float16", gate_bits=4, resident_bits=4,
+                      resident_group_size=32, progress=False,
+                      resident_modules={"embed_tokens": (8, 64), "v_proj": (16, 64), "q_proj": (8, 32),
+                                        "model.layers.1.self_attn.q_proj": (4, 64)})
+    config, resident = load_resident(pack)
+    source = mx.load(str(src / "model.safetensors"))
+    want = {"model.embed_tokens": (8, 64), "model.layers.0.self_attn.q_proj": (8, 32),
+            "model.layers.1.self_attn.q_proj": (4, 64),
+            **{f"model.layers.{i}.self_attn.{p}_proj": (4, 32) for i in range(2) for p in "ko"}}
+    for name, (bits, size) in want.items():
+        q = mx.quantize(source[f"{name}.weight"].astype(mx.float16), group_size=size, bits=bits)
+        for part, w in zip(("weight", "scales", "biases"), q):
+            assert mx.array_equal(resident[f"{name}.{part}"], w).item(), name
+    for i in range(2):  # kept float
+        v = f"model.layers.{i}.self_attn.v_proj"
+        assert f"{v}.scales" not in resident and resident[f"{v}.weight"].dtype == mx.float16
+    gates = {f"model.layers.{i}.mlp.gate_proj": {"bits": 4, "group_size": 32} for i in range(2)}
+    assert config["quantization"] == {"bits": 4, "group_size": 32, **gates,
+                                      "model.embed_tokens": {"bits": 8, "group_size": 64},
+                                      "model.layers.0.self_attn.q_proj": {"bits": 8, "group_size": 32},
+                                      "model.layers.1.self_attn.q_proj": {"bits": 4, "group_size": 64}}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"resident_modules": {"q_proj": (4, 32)}}, "--resident-module: needs --resident-bits"),
+    ({"resident_bits": 8, "resident_modules": {"q_proj": (5, 32)}}, "--resident-module q_proj=5:32: choose"),
+    ({"resident_bits": 8, "resident_modules": {"q_proj": (4, 48)}}, "--resident-module q_proj=4:48: choose")])
+def test_resident_modules_refuse_before_reading(tmp_path, kwargs, message):
+    with pytest.raises(FlashError) as e:  # no source folder: the flags are checked first
+        write_pack(tmp_path / "missing", tmp_path / "p", progress=False, **kwargs)
+    assert str(e.value).startswith(message)
+
+
+def test_resident_quantizer_rounds_the_resident_linears_not_the_gates(tiny_llama, tmp_path):
+    """write_pack(resident_quantizer=f): f gives every resident linear's stored (packed, scales,
+    biases), called with its module path, its float weight and its bits / group size; the
+    resident gates keep mx.quantize."""
+    src = tiny_llama("src", layers=2, intermediate=96)
+    calls = []
+
+    def halved(path, w, bits, size):  # a quantizer the default would never match
+        calls.append((path, w.dtype, bits, size))
+        q, s, b = mx.quantize(w, group_size=size, bits=bits)
+        return q, s / 2, b
+
+    pack = write_pack(src, tmp_path / "pack", dtype="float16", gate_bits=4, resident_bits=8,
+                      resident_group_size=32, resident_modules={"o_proj": (4, 64)},
+                      resident_quantizer=halved, progress=False)
+    _, resident = load_resident(pack)
+    source = mx.load(str(src / "model.safetensors"))
+    linears = ["model.embed_tokens"] + [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    assert sorted(c[0] for c in calls) == sorted(linears)
+    assert all(c[1] == mx.float16 and c[2:] == ((4, 64) if c[0].endswith("o_proj") else (8, 32)) for c in calls)
+    name = "model.layers.1.self_attn.o_proj"
+    assert mx.array_equal(resident[f"{name}.scales"],
+                          mx.quantize(source[f"{name}.weight"].astype(mx.float16), group_size=64, bits=4)[1] / 2).item()
+    gate = "model.layers.0.mlp.gate_proj"
+    assert mx.array_equal(resident[f"{gate}.scales"],
+                          mx.quantize(source[f"{gate}.weight"].astype(mx.float16), group_size=32, bits=4)[1]).item()

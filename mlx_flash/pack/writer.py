@@ -25,7 +25,8 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, progress=True,
                alignment=DEFAULT_ALIGNMENT, overwrite=False, down_bits=None, encoding="dense",
                expert_bits=None, moe_routing=None, weights=None, expert_quantizer=None,
-               gate_bits=None, gate_group_size=32, resident_bits=None, resident_group_size=64) -> Path:
+               gate_bits=None, gate_group_size=32, resident_bits=None, resident_group_size=64,
+               resident_modules=None, resident_quantizer=None) -> Path:
     """Convert the mlx-lm folder `src_dir` into a flash pack directory `out_dir`.
 
     dtype: None or 'float32' / 'float16' / 'bfloat16': cast every float tensor (incl. scales).
@@ -58,6 +59,13 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
       excluded) MLX affine-quantized at this many bits, the FFN bundles as they are (float). The
       config's "quantization" names these bits, with the resident gates' own as per-module
       overrides. Float source, no `quantize`, dense encoding only.
+    resident_modules: with resident_bits, {name: (bits, group_size)}: the resident linears whose
+      module path is `name` or ends with ".name" (e.g. "embed_tokens", "q_proj"; the longest
+      matching name wins) at these bits (4 or 8, or 16: kept float) and group size instead;
+      the config's "quantization" names each such module's own (layout.py).
+    resident_quantizer: with resident_bits, a function (module path, float weight [out, in], bits,
+      group_size) -> (packed uint32, scales, biases) in MLX's affine format, for the resident
+      linears (not the gates); default `mx.quantize` (calibration/resident_quant.py makes others).
     moe_routing: MoE packs, calibration routing statistics for the runtime's per-layer expert
       slots: {"policy", "sizes": [slots], "hits": {layer: [hits at each size]}, "tokens"}.
     weights: {tensor name: mx.array} to convert instead of `src_dir`'s model*.safetensors (which
@@ -82,10 +90,12 @@ def write_pack(src_dir, out_dir, *, dtype=None, quantize=None, group_size=64, pr
     float_pack = not quantize and encoding == "dense" and expert_bits is None
     _check_resident_quantization("--gate", gate_bits, (2, 3, 4, 8), gate_group_size, float_pack)
     _check_resident_quantization("--resident", resident_bits, (4, 8), resident_group_size, float_pack)
+    modules = check_resident_modules(resident_modules, resident_bits)
     if out.exists() and not overwrite:
         raise FlashError(f"{out}: already exists (remove it or pass overwrite=True)")
     gate = {"bits": gate_bits, "group_size": gate_group_size} if gate_bits else None
-    linears = {"bits": resident_bits, "group_size": resident_group_size} if resident_bits else None
+    linears = ({"bits": resident_bits, "group_size": resident_group_size, "modules": modules,
+                "quantizer": resident_quantizer} if resident_bits else None)
     with atomic_dir(out, replace=overwrite) as tmp:
         _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits, encoding,
                expert_bits, moe_routing, weights, expert_quantizer, gate, linears)
@@ -102,6 +112,31 @@ def _check_resident_quantization(flag: str, bits, choices: tuple, group_size, fl
         raise FlashError(f"{flag}-bits {bits!r}: choose {names}, for a float pack (no --quantize, dense encoding)")
     if group_size not in (32, 64, 128):
         raise FlashError(f"{flag}-group-size {group_size!r}: choose 32, 64 or 128")
+
+
+def check_resident_modules(modules, resident_bits) -> dict:
+    """{name: {"bits", "group_size"} or None (kept float)} of write_pack's `resident_modules`;
+    FlashError naming --resident-module and the reason when one is not a choice."""
+    if not modules:
+        return {}
+    if not resident_bits:
+        raise FlashError("--resident-module: needs --resident-bits (the other resident linears' bits)")
+    out = {}
+    for name, (bits, size) in modules.items():
+        if not name or bits not in (4, 8, 16) or size not in (32, 64, 128):
+            raise FlashError(f"--resident-module {name}={bits}:{size}: choose a module name, "
+                             "bits 4, 8 or 16 (float) and group size 32, 64 or 128")
+        out[name] = None if bits == 16 else {"bits": bits, "group_size": size}
+    return out
+
+
+def _resident_choice(base: str, linears: dict):
+    """(bits, group_size) of resident linear `base` (a module path) under `linears`, None: float."""
+    names = [n for n in linears["modules"] if base == n or base.endswith("." + n)]
+    if not names:
+        return linears["bits"], linears["group_size"]
+    own = linears["modules"][max(names, key=len)]
+    return None if own is None else (own["bits"], own["group_size"])
 
 
 def _load_source(src: Path, weights=None):
@@ -155,7 +190,7 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
            expert_bits=None, moe_routing=None, given_weights=None, expert_quantizer=None, gate=None,
            linears=None):
     """gate: {"bits", "group_size"} to keep gated neuron FFNs' gates resident and quantized;
-    linears: {"bits", "group_size"} to quantize the other resident linears."""
+    linears: {"bits", "group_size", "modules", "quantizer"} to quantize the other resident linears."""
     config, weights, files = _load_source(src, given_weights)
     src_quant = config.get("quantization")
     endor = encoding == "endor"
@@ -188,7 +223,8 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         config["quantization"] = dict(gate)
     if linears:
         # the resident linears' bits are the default; each resident gate keeps its own
-        config["quantization"] = {**linears, **{m: dict(gate) for m in resident_gates.values()}}
+        config["quantization"] = {"bits": linears["bits"], "group_size": linears["group_size"],
+                                  **{m: dict(gate) for m in resident_gates.values()}}
     gate_weights = {f"{m}.weight" for m in resident_gates.values()}
     # Tensors that go into bundles; the rest is resident.
     bundled = set()
@@ -214,13 +250,20 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
-        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights or (
-                linears and _should_quantize(k, v, linears["group_size"])):
+        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights:
             base = k[: -len(".weight")]
-            bits, size = ((gate["bits"], gate["group_size"]) if k in gate_weights
-                          else (linears["bits"], linears["group_size"]) if linears else (quantize, group_size))
+            bits, size = (gate["bits"], gate["group_size"]) if k in gate_weights else (quantize, group_size)
             q, s, b = mx.quantize(v, group_size=size, bits=bits)
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
+        elif linears and _should_quantize(k, v, 32) and (
+                choice := _resident_choice(k[: -len(".weight")], linears)) and v.shape[-1] % choice[1] == 0:
+            base = k[: -len(".weight")]
+            bits, size = choice
+            quantizer = linears["quantizer"] or (lambda _, w, b, g: mx.quantize(w, group_size=g, bits=b))
+            q, s, b = quantizer(base, v, bits, size)
+            resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
+            if choice != (linears["bits"], linears["group_size"]):
+                config["quantization"][base] = {"bits": bits, "group_size": size}
         else:
             resident[k] = v
     bar.close()
