@@ -150,12 +150,12 @@ def test_submit_returns_at_once_and_wait_lands_every_read(tmp_path):
     addresses[5] += 1  # misaligned
     try:
         pending = ctx.submit(np.full(7, fd), block * 8192, np.full(7, 8192), addresses)
-        assert pending["submitted"] == 3 and pending["completed"] == 0
+        assert pending.submitted == 3 and pending.completed == 0
         res = ctx.wait(pending)
     finally:
         ctx.close()
         os.close(fd)
-    assert pending["completed"] == pending["submitted"] == 7
+    assert pending.completed == pending.submitted == 7
     assert res.tolist() == [8192] * 5 + [-errno.EINVAL, 8192]
     rows, want = out.reshape(7, 8192), data.reshape(32, 8192)[block]
     assert np.array_equal(rows[:5], want[:5]) and np.array_equal(rows[6], want[6])

@@ -15,6 +15,7 @@ import errno
 import importlib
 import platform
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,6 +68,24 @@ def _iocbs(first: int, fds, offsets, sizes, addresses, vectored) -> np.ndarray:
     return iocbs
 
 
+@dataclass
+class Pending:
+    """Reads of one submission: iocb arrays (alive until submitted: io_submit copies them), the
+    address of each read's iocb, each read's result (bytes read, -errno; -ECANCELED until it
+    completes) and how many were submitted (in turn) and completed (in any order) so far."""
+    iocbs: list
+    ptrs: np.ndarray
+    res: np.ndarray
+    submitted: int = 0
+    completed: int = 0
+
+    def extend(self, more: "Pending") -> None:
+        """Append a later batch's reads (numbered on from these)."""
+        self.iocbs += more.iocbs
+        self.ptrs = np.concatenate([self.ptrs, more.ptrs])
+        self.res = np.concatenate([self.res, more.res])
+
+
 class AioContext:
     """An io_setup context with room for `depth` reads in flight. Close it when done."""
 
@@ -101,63 +120,28 @@ class AioContext:
         every read has been submitted (work done in on_done no longer delays a submission).
         """
         wait_for = self.min_batch if min_batch is None else max(1, int(min_batch))
-        res = np.empty(0, np.int64)
-        keep, ptrs = [], np.empty(0, np.uint64)  # iocb arrays (alive until submitted), their addresses
-        call, (_, _, getevents, submit) = _syscall(), self._nr
-        ctx = ctypes.c_ulong(self._ctx.value)
-        events, ev_ptr = self._events, self._events.ctypes.data
-        submitted = completed = 0
-
-        def add(fds, offsets, sizes, addresses, vectored):
-            nonlocal res, ptrs
-            n, first = len(sizes), len(res)
-            iocbs = _iocbs(first, fds, offsets, sizes, addresses, vectored)
-            keep.append(iocbs)
-            ptrs = np.concatenate([ptrs, iocbs.ctypes.data + 64 * np.arange(n, dtype=np.uint64)])
-            res = np.concatenate([res, np.full(n, -errno.ECANCELED, np.int64)])
-
-        def reap(min_nr):
-            nonlocal completed
-            got = call(ctypes.c_long(getevents), ctx, ctypes.c_long(min_nr),
-                       ctypes.c_long(self.depth), ctypes.c_void_p(ev_ptr), None)
-            if got < 0:
-                if ctypes.get_errno() == errno.EINTR:
-                    return None
-                raise OSError(ctypes.get_errno(), "io_getevents failed")
-            idx = events["data"][:got].astype(np.int64)
-            res[idx] = events["res"][:got]
-            completed += got
-            return idx
-
-        add(fds, offsets, sizes, addresses, vectored)
+        pending = self._pending(fds, offsets, sizes, addresses, vectored)
         try:
-            while completed < len(res) or more is not None:
-                if submitted == len(res) and more is not None:
+            while pending.completed < len(pending.res) or more is not None:
+                if pending.submitted == len(pending.res) and more is not None:
                     batch = more()
                     if batch is None:
                         more = None
                     else:
-                        add(*batch)
+                        pending.extend(self._pending(*batch, first=len(pending.res)))
                     continue
-                room = min(self.depth - (submitted - completed), len(res) - submitted)
-                if room > 0:
-                    got = call(ctypes.c_long(submit), ctx, ctypes.c_long(room),
-                               ctypes.c_void_p(ptrs.ctypes.data + 8 * submitted))
-                    if got > 0:
-                        submitted += got
-                    elif got < 0 and ctypes.get_errno() not in (errno.EAGAIN, errno.EINTR):
-                        raise OSError(ctypes.get_errno(), "io_submit failed")
-                if submitted == completed or (submitted == len(res) and more is not None):
+                self._submit_some(pending)
+                if pending.submitted == pending.completed or \
+                        (pending.submitted == len(pending.res) and more is not None):
                     continue  # (the next batch is prepared while these reads fly)
-                idx = reap(max(1, min(submitted - completed, wait_for)))
+                idx = self._reap(pending, max(1, min(pending.submitted - pending.completed, wait_for)))
                 if idx is not None and on_done is not None and len(idx):
-                    self.all_submitted = submitted == len(res)  # (more is None by then)
-                    on_done(idx, res)
+                    self.all_submitted = pending.submitted == len(pending.res)  # (more is None by then)
+                    on_done(idx, pending.res)
         except BaseException:
-            while completed < submitted:  # the kernel may still write into caller buffers
-                reap(submitted - completed)
+            self._drain(pending)  # the kernel may still write into caller buffers
             raise
-        return res
+        return pending.res
 
     def read_all(self, fds, offsets, sizes, addresses, vectored=None, landed=None) -> np.ndarray:
         """`read` without callbacks: every read submitted and reaped in one call of the kernels'
@@ -181,60 +165,70 @@ class AioContext:
             raise OSError(-err, "io_submit / io_getevents failed")
         return res
 
-    def submit(self, fds, offsets, sizes, addresses, vectored=None) -> dict:
+    def submit(self, fds, offsets, sizes, addresses, vectored=None) -> "Pending":
         """Submit reads (the arguments of `read`) and return without waiting for them: up to
         `depth` go out now, the rest in `wait`. The caller keeps every buffer alive and calls
         `wait` (one pending submission per context at a time) before reusing them."""
-        n = len(sizes)
-        pending = {"iocbs": _iocbs(0, fds, offsets, sizes, addresses, vectored),
-                   "res": np.full(n, -errno.ECANCELED, np.int64), "submitted": 0, "completed": 0}
-        pending["ptrs"] = pending["iocbs"].ctypes.data + 64 * np.arange(n, dtype=np.uint64)
+        pending = self._pending(fds, offsets, sizes, addresses, vectored)
         try:
             self._submit_some(pending)
         except BaseException:
-            self.wait(pending, submit=False)  # the kernel may still write into caller buffers
+            self._drain(pending)  # the kernel may still write into caller buffers
             raise
         return pending
 
-    def wait(self, pending: dict, submit=True) -> np.ndarray:
+    def wait(self, pending: "Pending") -> np.ndarray:
         """Each read's result (bytes read, or -errno) of a `submit`, once all are in: reaps them
         (the GIL released while it waits) and submits what did not fit in flight before."""
-        call, getevents = _syscall(), self._nr[2]
-        ctx, ev_ptr, res = ctypes.c_ulong(self._ctx.value), self._events.ctypes.data, pending["res"]
-        error = None
-        while pending["completed"] < pending["submitted"] or (submit and pending["submitted"] < len(res)):
-            if submit and error is None:
-                try:
-                    self._submit_some(pending)
-                except OSError as e:
-                    error, submit = e, False
-            if pending["completed"] == pending["submitted"]:
-                continue
-            got = call(ctypes.c_long(getevents), ctx, ctypes.c_long(1), ctypes.c_long(self.depth),
-                       ctypes.c_void_p(ev_ptr), None)
-            if got < 0:
-                if ctypes.get_errno() == errno.EINTR:
-                    continue
-                raise OSError(ctypes.get_errno(), "io_getevents failed")
-            idx = self._events["data"][:got].astype(np.int64)
-            res[idx] = self._events["res"][:got]
-            pending["completed"] += got
-        if error is not None:
-            raise error
-        return res
+        try:
+            while pending.completed < len(pending.res):
+                self._submit_some(pending)
+                if pending.completed < pending.submitted:
+                    self._reap(pending, 1)
+        except BaseException:
+            self._drain(pending)
+            raise
+        return pending.res
 
-    def _submit_some(self, pending: dict) -> None:
-        """io_submit as many of a pending submission's reads as the context has room for."""
-        n, done = len(pending["res"]), pending["submitted"]
-        room = min(self.depth - (done - pending["completed"]), n - done)
+    def _pending(self, fds, offsets, sizes, addresses, vectored, first=0) -> "Pending":
+        """The iocbs of reads numbered first, first + 1, ..., none submitted yet."""
+        iocbs = _iocbs(first, fds, offsets, sizes, addresses, vectored)
+        return Pending([iocbs], iocbs.ctypes.data + 64 * np.arange(len(iocbs), dtype=np.uint64),
+                       np.full(len(iocbs), -errno.ECANCELED, np.int64))
+
+    def _submit_some(self, pending: "Pending") -> None:
+        """io_submit as many of `pending`'s unsubmitted reads as the context has room for (none
+        when it is full: EAGAIN and EINTR are tried again by the caller's loop)."""
+        room = min(self.depth - (pending.submitted - pending.completed), len(pending.res) - pending.submitted)
         if room <= 0:
             return
         got = _syscall()(ctypes.c_long(self._nr[3]), ctypes.c_ulong(self._ctx.value), ctypes.c_long(room),
-                         ctypes.c_void_p(pending["ptrs"].ctypes.data + 8 * done))
+                         ctypes.c_void_p(pending.ptrs.ctypes.data + 8 * pending.submitted))
         if got > 0:
-            pending["submitted"] += got
+            pending.submitted += got
         elif got < 0 and ctypes.get_errno() not in (errno.EAGAIN, errno.EINTR):
             raise OSError(ctypes.get_errno(), "io_submit failed")
+
+    def _reap(self, pending: "Pending", min_nr: int):
+        """Wait (GIL released) for at least min_nr completions and record their results in
+        pending.res; returns the indices of the reads that completed, or None when interrupted
+        (EINTR: call again)."""
+        got = _syscall()(ctypes.c_long(self._nr[2]), ctypes.c_ulong(self._ctx.value), ctypes.c_long(min_nr),
+                         ctypes.c_long(self.depth), ctypes.c_void_p(self._events.ctypes.data), None)
+        if got < 0:
+            if ctypes.get_errno() == errno.EINTR:
+                return None
+            raise OSError(ctypes.get_errno(), "io_getevents failed")
+        idx = self._events["data"][:got].astype(np.int64)
+        pending.res[idx] = self._events["res"][:got]
+        pending.completed += got
+        return idx
+
+    def _drain(self, pending: "Pending") -> None:
+        """Reap every submitted read of `pending` (after an error: no read may still land in a
+        caller's buffer once it is given back)."""
+        while pending.completed < pending.submitted:
+            self._reap(pending, pending.submitted - pending.completed)
 
     def close(self):
         if self._ctx.value:
