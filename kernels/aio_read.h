@@ -29,9 +29,12 @@ struct LandedCrcs {
 // io_getevents (every submitted read has completed by then: no buffer is written after return).
 // No allocation per read beyond one iocb; the caller's thread does all of it (GIL released).
 // landed: optional, the crc32 of each read's bundles taken as it lands (LandedCrcs).
+// spin_ns: before each wait for completions, watch the context's completion ring for up to this
+// many nanoseconds (no sleep, no wake-up) before blocking in io_getevents; 0: block at once.
+// waits: optional int64[2] += (waits a completion ended while spinning, waits that blocked).
 int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t* offsets, const int64_t* sizes,
                      const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res,
-                     const LandedCrcs* landed = nullptr);
+                     const LandedCrcs* landed = nullptr, int64_t spin_ns = 0, int64_t* waits = nullptr);
 
 // True when this build has the Linux AIO loop (false elsewhere: the caller uses its own).
 bool aio_read_available();

@@ -22,6 +22,7 @@ using Flags = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::
 using Results = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Bytes1 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Crcs = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Counts = nb::ndarray<int64_t, nb::shape<2>, nb::c_contig, nb::device::cpu>;
 using Plan = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 // (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
 using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
@@ -51,7 +52,7 @@ void bind_io(nb::module_& m) {
   m.def(
       "aio_read",
       [](uint64_t ctx, I64 fds, I64 offsets, I64 sizes, U64 addresses, std::optional<Flags> vectored, int64_t depth,
-         Results res, std::optional<Landed> landed) {
+         Results res, std::optional<Landed> landed, int64_t spin_ns, std::optional<Counts> waits) {
         const size_t n = fds.shape(0);
         if (offsets.shape(0) != n || sizes.shape(0) != n || addresses.shape(0) != n || res.shape(0) != n ||
             (vectored.has_value() && vectored->shape(0) != n))
@@ -84,16 +85,20 @@ void bind_io(nb::module_& m) {
           nb::gil_scoped_release release;
           error = flash::aio_read_all(ctx, static_cast<int64_t>(n), fds.data(), offsets.data(), sizes.data(),
                                       addresses.data(), vec, depth, res.data(),
-                                      landed.has_value() ? &crcs : nullptr);
+                                      landed.has_value() ? &crcs : nullptr, spin_ns,
+                                      waits.has_value() ? waits->data() : nullptr);
         }
         return error;
       },
       nb::arg("ctx"), nb::arg("fds"), nb::arg("offsets"), nb::arg("sizes"), nb::arg("addresses"),
       nb::arg("vectored").none(), nb::arg("depth"), nb::arg("res"), nb::arg("landed").none() = nb::none(),
+      nb::arg("spin_ns") = 0, nb::arg("waits").none() = nb::none(),
       "Every read i (sizes[i] bytes at offsets[i] of fds[i] into addresses[i]; vectored[i] != 0: an array of "
       "sizes[i] iovecs there) through the io_setup context ctx with at most depth in flight, in one loop with "
       "the GIL released; res[i] <- bytes read or -errno. Returns 0 or the -errno of a failed io_submit / "
       "io_getevents (every submitted read has completed by then). landed: (flat, first, starts, piece_off, "
       "piece_len, crcs): as read k lands whole (plain reads), crcs[b] <- the crc32 of bundle b (flat[starts[b]:], "
-      "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight.");
+      "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight. spin_ns: "
+      "watch the completion ring this long before each blocking io_getevents (0: block at once); waits: "
+      "int64[2] += (waits ended while spinning, waits that blocked).");
 }

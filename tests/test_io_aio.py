@@ -159,3 +159,29 @@ def test_submit_returns_at_once_and_wait_lands_every_read(tmp_path):
     assert res.tolist() == [8192] * 5 + [-errno.EINVAL, 8192]
     rows, want = out.reshape(7, 8192), data.reshape(32, 8192)[block]
     assert np.array_equal(rows[:5], want[:5]) and np.array_equal(rows[6], want[6])
+
+
+@pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
+def test_read_all_watches_the_completion_ring_before_it_sleeps(tmp_path):
+    """read_all's waits: with a long spin every wait ends on the completion ring (no sleep in
+    io_getevents); with spin_ns 0 every wait blocks. The reads land either way."""
+    fd, data = direct_file(tmp_path, 32 * 8192)
+    ctx = aio.AioContext(4)
+    buf = aligned_buffer(10 * 8192)
+    out, base = np.frombuffer(buf, np.uint8), address(buf)
+    block = np.random.default_rng(4).permutation(32)[:10]
+    args = (np.full(10, fd), block * 8192, np.full(10, 8192), base + np.arange(10, dtype=np.uint64) * 8192)
+    try:
+        ctx.spin_ns = 10 ** 9
+        assert ctx.read_all(*args).tolist() == [8192] * 10
+        spun = ctx.waits.copy()
+        out[:] = 0
+        ctx.spin_ns = 0
+        assert ctx.read_all(*args).tolist() == [8192] * 10
+        blocked = ctx.waits - spun
+    finally:
+        ctx.close()
+        os.close(fd)
+    assert spun[0] >= 3 and spun[1] == 0  # 10 reads through depth 4: at least three waits
+    assert blocked[0] == 0 and blocked[1] >= 3
+    assert np.array_equal(out.reshape(10, 8192), data.reshape(32, 8192)[block])

@@ -27,6 +27,10 @@ IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
 PREAD, PREADV = 0, 7  # IOCB_CMD_PREAD, IOCB_CMD_PREADV
 EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
 assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
+# read_all: watch the completion ring this long (ns) before sleeping in io_getevents. A decode
+# call's reads take 0.1-2 ms; a sleep's wake-up costs tens of microseconds on an idle VM and up to
+# a scheduler time slice (~20 ms measured) on a busy core.
+SPIN_NS = 2_000_000
 
 _libc = None
 
@@ -98,6 +102,8 @@ class AioContext:
         self._events = np.zeros(depth, EVENT)
         self.min_batch = max(1, depth // 8)  # completions to wait for per call: fewer Python round trips
         self.all_submitted = False  # during on_done: nothing is left to submit
+        self.spin_ns = SPIN_NS  # read_all's spin before each blocking wait (0: block at once)
+        self.waits = np.zeros(2, np.int64)  # read_all's waits so far: (ended spinning, blocked)
 
     def read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
              min_batch=None) -> np.ndarray:
@@ -151,7 +157,9 @@ class AioContext:
         landed (kernels only): (flat uint8, first int64 [reads + 1], starts int64, piece offsets,
         piece lengths, crcs uint32 out): as plain read k lands whole, crcs[b] <- the crc32 of bundle b
         (flat[starts[b]:] over the pieces, chained) for b in first[k]..first[k + 1] - 1, while later
-        reads are still in flight; bundles of reads that did not land whole are left as they were."""
+        reads are still in flight; bundles of reads that did not land whole are left as they were.
+        Each wait for completions first watches the completion ring for `spin_ns` (self.waits counts
+        the waits that ended there and those that then blocked)."""
         if read_loop_kernel is None:
             if landed is not None:
                 raise ValueError("read_all: landed crc32s need the kernels' loop")
@@ -160,7 +168,8 @@ class AioContext:
         flags = None if vectored is None else np.ascontiguousarray(vectored, np.uint8)
         err = read_loop_kernel(self._ctx.value, np.ascontiguousarray(fds, np.int64),
                                np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(sizes, np.int64),
-                               np.ascontiguousarray(addresses, np.uint64), flags, self.depth, res, landed)
+                               np.ascontiguousarray(addresses, np.uint64), flags, self.depth, res, landed,
+                               self.spin_ns, self.waits)
         if err:
             raise OSError(-err, "io_submit / io_getevents failed")
         return res
