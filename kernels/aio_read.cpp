@@ -2,6 +2,7 @@
 #include "aio_read.h"
 
 #include "endor_decode.h"
+#include "row_copy.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -130,9 +131,51 @@ int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t*
   return error;
 }
 
+int64_t aio_read_staged(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, const int64_t* r1,
+                        const int64_t* pos, uint8_t* staging, int64_t depth, int64_t spin_ns, int64_t* waits,
+                        int64_t* res, uint32_t* crcs, const StagedBundles& b, int64_t* bad) {
+  *bad = -1;
+  std::fill(crcs, crcs + b.bundles, 0u);
+  std::vector<int64_t> fds(static_cast<size_t>(n), fd), sizes(static_cast<size_t>(n));
+  std::vector<uint64_t> addresses(static_cast<size_t>(n));
+  std::vector<int64_t> staged(static_cast<size_t>(b.bundles));  // each bundle's offset in staging
+  for (int64_t k = 0; k < n; ++k) {
+    sizes[k] = r1[k] - r0[k];
+    addresses[k] = reinterpret_cast<uint64_t>(staging + pos[k]);
+    for (int64_t i = b.first[k]; i < b.first[k + 1]; ++i) staged[i] = pos[k] + b.starts[i] - r0[k];
+  }
+  const Isa isa = active_isa();
+  const LandedCrcs landed{staging, b.first, staged.data(), b.piece_off, b.piece_len, b.pieces, crcs, isa};
+  const int64_t error = aio_read_all(ctx, n, fds.data(), r0, sizes.data(), addresses.data(), nullptr, depth, res,
+                                     b.want != nullptr ? &landed : nullptr, spin_ns, waits);
+  if (error) return error;
+  int64_t short_reads = 0;
+  for (int64_t k = 0; k < n; ++k) short_reads += res[k] != sizes[k];
+  if (short_reads) return short_reads;
+  if (b.want != nullptr)
+    for (int64_t i = 0; i < b.bundles; ++i)
+      if (crcs[i] != b.want[i]) {
+        *bad = i;
+        return 0;
+      }
+  std::vector<int64_t> from(static_cast<size_t>(b.bundles));
+  for (int64_t t = 0; t < b.targets; ++t) {
+    for (int64_t i = 0; i < b.bundles; ++i) from[i] = staged[i] + b.target_off[t];
+    copy_rows(staging, from.data(), b.target_len[t], b.target_dest[t], b.target_stride[t], b.slots, b.bundles, isa);
+  }
+  return 0;
+}
+
 #else
 
 bool aio_read_available() { return false; }
+
+int64_t aio_read_staged(uint64_t, int64_t n, int64_t, const int64_t*, const int64_t*, const int64_t*, uint8_t*,
+                        int64_t, int64_t, int64_t*, int64_t* res, uint32_t*, const StagedBundles&, int64_t* bad) {
+  *bad = -1;
+  for (int64_t i = 0; i < n; ++i) res[i] = -ENOSYS;
+  return -ENOSYS;
+}
 
 int64_t aio_read_all(uint64_t, int64_t n, const int64_t*, const int64_t*, const int64_t*, const uint64_t*,
                      const uint8_t*, int64_t, int64_t* res, const LandedCrcs*, int64_t, int64_t*) {

@@ -36,6 +36,38 @@ int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t*
                      const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res,
                      const LandedCrcs* landed = nullptr, int64_t spin_ns = 0, int64_t* waits = nullptr);
 
+// The bundles a staged call's reads bring in and where they go: read k holds bundles
+// first[k]..first[k + 1] - 1 (first has reads + 1 entries), bundle b at file offset starts[b];
+// want[b] its expected crc32 over `pieces` ranges (piece_off[p], piece_len[p] from its start), or
+// want null (no check); target t takes target_len[t] bytes from target_off[t] of each bundle into
+// row slots[b] of target_dest[t] (rows target_stride[t] bytes apart).
+struct StagedBundles {
+  const int64_t* first;
+  const int64_t* starts;
+  int64_t bundles;
+  const uint32_t* want;
+  const int64_t* piece_off;
+  const int64_t* piece_len;
+  int64_t pieces;
+  const int64_t* target_off;
+  const int64_t* target_len;
+  uint8_t* const* target_dest;
+  const int64_t* target_stride;
+  int64_t targets;
+  const int64_t* slots;
+};
+
+// A small staged call in one go: read k (r1[k] - r0[k] bytes at r0[k] of fd) lands at
+// staging + pos[k] (aio_read_all with spin_ns and waits; each bundle's crc32 into crcs[b] as its
+// read lands when want is given), then, when every read landed whole, each bundle's crc32 is
+// compared with want (*bad <- the first that differs, -1: none; nothing is copied then) and the
+// bundles are copied out to their rows. Returns -errno of a failed io_submit / io_getevents, else
+// the number of reads that did not land whole (0: done; else nothing was compared or copied: the
+// caller redoes those reads and finishes with res and crcs).
+int64_t aio_read_staged(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, const int64_t* r1,
+                        const int64_t* pos, uint8_t* staging, int64_t depth, int64_t spin_ns, int64_t* waits,
+                        int64_t* res, uint32_t* crcs, const StagedBundles& b, int64_t* bad);
+
 // True when this build has the Linux AIO loop (false elsewhere: the caller uses its own).
 bool aio_read_available();
 

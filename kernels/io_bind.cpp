@@ -3,12 +3,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <tuple>
+#include <vector>
 
 #include "aio_read.h"
 #include "read_plan.h"
@@ -24,6 +26,11 @@ using Bytes1 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device:
 using Crcs = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Counts = nb::ndarray<int64_t, nb::shape<2>, nb::c_contig, nb::device::cpu>;
 using Plan = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Staging = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Table = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Rows = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
+// (offset in a bundle, bytes, uint8 rows [n, >= bytes]): where one component of each bundle goes.
+using Target = std::tuple<int64_t, int64_t, Rows>;
 // (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
 using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
 }  // namespace
@@ -101,4 +108,77 @@ void bind_io(nb::module_& m) {
       "chained over the pieces) for b in first[k]..first[k + 1] - 1, while later reads are in flight. spin_ns: "
       "watch the completion ring this long before each blocking io_getevents (0: block at once); waits: "
       "int64[2] += (waits ended while spinning, waits that blocked).");
+  m.def(
+      "aio_read_staged",
+      [](uint64_t ctx, int64_t fd, I64 r0, I64 r1, I64 pos, I64 first, I64 starts, I64 ids, std::optional<Table> table,
+         Staging staging, I64 piece_off, I64 piece_len, std::vector<Target> targets, I64 slots, int64_t depth,
+         int64_t spin_ns, std::optional<Counts> waits, Results res, Crcs crcs) {
+        const int64_t n = static_cast<int64_t>(r0.shape(0)), bundles = static_cast<int64_t>(starts.shape(0));
+        const int64_t size = static_cast<int64_t>(staging.shape(0));
+        if (ctx == 0) throw std::invalid_argument("aio_read_staged: no AIO context");
+        if (static_cast<int64_t>(r1.shape(0)) != n || static_cast<int64_t>(pos.shape(0)) != n ||
+            static_cast<int64_t>(res.shape(0)) != n || static_cast<int64_t>(first.shape(0)) != n + 1)
+          throw std::invalid_argument("aio_read_staged: r0, r1, pos, res and first[:-1] differ in length");
+        if (static_cast<int64_t>(ids.shape(0)) != bundles || static_cast<int64_t>(slots.shape(0)) != bundles ||
+            static_cast<int64_t>(crcs.shape(0)) != bundles || piece_off.shape(0) != piece_len.shape(0))
+          throw std::invalid_argument("aio_read_staged: starts, ids, slots and crcs differ in length");
+        const int64_t *a = r0.data(), *e = r1.data(), *p = pos.data(), *f = first.data(), *st = starts.data();
+        if (n && (f[0] != 0 || f[n] != bundles)) throw std::invalid_argument("aio_read_staged: first must run 0..bundles");
+        int64_t extent = 0;  // bytes of a bundle that the checks and copies touch
+        for (size_t q = 0; q < piece_off.shape(0); ++q) {
+          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0) throw std::invalid_argument("aio_read_staged: negative piece");
+          extent = std::max(extent, piece_off.data()[q] + piece_len.data()[q]);
+        }
+        std::vector<uint8_t*> dest;
+        std::vector<int64_t> t_off, t_len, t_stride;
+        for (auto& [off, len, rows] : targets) {
+          if (off < 0 || len < 0 || rows.stride(1) != 1 || static_cast<int64_t>(rows.shape(1)) < len)
+            throw std::invalid_argument("aio_read_staged: a target's rows are not contiguous or too short");
+          for (int64_t i = 0; i < bundles; ++i)
+            if (slots.data()[i] < 0 || slots.data()[i] >= static_cast<int64_t>(rows.shape(0)))
+              throw std::invalid_argument("aio_read_staged: slot out of range");
+          extent = std::max(extent, off + len);
+          dest.push_back(rows.data());
+          t_off.push_back(off);
+          t_len.push_back(len);
+          t_stride.push_back(static_cast<int64_t>(rows.stride(0)));
+        }
+        for (int64_t k = 0; k < n; ++k) {
+          if (e[k] < a[k] || a[k] < 0 || p[k] < 0 || p[k] > size - (e[k] - a[k]) || f[k] > f[k + 1])
+            throw std::invalid_argument("aio_read_staged: a read runs outside staging");
+          for (int64_t i = f[k]; i < f[k + 1]; ++i)
+            if (st[i] < a[k] || st[i] + extent > e[k]) throw std::invalid_argument("aio_read_staged: a bundle outside its read");
+        }
+        const uint32_t* want = nullptr;
+        std::vector<uint32_t> expected;
+        if (table.has_value()) {
+          expected.resize(static_cast<size_t>(bundles));
+          for (int64_t i = 0; i < bundles; ++i) {
+            const int64_t id = ids.data()[i];
+            if (id < 0 || id >= static_cast<int64_t>(table->shape(0))) throw std::invalid_argument("aio_read_staged: id outside the crc32 table");
+            expected[i] = table->data()[id];
+          }
+          want = expected.data();
+        }
+        const flash::StagedBundles b{f, st, bundles, want, piece_off.data(), piece_len.data(),
+                                     static_cast<int64_t>(piece_off.shape(0)), t_off.data(), t_len.data(), dest.data(),
+                                     t_stride.data(), static_cast<int64_t>(dest.size()), slots.data()};
+        int64_t bad = -1, status;
+        {
+          nb::gil_scoped_release release;
+          status = flash::aio_read_staged(ctx, n, fd, a, e, p, staging.data(), depth, spin_ns,
+                                          waits.has_value() ? waits->data() : nullptr, res.data(), crcs.data(), b, &bad);
+        }
+        return std::make_tuple(status, bad);
+      },
+      nb::arg("ctx"), nb::arg("fd"), nb::arg("r0"), nb::arg("r1"), nb::arg("pos"), nb::arg("first"), nb::arg("starts"),
+      nb::arg("ids"), nb::arg("table").none(), nb::arg("staging"), nb::arg("piece_off"), nb::arg("piece_len"),
+      nb::arg("targets"), nb::arg("slots"), nb::arg("depth"), nb::arg("spin_ns"), nb::arg("waits").none(),
+      nb::arg("res"), nb::arg("crcs"),
+      "A small staged call in one go (kernels/aio_read.h, aio_read_staged): read k (r0[k]..r1[k] of fd) into "
+      "staging[pos[k]:], bundles first[k]..first[k + 1] - 1 (file offsets starts, ids) checked against "
+      "table[ids] (crc32 over the pieces; table None: no check) and copied to rows slots of each target "
+      "(offset, bytes, uint8 rows). Returns (status, bad): status -errno of a failed submission, else the reads "
+      "that did not land whole (0: done unless bad >= 0, the first bundle whose crc32 differs; else nothing was "
+      "compared or copied: res and crcs say what landed).");
 }

@@ -414,6 +414,7 @@ def test_small_calls_read_at_once_and_redo_short_and_failed_reads(make_pack, mon
 
     monkeypatch.setattr(aio.AioContext, "read_all", flaky_read_all)
     monkeypatch.setattr(aio.AioContext, "read", lambda *a, **k: pytest.fail("a small call was pipelined"))
+    monkeypatch.setattr(aio, "read_staged_kernel", None)  # its own test below
     with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
         d = loader.alloc(0, len(ids))
         stats = loader.read(0, ids, d)
@@ -425,6 +426,60 @@ def test_small_calls_read_at_once_and_redo_short_and_failed_reads(make_pack, mon
         loader.read_many([(0, ids, d0, None), (1, ids[::-1], d1, None)])
         check_rows(pack, loader, 0, ids, d0, list(range(len(ids))))
         check_rows(pack, loader, 1, ids[::-1], d1, list(range(len(ids))))
+
+
+@pytest.mark.skipif(aio.read_staged_kernel is None, reason="the kernels' aio_read_staged (mlx_flash._ext, Linux)")
+def test_a_staged_call_is_read_checked_and_copied_in_one_kernel_call(make_pack, monkeypatch):
+    """A small staged call of one request (a decode token's) is one aio_read_staged call: no
+    read_all, the rows land checked. When some of its reads come back short or failed (their
+    staged bytes wiped, every destination row wiped too), the loader redoes them and copies every
+    bundle out again; a bundle whose bytes differ from its crc32 names the file."""
+    import ctypes
+
+    pack = make_pack(dtype="float16", quantize=(4, 32))
+    ids = [0, 3, 17, 40, 41, 42, 77, 95]
+    real, spoiled, calls = aio.read_staged_kernel, [], []
+
+    def flaky(ctx, fd, r0, r1, pos, first, starts, bundle_ids, table, flat, p_off, p_len, targets, slots,
+              depth, spin_ns, waits, res, crcs):
+        out = real(ctx, fd, r0, r1, pos, first, starts, bundle_ids, table, flat, p_off, p_len, targets, slots,
+                   depth, spin_ns, waits, res, crcs)
+        calls.append(len(r0))
+        if not spoil:
+            return out
+        for k in range(0, len(r0), 3):  # every third read: short, or EIO; its staged bytes wiped
+            ctypes.memset(flat.ctypes.data + int(pos[k]), 0, int(r1[k] - r0[k]))
+            res[k] = 512 if k % 2 else -errno.EIO
+            spoiled.append(k)
+        for _, _, rows in targets:
+            rows[slots] = 0
+        return len(range(0, len(r0), 3)), -1
+
+    monkeypatch.setattr(aio, "read_staged_kernel", flaky)
+    monkeypatch.setattr(aio.AioContext, "read_all", lambda *a, **k: pytest.fail("read_all in a staged call"))
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        spoil = False
+        d = loader.alloc(0, len(ids))
+        stats = loader.read(0, ids, d, list(range(len(ids)))[::-1])
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        assert calls == [stats.reads] and stats.reads >= 2
+        check_rows(pack, loader, 0, ids, d, list(range(len(ids)))[::-1])
+        spoil = True
+        d = loader.alloc(1, len(ids))
+        loader.read(1, ids, d)
+        assert spoiled and len(calls) == 2
+        check_rows(pack, loader, 1, ids, d, list(range(len(ids))))
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 41 * entry["stride"] + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    spoil = False
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 41"):
+            loader.read(0, ids, loader.alloc(0, len(ids)))
+    assert len(calls) == 3
 
 
 def test_truncated_bundle_file_is_refused(make_pack):

@@ -45,6 +45,9 @@ def _read_loop_kernel():
 
 
 read_loop_kernel = _read_loop_kernel()
+# the kernels' aio_read_staged (a small staged call: reads, crc32 checks and copy out in one call)
+read_staged_kernel = getattr(importlib.import_module("mlx_flash._ext"), "aio_read_staged", None) \
+    if read_loop_kernel is not None else None
 
 
 def available() -> bool:
@@ -173,6 +176,23 @@ class AioContext:
         if err:
             raise OSError(-err, "io_submit / io_getevents failed")
         return res
+
+    def read_staged(self, fd, r0, r1, pos, first, starts, ids, table, flat, pieces, targets, slots):
+        """A small call's reads of plain bundles into staging, checked and copied out in one kernel
+        call (GIL released; kernels/aio_read.h, aio_read_staged): read k (r0[k]..r1[k] of fd) lands
+        at flat[pos[k]:] and holds bundles first[k]..first[k + 1] - 1 (first: reads + 1 entries;
+        file offsets `starts`, ids `ids`); each bundle's crc32 over `pieces` ((offset, length)
+        arrays) is compared with table[ids] (table None: no check), then `targets`' components
+        [(offset in bundle, bytes, uint8 rows)] are copied to rows `slots`. Returns (reads that did
+        not land whole: nothing was compared or copied then, index of the first bundle whose crc32
+        differs or -1, each read's result, each bundle's crc32 as it landed)."""
+        res, crcs = np.empty(len(r0), np.int64), np.empty(len(starts), np.uint32)
+        status, bad = read_staged_kernel(self._ctx.value, fd, r0, r1, pos, first, starts, ids, table, flat,
+                                         pieces[0], pieces[1], targets, slots, self.depth, self.spin_ns,
+                                         self.waits, res, crcs)
+        if status < 0:
+            raise OSError(-status, "io_submit / io_getevents failed")
+        return status, bad, res, crcs
 
     def submit(self, fds, offsets, sizes, addresses, vectored=None) -> "Pending":
         """Submit reads (the arguments of `read`) and return without waiting for them: up to

@@ -257,6 +257,7 @@ class FlashLoader:
         self._finish_pool = None
         self._target_cache = {}
         self._layout_cache = {}
+        self._pieces_cache = {}
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
@@ -475,6 +476,9 @@ class FlashLoader:
                 self._aio_contexts.append(ctx)
         read_bytes = sum(int(j.r1.sum() - j.r0.sum()) for j in jobs)
         if read_bytes <= STAGED_BATCH and aio.read_loop_kernel is not None:
+            if len(jobs) == 1 and aio.read_staged_kernel is not None and not jobs[0].zero_copy \
+                    and jobs[0].lengths is None:
+                return self._read_staged(ctx, jobs[0], staging, flat)
             return self._read_aio_at_once(ctx, jobs, staging, flat)
         counts = np.array([len(j.r0) for j in jobs])
         firsts = np.cumsum(counts) - counts  # index of each job's first read in the AIO results
@@ -542,6 +546,30 @@ class FlashLoader:
         res = ctx.read_all(*joined, vectored, landed=crcs)
         self._after_reads(jobs, res, crcs, staging, flat)
 
+    def _read_staged(self, ctx, job, staging, flat):
+        """A decode token's call (one staged job of plain bundles, at most STAGED_BATCH bytes): read,
+        checked and copied out by one kernel call (AioContext.read_staged), no Python per read or
+        per bundle; a call whose reads did not all land whole is finished by _after_reads."""
+        pieces = self._crc_pieces(job)
+        short, bad, res, crcs = ctx.read_staged(
+            job.f.fd, job.r0, job.r1, job.pos, np.append(job.first, len(job.ids)), job.starts, job.ids,
+            job.f.crc if self.verify else None, flat, pieces, job.targets, job.slots)
+        if short:
+            self._after_reads([job], res, (crcs,) if self.verify else None, staging, flat)
+        elif bad >= 0:
+            raise _checksum_mismatch(job, bad)
+
+    def _crc_pieces(self, job):
+        """(offsets, lengths) int64 arrays of the byte ranges of a bundle its crc32 covers: the
+        packed components as one range, else each component (kept per layout)."""
+        key = (job.tight, tuple(job.pieces))
+        got = self._pieces_cache.get(key)
+        if got is None:
+            pieces = [(0, job.tight)] if job.tight else job.pieces
+            got = self._pieces_cache[key] = (np.array([o for o, _ in pieces], np.int64),
+                                              np.array([k for _, k in pieces], np.int64))
+        return got
+
     def _after_reads(self, jobs, res, crcs, staging, flat):
         """Check and copy out (staged) or check (zero copy) the bundles of jobs whose reads all
         finished (res: each read's AIO result, jobs' reads in order; crcs: `_landed_crcs`' taken
@@ -579,8 +607,7 @@ class FlashLoader:
         if not self.verify or flat is None or any(j.zero_copy or j.lengths is not None for j in jobs) \
                 or any(j.pieces != jobs[0].pieces for j in jobs):
             return None
-        pieces = [(0, jobs[0].tight)] if jobs[0].tight else jobs[0].pieces
-        piece_arrays = (np.array([o for o, _ in pieces], np.int64), np.array([k for _, k in pieces], np.int64))
+        piece_arrays = self._crc_pieces(jobs[0])
         if len(jobs) == 1:  # a decode token's call: no joining
             job = jobs[0]
             return (flat, np.append(job.first, len(job.ids)), _staged_offsets(job), *piece_arrays,
