@@ -496,7 +496,8 @@ def test_first_call_check_scales_with_the_sizes_of_the_sums_terms(tiny_llama, tm
 def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch):
     """A layer whose cache fill and overflow are both there reads them in one loader call of one
     read plan (their bundles interleave; planned apart, each reads through the other's gaps): the
-    logits are the two-plan path's bit for bit and the fill lands in its cache rows."""
+    logits are those of the fill and overflow read apart, bit for bit, and the fill lands in its
+    cache rows."""
     from mlx_flash.io import host_bytes
     from mlx_flash.pack import read_layer_components
     from mlx_flash.sparse.ffn import FlashFFN
@@ -506,14 +507,14 @@ def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_l
     layers = {i: {"kind": "gate-threshold", "n_neurons": N, "rank": 0, "threshold": 0.02,
                   "prob_threshold": 0.5, "stats": {}, "capacity": [6] * 4} for i in range(2)}
     save_predictors(pack, {"activation": "silu"}, layers, {})
-    real, joint = FlashFFN._fill_with_overflow, []
+    real, joint = FlashFFN._read_fill_and_overflow, []
 
     def counted(self, cache, upd, step):
-        buf = real(self, cache, upd, step)
-        joint.append(buf is not None)
-        return buf
+        pieces, first = real(self, cache, upd, step)
+        joint.append(first is not None)
+        return pieces, first
 
-    monkeypatch.setattr(FlashFFN, "_fill_with_overflow", counted)
+    monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", counted)
     model = build_flash_model(pack, FlashConfig("flash", window=1))
     calls = []
     real_read_many = model.flash_runtime.loader.read_many
@@ -524,5 +525,13 @@ def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_l
         cache.check({name: host_bytes(a).reshape(N, -1) for name, a in rows.items() if name in cache.rows})
     # the prompt's layers (and a decode step's) had both; every layer read in one request
     assert joint[:2] == [True, True] and sum(joint) >= 3 and all(n == 1 for n in calls)
-    monkeypatch.setattr(FlashFFN, "_fill_with_overflow", lambda *a: None)  # two plans, as before
+
+    def apart(self, cache, upd, step):  # no staging room for a joint plan: fill and overflow read apart
+        saved, cache.max_read_bytes = cache.max_read_bytes, 0
+        try:
+            return real(self, cache, upd, step)
+        finally:
+            cache.max_read_bytes = saved
+
+    monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", apart)
     assert_identical(got, run_steps(build_flash_model(pack, FlashConfig("flash", window=1))))

@@ -697,52 +697,47 @@ class FlashFFN(nn.Module):
             pf.release(slot, step)
         return y
 
-    def _fill(self, cache, upd, piece, step):
-        """Read the neurons the cache update gave rows (upd.fill) into them; with the first
-        overflow piece in the same loader call when it is one read plan and both stage no more
-        than the streaming buffer's bytes: the reads go out together (one wait, more in flight).
-        Returns the streaming buffer when `piece` was read into it, else None."""
-        rt = self._rt
-        if upd.fill is None or not len(upd.fill):
-            return None
-        fills = plan_chunks(rt.loader, self.layer, upd.fill, cache.max_read_bytes)
-        requests = [(self.layer, p, cache.rows, upd.fill_slots[p.index]) for p in fills]
-        buf = None
-        if piece is not None and len(fills) == 1 and \
-                (rt.max_read_bytes is None or fills[0].read_bytes + piece.read_bytes <= rt.max_read_bytes):
-            buf = rt.stream_rows(self.layer)
-            requests.append((self.layer, piece, buf, np.arange(len(piece))))
-        for batch in ([requests] if buf is not None else [[r] for r in requests]):
+    def _read_fill_and_overflow(self, cache, upd, step):
+        """Read the neurons the cache update gave rows (upd.fill) and plan its overflow, the fill
+        and the overflow's first piece in one loader call when they fit: (overflow pieces, the
+        streaming buffer when the first piece is already in it, else None).
+
+        The call is one read plan of both when they fit the streaming buffer's rows and the
+        staging limits (their bundles interleave in the file: planned apart, each would read
+        through the other's gaps): the overflow lands in buffer rows 0.. in (sorted) id order, as
+        its own read would place it, the fill after it, copied into its cache rows
+        (upd.fill_slots) before anything computes with them. Else it is two plans, the fill read
+        straight into its rows beside the first overflow piece, when the fill is one piece and both
+        stage no more than the streaming buffer's bytes; else each is a call of its own."""
+        rt, over = self._rt, upd.overflow
+        fill = upd.fill if upd.fill is not None else over[:0]
+        buf = rt.stream_rows(self.layer) if len(over) else None
+        joint = None
+        if len(fill) and len(over) and len(over) + len(fill) <= next(iter(buf.values())).shape[0]:
+            joint = rt.loader.plan(self.layer, np.concatenate([over, fill]))
+            if (rt.max_read_bytes is not None and joint.read_bytes > rt.max_read_bytes) or \
+                    (cache.max_read_bytes is not None and joint.read_bytes > cache.max_read_bytes):
+                joint = None
+        if joint is not None:
+            pieces, batches = [over], [[(self.layer, joint, buf, joint.index)]]  # bundle i -> row of its position
+        else:
+            pieces = plan_chunks(rt.loader, self.layer, over, rt.max_read_bytes, rt.overflow_rows) if len(over) else []
+            fills = [(self.layer, p, cache.rows, upd.fill_slots[p.index])
+                     for p in (plan_chunks(rt.loader, self.layer, fill, cache.max_read_bytes) if len(fill) else [])]
+            if pieces and len(fills) == 1 and (rt.max_read_bytes is None or
+                                               fills[0][1].read_bytes + pieces[0].read_bytes <= rt.max_read_bytes):
+                batches = [fills + [(self.layer, pieces[0], buf, np.arange(len(pieces[0])))]]
+            else:
+                batches, buf = [[r] for r in fills], None
+        for batch in batches:
             t0 = time.perf_counter()
             stats = rt.loader.read_many(batch)
+            if joint is not None:
+                cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
+                rt.fill_copied += len(fill)
             # the fill's neurons are counted by the cache update (upd.loaded)
-            _count_read(step, stats, time.perf_counter() - t0, len(piece) if buf is not None else 0)
-        return buf
-
-    def _fill_with_overflow(self, cache, upd, step):
-        """Read a layer's cache fill and its whole overflow in one loader call of one read plan
-        (their bundles interleave in the file: planned apart, each reads through the other's
-        gaps) when both are there and together fit the streaming buffer's rows and the staging
-        limit: the overflow lands in buffer rows 0.. in (sorted) id order, as its own read would
-        place it, the fill after it, copied into its cache rows (upd.fill_slots) before anything
-        computes with them. Returns the buffer, or None when not taken (nothing read)."""
-        rt, fill, over = self._rt, upd.fill, upd.overflow
-        if fill is None or not len(fill) or not len(over):
-            return None
-        buf = rt.stream_rows(self.layer)
-        if len(over) + len(fill) > next(iter(buf.values())).shape[0]:
-            return None
-        plan = rt.loader.plan(self.layer, np.concatenate([over, fill]))
-        if (rt.max_read_bytes is not None and plan.read_bytes > rt.max_read_bytes) or \
-                (cache.max_read_bytes is not None and plan.read_bytes > cache.max_read_bytes):
-            return None
-        t0 = time.perf_counter()
-        stats = rt.loader.read(self.layer, plan, buf, plan.index)  # bundle i -> row of its position
-        cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
-        rt.fill_copied += len(fill)
-        # the fill's neurons are counted by the cache update (upd.loaded)
-        _count_read(step, stats, time.perf_counter() - t0, len(over))
-        return buf
+            _count_read(step, stats, time.perf_counter() - t0, len(pieces[0]) if buf is not None else 0)
+        return pieces, buf
 
     def _sparse(self, x, step):
         predictor, c = self._rt.predictors[self.layer], self._current
@@ -774,15 +769,7 @@ class FlashFFN(nn.Module):
         step.window.append(upd.window)
         # what the lookahead is reading leaves the update: the rest is read now, beside it
         served = _split_ahead(upd, pending[1]) if pending is not None else None
-        joint = self._fill_with_overflow(cache, upd, step)
-        if joint is not None:  # the overflow is in rows 0.. of the streaming buffer, one piece
-            pieces, first = [upd.overflow], joint
-        else:
-            pieces = plan_chunks(rt.loader, self.layer, upd.overflow, rt.max_read_bytes, rt.overflow_rows) \
-                if len(upd.overflow) else []
-            first = self._fill(cache, upd, pieces[0] if pieces else None, step)
-            if pieces and first is None:
-                first = self._read_stream(pieces[0], step)
+        pieces, first = self._read_fill_and_overflow(cache, upd, step)
         ahead_n = 0
         if pending is not None:  # rows the lookahead read: copied into the cache, or computed there
             looked = rt.await_ahead(pending, step)
