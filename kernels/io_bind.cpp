@@ -123,10 +123,12 @@ void bind_io(nb::module_& m) {
             static_cast<int64_t>(crcs.shape(0)) != bundles || piece_off.shape(0) != piece_len.shape(0))
           throw std::invalid_argument("aio_read_staged: starts, ids, slots and crcs differ in length");
         const int64_t *a = r0.data(), *e = r1.data(), *p = pos.data(), *f = first.data(), *st = starts.data();
-        if (n && (f[0] != 0 || f[n] != bundles)) throw std::invalid_argument("aio_read_staged: first must run 0..bundles");
+        if (n && (f[0] != 0 || f[n] != bundles))
+          throw std::invalid_argument("aio_read_staged: first must run 0..bundles");
         int64_t extent = 0;  // bytes of a bundle that the checks and copies touch
         for (size_t q = 0; q < piece_off.shape(0); ++q) {
-          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0) throw std::invalid_argument("aio_read_staged: negative piece");
+          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0)
+            throw std::invalid_argument("aio_read_staged: negative piece");
           extent = std::max(extent, piece_off.data()[q] + piece_len.data()[q]);
         }
         std::vector<uint8_t*> dest;
@@ -147,7 +149,8 @@ void bind_io(nb::module_& m) {
           if (e[k] < a[k] || a[k] < 0 || p[k] < 0 || p[k] > size - (e[k] - a[k]) || f[k] > f[k + 1])
             throw std::invalid_argument("aio_read_staged: a read runs outside staging");
           for (int64_t i = f[k]; i < f[k + 1]; ++i)
-            if (st[i] < a[k] || st[i] + extent > e[k]) throw std::invalid_argument("aio_read_staged: a bundle outside its read");
+            if (st[i] < a[k] || st[i] + extent > e[k])
+              throw std::invalid_argument("aio_read_staged: a bundle outside its read");
         }
         const uint32_t* want = nullptr;
         std::vector<uint32_t> expected;
@@ -155,7 +158,8 @@ void bind_io(nb::module_& m) {
           expected.resize(static_cast<size_t>(bundles));
           for (int64_t i = 0; i < bundles; ++i) {
             const int64_t id = ids.data()[i];
-            if (id < 0 || id >= static_cast<int64_t>(table->shape(0))) throw std::invalid_argument("aio_read_staged: id outside the crc32 table");
+            if (id < 0 || id >= static_cast<int64_t>(table->shape(0)))
+              throw std::invalid_argument("aio_read_staged: id outside the crc32 table");
             expected[i] = table->data()[id];
           }
           want = expected.data();
@@ -167,7 +171,8 @@ void bind_io(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           status = flash::aio_read_staged(ctx, n, fd, a, e, p, staging.data(), depth, spin_ns,
-                                          waits.has_value() ? waits->data() : nullptr, res.data(), crcs.data(), b, &bad);
+                                          waits.has_value() ? waits->data() : nullptr, res.data(), crcs.data(), b,
+                                          &bad);
         }
         return std::make_tuple(status, bad);
       },

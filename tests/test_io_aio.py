@@ -185,3 +185,24 @@ def test_read_all_watches_the_completion_ring_before_it_sleeps(tmp_path):
     assert spun[0] >= 3 and spun[1] == 0  # 10 reads through depth 4: at least three waits
     assert blocked[0] == 0 and blocked[1] >= 3
     assert np.array_equal(out.reshape(10, 8192), data.reshape(32, 8192)[block])
+
+
+def test_the_spin_is_set_by_the_environment(monkeypatch):
+    """MLX_FLASH_AIO_SPIN_US sets a context's spin (microseconds; 0 blocks at once); a value that is
+    not a number >= 0 is refused with a message naming the variable."""
+    from mlx_flash.errors import FlashError
+
+    monkeypatch.delenv("MLX_FLASH_AIO_SPIN_US", raising=False)
+    assert aio.spin_ns() == aio.DEFAULT_SPIN_US * 1000
+    monkeypatch.setenv("MLX_FLASH_AIO_SPIN_US", "0")
+    ctx = aio.AioContext(2)
+    try:
+        assert ctx.spin_ns == 0
+    finally:
+        ctx.close()
+    monkeypatch.setenv("MLX_FLASH_AIO_SPIN_US", "150.5")
+    assert aio.spin_ns() == 150500
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("MLX_FLASH_AIO_SPIN_US", bad)
+        with pytest.raises(FlashError, match="MLX_FLASH_AIO_SPIN_US"):
+            aio.AioContext(2)

@@ -13,11 +13,14 @@ import ctypes
 import ctypes.util
 import errno
 import importlib
+import os
 import platform
 import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..errors import FlashError
 
 _SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}  # setup, destroy, getevents, submit
 IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<u4"), ("opcode", "<u2"),
@@ -27,10 +30,24 @@ IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
 PREAD, PREADV = 0, 7  # IOCB_CMD_PREAD, IOCB_CMD_PREADV
 EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
 assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
-# read_all: watch the completion ring this long (ns) before sleeping in io_getevents. A decode
-# call's reads take 0.1-2 ms; a sleep's wake-up costs tens of microseconds on an idle VM and up to
-# a scheduler time slice (~20 ms measured) on a busy core.
-SPIN_NS = 2_000_000
+
+
+DEFAULT_SPIN_US = 2000
+
+
+def spin_ns() -> int:
+    """read_all's spin before each blocking wait (ns): MLX_FLASH_AIO_SPIN_US microseconds
+    (default DEFAULT_SPIN_US; 0 blocks at once). A decode call's reads take 0.1-2 ms; a sleep's
+    wake-up costs tens of microseconds on an idle VM and up to a scheduler time slice (~20 ms
+    measured) on a busy core, where the spin's CPU comes out of the process's share instead."""
+    value = os.environ.get("MLX_FLASH_AIO_SPIN_US", str(DEFAULT_SPIN_US))
+    try:
+        us = float(value)
+    except ValueError:
+        us = -1.0
+    if not us >= 0:
+        raise FlashError(f"MLX_FLASH_AIO_SPIN_US={value!r}: expected microseconds >= 0")
+    return int(us * 1000)
 
 _libc = None
 
@@ -97,6 +114,7 @@ class AioContext:
     """An io_setup context with room for `depth` reads in flight. Close it when done."""
 
     def __init__(self, depth: int):
+        self.spin_ns = spin_ns()  # read_all's spin before each blocking wait (0: block at once)
         self.depth = depth
         self._nr = _SYSCALLS[platform.machine()]
         self._ctx = ctypes.c_ulong(0)
@@ -105,7 +123,6 @@ class AioContext:
         self._events = np.zeros(depth, EVENT)
         self.min_batch = max(1, depth // 8)  # completions to wait for per call: fewer Python round trips
         self.all_submitted = False  # during on_done: nothing is left to submit
-        self.spin_ns = SPIN_NS  # read_all's spin before each blocking wait (0: block at once)
         self.waits = np.zeros(2, np.int64)  # read_all's waits so far: (ended spinning, blocked)
 
     def read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
