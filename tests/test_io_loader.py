@@ -482,6 +482,24 @@ def test_a_staged_call_is_read_checked_and_copied_in_one_kernel_call(make_pack, 
     assert len(calls) == 3
 
 
+@pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
+def test_only_the_main_thread_spins_in_its_aio_waits(make_pack, monkeypatch):
+    """The calling thread's AIO context spins before it sleeps (aio.spin_ns); a reader thread's
+    (prefetch, expert preload: they read while the main thread computes) blocks at once."""
+    import threading
+
+    monkeypatch.setenv("MLX_FLASH_AIO_SPIN_US", "300")
+    pack = make_pack(dtype="float16")
+    with FlashLoader(pack, threads=4, cost=ReadCost(0.0, 1e9), engine="aio") as loader:
+        stats = loader.read(0, [1, 5, 9], loader.alloc(0, 3))
+        if not stats.direct:
+            pytest.skip("filesystem refuses O_DIRECT")
+        reader = threading.Thread(target=lambda: loader.read(1, [2, 3], loader.alloc(1, 2)))
+        reader.start()
+        reader.join()
+        assert [c.spin_ns for c in loader._aio_contexts] == [300_000, 0]
+
+
 def test_truncated_bundle_file_is_refused(make_pack):
     pack = make_pack()
     entry = read_manifest(pack)["bundles"][0]

@@ -472,6 +472,8 @@ class FlashLoader:
         ctx = getattr(self._local, "aio", None)
         if ctx is None:
             ctx = self._local.aio = aio.AioContext(self.threads)
+            if threading.current_thread() is not threading.main_thread():
+                ctx.spin_ns = 0  # background readers (prefetch, expert preload): a spin takes the core from compute
             with self._lock:
                 self._aio_contexts.append(ctx)
         read_bytes = sum(int(j.r1.sum() - j.r0.sum()) for j in jobs)
@@ -608,7 +610,7 @@ class FlashLoader:
                 or any(j.pieces != jobs[0].pieces for j in jobs):
             return None
         piece_arrays = self._crc_pieces(jobs[0])
-        if len(jobs) == 1:  # a decode token's call: no joining
+        if len(jobs) == 1:  # one job: no joining
             job = jobs[0]
             return (flat, np.append(job.first, len(job.ids)), _staged_offsets(job), *piece_arrays,
                     np.zeros(len(job.ids), np.uint32))
