@@ -223,3 +223,52 @@ def test_update_kernel_rejects_unsorted_or_out_of_range_ids(loader):
         with pytest.raises(ValueError, match="sorted, unique and below"):
             cache.update(np.array(bad), 0, window=3, read=False)
     assert cache.num_used == 0
+
+
+@pytest.mark.parametrize("direct, seed, n_ids", [(True, 0, 30), (True, 2, 12), (False, 1, 50), (False, 3, 20),
+                                                 (False, 4, 70)])
+def test_a_plan_over_the_limit_by_its_gaps_stays_one_call_with_its_smallest_merges(tmp_path_factory, direct, seed,
+                                                                                   n_ids):
+    """A merged plan that stages more than the limit only through the gaps it reads across is one
+    piece with merges undone (fit_merges): within the limit, every bundle in its read, the same
+    bytes landing; the merges kept are the plan's own, every one undone has a gap no smaller than
+    any kept, and keeping the smallest undone one would pass the limit."""
+    from conftest import write_tiny_llama
+    from mlx_flash.io.planner import ReadCost
+    from mlx_flash.sparse.neuron_cache import fit_merges, plan_chunks, read_in_chunks
+
+    base = tmp_path_factory.mktemp(f"fit{seed}")
+    pack = write_pack(write_tiny_llama(base / "src", intermediate=N), base / "pack", progress=False)
+    # merge gap: many bundles; direct=False: reads aligned to 1 byte, every gap between bundles shows
+    with FlashLoader(pack, threads=4, cost=ReadCost(1e-3, 1e8), direct=direct) as ld:
+        entry, ids = ld.entry(0), np.random.default_rng(seed).choice(N, n_ids, replace=False)
+        plan = ld.plan(0, ids)
+        align = plan.align
+        a0, a1 = plan.starts // align * align, -(-(plan.starts + plan.lengths) // align) * align
+        own = int((a1 - a0).sum()) + int(np.minimum(a0[1:] - a1[:-1], 0).sum())
+        assert len(plan.r0) < len(plan) and own < plan.read_bytes  # the plan reads through gaps
+        limit = (own + plan.read_bytes) // 2
+        pieces = plan_chunks(ld, 0, ids, max_bytes=limit)
+        assert len(pieces) == 1
+        p = pieces[0]
+        assert p.read_bytes <= limit and np.array_equal(p.ids, plan.ids) and np.array_equal(p.index, plan.index)
+        ends = np.append(p.first[1:], len(p))
+        for k, (a, b) in enumerate(zip(p.first, ends)):
+            assert p.r0[k] == a0[a] and p.r1[k] == a1[b - 1] and (a1[a:b - 1] <= p.r1[k]).all()
+        gaps = a0[1:] - a1[:-1]
+        kept = np.ones(len(p) - 1, bool)
+        kept[p.first[1:] - 1] = False
+        plans_own = np.ones(len(p) - 1, bool)
+        plans_own[plan.first[1:] - 1] = False
+        assert not (kept & ~plans_own).any()  # no merge the plan did not make
+        undone = plans_own & ~kept
+        assert undone.any() and (gaps[undone] > 0).all()
+        assert gaps[undone].min() >= gaps[kept].max(initial=0)
+        assert p.read_bytes + gaps[undone].min() > limit
+        assert fit_merges(plan, own - 1) is None  # the bundles' own reads stage more: plan_chunks splits
+        assert fit_merges(plan, own).read_bytes == own
+        whole = all_bundles(ld, 0)
+        rows = ld.alloc(0, len(ids))
+        read_in_chunks(ld, 0, ids, rows, np.arange(len(ids)), max_bytes=limit)
+        for name, a in rows.items():  # row i holds bundle ids[i]
+            assert np.array_equal(host_bytes(a).reshape(len(ids), -1), whole[name][ids])

@@ -703,7 +703,8 @@ class FlashFFN(nn.Module):
         streaming buffer when the first piece is already in it, else None).
 
         The call is one read plan of both when they fit the streaming buffer's rows and the
-        staging limits (their bundles interleave in the file: planned apart, each would read
+        staging limits, with merges undone down to the limits when the plan's merged reads stage
+        more (plan_chunks, fit_merges) (their bundles interleave in the file: planned apart, each would read
         through the other's gaps): the overflow lands in buffer rows 0.. in (sorted) id order, as
         its own read would place it, the fill after it, copied into its cache rows
         (upd.fill_slots) before anything computes with them. Else it is two plans, the fill read
@@ -714,10 +715,12 @@ class FlashFFN(nn.Module):
         buf = rt.stream_rows(self.layer) if len(over) else None
         joint = None
         if len(fill) and len(over) and len(over) + len(fill) <= next(iter(buf.values())).shape[0]:
-            joint = rt.loader.plan(self.layer, np.concatenate([over, fill]))
-            if (rt.max_read_bytes is not None and joint.read_bytes > rt.max_read_bytes) or \
-                    (cache.max_read_bytes is not None and joint.read_bytes > cache.max_read_bytes):
-                joint = None
+            limits = [m for m in (rt.max_read_bytes, cache.max_read_bytes) if m is not None]
+            limit = min(limits) if limits else None
+            # one piece: the plan of both, its merges cut back to the staging limit when it is over
+            both = plan_chunks(rt.loader, self.layer, np.concatenate([over, fill]), limit)
+            if len(both) == 1 and (limit is None or both[0].read_bytes <= limit):
+                joint = both[0]
         if joint is not None:
             pieces, batches = [over], [[(self.layer, joint, buf, joint.index)]]  # bundle i -> row of its position
         else:

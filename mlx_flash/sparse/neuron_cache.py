@@ -18,6 +18,7 @@ import numpy as np
 
 from ..cpu.ops import extension
 from ..io import host_bytes
+from ..io.planner import ReadPlan
 
 
 def cache_update_kernel():
@@ -47,7 +48,9 @@ class CacheUpdate:
 def plan_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
     """The loader's plan of bundles `ids` of `layer` (loader.plan: sorted, merged, aligned),
     split into ReadPlan pieces whose reads stage at most `max_bytes` bytes and hold at most
-    `max_rows` bundles; pieces break at read boundaries. Pass each piece to loader.read in place
+    `max_rows` bundles. A plan over `max_bytes` only by reading through gaps (its bundles' own
+    reads fit) stays one piece with some merges undone (fit_merges); else pieces break at read
+    boundaries. Pass each piece to loader.read in place
     of its ids: the reads are planned once. A single planned read is at most the loader's
     max_read (or one bundle): `max_bytes` below that still gets one read per piece. None: no
     limit. piece.index: the positions of its bundles in `ids`."""
@@ -55,6 +58,10 @@ def plan_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
     if ((max_bytes is None or plan.read_bytes <= max_bytes) and (max_rows is None or len(plan) <= max_rows)) \
             or len(plan) == 0 or loader.entry(layer).encoding == "endor":
         return [plan]  # within the limits (a decode token's overflow, mostly): no split, no copy
+    if max_rows is None or len(plan) <= max_rows:
+        fitted = fit_merges(plan, max_bytes)
+        if fitted is not None:  # fewer gap bytes in one call instead of two calls
+            return [fitted]
     sizes, ends = (plan.r1 - plan.r0).tolist(), np.append(plan.first[1:], len(plan)).tolist()
     max_bytes = float("inf") if max_bytes is None else max_bytes
     max_rows = len(plan) if max_rows is None else max(1, int(max_rows))
@@ -69,6 +76,34 @@ def plan_chunks(loader, layer: int, ids, max_bytes=None, max_rows=None) -> list:
         staged += sizes[k]
     pieces.append(plan.take(lo, len(plan)))
     return pieces
+
+
+def fit_merges(plan, max_bytes):
+    """`plan` with some of its merges undone so that its reads stage at most `max_bytes` bytes,
+    or None when even its bundles' own reads stage more. A merge reads through the gap between
+    two bundles to save a read; the merges kept are the plan's own with the smallest gaps (the
+    most reads saved per staged byte); merges whose aligned reads touch (gap <= 0) always stay.
+    The same bundles in the same order: only the reads' bounds change (each within one of
+    `plan`'s reads, so within the loader's max_read)."""
+    n = len(plan)
+    a0 = plan.starts // plan.align * plan.align
+    a1 = -(-(plan.starts + plan.lengths) // plan.align) * plan.align
+    gaps = a0[1:] - a1[:-1]  # bytes merge j (bundle j with j + 1) stages beyond the two reads
+    merged = np.ones(max(n - 1, 0), bool)
+    merged[plan.first[1:] - 1] = False  # the plan's own read boundaries stay boundaries
+    joins = np.flatnonzero(merged)
+    order = joins[np.argsort(gaps[joins], kind="stable")]
+    free = int(np.count_nonzero(gaps[order] <= 0))  # merges that stage nothing more: first
+    base = int((a1 - a0).sum()) + int(gaps[order[:free]].sum())
+    if base > max_bytes:
+        return None
+    staged = base + np.cumsum(gaps[order[free:]])  # after keeping merges order[free:][:k + 1]
+    keep = np.zeros(max(n - 1, 0), bool)
+    keep[order[:free + int(np.searchsorted(staged, max_bytes, side="right"))]] = True
+    first = np.append(0, np.flatnonzero(~keep) + 1).astype(np.int64)
+    last = np.append(first[1:], n) - 1
+    return ReadPlan(plan.layer, plan.ids, plan.index, plan.starts, plan.lengths, a0[first], a1[last],
+                    first, plan.align)
 
 
 def read_in_chunks(loader, layer: int, ids, dest, slots, max_bytes=None):
