@@ -535,3 +535,51 @@ def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_l
 
     monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", apart)
     assert_identical(got, run_steps(build_flash_model(pack, FlashConfig("flash", window=1))))
+
+
+def test_a_joint_plan_over_the_staging_limit_by_its_gaps_is_still_one_call_bit_for_bit(tiny_llama, tmp_path,
+                                                                                        monkeypatch):
+    """When the joint fill + overflow plan stages more than the limit only through the gaps its
+    merges read across, the layer still reads in one loader call (its merges cut back to the
+    limit), within the limit, and the logits are those of unlimited reads, bit for bit."""
+    from mlx_flash.io.planner import ReadCost
+    from mlx_flash.sparse.ffn import FlashFFN
+
+    src = tiny_llama("src", layers=2, intermediate=4 * N, dtype="float16")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    layers = {i: {"kind": "gate-threshold", "n_neurons": 4 * N, "rank": 0, "threshold": 0.02,
+                  "prob_threshold": 0.5, "stats": {}, "capacity": [24] * 4} for i in range(2)}
+    save_predictors(pack, {"activation": "silu"}, layers, {})
+    real, squeezed = FlashFFN._read_fill_and_overflow, []
+
+    def limited(self, cache, upd, step):  # a limit between the bundles' own reads and the merged plan
+        rt = self._rt
+        ids = np.concatenate([upd.overflow, upd.fill if upd.fill is not None else upd.overflow[:0]])
+        plan = rt.loader.plan(self.layer, ids)
+        a0 = plan.starts // plan.align * plan.align
+        a1 = -(-(plan.starts + plan.lengths) // plan.align) * plan.align
+        own = int((a1 - a0).sum()) + int(np.minimum(a0[1:] - a1[:-1], 0).sum())
+        if not (len(upd.overflow) and len(ids) > len(upd.overflow) and own < plan.read_bytes):
+            return real(self, cache, upd, step)
+        rt.max_read_bytes = cache.max_read_bytes = limit = (own + plan.read_bytes) // 2
+        calls, read_many = [], rt.loader.read_many
+        rt.loader.read_many = lambda requests: calls.append(
+            sum(int((r[1].r1 - r[1].r0).sum()) for r in requests)) or read_many(requests)
+        try:
+            pieces, first = real(self, cache, upd, step)
+        finally:
+            rt.max_read_bytes = cache.max_read_bytes = None
+            del rt.loader.read_many
+        squeezed.append((first is not None, calls, limit))
+        return pieces, first
+
+    monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", limited)
+    model = build_flash_model(pack, FlashConfig("flash", window=1))
+    loader = model.flash_runtime.loader
+    loader.cost = ReadCost(1e-3, 1e8)  # a merge gap of many bundles: merges read across gaps
+    loader.direct, loader._open_files = False, {}  # byte-aligned reads: every gap shows
+    got = run_steps(model)
+    assert squeezed and all(one and len(calls) == 1 and calls[0] <= limit for one, calls, limit in squeezed)
+    monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", real)
+    model = build_flash_model(pack, FlashConfig("flash", window=1))
+    assert_identical(got, run_steps(model))
