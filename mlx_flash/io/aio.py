@@ -32,12 +32,15 @@ EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8
 assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
 
 
-DEFAULT_SPIN_US = 2000
+# Off by default: idle, a 2 ms spin left flash's wall time per token where it was (bench host,
+# 4 alternated rounds: median 54.4 ms spinning vs 53.5 blocking) and cost ~14 ms of main-thread CPU
+# per token, which slowed the evaluations beside it (docs/benchmarks.md, tenth-session idle runs).
+DEFAULT_SPIN_US = 0
 
 
 def spin_ns() -> int:
     """read_all's spin before each blocking wait (ns): MLX_FLASH_AIO_SPIN_US microseconds
-    (default DEFAULT_SPIN_US; 0 blocks at once). A decode call's reads take 0.1-2 ms; a sleep's
+    (default DEFAULT_SPIN_US, 0: block at once). A decode call's reads take 0.1-2 ms; a sleep's
     wake-up costs tens of microseconds on an idle VM and up to a scheduler time slice (~20 ms
     measured) on a busy core, where the spin's CPU comes out of the process's share instead."""
     value = os.environ.get("MLX_FLASH_AIO_SPIN_US", str(DEFAULT_SPIN_US))
