@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .calibration.relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS
 from .errors import FlashError
-from .paths import write_text_atomic
+from .paths import write_json_atomic, write_text_atomic
 
 
 def build_parser():
@@ -111,7 +111,7 @@ def _main(argv):
         if args.markdown:
             write_text_atomic(Path(args.markdown), table + "\n")
         if args.json:
-            R.write_json(Path(args.json), rows)
+            write_json_atomic(Path(args.json), rows)
         return 0
     if not args.text:
         raise FlashError("--text: training text files are required (or --curve DIR)")
@@ -162,7 +162,7 @@ def _main(argv):
             summary += f" (original ppl {report['before']['original']['ppl']:.3f})"
     print(summary)
     if args.json:
-        R.write_json(Path(args.json), report)
+        write_json_atomic(Path(args.json), report)
     return 0
 
 

@@ -279,6 +279,16 @@ def test_refuses_existing_output_and_double_quantization(tiny_llama, tmp_path):
         write_pack(src, tmp_path / "pack", progress=False)
 
 
+@pytest.mark.parametrize("text, reason", [("{", "not JSON"), ("[1, 2]", "not a JSON object")])
+def test_a_bad_config_is_one_error_naming_the_file(tiny_llama, tmp_path, text, reason):
+    # the source's config.json goes through the one JSON-file reader: no traceback for an array
+    src = tiny_llama("src")
+    (src / "config.json").write_text(text)
+    with pytest.raises(FlashError, match=rf"config\.json: {reason}"):
+        write_pack(src, tmp_path / "pack", progress=False)
+    assert not (tmp_path / "pack").exists()
+
+
 def test_interrupt_midway_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     # Ctrl-C while the second bundle file is written: no pack, no temporary directory
     src = tiny_llama("src", layers=3)

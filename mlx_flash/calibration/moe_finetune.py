@@ -23,9 +23,10 @@ import mlx.nn as nn
 
 from ..errors import FlashError
 from ..model_folder import read_config
+from ..paths import write_json_atomic
 from .training import (SEQ_LEN, ce_and_kl, checkpoint_dirs, compiled_update, kernels_off,
                        make_optimizer, restore_trainer, save_checkpoint, start_run, text_sequences,
-                       train_loop, write_json, write_model_folder)
+                       train_loop, write_model_folder)
 
 TRAINABLE = ("routers", "experts", "both")  # what AdamW moves: routers, experts' weights, or both
 REPORT_JSON = "moe_finetune.json"
@@ -231,5 +232,5 @@ def finetune_moe(start: Path, teacher_src: Path, train_files, out: Path, *, step
     report = {k: state[k] for k in ("steps_planned", "tokens_trained", "seconds", "losses", "eval",
                                     "trainable", "lr", "ce_weight", "batch_size", "seq_len")}
     report["steps"] = state["step"]
-    write_json(out / REPORT_JSON, report)
+    write_json_atomic(out / REPORT_JSON, report)
     return report

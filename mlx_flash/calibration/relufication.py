@@ -25,13 +25,14 @@ import numpy as np
 
 from ..errors import FlashError
 from ..model_folder import read_config
+from ..paths import write_json_atomic
 from ..models.relu_llama import ACTIVATIONS, THRESHOLDED, ActiveFractions, gated_hidden
 from .relufication_choices import ALLOCATIONS, DECAYS, KEEP_CHECKPOINTS  # noqa: F401
 from .training import (CHECKPOINTS, FINAL_LR_FRACTION, OPTIMIZER_FILE, SEQ_LEN,  # noqa: F401
                        TRAINER_JSON, WEIGHTS_FILE, batch_indices, ce_and_kl, check_disjoint,
                        checkpoint_dirs, compiled_update, distill_kl, kernels_off, make_optimizer,
                        next_token_nll, prune_checkpoints, restore_trainer, save_checkpoint, start_run,
-                       text_sequences, train_loop, trainer_state, write_json, write_model_folder)
+                       text_sequences, train_loop, trainer_state, write_model_folder)
 
 REPORT_JSON = "relufication.json"
 SOURCE_TYPES = ("llama", "mistral", "relu_llama")  # llama-family MLPs: gate_proj / up_proj / down_proj
@@ -523,7 +524,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
         report["before"] = before
     if eval_seqs is not None:
         report["after"] = measure(model, eval_seqs)
-    write_json(out / REPORT_JSON, report)
+    write_json_atomic(out / REPORT_JSON, report)
     return report
 
 

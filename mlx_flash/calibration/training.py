@@ -216,11 +216,6 @@ def kernels_off():
 
 # ---- files -------------------------------------------------------------------------------------------
 
-def write_json(path: Path, obj):
-    """Write JSON atomically (paths.write_json_atomic: temporary name, fsync, rename)."""
-    write_json_atomic(path, obj)
-
-
 def write_model_folder(dst: Path, model, config: dict, tokenizer_src: Path):
     """`model` as an mlx-lm model in folder `dst` (created if missing; a run's folder keeps its
     checkpoints and reports beside it): model_folder.write_model_files, each file whole."""
@@ -268,7 +263,7 @@ def save_checkpoint(out: Path, model, optimizer, config: dict, tokenizer_src: Pa
     with atomic_dir(final, replace=True) as tmp:
         write_model_folder(tmp, model, config, tokenizer_src)
         write_weights(tmp / OPTIMIZER_FILE, dict(tree_flatten(optimizer.state)))
-        write_json(tmp / TRAINER_JSON, state)
+        write_json_atomic(tmp / TRAINER_JSON, state)
     for older in checkpoint_dirs(out):
         if older != final and (older / OPTIMIZER_FILE).exists():
             (older / OPTIMIZER_FILE).unlink()

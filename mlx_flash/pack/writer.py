@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import FlashError
-from ..model_folder import copy_tokenizer_files
+from ..model_folder import copy_tokenizer_files, read_config
 from ..paths import atomic_dir, load_safetensors, save_safetensors
 from .reader import file_crc32
 from .schema import write_metadata
@@ -142,13 +142,9 @@ def _resident_choice(base: str, linears: dict):
 def _load_source(src: Path, weights=None):
     if (src / MANIFEST).exists():
         raise FlashError(f"{src}: is already a flash pack")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
+    if not (src / "config.json").is_file():
         raise FlashError(f"{src}: not an mlx-lm model folder (no config.json)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise FlashError(f"{cfg_path}: invalid JSON ({e})") from None
+    config = read_config(src)
     if weights is not None:
         return config, weights, []
     files = sorted(src.glob("model*.safetensors"))
