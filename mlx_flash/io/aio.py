@@ -34,7 +34,8 @@ assert IOCB.itemsize == 64 and EVENT.itemsize == 32 and IOVEC.itemsize == 16
 
 # Off by default: idle, a 2 ms spin left flash's wall time per token where it was (bench host,
 # 4 alternated rounds: median 54.4 ms spinning vs 53.5 blocking) and cost ~14 ms of main-thread CPU
-# per token, which slowed the evaluations beside it (docs/benchmarks.md, tenth-session idle runs).
+# per token, which slowed the evaluations beside it (docs/benchmarks.md, "Idle re-measurements
+# (2026-11-26, 17:51-18:11 UTC, at f226da7 and 50d52fc)").
 DEFAULT_SPIN_US = 0
 
 
