@@ -32,6 +32,45 @@ def test_calibrate_and_profile(tmp_path, monkeypatch, engine):
     assert not list(tmp_path.glob(".mlx_flash_read_cost_*"))
 
 
+@pytest.mark.parametrize("content, reason", [
+    (b"{not json", "not JSON"), (b"[1, 2]", "not a JSON object"), (b"\xff\xfe", "not JSON"),
+    ("curve-list", "damaged entry (TypeError"), ("curve-table", "damaged entry (ValueError"),
+    ("line-keys", "damaged entry (KeyError"), ("line-value", "damaged entry (ValueError"),
+])
+def test_a_damaged_profile_counts_as_none_named_on_one_line_and_is_rewritten(tmp_path, monkeypatch, capsys,
+                                                                              content, reason):
+    import json
+
+    from mlx_flash.io.read_cost import ReadCostCurve
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("MLX_FLASH_HOME", str(home))
+    f = home / "io_profile.json"
+    curve_key, line_key = planner._curve_key(tmp_path, "threads"), planner._profile_key(tmp_path, 4, "threads")
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    else:
+        f.write_text(json.dumps({
+            "curve-list": {curve_key: [1, 2]},
+            "curve-table": {curve_key: {"sizes": [4096, 65536], "depths": [1], "table": [[1e-5]]}},
+            "line-keys": {line_key: {"latency": 1e-5}},
+            "line-value": {line_key: {"latency_s": "fast", "bandwidth": 1e9}},
+        }[content]))
+    assert load_cost(tmp_path, 4) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(f) in err[0] and reason in err[0] and "measured again" in err[0], err
+    # the next save (a measured curve, as calibrate stores it) rewrites it, silently
+    good = ReadCostCurve([4096, 65536], [1, 4], [[2e-5, 6e-5], [1e-5, 3e-5]], 4)
+    planner.save_cost(tmp_path, 4, good)
+    assert load_cost(tmp_path, 4) == good and capsys.readouterr().err == ""
+
+
+def test_no_profile_stored_is_none_without_a_word(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    assert load_cost(tmp_path, 4) is None and capsys.readouterr().err == ""
+
+
 def greedy_reference(starts, length, align, merge_gap, max_read):
     """The planner's rule, one request at a time: join the open read when the gap is at most
     merge_gap and the read stays <= max_read."""

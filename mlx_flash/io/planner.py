@@ -9,8 +9,8 @@ line latency + n / bandwidth, remains for explicit models (tests, older profiles
 """
 
 import importlib
-import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..paths import flash_home, write_json_atomic
+from ..paths import flash_home, read_json_file, write_json_atomic
 from .files import FileLayer
 from .read_cost import (DEFAULT_DEPTHS, DEFAULT_SIZES, LANDING_VERSION, MEASURED_FORMAT, ReadCostCurve,
                         measure_curve, warn_if_loaded)
@@ -76,27 +76,46 @@ def profile_file():
     return flash_home() / "io_profile.json"
 
 
+def _stored_profiles(f, say=True) -> dict:
+    """The profiles stored in `f` (profile_file()), {} when there is none; a damaged file (not
+    JSON, not an object, unreadable, too large) counts as none, with one stderr line naming it:
+    every profile in it is measured again and the file rewritten on the next save (which says
+    nothing: `say` False)."""
+    if not os.path.lexists(f):
+        return {}
+    try:
+        return read_json_file(f, "read-cost profile")
+    except FlashError as e:
+        if say:
+            print(f"mlx_flash: ignoring the read-cost profiles in {e}; they are measured again", file=sys.stderr)
+        return {}
+
+
 def load_cost(path, threads, engine="threads") -> ReadCostCurve | ReadCost | None:
     """The stored cost model of the device holding `path` for reads issued by `engine` ('threads'
     or 'aio'): its measured curve priced at `threads` reads in flight, else an older straight-line
     profile measured at exactly `threads`, else None. An AIO curve whose segment and copy terms
     were measured an older way (read_cost.LANDING_VERSION) counts as none: measured again once.
-    A curve measured on a loaded machine is used, with one stderr line (read_cost.warn_if_loaded)."""
+    A curve measured on a loaded machine is used, with one stderr line (read_cost.warn_if_loaded);
+    a damaged file or entry counts as none, with one stderr line (_stored_profiles)."""
     f = profile_file()
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError):
-        return None
+    data = _stored_profiles(f)
     key = _curve_key(path, engine)
     curve = data.get(key)
-    if curve and (engine != "aio" or curve.get("landing_version", 1) >= LANDING_VERSION):
-        cost = ReadCostCurve.from_dict(curve, depth=threads, engine=engine)
-        warn_if_loaded(cost, f, key)
-        return cost
-    if curve:
+    try:
+        if curve and (engine != "aio" or curve.get("landing_version", 1) >= LANDING_VERSION):
+            cost = ReadCostCurve.from_dict(curve, depth=threads, engine=engine)
+            warn_if_loaded(cost, f, key)
+            return cost
+        if curve:
+            return None
+        key = _profile_key(path, threads, engine)
+        entry = data.get(key)
+        return ReadCost(float(entry["latency_s"]), float(entry["bandwidth"])) if entry else None
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        print(f"mlx_flash: ignoring the read-cost profile {f} [{key}]: damaged entry ({type(e).__name__}: "
+              f"{str(e)[:120]}); it is measured again", file=sys.stderr)
         return None
-    entry = data.get(_profile_key(path, threads, engine))
-    return ReadCost(entry["latency_s"], entry["bandwidth"]) if entry else None
 
 
 def save_cost(path, threads, cost, engine="threads"):
@@ -106,10 +125,7 @@ def save_cost(path, threads, cost, engine="threads"):
         f.parent.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only cache home: the profile is measured again next time
         return
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError):
-        data = {}
+    data = _stored_profiles(f, say=False)
     measured = {"measured": getattr(cost, "measured", None) or time.strftime(MEASURED_FORMAT)}
     if isinstance(cost, ReadCostCurve):
         data[_curve_key(path, engine)] = {**cost.to_dict(), **measured}

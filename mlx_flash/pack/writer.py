@@ -139,6 +139,28 @@ def _resident_choice(base: str, linears: dict):
     return None if own is None else (own["bits"], own["group_size"])
 
 
+def _mlx_quantize(_base, w, bits, group_size):
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+def _resident_width(k, v, quantize, group_size, gate_weights, gate, linears):
+    """(bits, group_size, quantizer, own config entry) resident tensor `k` is stored at, None: as
+    it is: a resident gate (--gate-bits) at the gate's width, else --quantize's, else the resident
+    linears' (--resident-bits, or its --resident-module override, by --resident-quantizer; a module
+    whose width differs from --resident-bits' needs a config entry of its own).
+    quantizer(base, w, bits, group_size) -> (q, scales, biases)."""
+    if k in gate_weights:
+        return gate["bits"], gate["group_size"], _mlx_quantize, False
+    if quantize and _should_quantize(k, v, group_size):
+        return quantize, group_size, _mlx_quantize, False
+    if linears and _should_quantize(k, v, 32):
+        choice = _resident_choice(k[: -len(".weight")], linears)
+        if choice is not None and v.shape[-1] % choice[1] == 0:
+            own = choice != (linears["bits"], linears["group_size"])
+            return choice[0], choice[1], linears["quantizer"] or _mlx_quantize, own
+    return None
+
+
 def _load_source(src: Path, weights=None):
     if (src / MANIFEST).exists():
         raise FlashError(f"{src}: is already a flash pack")
@@ -246,19 +268,12 @@ def _write(src, tmp, dtype, quantize, group_size, progress, alignment, down_bits
         if endor and _endor_worth_it(k, v):
             tensors, resident_endor[k] = _encode_resident(k, v, quantize, group_size)
             resident.update(tensors)
-        elif (quantize and _should_quantize(k, v, group_size)) or k in gate_weights:
+        elif (width := _resident_width(k, v, quantize, group_size, gate_weights, gate, linears)) is not None:
             base = k[: -len(".weight")]
-            bits, size = (gate["bits"], gate["group_size"]) if k in gate_weights else (quantize, group_size)
-            q, s, b = mx.quantize(v, group_size=size, bits=bits)
-            resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
-        elif linears and _should_quantize(k, v, 32) and (
-                choice := _resident_choice(k[: -len(".weight")], linears)) and v.shape[-1] % choice[1] == 0:
-            base = k[: -len(".weight")]
-            bits, size = choice
-            quantizer = linears["quantizer"] or (lambda _, w, b, g: mx.quantize(w, group_size=g, bits=b))
+            bits, size, quantizer, own_entry = width
             q, s, b = quantizer(base, v, bits, size)
             resident.update({k: q, f"{base}.scales": s, f"{base}.biases": b})
-            if choice != (linears["bits"], linears["group_size"]):
+            if own_entry:
                 config["quantization"][base] = {"bits": bits, "group_size": size}
         else:
             resident[k] = v
