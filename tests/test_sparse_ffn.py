@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from flash_runs import TOKENS, all_neurons, assert_identical, run_steps
 from test_models_flash import opt_pack_with_exact_predictors
@@ -491,6 +492,58 @@ def test_first_call_check_scales_with_the_sizes_of_the_sums_terms(tiny_llama, tm
     assert ffn_out["max"] < 2e-3 and _ffn_flags(model) == [False, False]
     monkeypatch.setattr(ffn, "sparse_ffn", real)
     assert_identical(got, run_steps(_without_ffn_kernel(build())))
+
+
+@pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
+@pytest.mark.parametrize("mode", ["dense", "flash"])
+def test_a_prompts_first_call_checks_the_kernel_on_a_few_tokens_up_to_the_last(tiny_llama, tmp_path, monkeypatch,
+                                                                                 mode):
+    """A 21-token prompt's first call checks the FFN kernel against the MLP on CHECK_TOKENS of
+    its tokens, the first and the last among them (not on all 21: a real prompt's first call spent
+    seconds there); a kernel wrong at the last token only is refused, and the layer returns the
+    MLP's output for every token, bit for bit as the MLP path."""
+    from calibration_packs import tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+    from mlx_flash.sparse import ffn
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, [0.03, 0.05, 0.04, 0.06], dtype="float16", gate_bits=4)
+    text = write_text(tmp_path / "t.txt", n_words=300, seed=0)
+    assert calibrate_cli.main(["--model", str(pack), "--text", str(text), "--kind", "gate-threshold", "--quiet"]) == 0
+    prompt = mx.array([[(7 * i + 3) % 120 for i in range(21)]])
+
+    def build():
+        if mode == "dense":
+            return build_flash_model(pack, FlashConfig("dense"))
+        return build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)})
+
+    checked, real_sets = [], ffn.FlashFFN._mlp_sets
+
+    def recorded(self, x, sets, *a, **k):
+        checked.append(x.shape[-2])
+        return real_sets(self, x, sets, *a, **k)
+
+    monkeypatch.setattr(ffn.FlashFFN, "_mlp_sets", recorded)
+    model = build()
+    got = model(prompt, cache=make_prompt_cache(model))
+    mx.eval(got)
+    assert _ffn_flags(model) == [True] * 4 and checked == [ffn.CHECK_TOKENS] * 4
+    monkeypatch.setattr(ffn.FlashFFN, "_mlp_sets", real_sets)
+    plain = _without_ffn_kernel(build())
+    assert mx.array_equal(got, plain(prompt, cache=make_prompt_cache(plain))).item()
+    real = ffn.sparse_ffn
+
+    def wrong_at_the_last_token(x, sets, *a):
+        y = real(x, sets, *a)
+        return y + mx.concatenate([mx.zeros_like(y[..., :-1, :]), mx.ones_like(y[..., -1:, :])], axis=-2)
+
+    monkeypatch.setattr(ffn, "sparse_ffn", wrong_at_the_last_token)
+    model = build()
+    with pytest.warns(RuntimeWarning, match="CPU sparse FFN kernel"):
+        got = model(prompt, cache=make_prompt_cache(model))
+        mx.eval(got)
+    assert _ffn_flags(model) == [False] * 4
+    plain = _without_ffn_kernel(build())
+    assert mx.array_equal(got, plain(prompt, cache=make_prompt_cache(plain))).item()
 
 
 def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch):

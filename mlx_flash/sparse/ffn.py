@@ -459,7 +459,8 @@ class FlashFFN(nn.Module):
         y = sparse_ffn(x, [(r["up.weight"], r.get("gate.weight"), r["down_t.weight"], n, ids)
                            for r, n, ids in sets], gate_values, act, threshold, add)
         if self._cpu_ffn is None:  # first call: the MLP on the same rows must agree
-            return self._first_call_checked(y, lambda: self._mlp_sets(x, sets, add=add), "_cpu_ffn",
+            return self._first_call_checked(y, x, lambda pick: self._mlp_sets(
+                pick(x), sets, add=None if add is None else pick(add)), "_cpu_ffn",
                                             f"CPU sparse FFN kernel ({act})")
         return y
 
@@ -628,33 +629,45 @@ class FlashFFN(nn.Module):
         if self._current.down_bias is not None:
             y = y + self._current.down_bias
         if self._endor_cpu is None:  # first call: the row path must agree
-            return self._first_call_checked(y, lambda: self._run_mlp(x, decoded_rows(), self._n), "_endor_cpu",
+            return self._first_call_checked(y, x, lambda pick: self._run_mlp(pick(x), decoded_rows(), self._n),
+                                           "_endor_cpu",
                                            f"CPU ENDOR decode-matvec ({act})")
         return y
 
-    def _first_call_checked(self, y, reference, flag: str, kernels: str):
-        """A kernel path's first output y against the MLP's, `reference()` (the row path): sets
-        `flag` (whether they agree) and returns y, or the MLP's output (warned) if not.
+    def _first_call_checked(self, y, x, reference, flag: str, kernels: str):
+        """A kernel path's first output y (of input x [..., T, D]) against the MLP's: sets `flag`
+        (whether they agree) and returns y, or the MLP's output (warned) if not.
 
+        reference(pick) is the row path on pick(x) (pick(a): a's checked tokens, axis -2): at most
+        CHECK_TOKENS of the call's tokens, spread from its first to its last (a prompt's first
+        call would otherwise run the row path, and its float32 term sizes, on every token, ~0.1 s
+        per layer on a CPU; the tokens checked came out of the same kernel call as the rest).
         They agree within 2e-2 of the largest output plus 2e-2 of the largest sum of the down
         projection's term sizes (|h| @ |W|, per output): the scale of a sum's rounding error, small
         where the outputs are small (an absolute floor would pass any error below it there), large
-        in late layers whose outputs reach thousands."""
+        in late layers whose outputs reach thousands. If they do not agree, the row path's output
+        of every token is returned."""
         c = self._current
+        pick = _token_picker(x)
+        saved_gate = c.gate_values  # full_gate of every token of this call, when set
         c.term_sizes = []
         try:
-            want = reference()
+            if saved_gate is not None:
+                c.gate_values = pick(saved_gate)
+            want = reference(pick)
             terms = c.term_sizes
         finally:
-            c.term_sizes = None
+            c.term_sizes, c.gate_values = None, saved_gate
         scale = mx.stack([t.max() for t in terms]).max() if terms else mx.array(0.0)
-        diff = mx.abs(y.astype(mx.float32) - want.astype(mx.float32)).max()
+        got = pick(y).astype(mx.float32)
+        diff = mx.abs(got - want.astype(mx.float32)).max()
         same = (diff <= 2e-2 * mx.abs(want.astype(mx.float32)).max() + 2e-2 * scale).item()
         setattr(self, flag, same)
         if same:
             return y
         warnings.warn(f"layer {self.layer}: the {kernels} differ from the MLP; this layer keeps the "
                       f"row path", RuntimeWarning, stacklevel=3)
+        want = reference(lambda a: a)
         mx.eval(want)
         return want
 
@@ -676,7 +689,8 @@ class FlashFFN(nn.Module):
             raise FlashError(f"{self._rt.loader.pack / entry.file}: bundle {bad}: its bitmaps' popcount "
                              f"disagrees with the bytes stored (corrupt or truncated)")
         if self._endor_gpu is None:  # first call: the row path (decoded on the CPU) must agree
-            return self._first_call_checked(y, lambda: self._run_mlp(x, decoded_rows(), self._n), "_endor_gpu",
+            return self._first_call_checked(y, x, lambda pick: self._run_mlp(pick(x), decoded_rows(), self._n),
+                                           "_endor_gpu",
                                            f"ENDOR Metal kernels ({act})")
         return y
 
@@ -803,6 +817,19 @@ class FlashFFN(nn.Module):
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None
         return y
+
+
+CHECK_TOKENS = 8  # tokens of a kernel path's first call checked against the MLP (_first_call_checked)
+
+
+def _token_picker(x):
+    """pick(a): a [..., T, D] at CHECK_TOKENS of x's T tokens spread from the first to the last
+    (the identity when T is at most that)."""
+    t = x.shape[-2] if x.ndim >= 2 else 1
+    if t <= CHECK_TOKENS:
+        return lambda a: a
+    idx = mx.array(np.unique(np.linspace(0, t - 1, CHECK_TOKENS).round().astype(np.int32)))
+    return lambda a: mx.take(a, idx, axis=-2)
 
 
 def _split_ahead(upd, ids):
