@@ -54,6 +54,7 @@ import mlx.core as mx
 from mlx_flash.convert import main as convert
 from mlx_flash.sources.resolve import resolve_model
 import mlx_flash.sources.gguf, mlx_flash.pack.writer, mlx_flash.sources.gguf_tokenizer  # noqa: F401
+import mlx_flash.calibration.resident_quant  # noqa: F401  (convert imports it: mlx-lm, torch)
 
 real_write = os.write
 
