@@ -18,7 +18,7 @@ from .moe.bitwidths import SOLVERS, WIDTHS
 from .moe.quantize import METHODS
 from .pack import read_manifest, write_pack
 from .pack.writer import check_resident_modules
-from .sources import convert_gguf, is_gguf, resolve_model
+from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
 
 
 def down_report(down: dict) -> str:
@@ -217,12 +217,14 @@ def _resident_quantizer(model_dir, args):
 def _main(argv):
     parser = argparse.ArgumentParser(
         prog="python -m mlx_flash.convert",
-        description="Convert a model into a flash pack (FFN neurons bundled on disk for streaming), "
+        description="Convert a model (default: the embedded SmolLM2-135M-Instruct) into a flash pack (FFN "
+                    "neurons bundled on disk for streaming), "
                     "or with --format mlx, a GGUF file into an mlx-lm folder.",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model",
-                        help="source: an mlx-lm / Hugging Face folder, a hub repo id, or a .gguf file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None,
+                        help="source: an mlx-lm / Hugging Face folder, a hub repo id, or a .gguf file "
+                             "(default: the embedded SmolLM2-135M-Instruct Q4_1)")
     source.add_argument("--synthetic", metavar="ARCH",
                         help="instead of --model: random weights shaped like ARCH (opt-1.3b, "
                              "opt-6.7b, llama-2-7b, opt-125m, opt-tiny, llama-tiny) with a chosen "
@@ -415,7 +417,7 @@ def _main(argv):
     out = Path(args.out).expanduser()
     if out.exists():
         raise FlashError(f"--out {out}: already exists; remove it or choose another path")
-    src = Path(args.model).expanduser()
+    src = default_gguf_path() if args.model is None else Path(args.model).expanduser()
     if args.format == "mlx":
         if args.dtype or args.quantize or args.resident_bits:
             raise FlashError("--dtype/--quantize/--resident-bits: only with --format pack")

@@ -9,9 +9,10 @@ from mlx_flash.convert import main
 from mlx_flash.errors import FlashError
 
 
-def test_convert_embedded_gguf(embedded_gguf, tmp_path):
+@pytest.mark.parametrize("named", [True, False])  # without --model: the embedded model, as generate's default
+def test_convert_embedded_gguf(embedded_gguf, tmp_path, named):
     out = tmp_path / "smol"
-    assert main(["--model", str(embedded_gguf), "--out", str(out), "--format", "mlx"]) == 0
+    assert main(["--model", str(embedded_gguf)] * named + ["--out", str(out), "--format", "mlx"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((out / "config.json").read_text())
