@@ -80,3 +80,36 @@ def test_load_weights_checked_loads_all_or_names_the_packs_resident_file(tiny_ll
     del weights[name]
     with pytest.raises(FlashError, match=r"^PACK/resident\.safetensors: does not match the model \("):
         load_weights_checked(build_model(config, weights), weights, "PACK")
+
+
+@pytest.mark.parametrize("model_type, notice", [("relu_llama", False), ("mystery_arch", True)])
+def test_tokenizer_load_drops_transformers_notice_only_for_this_packages_own_model_types(tiny_llama, model_type,
+                                                                                           notice):
+    """transformers warns at every tokenizer load of a config.json whose model_type it does not
+    know; for relu_llama (a model of this package) the warning is noise and is dropped, for any
+    other unknown type it stays, and the filter does not outlive the load."""
+    import logging
+
+    from calibration_packs import write_byte_tokenizer
+
+    from mlx_flash.models import load_tokenizer
+
+    src = tiny_llama("t", vocab=256)
+    write_byte_tokenizer(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    seen = []
+
+    class Seen(logging.Handler):  # on transformers' logger itself: it sees what passed its filters
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("transformers.configuration_utils")
+    handler = Seen()
+    log.addHandler(handler)
+    try:
+        assert load_tokenizer(src).encode("hi")
+    finally:
+        log.removeHandler(handler)
+    assert any(f"model of type `{model_type}`" in m for m in seen) == notice, seen
+    assert log.filters == []

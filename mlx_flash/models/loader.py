@@ -7,6 +7,7 @@ memory (flash packs, calibration's dense float32 model).
 """
 
 import importlib
+import logging
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,18 +30,22 @@ def mlx_lm_model_classes(config: dict):
         return None
 
 
-def get_model_classes(config: dict):
-    """(Model, ModelArgs) for a config's model_type: ours first, then mlx-lm's."""
-    model_type = config.get("model_type")
+def own_model_classes(model_type):
+    """(Model, ModelArgs) of this package's own module for `model_type` (relu_llama, opt), or None."""
     package = __name__.rsplit(".", 1)[0]
     try:
         ours = importlib.import_module(f"{package}.{model_type}")
-        if hasattr(ours, "Model") and hasattr(ours, "ModelArgs"):
-            return ours.Model, ours.ModelArgs
     except ModuleNotFoundError as e:
         if e.name != f"{package}.{model_type}":
             raise
-    classes = mlx_lm_model_classes(config)
+        return None
+    return (ours.Model, ours.ModelArgs) if hasattr(ours, "Model") and hasattr(ours, "ModelArgs") else None
+
+
+def get_model_classes(config: dict):
+    """(Model, ModelArgs) for a config's model_type: ours first, then mlx-lm's."""
+    model_type = config.get("model_type")
+    classes = own_model_classes(model_type) or mlx_lm_model_classes(config)
     if classes is None:
         raise FlashError(f"config.json: model_type {model_type!r} is not supported by mlx-lm or mlx-flash")
     return classes
@@ -88,14 +93,35 @@ def load_model(path: Path, lazy: bool = True):
     return model, config
 
 
+class _OwnModelTypeNotice(logging.Filter):
+    """Drops transformers' warning that a config.json of `model_type` is read as a generic config:
+    its tokenizer load reads config.json, and for a model type of this package that transformers
+    does not know (relu_llama) the warning, printed at every load, says nothing about the tokenizer."""
+
+    def __init__(self, model_type: str):
+        super().__init__()
+        self.notice = f"You are using a model of type `{model_type}` to instantiate"
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith(self.notice)
+
+
 def load_tokenizer(path: Path):
     """mlx-lm's tokenizer wrapper for a folder or pack (eos ids from its config.json)."""
     config = read_config(path)
     eos = config.get("eos_token_id")
+    model_type = config.get("model_type")
+    notice = _OwnModelTypeNotice(model_type) if isinstance(model_type, str) and own_model_classes(model_type) else None
+    hf_config_log = logging.getLogger("transformers.configuration_utils")
+    if notice is not None:
+        hf_config_log.addFilter(notice)
     try:
         return mlx_lm_load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
     except (OSError, ValueError) as e:
         raise FlashError(f"{path}: could not load the tokenizer ({e})") from None
+    finally:
+        if notice is not None:
+            hf_config_log.removeFilter(notice)
 
 
 def context_length(model):
