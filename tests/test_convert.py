@@ -77,18 +77,18 @@ def test_bad_source_exit_2_one_line(bad, embedded_gguf, tmp_path, capsys):
         [] if bad == "missing" else [src.name])
 
 
-def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embedded_model_dir, text,
-                                                                          tmp_path, capsys):
-    import shutil
-
+def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text, tmp_path, capsys):
+    from calibration_packs import write_byte_tokenizer
     from conftest import write_tiny_moe
 
     from mlx_flash.pack import read_manifest
 
-    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4, layers=2, vocab=49152)
-    for f in embedded_model_dir.glob("tokenizer*"):
-        shutil.copy2(f, src / f.name)
-    args = ["--model", str(src), "--group-size", "32", "--calib-text", str(text)]
+    # a byte tokenizer: 256 logits per token (SmolLM2's 49152 made the KL, the layer losses and
+    # the tuning steps most of this test's 38 s)
+    src = write_tiny_moe(tmp_path / "src", "mixtral", experts=4, layers=2, vocab=256)
+    write_byte_tokenizer(src)
+    # 512 of the text's ~2350 byte tokens: about the ~400 SmolLM2 tokens it held
+    args = ["--model", str(src), "--group-size", "32", "--calib-text", str(text), "--calib-tokens", "512"]
     assert main(args + ["--expert-bits", "3", "--expert-importance", "layer-loss",
                         "--out", str(tmp_path / "p")]) == 0
     m = read_manifest(tmp_path / "p")
@@ -114,8 +114,8 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(embed
     assert "learning rate x3 at 2 bits)" in err
     # a validation split after the tuning range scored at every checkpoint; the best one is kept
     assert main(["--model", str(src), "--group-size", "32", "--calib-text", str(text), str(text),
-                 "--expert-bits", "3", "--expert-tune", "3", "--expert-tune-tokens", "300",
-                 "--expert-tune-val-tokens", "256", "--expert-tune-every", "2",
+                 "--calib-tokens", "512", "--expert-bits", "3", "--expert-tune", "3",
+                 "--expert-tune-tokens", "300", "--expert-tune-val-tokens", "256", "--expert-tune-every", "2",
                  "--out", str(tmp_path / "pv")]) == 0
     err = capsys.readouterr().err
     assert "--expert-tune step 2: validation perplexity " in err
