@@ -261,3 +261,15 @@ def pytest_terminal_summary(terminalreporter):
     if _tests_by_isa:
         counts = ", ".join(f"{isa} {n}" for isa, n in sorted(_tests_by_isa.items()))
         terminalreporter.write_line(f"mlx_flash kernels: tests run per instruction set: {counts}")
+
+
+@pytest.fixture
+def small_fio(monkeypatch):
+    """bench run's fio references read 4 MiB per fio run instead of 64-128 MiB: the same fio
+    command on the same bundle files, parsed the same way, in a fraction of a second (at ~80 MB/s
+    of 4 KiB reads a 64 MiB run took ~1 s, three runs per row); no test asserts fio's speed."""
+    from mlx_flash.bench import io as bench_io
+
+    real = bench_io.fio_throughput
+    monkeypatch.setattr(bench_io, "fio_throughput",
+                        lambda paths, read_sizes, depth, total_bytes: real(paths, read_sizes, depth, 4 << 20))

@@ -67,7 +67,7 @@ def test_hit_rate_vs_slots_on_a_known_trace():
 
 
 @pytest.mark.slow
-def test_bench_run_moe_rows(moe_pack, tmp_path, capsys):
+def test_bench_run_moe_rows(moe_pack, tmp_path, capsys, small_fio):
     text = tmp_path / "t.txt"
     text.write_text("Experts are read from flash into a cache of slots; the router picks them. " * 40)
     out = tmp_path / "bench"

@@ -38,7 +38,7 @@ def _row_bytes(pack):
     return {b["layer"]: sum(c["length"] for c in b["components"]) for b in read_manifest(pack)["bundles"]}
 
 
-def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_path):
+def test_tiny_end_to_end_report_and_byte_accounting(tiny_pack, text_file, tmp_path, small_fio):
     out = tmp_path / "bench"
     argv = ["run", "--model", str(tiny_pack), "--modes", "naive,flash", "--memory-budget", _budget(tiny_pack),
             "--prompt-tokens", "12", "--gen-tokens", "6", "--repeats", "1", "--peers", "none",
@@ -122,8 +122,8 @@ def test_header_line_names_the_stored_profiles_date_and_load(tiny_pack, tmp_path
     assert "measured 2026-11-26T05:19:00" in line and "62% of 2 CPU(s)" in line and "LOADED" in line
 
 
-def test_ablation_sweeps_and_mlx_lm_peer(tiny_pack, text_file, tmp_path):
-    # ~2 minutes: 11 child processes. Run with pytest -m slow.
+def test_ablation_sweeps_and_mlx_lm_peer(tiny_pack, text_file, tmp_path, small_fio):
+    # 11 child processes (each imports mlx-lm: ~3.5 s on one core)
     out = tmp_path / "bench"
     argv = ["run", "--model", str(tiny_pack), "--modes", "naive,hybrid,flash", "--memory-budget",
             _budget(tiny_pack), "--prompt-tokens", "12", "--gen-tokens", "6", "--repeats", "1", "--ablation",
