@@ -22,6 +22,30 @@ def moe_pack(request, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def moe_gguf(moe_pack, tmp_path_factory):
+    """The pack's GGUF export, shared by the tests that only read it (each export parses the
+    embedded GGUF's tokenizer, 49152 tokens and their merges: ~5 s on one core)."""
+    return write_moe_gguf(moe_pack, tmp_path_factory.mktemp("export") / "m.gguf", default_gguf_path())
+
+
+def write_tokenizer_gguf(path):
+    """A GGUF holding only a gpt2-style tokenizer: the 256 byte tokens and one merge."""
+    import gguf
+    from test_sources_gguf import byte_tokens
+
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(byte_tokens())
+    w.add_token_types([1] * 256)
+    w.add_token_merges(["\u0120 t"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_q4_1_blocks_hold_the_same_values():
     rng = np.random.default_rng(0)
     w = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
@@ -52,8 +76,8 @@ def test_gguf_names_invert_mlx_names():
         gguf_name("model.layers.0.mlp.experts.weight")
 
 
-def test_export_is_lossless(moe_pack, tmp_path):
-    out = write_moe_gguf(moe_pack, tmp_path / "m.gguf", default_gguf_path())
+def test_export_is_lossless(moe_pack, moe_gguf):
+    out = moe_gguf
     config, weights = gguf_to_mlx(out)  # MLX's reader turns Q4_1 blocks back into affine triples
     _, pack = load_pack_weights(moe_pack)
     assert set(weights) == set(pack)
@@ -64,7 +88,7 @@ def test_export_is_lossless(moe_pack, tmp_path):
         assert np.array_equal(np.array(got), np.array(ref)), name
     assert config["quantization"] == {"group_size": 32, "bits": 4}
     assert config["num_experts"] == 8 and config["num_experts_per_tok"] == 2
-    assert not list(tmp_path.glob(".*"))
+    assert not list(out.parent.glob(".*"))
 
 
 def test_export_refuses_a_lossy_quantization(tmp_path):
@@ -75,12 +99,12 @@ def test_export_refuses_a_lossy_quantization(tmp_path):
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))
 
 
-def test_llama_cpp_runs_the_export_with_our_logits(moe_pack, tmp_path):
+def test_llama_cpp_runs_the_export_with_our_logits(moe_pack, moe_gguf):
     llama_cpp = pytest.importorskip("llama_cpp")
     from mlx_flash.config import FlashConfig
     from mlx_flash.models.moe import build_moe_model
 
-    gguf_path = write_moe_gguf(moe_pack, tmp_path / "m.gguf", default_gguf_path())
+    gguf_path = moe_gguf
     tokens = [1, 2, 3, 400, 5000, 17, 9, 33]
     ours = build_moe_model(moe_pack, FlashConfig(mode="dense"))(mx.array([tokens]))[0]
     ours = np.array(ours.astype(mx.float32))
@@ -108,6 +132,7 @@ def test_gpt2_export_of_an_opt_pack_holds_its_tensors_and_lands_whole(tmp_path):
     assert np.array_equal(np.asarray(got.data, np.float32).reshape(fc1.shape), fc1)
     assert not list(tmp_path.glob(".*"))
     (tmp_path / "blocked").mkdir()  # a folder where the file should go: one line naming it
+    tokenizer = write_tokenizer_gguf(tmp_path / "tokenizer.gguf")  # read in ms, not ~5 s
     with pytest.raises(FlashError, match="blocked: cannot write"):
-        write_gpt2_gguf(pack, tmp_path / "blocked", default_gguf_path())
+        write_gpt2_gguf(pack, tmp_path / "blocked", tokenizer)
     assert not list(tmp_path.glob(".*"))
