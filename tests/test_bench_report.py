@@ -26,3 +26,19 @@ def test_flash_sparsity_line_names_its_denominator():
     assert "no layer sparse" in none_sparse and "%" not in none_sparse
     some = flash_sparsity_line({"active_fraction": 0.42, "sparse_layers": 12, "ffn_layers": 30})
     assert "42.0% of the model's FFN neurons" in some and "12 of 30 layers ran sparse" in some
+
+
+def test_table3_prints_each_rows_first_prompt_time_in_its_own_column():
+    mode = {"ok_runs": 1, "errors": [], "peak_bytes": 4e8, "cap_bytes": 5e8, "io_ms": 20.0, "mem_ms": 1.0,
+            "compute_ms": 30.0, "total_ms": 51.0, "total_ms_std": 0.5, "bytes_read": 2.7e7, "hit_rate": 0.8,
+            "plan_weights_bytes": 1.2e8, "prompt_ms": 2705.4}
+    result = {"modes": {"flash": mode, "naive": {**mode, "prompt_ms": None}},
+              "peers": {"llama.cpp": {"ok": True, "status": "ran", "total_ms": 40.0, "total_ms_std": 1.0,
+                                      "peak_bytes": 3e8, "cap_bytes": 5e8, "prompt_ms": 812.25}}}
+    result["table3"] = table3_rows(result)
+    lines = _table3_md(result)
+    header = lines[0].strip("|").split("|")
+    col = [h.strip() for h in header].index("prompt ms")
+    cells = {line.split("|")[1].strip(): line.strip("|").split("|")[col].strip() for line in lines[2:]}
+    assert cells == {"flash": "2705.4", "naive": "-", "llama.cpp": "812.2"}
+    assert all(line.count("|") == lines[0].count("|") for line in lines)

@@ -79,7 +79,7 @@ def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
         loader = "mlx_lm.utils.load_model + mlx-flash model class"
     tokenizer = load_tokenizer(folder)
     load_s = time.perf_counter() - t0
-    last, stamps = None, []
+    last, stamps, t1 = None, [], time.perf_counter()
     for r in stream_generate(model, tokenizer, list(prompt), max_tokens=gen_tokens,
                              sampler=make_sampler(temp=0.0)):
         stamps.append(time.perf_counter())
@@ -88,6 +88,7 @@ def generate_mlx_lm(folder, prompt, gen_tokens) -> dict:
     return {"load_s": load_s, "loader": loader, "generation_tps": last.generation_tps,
             "prompt_tps": last.prompt_tps, "tokens": last.generation_tokens,
             "total_ms": 1e3 / last.generation_tps if last.generation_tps else None,
+            "prompt_ms": 1e3 * (stamps[0] - t1) if stamps else None,
             "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else None,
             "peak_memory": mx.get_peak_memory()}
 
@@ -159,6 +160,8 @@ def run_peers(suite, names: dict, prompts, out: Path) -> dict:
             res["total_ms"] = statistics.fmean(ms) if ms else None
             res["total_ms_std"] = statistics.stdev(ms) if len(ms) > 1 else 0.0
             res["load_s"] = statistics.fmean(r["value"]["load_s"] for r in ok)
+            firsts = [r["value"]["prompt_ms"] for r in ok if r["value"].get("prompt_ms") is not None]
+            res["prompt_ms"] = statistics.fmean(firsts) if firsts else None
             res["ok"] = res["total_ms"] is not None
         results[name] = res
     return results

@@ -91,7 +91,7 @@ def table3_rows(result) -> list:
                "peak_gb": (r["peak_bytes"] or 0) / 1e9, "cap_gb": (r["cap_bytes"] or 0) / 1e9}
         if row["ok"]:
             for k in ("io_ms", "mem_ms", "compute_ms", "total_ms", "total_ms_std", "bytes_read",
-                      "hit_rate", "plan_weights_bytes", "accounting_ok"):
+                      "hit_rate", "plan_weights_bytes", "accounting_ok", "prompt_ms"):
                 row[k] = r.get(k)
         rows.append(row)
     for name, p in (result.get("peers") or {}).items():
@@ -100,7 +100,7 @@ def table3_rows(result) -> list:
                "peak_gb": (p.get("peak_bytes") or 0) / 1e9 if p.get("peak_bytes") else None,
                "cap_gb": (p.get("cap_bytes") or 0) / 1e9}
         if row["ok"]:
-            row.update(total_ms=p["total_ms"], total_ms_std=p.get("total_ms_std"))
+            row.update(total_ms=p["total_ms"], total_ms_std=p.get("total_ms_std"), prompt_ms=p.get("prompt_ms"))
         rows.append(row)
     return rows
 
@@ -198,27 +198,30 @@ def _ms(v, std=None):
 
 
 def _table3_md(result) -> list:
+    """Table 3's rows; "prompt ms": the first prompt after loading (its forward pass for mlx-flash,
+    the time to the first token for peers), the time a user waits before the first token."""
     lines = ["| Method | I/O ms | Mem ms | Compute ms | Total ms/token | MB read/token | hit rate "
-             "| weights held GB | peak GB (cap) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| weights held GB | peak GB (cap) | prompt ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["table3"]:
         cap = f" ({r['cap_gb']:.2f})" if r.get("cap_gb") else ""
         if not r["ok"]:
             err = "; ".join(r["errors"])[:160]
             if r.get("status") in ("not installed", "not run"):  # nothing ran: no figures
-                lines.append(f"| {r['method']} | {r['status']}: {err} | | | | | | | |")
+                lines.append(f"| {r['method']} | {r['status']}: {err} | | | | | | | | |")
                 continue
             peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}{cap}"
-            lines.append(f"| {r['method']} | does not fit / failed: {err} | | | | | | | {peak} |")
+            lines.append(f"| {r['method']} | does not fit / failed: {err} | | | | | | | {peak} | |")
             continue
+        prompt = _ms(r.get("prompt_ms"))
         if r["kind"] == "peer":
             lines.append(f"| {r['method']} | - | - | - | {_ms(r['total_ms'], r.get('total_ms_std'))} "
-                         f"| - | - | - | {r['peak_gb']:.2f}{cap} |")
+                         f"| - | - | - | {r['peak_gb']:.2f}{cap} | {prompt} |")
             continue
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
         lines.append(f"| {r['method']} | {_ms(r['io_ms'])} | {_ms(r['mem_ms'])} | "
                      f"{_ms(r['compute_ms'])} | {_ms(r['total_ms'], r['total_ms_std'])} | "
                      f"{r['bytes_read'] / 1e6:.2f} | {hit} | {(r['plan_weights_bytes'] or 0) / 1e9:.3f} "
-                     f"| {r['peak_gb']:.2f}{cap} |")
+                     f"| {r['peak_gb']:.2f}{cap} | {prompt} |")
     return lines
 
 
