@@ -165,33 +165,6 @@ def test_bad_arguments(tiny_pack, tmp_path, capsys):
     assert "--peers gpt: unknown peer" in err
 
 
-def test_gpt2_gguf_of_an_opt_pack(tiny_pack, tmp_path):
-    """The llama.cpp peer's GGUF of an OPT-shaped pack holds the pack's tensors, bit for bit."""
-    import gguf
-    import numpy as np
-
-    from mlx_flash.bench.peers import write_gpt2_gguf
-    from mlx_flash.sources import default_gguf_path
-    from mlx_flash.pack import load_pack_weights
-
-    out = write_gpt2_gguf(tiny_pack, tmp_path / "tiny.gguf", default_gguf_path())
-    reader = gguf.GGUFReader(str(out))
-    config, weights = load_pack_weights(tiny_pack)
-    tensors = {t.name: t for t in reader.tensors}
-    assert len(tensors) == 4 + 12 * config["num_hidden_layers"]
-    assert len(reader.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
-    up = np.array(weights["model.decoder.layers.1.fc1.weight"])
-    assert np.array_equal(np.asarray(tensors["blk.1.ffn_up.weight"].data).reshape(up.shape), up)
-    q = np.array(weights["model.decoder.layers.0.self_attn.k_proj.weight"])
-    qkv = np.asarray(tensors["blk.0.attn_qkv.weight"].data).reshape(3 * q.shape[0], -1)
-    assert np.array_equal(qkv[q.shape[0]: 2 * q.shape[0]], q)
-    assert not list(tmp_path.glob(".*"))
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
-    tokens = [t for _, t in zip(range(3), llm.generate([1, 2, 3], top_k=1, temp=0.0))]
-    assert len(tokens) == 3
-
-
 @pytest.mark.parametrize("temp", [0.0, 0.8])
 def test_temp_samples_every_row_with_the_repeats_seed(tiny_pack, temp):
     from types import SimpleNamespace

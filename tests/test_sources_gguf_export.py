@@ -118,6 +118,9 @@ def test_llama_cpp_runs_the_export_with_our_logits(moe_pack, moe_gguf):
 
 
 def test_gpt2_export_of_an_opt_pack_holds_its_tensors_and_lands_whole(tmp_path):
+    """The llama.cpp peer's GGUF of an OPT-shaped pack (bench run --peers llama.cpp) holds the
+    pack's tensors bit for bit and the embedded tokenizer padded to the pack's vocabulary; it
+    lands whole or not at all; llama.cpp runs it."""
     import gguf
 
     from mlx_flash.sources.gguf_export import write_gpt2_gguf
@@ -125,14 +128,24 @@ def test_gpt2_export_of_an_opt_pack_holds_its_tensors_and_lands_whole(tmp_path):
     pack = tmp_path / "opt-tiny"
     assert convert_main(["--synthetic", "opt-tiny", "--out", str(pack)]) == 0
     out = write_gpt2_gguf(pack, tmp_path / "m.gguf", default_gguf_path())
-    _, w = load_pack_weights(pack)
-    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    config, w = load_pack_weights(pack)
+    reader = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 4 + 12 * config["num_hidden_layers"]
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
     fc1 = np.array(w["model.decoder.layers.1.fc1.weight"].astype(mx.float32))
     got = tensors["blk.1.ffn_up.weight"]
     assert np.array_equal(np.asarray(got.data, np.float32).reshape(fc1.shape), fc1)
+    k = np.array(w["model.decoder.layers.0.self_attn.k_proj.weight"])
+    qkv = np.asarray(tensors["blk.0.attn_qkv.weight"].data).reshape(3 * k.shape[0], -1)
+    assert np.array_equal(qkv[k.shape[0]: 2 * k.shape[0]], k)
     assert not list(tmp_path.glob(".*"))
     (tmp_path / "blocked").mkdir()  # a folder where the file should go: one line naming it
     tokenizer = write_tokenizer_gguf(tmp_path / "tokenizer.gguf")  # read in ms, not ~5 s
     with pytest.raises(FlashError, match="blocked: cannot write"):
         write_gpt2_gguf(pack, tmp_path / "blocked", tokenizer)
     assert not list(tmp_path.glob(".*"))
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
+    tokens = [t for _, t in zip(range(3), llm.generate([1, 2, 3], top_k=1, temp=0.0))]
+    assert len(tokens) == 3
