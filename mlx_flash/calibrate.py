@@ -31,6 +31,7 @@ import sys
 
 from .calibration.dense_pass import MAX_WINDOW, MIN_TOKENS, collect_inputs
 from .calibration.fit import DEFAULTS, GATE_BITS, GATE_GROUP_SIZE, fit_predictors, preflight, resolve_settings
+from .blas import preload_openblas
 from .cli import run_cli
 from .errors import FlashError
 from .sparse.predictor import KINDS
@@ -84,6 +85,7 @@ def build_parser():
 
 def _main(argv):
     args = build_parser().parse_args(argv)
+    preload_openblas(argv)  # float32 work: OpenBLAS on Linux (blas.py)
     if args.max_tokens is not None and args.max_tokens < MIN_TOKENS:
         raise FlashError(f"--max-tokens {args.max_tokens}: need at least {MIN_TOKENS}")
     settings = dict(kind=args.kind, target_sparsity=args.target_sparsity, rank=args.rank,

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .calibration.synthetic import write_synthetic_pack
+from .blas import preload_openblas
 from .cli import run_cli
 from .errors import FlashError
 from .moe.bitwidths import SOLVERS, WIDTHS
@@ -362,6 +363,8 @@ def _main(argv):
     parser.add_argument("--seed", type=int, default=0, help="--synthetic: random seed")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
+    if args.calib_text or args.resident_calib_text:  # float32 calibration: OpenBLAS on Linux (blas.py)
+        preload_openblas(argv)
     if args.expert_bits is not None and args.expert_bits_tolerance is not None:
         raise FlashError("--expert-bits-tolerance: give it or --expert-bits, not both")
     if args.expert_bits_tolerance is not None and args.expert_bits_tolerance < 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 from .calibration.fit import DEFAULTS, check_text_files, check_writable
 from .calibration.quality import (DEFAULT_MAX_TOKENS, DEFAULT_SEQUENCE_LENGTH, evaluate_ppl, format_ppl,
                                   format_sweep, sweep)
+from .blas import preload_openblas
 from .cli import run_cli
 from .config import MODES, parse_memory_budget
 from .errors import FlashError
@@ -79,6 +80,7 @@ def _write_json(dest, obj):
 
 def _main(argv):
     args = build_parser().parse_args(argv)
+    preload_openblas(argv)  # float32 work: OpenBLAS on Linux (blas.py)
     if args.max_tokens < 2:
         raise FlashError(f"--max-tokens {args.max_tokens}: must be at least 2")
     # everything that can be checked before minutes of model passes

@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import run_cli
 from .errors import FlashError
 from .paths import write_json_atomic
@@ -90,6 +91,7 @@ def _main(argv):
     from .moe.quality import held_out_perplexity
 
     args = build_parser().parse_args(argv)
+    preload_openblas(argv)  # float32 work: OpenBLAS on Linux (blas.py)
     _check(args)
     src = resolve_model(args.model)
     out = Path(args.out)

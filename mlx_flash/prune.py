@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import run_cli
 from .errors import FlashError
 
@@ -40,6 +41,7 @@ def _main(argv):
     parser.add_argument("--out", required=True, help="output model folder (must not exist)")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = parser.parse_args(argv)
+    preload_openblas(argv)  # float32 work: OpenBLAS on Linux (blas.py)
     check_args(args.method, args.sparsity)
     out = Path(args.out).expanduser()
     if out.exists():

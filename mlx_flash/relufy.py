@@ -96,9 +96,11 @@ def _check_files(flag, files):
 
 
 def _main(argv):
+    from .blas import preload_openblas
     from .calibration import relufication as R
 
     args = build_parser().parse_args(argv)
+    preload_openblas(argv)  # float32 work: OpenBLAS on Linux (blas.py)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.curve:
         if not args.eval_text:

@@ -8,6 +8,7 @@ import time
 
 import mlx.core as mx
 
+from ..blas import loaded_blas
 from ..paths import write_json_atomic
 
 
@@ -15,16 +16,6 @@ def add_arguments(parser):
     parser.add_argument("--size", type=int, default=1024, help="matmul size n (n x n @ n x n)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="save the results to this file")
-
-
-def loaded_blas() -> str:
-    """The BLAS library mapped into this process (Linux: from /proc/self/maps)."""
-    try:
-        with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "blas" in line.lower()}
-    except OSError:
-        return "unknown (no /proc/self/maps)"
-    return ", ".join(sorted(libs)) or "none found"
 
 
 def _best_seconds(fn, repeats):

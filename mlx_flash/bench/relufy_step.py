@@ -58,7 +58,7 @@ def run(args):
 
     from ..calibration import relufication as R
     from ..sources import resolve_model
-    from .blas import loaded_blas
+    from ..blas import loaded_blas
 
     cases = parse_cases(args.cases)
     src = resolve_model(args.model)
