@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibration.synthetic import write_synthetic_pack
 from .blas import preload_openblas
+from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
 from .moe.bitwidths import SOLVERS, WIDTHS
@@ -188,9 +188,8 @@ def _resident_module(value: str) -> tuple:
 
 def _resident_quantizer(model_dir, args):
     """write_pack's resident_quantizer for --resident-quantizer (None: mx.quantize), with the
-    float model's linear inputs on --resident-calib-text for the methods that weigh by them."""
-    from .calibration.resident_quant import input_moments, resident_quantizer
-
+    float model's linear inputs on --resident-calib-text for the methods that weigh by them
+    (imported only then: the quantizers load mlx-lm, ~3 s of imports a default convert skips)."""
     method = args.resident_quantizer
     if method in ("mlx", "minmax") and args.resident_calib_text:
         raise FlashError(f"--resident-calib-text: --resident-quantizer {method} uses no calibration "
@@ -199,6 +198,8 @@ def _resident_quantizer(model_dir, args):
         return None
     if not args.resident_bits:
         raise FlashError(f"--resident-quantizer {method}: needs --resident-bits")
+    from .calibration.resident_quant import input_moments, resident_quantizer
+
     if not args.resident_calib_text:
         if method in ("gptq", "gptq-fit"):
             raise FlashError(f"--resident-quantizer {method}: needs --resident-calib-text FILES")
