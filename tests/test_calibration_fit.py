@@ -229,3 +229,40 @@ def test_quant_gate_predicts_from_a_quantized_copy_of_the_gate(llama_pack, text)
         assert s["recall"] > 0.97 and s["over_prediction"] < 1.1
     with pytest.raises(FlashError, match="--gate-bits 5"):
         fit.calibrate(llama_pack, [text], kind="quant-gate", gate_bits=5, progress=False)
+
+
+def test_low_rank_gate_cache_never_serves_another_layer_or_other_inputs():
+    """The gate's principal directions are cached per layer and inputs (a threshold sweep fits
+    each layer many times): other inputs of the same length, and a new layer object that takes a
+    freed one's id(), must be computed afresh (a stale entry gave a full-rank estimate of another
+    gate: a suite-order-dependent failure of the test above)."""
+    from mlx_flash.calibration.dense_pass import MaskedFFN
+
+    def ffn(seed):
+        layers = [nn.Linear(16, 24, bias=False) for _ in range(3)]
+        for i, m in enumerate(layers):
+            m.weight = mx.random.normal(m.weight.shape, key=mx.random.key(10 * seed + i))
+        return MaskedFFN(*layers, "silu")
+
+    def fresh(layer, x):
+        fit._GATE_PCA.clear()
+        return fit.fit_low_rank_gate(layer, x, 16)
+
+    rng = np.random.default_rng(0)
+    x1, x2 = (rng.standard_normal((40, 16)).astype(np.float32) for _ in range(2))
+    a, b = ffn(1), ffn(2)
+    fit._GATE_PCA.clear()
+    fit.fit_low_rank_gate(a, x1, 16)
+    got = fit.fit_low_rank_gate(a, x2, 16)  # same layer, same length, other inputs
+    want = fresh(a, x2)
+    assert all(np.allclose(np.array(got[k]), np.array(want[k]), atol=1e-5) for k in want)
+    fit._GATE_PCA.clear()
+    fit.fit_low_rank_gate(a, x1, 16)
+    (key,) = fit._GATE_PCA
+    fit._GATE_PCA[(id(b),) + key[1:]] = fit._GATE_PCA.pop(key)  # b where a freed layer's id was
+    got = fit.fit_low_rank_gate(b, x1, 16)
+    want = fresh(b, x1)
+    assert all(np.allclose(np.array(got[k]), np.array(want[k]), atol=1e-5) for k in want)
+    # at full rank the estimate is the gate itself
+    est = np.array(got["B"]) @ (np.array(got["A"]) @ x1.T) + np.array(got["bias"])[:, None]
+    assert np.allclose(est.T, np.array(b.gate(mx.array(x1))), atol=1e-3)

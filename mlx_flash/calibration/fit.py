@@ -22,6 +22,8 @@ lobes of the activation), which is why gated models default to the gate estimate
 import math
 import os
 import time
+import weakref
+import zlib
 from functools import partial
 from pathlib import Path
 
@@ -136,22 +138,15 @@ def _resident_rows(module, role: str):
     return tensors, quant
 
 
-_GATE_PCA = {}  # (id(ffn), tokens) -> (mean, principal directions) of the gate pre-activations
+_GATE_PCA = {}  # (id(ffn), x's shape and crc32) -> (weak ref to ffn, mean, principal directions)
 
 
 def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
     """{"A", "B", "bias"} float32 with B (A x) + bias the best rank-`rank` approximation of the
     gate pre-activations gate x over the inputs x [tokens, hidden] (reduced-rank regression: the
     pre-activations projected on their top principal directions V, A = V^T W_gate, B = V)."""
-    key = (id(ffn), len(x))
-    if key not in _GATE_PCA:  # independent of the threshold: a sweep computes it once per layer
-        g = ffn.gate(mx.array(x)).astype(mx.float32)
-        mean = g.mean(axis=0)
-        g = g - mean
-        cov = np.array(g.T @ g).astype(np.float64)
-        _GATE_PCA.clear() if len(_GATE_PCA) > 64 else None
-        _GATE_PCA[key] = (np.array(mean).astype(np.float64), np.linalg.eigh(cov)[1][:, ::-1])
-    mean, vecs = _GATE_PCA[key]
+    mean, vecs = _gate_pca(ffn, x)
+    v = vecs[:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
     v = vecs[:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
     w = np.array(dequantized_weight(ffn.gate).astype(mx.float32)).astype(np.float64)
     b = np.array(ffn.gate.bias).astype(np.float64) if "bias" in ffn.gate else np.zeros(len(mean))
@@ -159,6 +154,26 @@ def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
     bias = proj @ b + (np.eye(len(mean)) - proj) @ mean
     return {"A": mx.array((v.T @ w).astype(np.float32)), "B": mx.array(v.astype(np.float32)),
             "bias": mx.array(bias.astype(np.float32))}
+
+
+def _gate_pca(ffn, x: np.ndarray):
+    """(mean, principal directions, descending) of ffn's gate pre-activations over x, float64;
+    independent of the threshold and rank, so a sweep computes it once per layer and inputs. The
+    cache holds the layer by a weak reference and x by its checksum: a new layer that reuses a
+    freed one's id(), or other inputs of the same length, are computed afresh."""
+    x = np.ascontiguousarray(x)
+    key = (id(ffn), x.shape, zlib.crc32(x.view(np.uint8)))
+    hit = _GATE_PCA.get(key)
+    if hit is not None and hit[0]() is ffn:
+        return hit[1], hit[2]
+    g = ffn.gate(mx.array(x)).astype(mx.float32)
+    mean = g.mean(axis=0)
+    g = g - mean
+    cov = np.array(g.T @ g).astype(np.float64)
+    if len(_GATE_PCA) > 64:
+        _GATE_PCA.clear()
+    _GATE_PCA[key] = (weakref.ref(ffn), np.array(mean).astype(np.float64), np.linalg.eigh(cov)[1][:, ::-1])
+    return _GATE_PCA[key][1], _GATE_PCA[key][2]
 
 
 def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE) -> dict:
