@@ -205,7 +205,7 @@ def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=Non
 
 
 FORMATS = ("dense", "endor", "zstd", "dense-loader", "endor-loader")
-_LOADER_DEST = {}  # (loader, layer) -> destination rows, reused as the runtime reuses its buffers
+_LOADER_DEST = {}  # (id(loader), layer) -> (loader, destination rows), reused as the runtime reuses its buffers
 
 
 def _loader_read(loader, layer, drop_caches, isa=None) -> tuple:
@@ -217,17 +217,17 @@ def _loader_read(loader, layer, drop_caches, isa=None) -> tuple:
 
     entry = loader.entry(layer)
     key = (id(loader), layer)
-    if key not in _LOADER_DEST:
+    if key not in _LOADER_DEST or _LOADER_DEST[key][0] is not loader:  # held: a new loader never takes its id
         _LOADER_DEST.clear()
-        _LOADER_DEST[key] = loader.alloc(layer, entry.count)
-        loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])  # opens tables, faults pages
+        _LOADER_DEST[key] = (loader, loader.alloc(layer, entry.count))
+        loader.read(layer, np.arange(entry.count), _LOADER_DEST[key][1])  # opens tables, faults pages
     evict([loader.pack / entry.file], drop_caches=drop_caches)
     ext = _extension() if isa else None
     active = ext.isa() if ext else None
     try:
         if ext:
             ext.set_isa(isa)
-        stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])
+        stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key][1])
     finally:
         if ext:
             ext.set_isa(active)
