@@ -28,6 +28,7 @@ struct FwdCtx {
 void fwd_rows(const FwdCtx& c, int i0, int i1) {
   if (i0 >= i1) return;
 #if FLASH_X86
+  if (c.isa >= Isa::avx512 && avx512_fwd(*c.p, c.in)) return avx512::fwd_rows(*c.p, c.in, i0, i1);
   if (c.isa >= Isa::avx2) return avx2::fwd_rows(*c.p, c.in, i0, i1);
 #endif
   scalar::fwd_rows(*c.p, c.in, i0, i1);
@@ -85,11 +86,14 @@ void quantize_x(const Problem& p, Isa isa, int8_t* xq, float* xd, int32_t* qsum)
   scalar::quantize_x(p.in, blocks, xq, xd, qsum);
 }
 
-// x reordered to the nibble order the 4-bit SIMD loops consume (load32).
-const float* q4_permuted_x(const Problem& p, XScratch& xs) {
+// x reordered to the nibble order a 4-bit SIMD loop consumes: natural(j) = natural index of position j
+// of a 32-block (q4_natural: the avx2 loops; q4_natural16: the avx512 one).
+const float* q4_permuted_x(const Problem& p, XScratch& xs, int (*natural)(int)) {
+  int at[32];
+  for (int j = 0; j < 32; ++j) at[j] = natural(j);
   float* xp = scratch(xs.x, size_t(p.M) * p.K);
   for (int64_t b = 0; b < int64_t(p.M) * p.K; b += 32)
-    for (int j = 0; j < 32; ++j) xp[b + j] = p.in[b + q4_natural(j)];
+    for (int j = 0; j < 32; ++j) xp[b + j] = p.in[b + at[j]];
   return xp;
 }
 
@@ -105,7 +109,7 @@ FwdCtx prepare(const Problem& p, XScratch& xs, Isa isa) {
   in.tiles = simd && p.M >= kTileMinRows && p.K % 8 == 0 && p.K > 0;
   const bool q8 = p.q8_activations && p.M < kTileMinRows;
   if (quant && in.tiles) {
-    if (p.fmt == FMT_Q4) in.x = q4_permuted_x(p, xs);
+    if (p.fmt == FMT_Q4) in.x = q4_permuted_x(p, xs, q4_natural);
   } else if (quant) {
     const int G = p.K / p.group_size;
     float* xsum = scratch(xs.xsum, size_t(p.M) * G);
@@ -145,7 +149,11 @@ FwdCtx prepare(const Problem& p, XScratch& xs, Isa isa) {
         in.xperm = xp;
       }
     } else if (simd && p.fmt == FMT_Q4) {
-      in.x = q4_permuted_x(p, xs);
+      bool wide = false;
+#if FLASH_X86
+      wide = isa >= Isa::avx512 && avx512_fwd(p, in);
+#endif
+      in.x = q4_permuted_x(p, xs, wide ? q4_natural16 : q4_natural);
     }
   }
   return c;

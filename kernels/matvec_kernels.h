@@ -1,7 +1,8 @@
 // The matvec kernels' internal interface: matvec.cpp prepares x and splits the rows / columns over
 // the pool, then calls one ISA's kernels on each chunk. matvec_scalar.cpp (the reference, any CPU)
 // and arch/x86/matvec_avx2.cpp (AVX2 / FMA / F16C) define the same functions in namespaces
-// flash::scalar and flash::avx2. All sums are float32.
+// flash::scalar and flash::avx2; arch/x86/matvec_avx512.cpp defines fwd_rows in flash::avx512 for
+// the cases avx512_fwd names (the rest run the avx2 functions). All sums are float32.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,39 @@ inline int64_t row_of(const Problem& p, int i) { return p.rows ? int64_t(p.rows[
 // The 4-bit forward SIMD loop consumes a 32-element block as [0,2,..,14][1,3,..,15][16,..,30][17,..,31];
 // natural index of permuted position p:
 inline int q4_natural(int p) { return (p >> 4) * 16 + 2 * (p & 7) + ((p >> 3) & 1); }
+// The AVX-512 loop (16 lanes) consumes it as [0,2,..,30][1,3,..,31]:
+inline int q4_natural16(int p) { return 2 * (p & 15) + (p >> 4); }
+
+// Gathered rows are not where the hardware prefetcher looks, and on dense rows it alone leaves the
+// quantized one-row loop waiting on memory (the loop's compute between lines hides its streams).
+// The SIMD loops prefetch the next row's weights line by line as they stream the current row at
+// the same offset (one row of compute ahead; a whole row at once overflows the core's
+// outstanding-miss slots), and its scales / biases of groups [g0, g0 + ng) when they start a row.
+[[gnu::always_inline]] inline void prefetch_span(const void* start, int64_t bytes) {
+  const char* s = static_cast<const char*>(start);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(s + o, 0, 3);
+}
+
+// Returns the next row's weights (nullptr: none). Always inlined: a call per row weighs on short rows.
+[[gnu::always_inline]] inline const uint8_t* prefetch_next_row(const Problem& p, int next, int end, int g0 = 0, int ng = 0) {
+  if (next >= end) return nullptr;
+  const int64_t r = row_of(p, next);
+  if (bad_row(p, r)) return nullptr;
+  if (ng > 0) {
+    const int es = p.sb_dtype == DT_F32 ? 4 : 2;
+    prefetch_span(static_cast<const char*>(p.scales) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
+    prefetch_span(static_cast<const char*>(p.biases) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
+  }
+  return p.w + r * p.w_row_bytes;
+}
+
+// Prefetch the line at byte offset `off` of a row (nullptr: nothing) once per 64 bytes streamed.
+// PF (gathered rows) is a template flag so the dense loops carry no trace of it.
+template <bool PF>
+inline void prefetch_line(const uint8_t* row, int64_t off) {
+  if constexpr (PF)
+    if (row && (off & 63) == 0) __builtin_prefetch(row + off, 0, 3);
+}
 
 // x rounded to int8 per 32-block: xq [M, K] natural order, xd [M, K/32] block scales.
 struct Q8X {
@@ -73,6 +107,16 @@ void t_cols(const Problem& p, int k0, int k1, float* acc);
 void quantize_x(const float* in, int64_t blocks, int8_t* xq, float* xd, int32_t* qsum);
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld);  // K % 8 == 0
 }  // namespace avx2
+
+// The forward problems the avx512 kernel takes: quantized rows, exact float x, one-row loops (fewer
+// than kTileMinRows x rows). Prompts (tiles), int8 activations and float16 / bfloat16 rows run the
+// avx2 kernels; matvec.cpp prepares x for the kernel that will run (4-bit: q4_natural16 here).
+inline bool avx512_fwd(const Problem& p, const FwdInput& in) {
+  return (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) && !in.tiles && !in.q8.xq;
+}
+namespace avx512 {
+void fwd_rows(const Problem& p, const FwdInput& in, int i0, int i1);  // avx512_fwd(p, in) only
+}  // namespace avx512
 #endif
 
 }  // namespace flash

@@ -36,6 +36,46 @@ def test_quantized_matvec_exact(path, bits, group, xdtype):
                 _assert_close(y, mlx_ref, _bound(mag, x, k, out_dtype, mlx_ref) * 2)
 
 
+@pytest.fixture(params=ops.KERNEL_ISAS)
+def each_isa(request):
+    """Every instruction set this CPU runs, one at a time (others skip); the best one again after."""
+    isa = request.param
+    if ops.KERNEL_ISAS.index(isa) > ops.KERNEL_ISAS.index(ops._ext.best_isa()):
+        pytest.skip(f"this CPU has no {isa}")
+    ops._ext.set_isa(isa)
+    yield isa
+    ops._ext.set_isa(ops._ext.best_isa())
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_decode_matvec_on_each_isa(each_isa, bits, group, sdtype):
+    # The one-row loops (fewer than 6 x rows) of every kernel ISA: on AVX-512 CPUs the avx512 kernel.
+    # K: an odd number of 32-blocks and of groups (the 4-bit loop takes blocks in pairs), an even
+    # one, and (group 32) 257 groups, past the 256 a row's converted scales are taken in. x rows:
+    # 1, 4 (one register block) and 5 (4 + 1). Rows: dense, a prefix, gathered with repeats, and
+    # -1 / N (NaN in their columns only).
+    assert ops._ext.isa() == each_isa
+    n = 23
+    for k in {group * 3, 384, 32 * 257 if group == 32 else 384}:
+        wq, s, b, deq, mag = _quantized(n, k, bits, group, sdtype, seed=k)
+        for m in (1, 4, 5):
+            x = _x((m, k), mx.float32, seed=m)
+            ref = _f32(x) @ deq.T
+            y = ops._ext.quantized_matvec(x, wq, s, b, group, bits)
+            _assert_close(y, ref, _bound(mag, x, k, y.dtype, ref))
+            y = ops._ext.gather_matvec(x, wq, s, b, None, 7, group, bits)
+            _assert_close(y, ref[:, :7], _bound(mag[:7], x, k, y.dtype, ref[:, :7]))
+            sel = np.array([22, 0, 5, 5, -1, 3, n, 21])
+            y = ops._ext.gather_matvec(x, wq, s, b, mx.array(sel.astype(np.int32)), None, group, bits)
+            ok = (sel >= 0) & (sel < n)
+            assert np.all(np.isnan(np.array(y)[:, ~ok]))
+            good = y[:, mx.array(np.flatnonzero(ok))]
+            _assert_close(good, ref[:, sel[ok]], _bound(mag[sel[ok]], x, k, good.dtype, ref[:, sel[ok]]))
+
+
 @needs_ext
 @pytest.mark.parametrize("kind", ["q4g128", "q8g32", "bf16"])
 def test_tiles_span_blocks_of_x_rows(kind):

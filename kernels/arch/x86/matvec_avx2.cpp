@@ -38,37 +38,6 @@ FLASH_AVX2 inline void load32(const uint8_t* wr, int64_t k, __m256& w0, __m256& 
   }
 }
 
-FLASH_AVX2 inline void prefetch_span(const void* start, int64_t bytes) {
-  const char* s = static_cast<const char*>(start);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
-}
-
-// Gathered rows are not where the hardware prefetcher looks, and on dense rows it alone leaves the
-// quantized one-row loop waiting on memory (the loop's compute between lines hides its streams).
-// The loops below prefetch the next row's weights line by line as they stream the current row at
-// the same offset (one row of compute ahead; a whole row at once overflows the core's
-// outstanding-miss slots), and its scales / biases of groups [g0, g0 + ng) when they start a row.
-// Returns the next row's weights (nullptr: none).
-FLASH_AVX2 inline const uint8_t* prefetch_next_row(const Problem& p, int next, int end, int g0 = 0, int ng = 0) {
-  if (next >= end) return nullptr;
-  const int64_t r = row_of(p, next);
-  if (bad_row(p, r)) return nullptr;
-  if (ng > 0) {
-    const int es = p.sb_dtype == DT_F32 ? 4 : 2;
-    prefetch_span(static_cast<const char*>(p.scales) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
-    prefetch_span(static_cast<const char*>(p.biases) + (r * p.sb_row + g0) * es, int64_t(ng) * es);
-  }
-  return p.w + r * p.w_row_bytes;
-}
-
-// Prefetch the line at byte offset `off` of a row (nullptr: nothing) once per 64 bytes streamed.
-// PF (gathered rows) is a template flag so the dense loops carry no trace of it.
-template <bool PF>
-FLASH_AVX2 inline void prefetch_line(const uint8_t* row, int64_t off) {
-  if constexpr (PF)
-    if (row && (off & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
-}
-
 // sum_g (b_g [+ 128 s_g for the int8-activation 8-bit path: Q4 = false]) * xsum_g over a row's G groups.
 template <int ST, bool Q4>
 FLASH_AVX2 inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
