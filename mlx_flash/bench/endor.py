@@ -205,7 +205,7 @@ def measure_layer(entry, index, formats, dest, repeats, drop_caches, loaders=Non
 
 
 FORMATS = ("dense", "endor", "zstd", "dense-loader", "endor-loader")
-_LOADER_DEST = {}  # (id(loader), layer) -> (loader, destination rows), reused as the runtime reuses its buffers
+_LOADER_DEST = {}  # (loader, layer) -> destination rows, reused as the runtime reuses its buffers
 
 
 def _loader_read(loader, layer, drop_caches, isa=None) -> tuple:
@@ -216,18 +216,18 @@ def _loader_read(loader, layer, drop_caches, isa=None) -> tuple:
     from ..pack.bitmap import _extension
 
     entry = loader.entry(layer)
-    key = (id(loader), layer)
-    if key not in _LOADER_DEST or _LOADER_DEST[key][0] is not loader:  # held: a new loader never takes its id
+    key = (loader, layer)  # the loader itself (hashed by identity), so no later loader can match it
+    if key not in _LOADER_DEST:
         _LOADER_DEST.clear()
-        _LOADER_DEST[key] = (loader, loader.alloc(layer, entry.count))
-        loader.read(layer, np.arange(entry.count), _LOADER_DEST[key][1])  # opens tables, faults pages
+        _LOADER_DEST[key] = loader.alloc(layer, entry.count)
+        loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])  # opens tables, faults pages
     evict([loader.pack / entry.file], drop_caches=drop_caches)
     ext = _extension() if isa else None
     active = ext.isa() if ext else None
     try:
         if ext:
             ext.set_isa(isa)
-        stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key][1])
+        stats = loader.read(layer, np.arange(entry.count), _LOADER_DEST[key])
     finally:
         if ext:
             ext.set_isa(active)

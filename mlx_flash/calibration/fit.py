@@ -147,7 +147,6 @@ def fit_low_rank_gate(ffn, x: np.ndarray, rank: int) -> dict:
     pre-activations projected on their top principal directions V, A = V^T W_gate, B = V)."""
     mean, vecs = _gate_pca(ffn, x)
     v = vecs[:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
-    v = vecs[:, : min(rank, vecs.shape[0], x.shape[1])]  # top principal directions
     w = np.array(dequantized_weight(ffn.gate).astype(mx.float32)).astype(np.float64)
     b = np.array(ffn.gate.bias).astype(np.float64) if "bias" in ffn.gate else np.zeros(len(mean))
     proj = v @ v.T
@@ -170,10 +169,11 @@ def _gate_pca(ffn, x: np.ndarray):
     mean = g.mean(axis=0)
     g = g - mean
     cov = np.array(g.T @ g).astype(np.float64)
+    mean, vecs = np.array(mean).astype(np.float64), np.linalg.eigh(cov)[1][:, ::-1]
     if len(_GATE_PCA) > 64:
         _GATE_PCA.clear()
-    _GATE_PCA[key] = (weakref.ref(ffn), np.array(mean).astype(np.float64), np.linalg.eigh(cov)[1][:, ::-1])
-    return _GATE_PCA[key][1], _GATE_PCA[key][2]
+    _GATE_PCA[key] = (weakref.ref(ffn), mean, vecs)
+    return mean, vecs
 
 
 def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE) -> dict:
