@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from .errors import FlashError
 
 MODES = ("dense", "naive", "hybrid", "flash")
+AUTO_MODE = "auto"  # the default: one of MODES chosen at load time (models/auto.py)
 MODE_HELP = {
+    AUTO_MODE: "dense when every weight fits the budget (default: 80% of the available memory), "
+               "else flash (a calibrated or MoE pack) or hybrid within it",
     "dense": "every weight resident (the reference)",
     "naive": "every layer's FFN reloaded from flash for every token",
     "hybrid": "as many whole-layer FFNs resident as the budget allows, the rest reloaded per token",
@@ -76,7 +79,8 @@ def memory_budget_arg(value) -> MemoryBudget:
 class FlashConfig:
     """How a model runs (flash packs only; plain folders always run dense).
 
-    mode: one of MODES (see MODE_HELP).
+    mode: AUTO_MODE (the default: models/auto.py picks one of MODES when the model loads) or one
+      of MODES (see MODE_HELP).
     memory_budget: None (no limit), a fraction of the pack size (0.65), a size ("6GB", bytes) or a
       MemoryBudget; stored as a MemoryBudget (parsed here, once).
     window: tokens whose active neurons the flash neuron cache keeps (the paper's k); the
@@ -84,14 +88,14 @@ class FlashConfig:
     threads: parallel reads in flight (the paper uses 32).
     """
 
-    mode: str = "dense"
+    mode: str = AUTO_MODE
     memory_budget: MemoryBudget | None = None
     window: int = 5
     threads: int = 32
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise FlashError(f"--mode {self.mode}: unknown mode (choose from {', '.join(MODES)})")
+        if self.mode not in (AUTO_MODE, *MODES):
+            raise FlashError(f"--mode {self.mode}: unknown mode (choose from {', '.join((AUTO_MODE, *MODES))})")
         self.memory_budget = parse_memory_budget(self.memory_budget, "memory_budget")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise FlashError(f"--window {self.window}: must be a whole number of tokens >= 1")

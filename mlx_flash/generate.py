@@ -6,7 +6,7 @@ import os
 import sys
 
 from .cli import run_cli
-from .config import MODE_HELP, MODES, memory_budget_arg
+from .config import AUTO_MODE, MODE_HELP, MODES, memory_budget_arg
 from .errors import FlashError
 
 DEFAULT_PROMPT = "hello"
@@ -31,11 +31,12 @@ def build_parser():
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the raw prompt without the tokenizer's chat template")
     flash = parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)")
-    flash.add_argument("--mode", choices=MODES, default="dense",
-                       help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items()))
+    flash.add_argument("--mode", choices=(AUTO_MODE, *MODES), default=AUTO_MODE,
+                       help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items())
+                       .replace("%", "%%"))
     flash.add_argument("--memory-budget", default=None, type=memory_budget_arg,
                        help="memory for weights: a fraction of the pack (0.65) or a size (6GB, 700MiB); "
-                            "default: no limit")
+                            "default: no limit (--mode auto: 80%% of the available memory)")
     flash.add_argument("--window", type=int, default=5,
                        help="flash: tokens whose active neurons stay cached (default 5)")
     flash.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
@@ -109,6 +110,8 @@ def _main(argv):
     prompt = read_prompt(args.prompt)
     model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
                             window=args.window, threads=args.threads)
+    if getattr(model, "flash_auto_note", None):
+        print(model.flash_auto_note, file=sys.stderr)
     stats = getattr(model, "flash_stats", None)
     if args.verbose and (loader := flash_loader(model)) is not None:
         from .io.planner import profile_file

@@ -4,6 +4,7 @@ moe.py, experts streamed through the moe/ library), architectures mlx-lm lacks (
 
 from pathlib import Path
 
+from ..config import AUTO_MODE
 from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..pack import read_manifest
@@ -20,17 +21,19 @@ __all__ = ["build_flash_model", "build_moe_model", "build_model", "context_lengt
 def load(model=None, flash_config=None, *, progress: bool = True):
     """Load `model` (None = embedded default, GGUF, folder, flash pack or hub repo id).
 
-    Returns (model, tokenizer). A flash pack runs as `flash_config` says (models/flash.py);
-    anything else loads dense, every weight resident.
+    Returns (model, tokenizer). A flash pack runs as `flash_config` says (models/flash.py; mode
+    auto: models/auto.py, the choice's note in `model.flash_auto_note`); anything else loads
+    dense, every weight resident.
     """
     path = resolve_model(model, progress=progress)
     if is_flash_pack(path):
         if is_moe_pack(read_manifest(path)):
             return build_moe_model(path, flash_config), load_tokenizer(Path(path))
         return build_flash_model(path, flash_config), load_tokenizer(Path(path))
-    if flash_config is not None and (flash_config.mode != "dense" or flash_config.memory_budget is not None):
+    if flash_config is not None and (flash_config.mode not in ("dense", AUTO_MODE)
+                                     or flash_config.memory_budget is not None):
         budget = flash_config.memory_budget
-        flag = (f"--mode {flash_config.mode}" if flash_config.mode != "dense"
+        flag = (f"--mode {flash_config.mode}" if flash_config.mode not in ("dense", AUTO_MODE)
                 else budget.param if budget.param.startswith("--") else budget.named())
         raise FlashError(f"{flag}: needs a flash pack; {path} is a plain model folder "
                          f"(make one with python -m mlx_flash.convert --model {path} --out PACK)")

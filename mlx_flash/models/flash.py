@@ -31,6 +31,7 @@ from ..sparse.predictor import (activation_fn, cache_read_fraction, calibrated_c
                                 predicted_density, read_predictors_json, sparse_read_calls,
                                 sparse_read_fraction)
 from ..sparse.stats import FlashStats
+from .auto import resolve_auto
 from .loader import build_model, load_weights_checked
 
 
@@ -58,6 +59,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     manifest = loader.manifest  # manifest.json and predictors.json are parsed once each
     pack_doc = functools.cache(lambda: read_predictors_json(pack, manifest))
     try:
+        cfg, auto_note = resolve_auto(pack, manifest, cfg)
         if any(b.kind != "neurons" for b in manifest.bundles):
             raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
         read_cost = measured = by_rows = overflow_rows = None
@@ -141,6 +143,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         if ahead_rows:
             runtime.set_lookahead(lookahead_pairs(model, kinds, predictors or {}, manifest), ahead_rows)
         patch_layers(model)
+        model.flash_auto_note = auto_note
         model.flash_stats = stats
         model.flash_runtime = runtime
         stats.reset()

@@ -30,6 +30,7 @@ from ..moe.store import ExpertStore, expert_layers, scratch_bank_bytes
 from ..moe.switch import (ResidentMixedSwitchGLU, StreamedSwitchGLU, router_lookahead, switch_glus,
                           swap_switch_glu)
 from ..pack import load_pack_weights, load_resident, read_layer_components, read_manifest
+from .auto import resolve_auto
 from .loader import build_model, load_weights_checked
 
 PREDICTORS = ("lookahead", "profile", "none")
@@ -127,6 +128,7 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
     manifest = read_manifest(pack)
+    cfg, auto_note = resolve_auto(pack, manifest, cfg)
     layers = expert_layers(manifest)
     if not layers:
         raise FlashError(f"{pack}: no MoE expert blocks in the pack")
@@ -192,6 +194,7 @@ def build_moe_model(pack_dir, flash_config=None, *, policy="layer", predictor="l
             else:
                 raise FlashError(f"--predictor {predictor}: choose from {', '.join(PREDICTORS)}")
     model.moe_store = store
+    model.flash_auto_note = auto_note
     # The model owns its store (preload thread) and, when made here, the loader's threads and files.
     weakref.finalize(model, _close_streams, store, loader if owned else None)
     return model
