@@ -75,6 +75,20 @@ def memory_budget_arg(value) -> MemoryBudget:
     return parse_memory_budget(value, "--memory-budget")
 
 
+def add_flash_arguments(parser) -> None:
+    """The FlashConfig flags of the CLIs that load a model (generate, server): --mode,
+    --memory-budget, --window, --threads; `parser` may be an argument group."""
+    parser.add_argument("--mode", choices=(AUTO_MODE, *MODES), default=AUTO_MODE,
+                        help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items())
+                        .replace("%", "%%"))
+    parser.add_argument("--memory-budget", default=None, type=memory_budget_arg,
+                        help="memory for weights: a fraction of the pack (0.65) or a size (6GB, 700MiB); "
+                             "default: no limit (--mode auto: 80%% of the available memory)")
+    parser.add_argument("--window", type=int, default=5,
+                        help="flash: tokens whose active neurons stay cached (default 5)")
+    parser.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
+
+
 @dataclass
 class FlashConfig:
     """How a model runs (flash packs only; plain folders always run dense).

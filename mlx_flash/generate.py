@@ -6,7 +6,7 @@ import os
 import sys
 
 from .cli import run_cli
-from .config import AUTO_MODE, MODE_HELP, MODES, memory_budget_arg
+from .config import add_flash_arguments
 from .errors import FlashError
 
 DEFAULT_PROMPT = "hello"
@@ -31,15 +31,7 @@ def build_parser():
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the raw prompt without the tokenizer's chat template")
     flash = parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)")
-    flash.add_argument("--mode", choices=(AUTO_MODE, *MODES), default=AUTO_MODE,
-                       help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items())
-                       .replace("%", "%%"))
-    flash.add_argument("--memory-budget", default=None, type=memory_budget_arg,
-                       help="memory for weights: a fraction of the pack (0.65) or a size (6GB, 700MiB); "
-                            "default: no limit (--mode auto: 80%% of the available memory)")
-    flash.add_argument("--window", type=int, default=5,
-                       help="flash: tokens whose active neurons stay cached (default 5)")
-    flash.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
+    add_flash_arguments(flash)
     flash.add_argument("--stats", action="store_true",
                        help="print per-token I/O / memory / compute ms, bytes read, hit rate, peak memory")
     parser.add_argument("--q8-activations", action="store_true",
