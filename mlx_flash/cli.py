@@ -19,3 +19,10 @@ def run_cli(main_body, argv, verbose_flag="--verbose"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def refuse_flags(argv, flags, why: str) -> None:
+    """FlashError for the first of `flags` given in `argv` (as `--flag value` or `--flag=value`)."""
+    for flag in flags:
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            raise FlashError(f"{flag}: {why}")

@@ -89,6 +89,11 @@ def add_flash_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=32, help="parallel flash reads (default 32)")
 
 
+def flash_config(args) -> "FlashConfig":
+    """The FlashConfig of add_flash_arguments' parsed flags (FlashError names a bad one)."""
+    return FlashConfig(mode=args.mode, memory_budget=args.memory_budget, window=args.window, threads=args.threads)
+
+
 @dataclass
 class FlashConfig:
     """How a model runs (flash packs only; plain folders always run dense).

@@ -6,7 +6,7 @@ import os
 import sys
 
 from .cli import run_cli
-from .config import add_flash_arguments
+from .config import add_flash_arguments, flash_config
 from .errors import FlashError
 
 DEFAULT_PROMPT = "hello"
@@ -100,8 +100,7 @@ def _main(argv):
     if args.q8_activations:
         ops.set_q8_activations(True)
     prompt = read_prompt(args.prompt)
-    model, tokenizer = load(args.model, mode=args.mode, memory_budget=args.memory_budget,
-                            window=args.window, threads=args.threads)
+    model, tokenizer = load(args.model, flash_config(args))
     if getattr(model, "flash_auto_note", None):
         print(model.flash_auto_note, file=sys.stderr)
     stats = getattr(model, "flash_stats", None)

@@ -18,9 +18,8 @@ import gc
 import logging
 import sys
 
-from .cli import run_cli
-from .config import FlashConfig, add_flash_arguments
-from .errors import FlashError
+from .cli import refuse_flags, run_cli
+from .config import FlashConfig, add_flash_arguments, flash_config
 
 UNSUPPORTED = ("--adapter-path", "--draft-model")
 
@@ -77,11 +76,8 @@ def _main(argv):
         parser.print_help()
         print("\nmlx_lm.server's flags:\n")
     else:
-        for flag in UNSUPPORTED:
-            if any(a == flag or a.startswith(flag + "=") for a in rest):
-                raise FlashError(f"{flag}: not supported by mlx_flash.server (serve the model with mlx_lm.server)")
-        config = FlashConfig(mode=args.mode, memory_budget=args.memory_budget, window=args.window,
-                             threads=args.threads)
+        refuse_flags(rest, UNSUPPORTED, "not supported by mlx_flash.server (serve the model with mlx_lm.server)")
+        config = flash_config(args)
         from .sources import resolve_model  # heavy (mlx-lm): after the flags
 
         # a bad --model fails here, in one line, not in the server's generation thread
