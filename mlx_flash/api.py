@@ -68,10 +68,12 @@ def _prompt_ids(tokenizer, prompt):
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: float = 0.0,
-                    top_p: float = 1.0, **kwargs):
+                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **kwargs):
     """Yield mlx-lm `GenerationResponse`s (text segment, token, tokens/s, peak memory in GB).
 
     `prompt` is a string (used as is: apply the chat template yourself, as with mlx-lm) or token ids.
+    temp, top_p, top_k (0: off), min_p (0: off): mlx-lm's sampler (make_sampler); a `sampler=`
+    given instead replaces them.
     """
     # heavy (mlx-lm), see load
     from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
@@ -85,7 +87,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, *, temp: fl
         limit = context_length(model)
         max_tokens = -1 if limit is None else max(0, limit - len(prompt))
     check_prompt_fits(model, len(prompt), max_tokens)
-    sampler = kwargs.pop("sampler", None) or make_sampler(temp=temp, top_p=top_p)
+    sampler = kwargs.pop("sampler", None) or make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
     # Every token allocates a few hundred Python objects, so the cyclic GC runs often, and its full
     # passes walked the model's and tokenizer's ~10^6 long-lived objects: a sixth of the Python
     # thread's time in a profile of decoding. Freezing them for the generation skips that walk.

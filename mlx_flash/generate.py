@@ -27,6 +27,9 @@ def build_parser():
                         help="maximum number of tokens to generate")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than min-p times the most likely one (0: off)")
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the raw prompt without the tokenizer's chat template")
@@ -53,6 +56,10 @@ def _check_args(args):
         raise FlashError(f"--temp {args.temp}: must be a finite number >= 0")
     if not 0 < args.top_p <= 1:
         raise FlashError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.top_k < 0:
+        raise FlashError(f"--top-k {args.top_k}: must be >= 0 (0: off)")
+    if not 0 <= args.min_p <= 1:
+        raise FlashError(f"--min-p {args.min_p}: must be in [0, 1]")
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise FlashError(f"--seed {args.seed}: must be in 0..2^63-1")
     if args.q8_activations and args.no_kernels:
@@ -115,7 +122,8 @@ def _main(argv):
     response = None
     if stats is not None:
         stats.reset()
-    for response in stream_generate(model, tokenizer, tokens, args.max_tokens, temp=args.temp, top_p=args.top_p):
+    for response in stream_generate(model, tokenizer, tokens, args.max_tokens, temp=args.temp, top_p=args.top_p,
+                                    top_k=args.top_k, min_p=args.min_p):
         print(response.text, end="", flush=True)
     print()
     print("==========")

@@ -101,6 +101,18 @@ def test_sampling_is_seeded(embedded_model_dir):
     assert a.stdout.split("==========")[1] == b.stdout.split("==========")[1]
 
 
+def test_top_k_1_and_min_p_1_sample_the_most_likely_token(embedded_model_dir):
+    """At temperature 1.5 only the most likely token survives top-k 1 and min-p 1: the greedy text;
+    without them the same seed samples another."""
+    base = ("--model", str(embedded_model_dir), "--prompt", "Tell me a story", "--max-tokens", "12")
+    text = lambda r: r.stdout.split("==========")[1]  # noqa: E731
+    greedy = text(run(*base))
+    hot = (*base, "--temp", "1.5", "--seed", "5")
+    assert text(run(*hot, "--top-k", "1")) == greedy
+    assert text(run(*hot, "--min-p", "1")) == greedy
+    assert text(run(*hot)) != greedy
+
+
 def test_ignore_chat_template_and_stdin(embedded_model_dir):
     r = run("--model", str(embedded_model_dir), "--prompt", "-", "--ignore-chat-template",
             "--max-tokens", "5", stdin="The capital of France is")
@@ -136,6 +148,8 @@ def test_verbose_shows_traceback():
     (["--temp", "inf"], "--temp inf: must be a finite number"),
     (["--seed", "-1"], r"--seed -1: must be in 0..2\^63-1"),
     (["--top-p", "nan"], r"--top-p nan: must be in \(0, 1\]"),
+    (["--top-k", "-2"], r"--top-k -2: must be >= 0"),
+    (["--min-p", "1.5"], r"--min-p 1.5: must be in \[0, 1\]"),
 ])
 def test_bad_sampling_flags_are_one_line(flags, match, capsys):
     import re
