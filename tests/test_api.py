@@ -98,3 +98,17 @@ def test_encode_prompt_is_the_chat_template_of_a_user_turn(loaded):
     assert encode_prompt(tokenizer, "Name a color.", "Be brief.") == tokenizer.apply_chat_template(
         system + user, add_generation_prompt=True)
     assert encode_prompt(tokenizer, "Name a color.", use_chat_template=False) == tokenizer.encode("Name a color.")
+
+
+def test_console_scripts_name_cli_mains():
+    """Every [project.scripts] entry of pyproject.toml is an importable CLI main."""
+    import importlib
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (reading pyproject.toml) is Python 3.11+")
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"mlx-flash-generate", "mlx-flash-chat", "mlx-flash-server"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), name
