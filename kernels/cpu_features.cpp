@@ -41,6 +41,15 @@ const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Is
 
 Isa best_isa() { return cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::scalar; }
 
+bool has_avx512_vnni() {
+#if FLASH_X86
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 Isa active_isa() { return Isa(isa_state().load(std::memory_order_relaxed)); }
 
 void set_isa(Isa isa) {
@@ -67,6 +76,7 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512vl")) out.push_back("avx512vl");
   if (__builtin_cpu_supports("avx512vbmi2")) out.push_back("avx512vbmi2");
   if (__builtin_cpu_supports("vpclmulqdq")) out.push_back("vpclmulqdq");
+  if (__builtin_cpu_supports("avx512vnni")) out.push_back("avx512vnni");
 #endif
   return out;
 }

@@ -37,8 +37,13 @@ void set_isa(Isa isa);
 // Parses "scalar" / "avx2" / "avx512"; throws std::invalid_argument for other names.
 Isa parse_isa(const std::string& name);
 
+// AVX512_VNNI (vpdpbusd: u8 x s8 dot products of 4 into int32) on top of avx512, detected once. The
+// one feature a kernel tests beside active_isa(): the int8-activation forward runs its avx512 version
+// only when this holds (else its avx2 one).
+bool has_avx512_vnni();
+
 // Names of the detected features the kernels care about (e.g. "avx2", "fma", "f16c", "avx512f",
-// "avx512vbmi2").
+// "avx512vbmi2", "avx512vnni").
 std::vector<std::string> cpu_features();
 
 // The older switch: true = best_isa(), false = scalar.

@@ -25,10 +25,19 @@ struct FwdCtx {
   int rows_per_chunk = 0;
 };
 
+// The forward problem p with x prepared as in (so far) runs the avx512 kernel under isa.
+bool runs_avx512(const Problem& p, const FwdInput& in, Isa isa) {
+#if FLASH_X86
+  return isa >= Isa::avx512 && avx512_fwd(p, in);
+#else
+  return false;
+#endif
+}
+
 void fwd_rows(const FwdCtx& c, int i0, int i1) {
   if (i0 >= i1) return;
 #if FLASH_X86
-  if (c.isa >= Isa::avx512 && avx512_fwd(*c.p, c.in)) return avx512::fwd_rows(*c.p, c.in, i0, i1);
+  if (runs_avx512(*c.p, c.in, c.isa)) return avx512::fwd_rows(*c.p, c.in, i0, i1);
   if (c.isa >= Isa::avx2) return avx2::fwd_rows(*c.p, c.in, i0, i1);
 #endif
   scalar::fwd_rows(*c.p, c.in, i0, i1);
@@ -75,6 +84,7 @@ int64_t bytes_per_row(const Problem& p) {
 struct XScratch {
   std::vector<float> x, xsum, xd, qsum;  // qsum: int32 block sums (float-sized slots)
   std::vector<int8_t> xq, xperm;
+  std::vector<int32_t> xoff4;
 };
 thread_local XScratch tl_xs[kMaxProblems];
 
@@ -137,23 +147,29 @@ FwdCtx prepare(const Problem& p, XScratch& xs, Isa isa) {
           xsum[int64_t(m) * G + g] = t;
         }
       in.q8 = Q8X{xq, xd};
-      if (simd && p.fmt == FMT_Q4) {  // per 64-chunk: even elements of both blocks, then the odd ones
+      const bool wide = runs_avx512(p, in, isa);
+      if (simd && p.fmt == FMT_Q4) {
+        // Per chunk of W elements (avx2: 64; avx512: 128, a last 64 as avx2's): its even elements, then
+        // its odd ones (the low and the high nibbles of its W / 2 packed bytes).
         int8_t* xp = scratch(xs.xperm, size_t(p.M) * p.K);
         for (int64_t base = 0; base < int64_t(p.M) * p.K; base += p.K)
-          for (int64_t k = 0; k + 64 <= p.K; k += 64)
-            for (int j = 0; j < 32; ++j) {
-              const int64_t blk = base + k + (j / 16) * 32, e = 2 * (j % 16);
-              xp[base + k + j] = xq[blk + e];
-              xp[base + k + 32 + j] = xq[blk + e + 1];
+          for (int64_t k = 0; k + 64 <= p.K;) {
+            const int64_t w = wide && k + 128 <= p.K ? 128 : 64;
+            for (int64_t j = 0; j < w / 2; ++j) {
+              xp[base + k + j] = xq[base + k + 2 * j];
+              xp[base + k + w / 2 + j] = xq[base + k + 2 * j + 1];
             }
+            k += w;
+          }
         in.xperm = xp;
+      } else if (wide) {  // 8-bit: vpdpbusd takes the weights q unsigned; the kernel's sums are of q - 128
+        int32_t* off = scratch(xs.xoff4, size_t(p.M) * p.K / 4);
+        for (int64_t t = 0; t < int64_t(p.M) * p.K / 4; ++t)
+          off[t] = -128 * (int32_t(xq[4 * t]) + xq[4 * t + 1] + xq[4 * t + 2] + xq[4 * t + 3]);
+        in.xoff4 = off;
       }
     } else if (simd && p.fmt == FMT_Q4) {
-      bool wide = false;
-#if FLASH_X86
-      wide = isa >= Isa::avx512 && avx512_fwd(p, in);
-#endif
-      in.x = q4_permuted_x(p, xs, wide ? q4_natural16 : q4_natural);
+      in.x = q4_permuted_x(p, xs, runs_avx512(p, in, isa) ? q4_natural16 : q4_natural);
     }
   }
   return c;

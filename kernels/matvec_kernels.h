@@ -69,7 +69,8 @@ struct FwdInput {
   const float* x;                 // x [M, K]; 4-bit on the SIMD path: each 32-block in q4_natural order
   const float* xsum;              // quantized, not tiles: per-group sums of x [M, K / group_size]
   Q8X q8{nullptr, nullptr};       // q8_activations only
-  const int8_t* xperm = nullptr;  // q8_activations, 4-bit SIMD: xq arranged per 64-chunk
+  const int8_t* xperm = nullptr;  // q8_activations, 4-bit SIMD: xq arranged per 64-chunk (avx512: 128)
+  const int32_t* xoff4 = nullptr; // q8_activations, 8-bit, avx512: -128 * sum of each 4 xq [M, K / 4]
   bool tiles = false;             // several x rows: register tiles (exact float, also with q8_activations)
 };
 
@@ -108,11 +109,12 @@ void quantize_x(const float* in, int64_t blocks, int8_t* xq, float* xd, int32_t*
 void dot_tiles(const float* x, int M, const float* w, int n, int K, float* out, int ld);  // K % 8 == 0
 }  // namespace avx2
 
-// The forward problems the avx512 kernel takes: quantized rows, exact float x, one-row loops (fewer
-// than kTileMinRows x rows). Prompts (tiles), int8 activations and float16 / bfloat16 rows run the
-// avx2 kernels; matvec.cpp prepares x for the kernel that will run (4-bit: q4_natural16 here).
+// The forward problems the avx512 kernels take: quantized rows, one-row loops (fewer than
+// kTileMinRows x rows), exact float x, or int8 x (in.q8 set) on CPUs with AVX512_VNNI. Prompts
+// (tiles) and float16 / bfloat16 rows run the avx2 kernels; matvec.cpp prepares x for the kernel
+// that will run (exact 4-bit: q4_natural16 here; int8: xperm per 128-chunk and xoff4).
 inline bool avx512_fwd(const Problem& p, const FwdInput& in) {
-  return (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) && !in.tiles && !in.q8.xq;
+  return (p.fmt == FMT_Q4 || p.fmt == FMT_Q8) && !in.tiles && (!in.q8.xq || has_avx512_vnni());
 }
 namespace avx512 {
 void fwd_rows(const Problem& p, const FwdInput& in, int i0, int i1);  // avx512_fwd(p, in) only

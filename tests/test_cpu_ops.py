@@ -322,6 +322,47 @@ def test_q8_activations_switch():
         ops._ext.gather_matvec(x, mx.zeros((8, 64), mx.float16), n=8, q8_activations=True)
 
 
+@needs_ext
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sdtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_q8_activations_avx512_equals_avx2(bits, group, sdtype):
+    # On CPUs with AVX512_VNNI the int8-activation forward runs its avx512 kernel under MLX_FLASH_ISA
+    # avx512 (vpdpbusd, 16 lanes), built to give the avx2 kernel's float32 sums bit for bit; both
+    # within the rounding bound of the reference (and of the scalar kernel). K: 4-bit 128-element steps
+    # with a last 64-chunk and / or a lone 32-block (96, 320, 352), 8-bit an odd number of 32-blocks,
+    # and (4224, 4384) a last partial register of 16 block scales. x rows 1, 2, 4, 5; rows dense and
+    # gathered with repeats and -1 / N.
+    if ops._ext.best_isa() != "avx512" or "avx512vnni" not in ops._ext.cpu_features():
+        pytest.skip("this CPU has no AVX512_VNNI: the int8 path runs avx2 under avx512")
+    n = 23
+    sel = np.array([22, 0, 5, 5, -1, 3, n, 21])
+    ok = (sel >= 0) & (sel < n)
+    for k in sorted({3 * group, 352 if group == 32 else 5 * group, 4224, 4384 if group == 32 else 4224}):
+        wq, s, b, _, _ = _quantized(n, k, bits, group, sdtype, seed=k)
+        for m in (1, 2, 4, 5):
+            x = _x((m, k), mx.float32, seed=m) * 4
+            ref, mag = _q8_reference(x, wq, s, b, group, bits)
+            out = {}
+            for isa in ("scalar", "avx2", "avx512"):
+                ops._ext.set_isa(isa)
+                try:
+                    out[isa] = (ops._ext.quantized_matvec(x, wq, s, b, group, bits, q8_activations=True),
+                                ops._ext.gather_matvec(x, wq, s, b, mx.array(sel.astype(np.int32)), None, group,
+                                                       bits, q8_activations=True))
+                    mx.eval(*out[isa])  # under this ISA (MLX evaluates lazily)
+                finally:
+                    ops._ext.set_isa(ops._ext.best_isa())
+            for dense, gathered in out.values():
+                _assert_close(dense, ref, _bound(mag, x, k, mx.float32, ref))
+                assert np.all(np.isnan(_f32(gathered)[:, ~ok]))
+                good = gathered[:, mx.array(np.flatnonzero(ok))]
+                _assert_close(good, ref[:, sel[ok]], _bound(mag[sel[ok]], x, k, mx.float32, ref[:, sel[ok]]))
+            assert np.array_equal(_f32(out["avx512"][0]), _f32(out["avx2"][0]))
+            assert np.array_equal(_f32(out["avx512"][1]), _f32(out["avx2"][1]), equal_nan=True)
+            _assert_close(out["avx512"][0], _f32(out["scalar"][0]), 2 * _bound(mag, x, k, mx.float32, ref))
+
+
 # ------------------------------------------------------------------------------------------------
 # Layer ops (RMSNorm, RoPE, attention) vs mx.fast on float32 copies of the same inputs.
 # Ours computes in float32 and rounds each output once; the reference is MLX's float32 result, so

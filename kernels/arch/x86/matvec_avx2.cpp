@@ -38,25 +38,6 @@ FLASH_AVX2 inline void load32(const uint8_t* wr, int64_t k, __m256& w0, __m256& 
   }
 }
 
-// sum_g (b_g [+ 128 s_g for the int8-activation 8-bit path: Q4 = false]) * xsum_g over a row's G groups.
-template <int ST, bool Q4>
-FLASH_AVX2 inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
-  __m256 acc = _mm256_setzero_ps();
-  int g = 0;
-  for (; g + 8 <= G; g += 8) {
-    __m256 b = load8s<ST>(p.biases, sb + g);
-    if constexpr (!Q4) b = _mm256_fmadd_ps(_mm256_set1_ps(128.f), load8s<ST>(p.scales, sb + g), b);
-    acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), acc);
-  }
-  float t = hsum(acc);
-  for (; g < G; ++g) {
-    float b = ldv<ST>(p.biases, sb + g);
-    if constexpr (!Q4) b += 128.f * ldv<ST>(p.scales, sb + g);
-    t += b * xsum[g];
-  }
-  return t;
-}
-
 template <int MB, int ST, bool Q4, bool PF, int CPG>
 FLASH_AVX2 void q_fwd_avx2(const Problem& p, const float* x, const float* xsum, int m0, int i0, int i1) {
   // CPG 32-element chunks per group (group size 32 * CPG), unrolled. A row's scales are converted to

@@ -1,21 +1,28 @@
-// The AVX-512 forward kernel of quantized rows (x86-64; chosen at run time by cpu_features.h, Isa::avx512):
+// The AVX-512 forward kernels of quantized rows (x86-64; chosen at run time by cpu_features.h, Isa::avx512):
 // flash::avx512::fwd_rows for the problems avx512_fwd (matvec_kernels.h) names: 4- and 8-bit affine
-// rows, group sizes 32 / 64 / 128, float32 / float16 / bfloat16 scales, 1-5 exact float x rows, dense
-// or gathered rows. Everything else (prompt tiles, int8 activations, half rows, the transposed
-// kernels, quantize_x, dot_tiles) runs the avx2 kernels. Sums are float32 in 16 lanes: 8-bit rows as
-// the avx2 loop (sum_g s_g * sum(q x) + sum_g b_g * sum_g(x)); 4-bit rows as sum(x * (s q + b)) with
-// each weight dequantized once (one rounding, as mx.dequantize). A 4-bit 32-element block is 16
-// packed bytes widened to 16 dwords, its low nibbles the even elements and its high nibbles the odd
-// ones, so x is prepared per 32-block as [0,2,..,30][1,3,..,31] (q4_natural16).
+// rows, group sizes 32 / 64 / 128, float32 / float16 / bfloat16 scales, 1-5 x rows, dense or gathered
+// rows; x exact float, or int8 (Problem::q8_activations) on CPUs with AVX512_VNNI. Everything else
+// (prompt tiles, int8 activations without VNNI, half rows, the transposed kernels, quantize_x,
+// dot_tiles) runs the avx2 kernels.
+// Exact x: sums are float32 in 16 lanes: 8-bit rows as the avx2 loop (sum_g s_g * sum(q x) + sum_g
+// b_g * sum_g(x)); 4-bit rows as sum(x * (s q + b)) with each weight dequantized once (one rounding,
+// as mx.dequantize), so they differ from the avx2 kernel's by float32 rounding. A 4-bit 32-element
+// block is 16 packed bytes widened to 16 dwords, its low nibbles the even elements and its high
+// nibbles the odd ones, so x is prepared per 32-block as [0,2,..,30][1,3,..,31] (q4_natural16).
+// int8 x (vpdpbusd): outputs identical to the avx2 int8 kernel's, bit for bit (same int32 dot
+// products, same float32 operations in the same order; see q_fwd_i8).
 
 #include <immintrin.h>
 
 #include <algorithm>
 
 #include "../../matvec_kernels.h"
+#include "simd_avx2.h"
 
-// Every function here is only called when cpu_features found AVX-512 F/BW/VL (Isa::avx512).
+// Every function here is only called when cpu_features found AVX-512 F/BW/VL (Isa::avx512); the
+// FLASH_AVX512_VNNI ones only when it found AVX512_VNNI too (has_avx512_vnni, via avx512_fwd).
 #define FLASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define FLASH_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 namespace flash::avx512 {
 
@@ -237,10 +244,131 @@ void q_fwd_groups(const Problem& p, const FwdInput& in, int i0, int i1) {
   }
 }
 
+// int8-activation forward (Problem::q8_activations; only on CPUs with AVX512_VNNI), rows [i0, i1) for
+// the MB x rows, each output the avx2 kernel's (q_fwd_i8_avx2) bit for bit: the same int32 partial
+// sums (one per 8 weights of 4-bit rows, per 4 of 8-bit ones), each scaled by its block's s*d into the
+// same float32 lane. The avx2 kernel alternates two 8-lane accumulators between consecutive steps
+// (4-bit: 64-element chunks; 8-bit: 32-blocks); here one 16-lane step takes two of them, so its low
+// half is the avx2 even accumulator, its high half the odd one, and a last odd step the low half only.
+// Weights are read once for all MB x rows. 4-bit: a 128-element chunk is 64 packed bytes, low
+// nibbles the even elements and high nibbles the odd ones, so x is arranged per 128-chunk as its even
+// elements then its odd ones (xperm; a last 64-chunk as avx2's). 8-bit: vpdpbusd takes q unsigned,
+// so each lane starts at -128 times its 4 x's sum (xoff4) to give the avx2 kernel's sum of (q - 128) x.
+template <int MB, int ST, bool Q4>
+FLASH_AVX512_VNNI void q_fwd_i8(const Problem& p, const FwdInput& in, int i0, int i1) {
+  const int K = p.K, G = K / p.group_size, B = K / 32, shift = p.group_size == 32 ? 0 : p.group_size == 64 ? 1 : 2;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i block_group = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift);
+  // the block (of 16) of each lane of a step's int32 sums: a step takes 4 blocks (4-bit) or 2 (8-bit)
+  const __m512i first_step = Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i next_step = _mm512_set1_epi32(Q4 ? 4 : 2);
+  for (int i = i0; i < i1; ++i) {
+    const int64_t r = row_of(p, i);
+    if (bad_row(p, r)) {
+      for (int m = 0; m < MB; ++m) avx2::store_out_simd(p.out, p.out_dtype, int64_t(m) * p.n + i, kNaN);
+      continue;
+    }
+    const uint8_t* wr = p.w + r * p.w_row_bytes;
+    const uint8_t* next = prefetch_next_row(p, i + 1, i1, 0, G);
+    if (!next) next = wr;
+    const int64_t sb = r * p.sb_row;
+    __m512 acc[MB];
+    float tail[MB];
+    for (int m = 0; m < MB; ++m) { acc[m] = _mm512_setzero_ps(); tail[m] = 0.f; }
+    // 16 blocks at a time: their s*d in a register (one rounding, as the avx2 kernel's), each step's
+    // 16 lanes of it picked by vpermps; whole steps, then at the row's end a last odd 64-chunk (4-bit)
+    // or 32-block (8-bit) into the low half, then (4-bit) a lone 32-block as avx2's scalar tail.
+    for (int b = 0; b < B; b += 16) {
+      const int blocks = std::min(16, B - b), g = b >> shift, groups = ((b + blocks - 1) >> shift) - g + 1;
+      const __m512 s = _mm512_permutexvar_ps(block_group, load16s<ST>(p.scales, sb + g, first_lanes(groups)));
+      __m512 sd[MB];
+      for (int m = 0; m < MB; ++m) sd[m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(first_lanes(blocks), in.q8.xd + int64_t(m) * B + b));
+      __m512i lanes = first_step;
+      int64_t k = int64_t(b) * 32;
+      const int64_t ke = k + 32 * blocks;
+      if constexpr (Q4) {
+        for (; k + 128 <= ke; k += 128, lanes = _mm512_add_epi32(lanes, next_step)) {
+          __builtin_prefetch(next + k / 2, 0, 3);
+          const __m512i v = _mm512_loadu_si512(wr + k / 2);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* xp = in.xperm + int64_t(m) * K + k;
+            const __m512i s32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp)), hi,
+                                                    _mm512_loadu_si512(xp + 64));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_permutexvar_ps(lanes, sd[m]), acc[m]);
+          }
+        }
+        if (k + 64 <= ke) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2));
+          const __m256i lo = _mm256_and_si256(v, _mm512_castsi512_si256(low)),
+                        hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm512_castsi512_si256(low));
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* xp = in.xperm + int64_t(m) * K + k;
+            const __m256i s32 = _mm256_dpbusd_epi32(
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))), hi,
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32)));
+            acc[m] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(s32)), _mm512_permutexvar_ps(lanes, sd[m]),
+                                           acc[m], 0xff);
+          }
+          k += 64;
+        }
+        if (k < ke) {
+          const __m512i lone = _mm512_set1_epi32(int(k / 32) - b);
+          for (int m = 0; m < MB; ++m)
+            tail[m] += _mm512_cvtss_f32(_mm512_permutexvar_ps(lone, sd[m])) * float(q_block_dot(wr, k, in.q8.xq + int64_t(m) * K, true));
+        }
+      } else {
+        for (; k + 64 <= ke; k += 64, lanes = _mm512_add_epi32(lanes, next_step)) {
+          __builtin_prefetch(next + k, 0, 3);
+          const __m512i q = _mm512_loadu_si512(wr + k);
+          for (int m = 0; m < MB; ++m) {
+            const int64_t at = int64_t(m) * K + k;
+            const __m512i s32 = _mm512_dpbusd_epi32(_mm512_loadu_si512(in.xoff4 + at / 4), q, _mm512_loadu_si512(in.q8.xq + at));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_permutexvar_ps(lanes, sd[m]), acc[m]);
+          }
+        }
+        if (k < ke) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+          for (int m = 0; m < MB; ++m) {
+            const int64_t at = int64_t(m) * K + k;
+            const __m256i s32 = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xoff4 + at / 4)), q,
+                                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.q8.xq + at)));
+            acc[m] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(s32)), _mm512_permutexvar_ps(lanes, sd[m]),
+                                           acc[m], 0xff);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1)));
+      const float bacc = avx2::row_bias_dot<ST, Q4>(p, sb, in.xsum + int64_t(m) * G, G);
+      avx2::store_out_simd(p.out, p.out_dtype, int64_t(m) * p.n + i, avx2::hsum(v) + tail[m] + bacc);
+    }
+  }
+}
+
+template <int ST, bool Q4>
+void q_fwd_i8_rows(const Problem& p, const FwdInput& in, int i0, int i1) {
+  switch (p.M) {  // fewer than kTileMinRows x rows
+    case 1: q_fwd_i8<1, ST, Q4>(p, in, i0, i1); break;
+    case 2: q_fwd_i8<2, ST, Q4>(p, in, i0, i1); break;
+    case 3: q_fwd_i8<3, ST, Q4>(p, in, i0, i1); break;
+    case 4: q_fwd_i8<4, ST, Q4>(p, in, i0, i1); break;
+    default: q_fwd_i8<5, ST, Q4>(p, in, i0, i1); break;
+  }
+}
+
 template <int ST>
 void q_fwd_range(const Problem& p, const FwdInput& in, int i0, int i1) {
-  if (p.fmt == FMT_Q4) q_fwd_groups<ST, true>(p, in, i0, i1);
-  else q_fwd_groups<ST, false>(p, in, i0, i1);
+  if (in.q8.xq) {
+    if (p.fmt == FMT_Q4) q_fwd_i8_rows<ST, true>(p, in, i0, i1);
+    else q_fwd_i8_rows<ST, false>(p, in, i0, i1);
+  } else if (p.fmt == FMT_Q4) {
+    q_fwd_groups<ST, true>(p, in, i0, i1);
+  } else {
+    q_fwd_groups<ST, false>(p, in, i0, i1);
+  }
 }
 
 }  // namespace

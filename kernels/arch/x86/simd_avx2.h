@@ -1,5 +1,6 @@
 // Inline AVX2 / FMA / F16C helpers shared by the AVX2 kernels: 8 lanes of a float dtype as float32,
-// single half values with F16C, horizontal sums. Only called from FLASH_AVX2 functions.
+// single half values with F16C, horizontal sums, a row's bias term. Only called from FLASH_AVX2
+// functions and (the int8-activation kernel, for the avx2 one's float sums) from the AVX-512 ones.
 #pragma once
 
 #include <immintrin.h>
@@ -8,6 +9,7 @@
 
 #include "../../cpu_features.h"
 #include "../../dtype.h"
+#include "../../matvec.h"
 
 namespace flash::avx2 {
 
@@ -48,6 +50,32 @@ FLASH_AVX2 inline __m256 load8h(const uint16_t* w) {
   __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   if constexpr (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
   else return _mm256_cvtph_ps(v);
+}
+
+// a * b + c rounded once (std::fma is a libm call in a function built for another target).
+FLASH_AVX2 inline float fma1(float a, float b, float c) {
+  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+// sum_g (b_g [+ 128 s_g for the int8-activation 8-bit path: Q4 = false]) * xsum_g over a row's G groups.
+// The tail's fused multiply-adds are explicit: left to contraction, the compiler fused them in one
+// caller and vectorized the products apart in another (the AVX-512 int8 kernel, which must match).
+template <int ST, bool Q4>
+FLASH_AVX2 inline float row_bias_dot(const Problem& p, int64_t sb, const float* xsum, int G) {
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= G; g += 8) {
+    __m256 b = load8s<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b = _mm256_fmadd_ps(_mm256_set1_ps(128.f), load8s<ST>(p.scales, sb + g), b);
+    acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(xsum + g), acc);
+  }
+  float t = hsum(acc);
+  for (; g < G; ++g) {
+    float b = ldv<ST>(p.biases, sb + g);
+    if constexpr (!Q4) b = fma1(128.f, ldv<ST>(p.scales, sb + g), b);
+    t = fma1(b, xsum[g], t);
+  }
+  return t;
 }
 
 template <bool BF>
