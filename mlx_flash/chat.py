@@ -10,26 +10,13 @@ mlx-flash's flags are generate's: --model (default: the embedded model), --mode 
 --seed, --max-kv-size, --max-tokens, --system-prompt, ...). Adapters are refused.
 """
 
-import argparse
 import sys
 
-from .cli import refuse_flags, run_cli
-from .config import FlashConfig, add_flash_arguments, flash_config
+from .cli import run_cli
+from .config import FlashConfig
+from .mlx_lm_cli import build_parser, run_wrapped
 
-UNSUPPORTED = ("--adapter-path", "--pipeline")
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_flash.chat", add_help=False,
-        description="Chat with a model mlx-flash loads (mlx-lm's chat). Flags not listed here are "
-                    "mlx_lm.chat's (python -m mlx_flash.chat --help lists both).")
-    parser.add_argument("--model", default=None,
-                        help="a model folder, a .gguf file, a flash pack or a hub repo id "
-                             "(default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    add_flash_arguments(parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)"))
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    return parser
+PROG = "python -m mlx_flash.chat"
 
 
 def flash_load(config: FlashConfig):
@@ -48,24 +35,14 @@ def flash_load(config: FlashConfig):
 
 
 def _main(argv):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    import mlx_lm.chat as mlx_chat
+    parser = build_parser(PROG, "Chat with a model mlx-flash loads (mlx-lm's chat). Flags not listed here are "
+                                "mlx_lm.chat's (--help lists both).")
 
-    if "-h" in rest or "--help" in rest:
-        parser.print_help()
-        print("\nmlx_lm.chat's flags:\n")
-    else:
-        refuse_flags(rest, UNSUPPORTED, "not supported by mlx_flash.chat (chat with mlx_lm.chat)")
-        config = flash_config(args)
-        from .sources import resolve_model  # a bad --model fails here, in one line
+    def install(chat, config):
+        chat.load = flash_load(config)
 
-        rest = ["--model", str(resolve_model(args.model)), *rest]
-        mlx_chat.load = flash_load(config)
-    sys.argv = ["python -m mlx_flash.chat", *rest]
-    mlx_chat.main()
-    return 0
+    return run_wrapped(parser, "mlx_lm.chat", argv, ("--adapter-path", "--pipeline"),
+                       "not supported by mlx_flash.chat (chat with mlx_lm.chat)", install)
 
 
 def main(argv=None):

@@ -13,28 +13,15 @@ Requests are served one after another (no batching across requests; a flash pack
 belong to one sequence at a time); adapters and draft models are refused.
 """
 
-import argparse
 import gc
 import logging
 import sys
 
-from .cli import refuse_flags, run_cli
-from .config import FlashConfig, add_flash_arguments, flash_config
+from .cli import run_cli
+from .config import FlashConfig
+from .mlx_lm_cli import build_parser, run_wrapped
 
-UNSUPPORTED = ("--adapter-path", "--draft-model")
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_flash.server", add_help=False,
-        description="An OpenAI-compatible HTTP server (mlx-lm's) over models mlx-flash loads. "
-                    "Flags not listed here are mlx_lm.server's (python -m mlx_flash.server --help lists both).")
-    parser.add_argument("--model", default=None,
-                        help="a model folder, a .gguf file, a flash pack or a hub repo id "
-                             "(default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    add_flash_arguments(parser.add_argument_group("flash packs (python -m mlx_flash.convert --out PACK)"))
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    return parser
+PROG = "python -m mlx_flash.server"
 
 
 def provider_class(base, config: FlashConfig):
@@ -69,26 +56,14 @@ def provider_class(base, config: FlashConfig):
 
 
 def _main(argv):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        parser.print_help()
-        print("\nmlx_lm.server's flags:\n")
-    else:
-        refuse_flags(rest, UNSUPPORTED, "not supported by mlx_flash.server (serve the model with mlx_lm.server)")
-        config = flash_config(args)
-        from .sources import resolve_model  # heavy (mlx-lm): after the flags
+    parser = build_parser(PROG, "An OpenAI-compatible HTTP server (mlx-lm's) over models mlx-flash loads. Flags "
+                                "not listed here are mlx_lm.server's (--help lists both).")
 
-        # a bad --model fails here, in one line, not in the server's generation thread
-        rest = ["--model", str(resolve_model(args.model)), *rest]
-    import mlx_lm.server as mlx_server
+    def install(server, config):
+        server.ModelProvider = provider_class(server.ModelProvider, config)
 
-    if "-h" not in rest and "--help" not in rest:
-        mlx_server.ModelProvider = provider_class(mlx_server.ModelProvider, config)
-    sys.argv = ["python -m mlx_flash.server", *rest]
-    mlx_server.main()
-    return 0
+    return run_wrapped(parser, "mlx_lm.server", argv, ("--adapter-path", "--draft-model"),
+                       "not supported by mlx_flash.server (serve the model with mlx_lm.server)", install)
 
 
 def main(argv=None):
