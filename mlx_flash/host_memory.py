@@ -91,15 +91,14 @@ def _cgroup_room(self_cgroup: Path, root: Path) -> list:
 
 
 def _metal_working_set() -> list:
+    """[(Metal's recommended working set, source)] as mlx-lm reads it (mx.device_info()), or []."""
     try:
         import mlx.core as mx
 
-        if mx.metal.is_available():
-            size = int(mx.metal.device_info().get("max_recommended_working_set_size", 0))
-            return [(size, "Metal recommended working set")] if size > 0 else []
+        size = int(mx.device_info().get("max_recommended_working_set_size") or 0)
     except (AttributeError, ImportError, RuntimeError, TypeError, ValueError):
-        pass
-    return []
+        return []
+    return [(size, "Metal recommended working set")] if size > 0 else []
 
 
 def _physical() -> int | None:

@@ -65,3 +65,16 @@ def test_without_proc_the_physical_memory(tmp_path):
 def test_this_machine_reports_something():
     got = available_memory()
     assert got is not None and got[0] > 0 and got[1]
+
+
+def test_macos_takes_metals_recommended_working_set(tmp_path, monkeypatch):
+    """No /proc on macOS: the working set mlx-lm wires (mx.device_info()), else the physical memory."""
+    import mlx.core as mx
+
+    import mlx_flash.host_memory as hm
+
+    monkeypatch.setattr(hm.sys, "platform", "darwin")
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 12 << 30})
+    assert available_memory(tmp_path / "none", tmp_path / "none") == (12 << 30, "Metal recommended working set")
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "x86_64"})
+    assert available_memory(tmp_path / "none", tmp_path / "none")[1] == "physical memory"
