@@ -76,7 +76,7 @@ def memory_budget_arg(value) -> MemoryBudget:
 
 
 def add_flash_arguments(parser) -> None:
-    """The FlashConfig flags of the CLIs that load a model (generate, server): --mode,
+    """The FlashConfig flags of the CLIs that load a model (generate, chat, server): --mode,
     --memory-budget, --window, --threads; `parser` may be an argument group."""
     parser.add_argument("--mode", choices=(AUTO_MODE, *MODES), default=AUTO_MODE,
                         help="how FFN weights are held: " + "; ".join(f"{m} = {h}" for m, h in MODE_HELP.items())

@@ -15,7 +15,9 @@ from ..host_memory import available_memory
 from ..sparse.budget import fmt_bytes, layer_bytes, resident_bytes, resolve_budget
 from ..sparse.predictor import read_predictors_json
 
-AUTO_SHARE = 0.8  # of the available memory for weights, without --memory-budget: the rest for the KV cache, activations, the OS
+# of the available memory, for weights when no --memory-budget is given: the rest is left to the
+# KV cache, activations and the OS
+AUTO_SHARE = 0.8
 
 
 def dense_bytes(manifest) -> int:
@@ -23,10 +25,12 @@ def dense_bytes(manifest) -> int:
     return resident_bytes(manifest) + sum(layer_bytes(b) for b in manifest.bundles)
 
 
-def resolve_auto(pack, manifest, config: FlashConfig, available=None) -> tuple[FlashConfig, str | None]:
+def resolve_auto(pack, manifest, config: FlashConfig, available=None,
+                 predictors_doc=None) -> tuple[FlashConfig, str | None]:
     """(the FlashConfig to run with, a one-line note of the choice, or None when none is worth
     telling: a concrete mode given, or dense because everything fits). `available()` ->
-    (bytes, source) or None; default host_memory.available_memory."""
+    (bytes, source) or None; default host_memory.available_memory. `predictors_doc()`: the
+    pack's predictors.json or None, when the caller reads it anyway (default: read here)."""
     if config.mode != AUTO_MODE:
         return config, None
     need = dense_bytes(manifest)
@@ -45,7 +49,8 @@ def resolve_auto(pack, manifest, config: FlashConfig, available=None) -> tuple[F
     if need <= limit:
         return replace(config, mode="dense"), None
     moe = any(b.kind == "experts" for b in manifest.bundles)
-    mode = "flash" if moe or read_predictors_json(pack, manifest) is not None else "hybrid"
+    doc = predictors_doc or (lambda: read_predictors_json(pack, manifest))
+    mode = "flash" if moe or doc() is not None else "hybrid"
     note = (f"--mode auto: {mode} within {fmt_bytes(limit)} ({why}): the pack's weights take "
             f"{fmt_bytes(need)}")
     if mode == "hybrid":

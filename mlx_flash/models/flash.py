@@ -59,7 +59,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
     manifest = loader.manifest  # manifest.json and predictors.json are parsed once each
     pack_doc = functools.cache(lambda: read_predictors_json(pack, manifest))
     try:
-        cfg, auto_note = resolve_auto(pack, manifest, cfg)
+        cfg, auto_note = resolve_auto(pack, manifest, cfg, predictors_doc=pack_doc)
         if any(b.kind != "neurons" for b in manifest.bundles):
             raise FlashError(f"{pack}: has MoE expert bundles; the dense FFN runtime needs neuron bundles")
         read_cost = measured = by_rows = overflow_rows = None
