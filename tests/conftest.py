@@ -5,6 +5,7 @@ import collections
 import functools
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -255,6 +256,17 @@ def pytest_runtest_call(item):
     yield
     if isa is not None:
         _tests_by_isa[isa] += 1
+
+
+def pytest_unconfigure(config):
+    """llama_cpp (the benchmark peer, and the tokenizer reference) opens os.devnull twice when it is
+    imported and never closes it (llama_cpp/_utils.py: outnull_file, errnull_file): closed here, so
+    the suite ends without a third party's `ResourceWarning: unclosed file '/dev/null'`."""
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        f = getattr(utils, name, None)
+        if f is not None and not f.closed:
+            f.close()
 
 
 def pytest_terminal_summary(terminalreporter):
