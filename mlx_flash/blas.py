@@ -6,8 +6,9 @@ model's pack took 394 s instead of 115 s (1024 tokens). A shared library can onl
 before the process loads it, so the commands whose work is float32 (calibrate, eval, relufy,
 moefy, prune, convert with calibration text) call `preload_openblas` once their arguments parse:
 on Linux, with OpenBLAS installed and not yet preloaded, the command restarts itself once (the
-same interpreter, arguments and process id, os.execve) with LD_PRELOAD naming it, and says so in
-one stderr line. MLX_FLASH_PRELOAD_BLAS=0 turns this off; MLX_FLASH_OPENBLAS=PATH names the
+same interpreter, arguments and process id, os.execve) with LD_PRELOAD naming it, saying so in
+one stderr line with --verbose (without it, a bad argument found after the restart still gets its
+one `error:` line and nothing else). MLX_FLASH_PRELOAD_BLAS=0 turns this off; MLX_FLASH_OPENBLAS=PATH names the
 library to preload (default: Debian's and Ubuntu's libopenblas0-pthread,
 /usr/lib/<multiarch>/openblas-pthread/libblas.so.3).
 """
@@ -63,7 +64,8 @@ def preload_openblas(argv) -> None:
     if plan is None:
         return
     lib, env = plan
-    print(f"mlx_flash: float32 work: restarting with LD_PRELOAD={lib} (OpenBLAS; "
-          f"MLX_FLASH_PRELOAD_BLAS=0 turns this off)", file=sys.stderr, flush=True)
+    if "--verbose" in sys.argv[1:]:
+        print(f"mlx_flash: float32 work: restarting with LD_PRELOAD={lib} (OpenBLAS; "
+              f"MLX_FLASH_PRELOAD_BLAS=0 turns this off)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
