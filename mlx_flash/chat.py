@@ -7,7 +7,7 @@ KV cache kept across turns) with mlx-flash loading the model:
 
 mlx-flash's flags are generate's: --model (default: the embedded model), --mode (default auto),
 --memory-budget, --window, --threads; every other flag goes to mlx_lm.chat (--temp, --top-p,
---seed, --max-kv-size, --max-tokens, --system-prompt, ...). Adapters are refused.
+--seed, --max-tokens, --system-prompt, ...). Adapters are refused.
 """
 
 import sys
