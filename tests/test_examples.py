@@ -20,6 +20,8 @@ def test_example_runs(script, embedded_model_dir, tmp_path):
     assert r.stdout.strip()
     if script.name == "chat.py":  # default question: the capital of France
         assert "Paris" in r.stdout and "tokens/s" in r.stdout
+    if script.name == "server_client.py":  # the same question, through the HTTP server
+        assert "Paris" in r.stdout and "completion tokens" in r.stdout
 
 
 def notebook_outputs(nb) -> tuple[str, set]:
