@@ -43,10 +43,10 @@ def provider_class(base, config: FlashConfig):
                 tokenizer.chat_template = self.cli_args.chat_template
             elif self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
                 tokenizer.chat_template = tokenizer.default_chat_template
-            for line in (getattr(model, "flash_auto_note", None),
-                         getattr(getattr(model, "flash_stats", None), "plan", None)):
-                if line is not None:
-                    logging.info("mlx_flash: %s", line if isinstance(line, str) else line.describe())
+            if getattr(model, "flash_auto_note", None):
+                logging.info("mlx_flash: %s", model.flash_auto_note)
+            if getattr(model, "flash_stats", None) is not None:
+                logging.info("mlx_flash: %s", model.flash_stats.plan.describe())
             self.model_key = (model_path, adapter_path, draft_model_path)
             self.model, self.tokenizer = model, tokenizer
             self.processor = self.draft_model = None

@@ -30,10 +30,10 @@ def load(model=None, flash_config=None, *, progress: bool = True):
         if is_moe_pack(read_manifest(path)):
             return build_moe_model(path, flash_config), load_tokenizer(Path(path))
         return build_flash_model(path, flash_config), load_tokenizer(Path(path))
-    if flash_config is not None and (flash_config.mode not in ("dense", AUTO_MODE)
-                                     or flash_config.memory_budget is not None):
+    streamed = flash_config is not None and flash_config.mode not in ("dense", AUTO_MODE)
+    if streamed or (flash_config is not None and flash_config.memory_budget is not None):
         budget = flash_config.memory_budget
-        flag = (f"--mode {flash_config.mode}" if flash_config.mode not in ("dense", AUTO_MODE)
+        flag = (f"--mode {flash_config.mode}" if streamed
                 else budget.param if budget.param.startswith("--") else budget.named())
         raise FlashError(f"{flag}: needs a flash pack; {path} is a plain model folder "
                          f"(make one with python -m mlx_flash.convert --model {path} --out PACK)")
