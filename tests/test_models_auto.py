@@ -99,6 +99,8 @@ def test_plain_folder_runs_dense_and_refuses_a_budget(tiny_llama):
     assert getattr(model, "flash_stats", None) is None
     with pytest.raises(FlashError, match=r"^memory_budget=0.5: needs a flash pack"):
         mlx_flash.load(folder, memory_budget=0.5)
+    with pytest.raises(FlashError, match=r"^--mode hybrid: needs a flash pack"):
+        mlx_flash.load(folder, mode="hybrid", memory_budget=0.5)
 
 
 def test_generate_without_mode_runs_hybrid_under_a_budget_and_says_so(pack, capsys):
