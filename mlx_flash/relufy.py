@@ -1,7 +1,7 @@
 """python -m mlx_flash.relufy: make a SwiGLU llama's FFN sparse (ReLU-family activation + fine-tuning).
 
     python -m mlx_flash.relufy [--model SRC] --text FILE [FILE ...] --out DIR [--steps 200]
-        [--activation relu|fatrelu[:T]|cats[:T]|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
+        [--activation relu|fatrelu[:T]|cats[:T]|product[:T]|drelu] [--distill W] [--lr 5e-5] [--batch-size 1]
         [--checkpoint-every 50] [--keep-checkpoints 3] [--resume] [--max-minutes M] [--eval-text FILE ...]
         [--layerwise-tokens 8192] [--layerwise-ridge 1e-3] [--hidden-distill W] [--no-compile]
         [--sparsity-allocation uniform|sensitivity] [--allocation-tokens 512]
@@ -39,10 +39,11 @@ def build_parser():
     p.add_argument("--out", default=None, help="output model folder (holds checkpoints/ too)")
     p.add_argument("--activation", default="relu",
                    help="relu (default), fatrelu:T (gate values > T kept), cats:T (SiLU kept where "
-                        "|silu| > T), fatrelu / cats (per-layer T from --target-sparsity) or drelu")
+                        "|silu| > T), product:T (silu(gate) * up kept where its magnitude > T), "
+                        "fatrelu / cats / product (per-layer T from --target-sparsity) or drelu")
     p.add_argument("--target-sparsity", type=float, default=None, metavar="S",
-                   help="with --activation fatrelu or cats: each layer's threshold silences this fraction "
-                        "of its gate values on the first training sequences (e.g. 0.85)")
+                   help="with --activation fatrelu, cats or product: each layer's threshold silences this "
+                        "fraction of its hidden values on the first training sequences (e.g. 0.85)")
     p.add_argument("--sparsity-allocation", choices=ALLOCATIONS, default="uniform",
                    help="with --activation cats --target-sparsity S: every layer at S (uniform, default) or "
                         "per-layer targets averaging S, lower in the layers whose sparsity costs the original "

@@ -26,7 +26,7 @@ def texts(tmp_path):
     return [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
 
 
-@pytest.mark.parametrize("spec", ["relu", "fatrelu:0.05", "drelu", "cats:0.1"])
+@pytest.mark.parametrize("spec", ["relu", "fatrelu:0.05", "drelu", "cats:0.1", "product:0.05"])
 def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
     teacher, config = R.load_float32(src)
     act, t = R.parse_activation(spec)
@@ -42,6 +42,10 @@ def test_swap_computes_the_relu_family_ffn_by_hand(src, spec):
         elif act == "cats":
             a = g / (1 + np.exp(-g))
             h = np.where(np.abs(a) > t, a, 0) * u
+        elif act == "product":
+            p = g / (1 + np.exp(-g)) * u
+            h = np.where(np.abs(p) > t, p, 0)
+            assert 0 < (h == 0).mean() < 1  # the threshold silences some values, not all
         else:
             h = np.maximum(g, 0) * np.maximum(u, 0)
         want = h @ w["down_proj"].T
@@ -55,7 +59,8 @@ def test_parse_activation_rejects_bad_specs():
     assert R.parse_activation("fatrelu:0.25") == ("fatrelu", 0.25)
     assert R.parse_activation("fatrelu") == ("fatrelu", None)  # per-layer, from --target-sparsity
     assert R.parse_activation("cats:0.1") == ("cats", 0.1) and R.parse_activation("cats") == ("cats", None)
-    for bad in ("gelu", "relu:0.1", "relu:", "fatrelu:x", "fatrelu:-1", "cats:-0.5", "drelu:1"):
+    assert R.parse_activation("product:0.2") == ("product", 0.2) and R.parse_activation("product") == ("product", None)
+    for bad in ("gelu", "relu:0.1", "relu:", "fatrelu:x", "fatrelu:-1", "cats:-0.5", "drelu:1", "product:-1"):
         with pytest.raises(FlashError, match="--activation"):
             R.parse_activation(bad)
 
@@ -426,6 +431,19 @@ def test_attention_half_plus_the_mlp_is_the_decoder_layer(src):
     mid, x = R.attention_half(block, h)
     np.testing.assert_array_equal(np.array(mid + block.mlp(x)), np.array(block(h, "causal")))
     np.testing.assert_array_equal(np.array(x), np.array(block.post_attention_layernorm(mid)))
+
+
+@pytest.mark.parametrize("act", ["fatrelu", "cats", "product"])
+def test_gate_thresholds_are_quantiles_of_what_each_activation_thresholds(src, texts, act):
+    from mlx_flash.models import load_tokenizer
+
+    teacher, config = R.load_float32(src)
+    seqs = R.text_sequences(texts, load_tokenizer(src), 32, 128)
+    t = R.gate_thresholds(teacher, seqs, 0.7, act)
+    # the model built with them silences 70% of its hidden values on the same tokens
+    model = R.build_model(R.relufied_config(config, act, t), dict(tree_flatten(teacher.parameters())))
+    sparsity = R.measure(model, seqs, batch_size=len(seqs))["sparsity_per_layer"]
+    np.testing.assert_allclose(sparsity, 0.7, atol=0.02)
 
 
 def test_layer_sensitivity_is_the_kl_of_thresholding_one_layer(src, texts):

@@ -26,11 +26,16 @@ def test_found_by_model_type_and_thresholds_per_layer():
                                [[0.0, 2 * 0.5 / (1 + np.exp(-0.5)), 2 * 1 / (1 + np.exp(-1.0)), 6 / (1 + np.exp(-3.0))]],
                                rtol=1e-5)
     assert rl.gated_hidden(g, u, "cats", 0.2).tolist()[0][0] != 0.0  # |silu(-1)| > 0.2: kept
+    # product keeps silu(g) * u where |silu(g) * u| > t: 2 silu(-1) = -0.538, 2 silu(0.5) = 0.622
+    np.testing.assert_allclose(rl.gated_hidden(g, u, "product", 0.6).tolist(),
+                               [[0.0, 2 * 0.5 / (1 + np.exp(-0.5)), 2 * 1 / (1 + np.exp(-1.0)), 6 / (1 + np.exp(-3.0))]],
+                               rtol=1e-5)
+    assert rl.gated_hidden(g, u / 2, "product", 0.6).tolist()[0][1] == 0.0  # |silu(0.5)| = 0.311 < 0.6
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"hidden_act": "silu"}, "hidden_act 'silu'"),
-    ({"hidden_act": "relu", "activation_threshold": 0.1}, "needs hidden_act fatrelu or cats"),
+    ({"hidden_act": "relu", "activation_threshold": 0.1}, "needs hidden_act fatrelu, cats or product"),
     ({"hidden_act": "fatrelu", "activation_threshold": [0.1]}, "1 values for 2 layers"),
 ])
 def test_bad_configs_are_refused(extra, message):

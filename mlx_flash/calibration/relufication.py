@@ -42,12 +42,13 @@ FROZEN = ("model.embed_tokens",)                   # tied input/output embedding
 # ---- activation and model ------------------------------------------------------------------------
 
 def parse_activation(spec: str) -> tuple:
-    """(hidden_act, threshold) from "relu", "fatrelu:T" / "cats:T" (T >= 0: gate units for fatrelu,
-    |silu| units for cats), "fatrelu" / "cats" (threshold None: per-layer thresholds from a target
-    sparsity, see gate_thresholds) or "drelu"."""
+    """(hidden_act, threshold) from "relu", "fatrelu:T" / "cats:T" / "product:T" (T >= 0: gate units
+    for fatrelu, |silu| units for cats, |silu(gate) * up| units for product), "fatrelu" / "cats" /
+    "product" (threshold None: per-layer thresholds from a target sparsity, see gate_thresholds) or
+    "drelu"."""
     name, sep, arg = str(spec).partition(":")
     if name not in ACTIVATIONS:
-        raise FlashError(f"--activation {spec}: expected relu, fatrelu[:T], cats[:T] or drelu")
+        raise FlashError(f"--activation {spec}: expected relu, fatrelu[:T], cats[:T], product[:T] or drelu")
     if name not in THRESHOLDED:
         if sep:
             raise FlashError(f"--activation {spec}: {name} takes no threshold")
@@ -107,23 +108,30 @@ class _GateRecorder(nn.Module):
 
 def gate_thresholds(model, sequences: np.ndarray, target_sparsity, hidden_act: str = "fatrelu") -> list:
     """Per layer, the threshold that silences `target_sparsity` (one fraction, or one per layer) of
-    the gate values of `model` (the original SiLU model) over `sequences`: for "fatrelu" the
-    quantile of gate x, floored at 0; for "cats" the quantile of |silu(gate x)|."""
-    store = []
+    the hidden values of `model` (the original SiLU model) over `sequences`: for "fatrelu" the
+    quantile of gate x, floored at 0; for "cats" the quantile of |silu(gate x)|; for "product" the
+    quantile of |silu(gate x) * up x|."""
+    gates, ups = [], []
     layers = mlps(model)
     for mlp in layers:
-        mlp.gate_proj = _GateRecorder(mlp.gate_proj, store)
+        mlp.gate_proj = _GateRecorder(mlp.gate_proj, gates)
+        if hidden_act == "product":
+            mlp.up_proj = _GateRecorder(mlp.up_proj, ups)
     try:
         model(mx.array(sequences))
-        mx.eval(store)
+        mx.eval(gates, ups)
     finally:
         for mlp in layers:
             mlp.gate_proj = mlp.gate_proj.linear
+            if hidden_act == "product":
+                mlp.up_proj = mlp.up_proj.linear
     if hidden_act == "cats":
-        store = [mx.abs(nn.silu(g)) for g in store]
+        gates = [mx.abs(nn.silu(g)) for g in gates]
+    if hidden_act == "product":
+        gates = [mx.abs(nn.silu(g) * u) for g, u in zip(gates, ups)]
     targets = list(target_sparsity) if isinstance(target_sparsity, (list, tuple, np.ndarray)) \
-        else [target_sparsity] * len(store)
-    return [max(0.0, float(np.quantile(np.array(g).ravel(), t))) for g, t in zip(store, targets)]
+        else [target_sparsity] * len(gates)
+    return [max(0.0, float(np.quantile(np.array(g).ravel(), t))) for g, t in zip(gates, targets)]
 
 
 SENSITIVITY_LEVELS = (0.70, 0.78, 0.86, 0.94)  # per-layer sparsities whose cost is measured
@@ -411,7 +419,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     """Swap src's gate activation for `activation` and fine-tune it for `steps` AdamW steps of
     batch_size x seq_len tokens on train_files; write checkpoints and the final model to `out`.
 
-    target_sparsity: with activation "fatrelu" or "cats" (no threshold), per-layer thresholds from
+    target_sparsity: with activation "fatrelu", "cats" or "product" (no threshold), per-layer thresholds from
     gate_thresholds on the first `threshold_sequences` training sequences (fixed for the run).
     allocation: "uniform" (every layer at target_sparsity) or "sensitivity" (cats only: per-layer
     targets with mean target_sparsity from allocate_sparsity over layer_sensitivity measured on
@@ -433,7 +441,7 @@ def relufy(src: Path, train_files, out: Path, *, activation="relu", steps=200, b
     hidden_act, threshold = parse_activation(activation)
     if (threshold is None) != (target_sparsity is not None):
         raise FlashError(f"--activation {activation}: a per-layer threshold needs --target-sparsity and "
-                         "--target-sparsity needs --activation fatrelu or cats (without :T)")
+                         "--target-sparsity needs --activation fatrelu, cats or product (without :T)")
     if target_sparsity is not None and not 0 < target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be between 0 and 1")
     if keep_checkpoints < 0:

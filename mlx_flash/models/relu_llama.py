@@ -13,6 +13,9 @@ loads as is) and swaps only each block's MLP for one whose activation config.jso
     hidden_act "cats"     down(cats(gate x) * up x), cats(g) = silu(g) where |silu(g)| > t else 0,
                           t = activation_threshold as for fatrelu (CATS, Lee et al. 2024: the
                           SiLU kept, its small values silenced)
+    hidden_act "product"  down(product(gate x, up x)), product(g, u) = silu(g) * u where
+                          |silu(g) * u| > t else 0, t as for fatrelu: the SwiGLU hidden value
+                          itself thresholded (what a neuron adds to the output, not its gate)
 
 config.json: {"model_type": "relu_llama", "hidden_act": ..., "activation_threshold": t, ...plus
 every llama field}. Neuron i of a layer is inactive (contributes nothing, its weights need not be
@@ -28,8 +31,8 @@ from mlx_lm.models import llama
 
 from ..cpu.ops import cats, fatrelu
 
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "cats")
-THRESHOLDED = ("fatrelu", "cats")  # activations with activation_threshold
+ACTIVATIONS = ("relu", "fatrelu", "drelu", "cats", "product")
+THRESHOLDED = ("fatrelu", "cats", "product")  # activations with activation_threshold
 
 
 @dataclass
@@ -46,7 +49,7 @@ class ModelArgs(llama.ModelArgs):
             raise ValueError(f"relu_llama activation_threshold has {len(t)} values for "
                              f"{self.num_hidden_layers} layers")
         if self.hidden_act not in THRESHOLDED and any(v != 0 for v in (t if isinstance(t, list) else [t])):
-            raise ValueError(f"relu_llama activation_threshold {t} needs hidden_act fatrelu or cats")
+            raise ValueError(f"relu_llama activation_threshold {t} needs hidden_act fatrelu, cats or product")
 
     def layer_threshold(self, layer: int) -> float:
         t = self.activation_threshold
@@ -63,6 +66,8 @@ def gated_hidden(gate: mx.array, up: mx.array, hidden_act: str, threshold: float
         return nn.relu(gate) * nn.relu(up)
     if hidden_act == "cats":
         return cats(nn.silu(gate), threshold) * up
+    if hidden_act == "product":
+        return cats(nn.silu(gate) * up, threshold)
     raise ValueError(f"unknown hidden_act {hidden_act!r}")
 
 
