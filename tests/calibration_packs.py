@@ -46,13 +46,14 @@ def tiny_llama_pack(tiny_llama, tmp_path, name="pack", **kwargs):
     return write_pack(src, tmp_path / name, progress=False)
 
 
-def tiny_cats_pack(tiny_llama, tmp_path, thresholds, name="cats", **pack_kwargs):
+def tiny_cats_pack(tiny_llama, tmp_path, thresholds, name="cats", act="cats", **pack_kwargs):
     """A tiny CATS relu_llama flash pack (byte tokenizer, vocab 256, intermediate 96): the tiny
-    llama's weights with h = silu(g) where |silu(g)| > thresholds[layer] else 0, times up x."""
+    llama's weights with h = silu(g) where |silu(g)| > thresholds[layer] else 0, times up x
+    (act "product": h = silu(g) up x where |h| > thresholds[layer] else 0)."""
     src = tiny_llama(f"{name}-src", vocab=256, layers=len(thresholds), intermediate=96)
     write_byte_tokenizer(src)
     config = json.loads((src / "config.json").read_text())
-    config.update(model_type="relu_llama", hidden_act="cats", activation_threshold=list(thresholds))
+    config.update(model_type="relu_llama", hidden_act=act, activation_threshold=list(thresholds))
     (src / "config.json").write_text(json.dumps(config))
     return write_pack(src, tmp_path / name, progress=False, **pack_kwargs)
 

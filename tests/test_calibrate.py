@@ -120,3 +120,43 @@ def test_cats_model_refuses_a_target_sparsity(tiny_llama, tmp_path, capsys):
         calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--target-sparsity", "0.5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "CATS model's thresholds are its own" in err[0], err
+
+
+PRODUCT_THRESHOLDS = [0.004, 0.008]  # |silu(gate x) * up x| cuts of the tiny product-threshold model
+
+
+def test_product_model_calibrates_low_rank_with_its_own_thresholds_and_flash_computes_it(tiny_llama, tmp_path,
+                                                                                         capsys):
+    """A product-threshold relu_llama (relufy --activation product): calibrate keeps the model's
+    thresholds and measures activity on |h|; the default kind is low-rank (a gate-based kind is
+    refused in one line); flash computes the product-thresholded model (every neuron read: the
+    dense logits; the low-rank predictor: the neurons it skips are the only difference)."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash.calibration.quality import load_mode
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, PRODUCT_THRESHOLDS, name="product", act="product",
+                          dtype="float16")
+    texts = [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+    with pytest.raises(SystemExit) as e:
+        calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--kind", "gate-threshold"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "product-threshold model" in err[0], err
+    ids = [5, 17, 99, 3, 42, 7, 61]
+    dense = decode_logits(load_mode(pack, "dense")[0], ids)
+    for kind in ("all", None):
+        argv = ["--model", str(pack), "--text", *map(str, texts), "--quiet", "--rank", "16"]
+        assert calibrate_cli.main(argv + (["--kind", kind] if kind else [])) == 0
+        doc = read_predictors_json(pack)
+        assert doc["activation"] == "product"
+        layers = [doc["layers"][str(i)] for i in range(2)]
+        assert [e["kind"] for e in layers] == [kind or "low-rank"] * 2
+        assert [e["threshold"] for e in layers] == pytest.approx(PRODUCT_THRESHOLDS)
+        assert all(0.05 < e["stats"]["active"] < 0.95 for e in layers), layers  # |h| > t cuts
+        flash, _ = load_mode(pack, "flash", all_sparse=True)
+        got = decode_logits(flash, ids)
+        if kind == "all":  # every neuron computed: the model's own product rule, nothing else
+            np.testing.assert_allclose(got, dense, rtol=1e-3, atol=1e-3)
+        else:
+            needed = [step.neurons_needed for step in flash.flash_stats.steps]
+            assert max(needed) < 0.95 * 2 * 96  # the predictor skips neurons
+            assert np.corrcoef(got.ravel(), dense.ravel())[0, 1] > 0.9

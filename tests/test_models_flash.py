@@ -482,3 +482,22 @@ def test_build_reads_the_manifest_predictors_and_resident_file_once_each(tiny_ll
     plan = model.flash_stats.plan
     assert len(plan.capacity) == 4 and model.flash_runtime.lookahead
     np.testing.assert_allclose(decode_logits(model, ids), dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act", ["cats", "product"])
+def test_a_relu_llama_mlp_with_its_own_threshold_is_left_unmasked(act):
+    """The runtime adds no gate mask where the model's MLP already applies the calibrated rule
+    (CATS: |silu(g)| > t; product: |silu(g) u| > t, which no gate mask could express)."""
+    import mlx.nn as nn
+
+    from mlx_flash.models import relu_llama as rl
+    from mlx_flash.models.flash import masks_like_model
+
+    args = rl.ModelArgs.from_dict({"model_type": "relu_llama", "hidden_size": 8, "num_hidden_layers": 1,
+                                   "intermediate_size": 16, "num_attention_heads": 2, "rms_norm_eps": 1e-5,
+                                   "vocab_size": 16, "hidden_act": act, "activation_threshold": 0.5})
+    mlp = rl.MLP(args, 0.5)
+    assert masks_like_model(mlp, 0.5, nn.silu) and masks_like_model(mlp, 0.25, nn.silu)
+    assert not masks_like_model(mlp, 0.75, nn.silu)  # a stricter calibrated cut: the runtime masks
+    assert not masks_like_model(rl.MLP(rl.ModelArgs.from_dict({**args.__dict__, "hidden_act": "relu",
+                                                               "activation_threshold": 0.0})), 0.5, nn.silu)

@@ -176,3 +176,17 @@ def test_gate_threshold_on_a_resident_gate_shares_the_models_arrays(tiny_llama, 
     for i, layer in enumerate(model.model.layers):
         held = layer.mlp._current.resident_gate
         assert model.flash_runtime.predictors[i]._t["gate.weight"] is held["weight"]
+
+
+def test_a_product_threshold_model_takes_no_gate_based_kind(pack):
+    """relufy --activation product keeps neuron i by |silu(g_i) u_i|: a predictors.json that masks
+    it by the gate (gate-threshold, low-rank-gate, quant-gate) is refused by field; low-rank loads."""
+    # (calibrate writes each layer's activation: silu, thresholded on the product)
+    save_predictors(pack, {"activation": "product"}, {i: {**entry("low-rank", 4), "activation": "silu"}
+                                                      for i in range(2)},
+                    {i: low_rank_factors(seed=i) for i in range(2)})
+    assert {p.kind for p in load_predictors(pack).values()} == {"low-rank"}
+    save_predictors(pack, {"activation": "product"},
+                    {i: {**entry("gate-threshold", threshold=0.05), "activation": "silu"} for i in range(2)}, {})
+    with pytest.raises(FlashError, match=r"kind = 'gate-threshold': a product-threshold model's mask"):
+        load_predictors(pack)

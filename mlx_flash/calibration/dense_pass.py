@@ -65,7 +65,8 @@ def dequantized(weights: dict, quantization) -> dict:
 def ffn_activation(config, manifest) -> str:
     """Name (predictor.activation_fn) of the FFN activation of the pack's model; "fatrelu" for a
     relu_llama with FATReLU, whose threshold is per layer; "cats" for a relu_llama with CATS
-    (silu, each layer's |silu| threshold the model's own: install_masked_ffns)."""
+    (silu, each layer's |silu| threshold the model's own: install_masked_ffns); "product" for a
+    relu_llama thresholding |silu(gate x) * up x| (the same, on the product)."""
     arch = manifest.bundles[0].arch
     if arch == "opt":
         return "relu"
@@ -74,7 +75,7 @@ def ffn_activation(config, manifest) -> str:
     if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "drelu":
         raise FlashError("config.json: hidden_act drelu (ReLU on gate and up) is not supported for "
                          "calibration; relufy with relu, fatrelu or cats")
-    if config.get("model_type") == "relu_llama" and config.get("hidden_act") in ("fatrelu", "cats"):
+    if config.get("model_type") == "relu_llama" and config.get("hidden_act") in ("fatrelu", "cats", "product"):
         return config["hidden_act"]  # per layer "fatrelu:T", or silu with threshold T (install_masked_ffns)
     name = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     names = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu",
@@ -95,25 +96,27 @@ class MaskedFFN(nn.Module):
     """A layer's dense FFN with the thresholded-model rule and an optional predictor mask.
 
     h = act(gate x) * up x (gated) or act(up x) (ReLU); neuron i is kept where
-    |act_i| > threshold and, with a predictor, where the predictor says so; y = down h.
-    `inputs` (a list) records every x it sees, for calibration.
+    |act_i| > threshold (with `product`, where |h_i| > threshold) and, with a predictor, where the
+    predictor says so; y = down h. `inputs` (a list) records every x it sees, for calibration.
     """
 
-    def __init__(self, gate, up, down, activation: str, threshold=0.0, predictor=None):
+    def __init__(self, gate, up, down, activation: str, threshold=0.0, predictor=None, product=False):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.activation, self.threshold, self.predictor = activation, float(threshold), predictor
+        self.product = bool(product)
         self.inputs = None
 
     def activations(self, x):
-        """(act, h): act(gate x) (or act(up x)) and the FFN hidden vector before masking."""
+        """(a, h): the thresholded value (act(gate x), act(up x), or h itself with `product`) and
+        the FFN hidden vector before masking."""
         act = activation_fn(self.activation)
         u = self.up(x)
         if self.gate is None:
             a = act(u)
             return a, a
         a = act(self.gate(x))
-        return a, a * u
+        return (a * u, a * u) if self.product else (a, a * u)
 
     def __call__(self, x):
         if self.inputs is not None:
@@ -133,7 +136,8 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
 
     Each swap is checked against the original FFN on a probe input (catches a wrong activation).
     activation "cats": each layer's MaskedFFN is silu with the model's threshold for that layer,
-    which is CATS exactly (h_i = silu(g_i) up_i x where |silu(g_i)| > t, else 0).
+    which is CATS exactly (h_i = silu(g_i) up_i x where |silu(g_i)| > t, else 0); "product": the
+    same on the product (h_i = silu(g_i) up_i x where |h_i| > t, else 0).
     """
     ffns = {}
     for entry in manifest.bundles:
@@ -144,10 +148,11 @@ def install_masked_ffns(model, manifest, activation, hidden) -> dict:
         i = entry.layer
         layer = model.layers[i]
         layer_act = f"fatrelu:{model.args.layer_threshold(i)}" if activation == "fatrelu" \
-            else "silu" if activation == "cats" else activation
-        threshold = model.args.layer_threshold(i) if activation == "cats" else 0.0
+            else "silu" if activation in ("cats", "product") else activation
+        threshold = model.args.layer_threshold(i) if activation in ("cats", "product") else 0.0
         ffn = MaskedFFN(_module_at(model, src["gate"]) if "gate" in src else None,
-                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), layer_act, threshold)
+                        _module_at(model, src["up"]), _module_at(model, src["down_t"]), layer_act, threshold,
+                        product=activation == "product")
         old = getattr(layer, "mlp", None)
         if old is not None:
             probe = mx.random.normal((1, 3, hidden), key=mx.random.key(i))

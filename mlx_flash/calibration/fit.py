@@ -279,8 +279,9 @@ def parse_rank_per_layer(spec, n_layers: int) -> dict:
 
 def default_kind(gated: bool, activation: str) -> str:
     """Gated models: low-rank-gate (a logistic low-rank classifier cannot express |act(g)| > t,
-    which holds on both lobes of silu/gelu); others: the paper's low-rank predictor."""
-    return "low-rank-gate" if gated else "low-rank"
+    which holds on both lobes of silu/gelu); others, and product-threshold models (whose rule
+    needs up x as well as the gate): the paper's low-rank predictor."""
+    return "low-rank-gate" if gated and activation != "product" else "low-rank"
 
 
 def check_kind(kind: str, gated: bool, activation: str):
@@ -289,6 +290,9 @@ def check_kind(kind: str, gated: bool, activation: str):
     if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and not gated:
         raise FlashError(f"--kind {kind}: the model's FFN has no gate projection "
                          "(use exact-relu or low-rank)")
+    if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and activation == "product":
+        raise FlashError(f"--kind {kind}: a product-threshold model keeps a neuron by |silu(gate x) * "
+                         "up x|, which the gate alone does not tell (use low-rank)")
     if kind == "exact-relu" and (gated or activation != "relu"):
         raise FlashError(f"--kind exact-relu: needs an ungated ReLU FFN, the model's is "
                          f"{'gated ' if gated else ''}{activation} (use gate-threshold or low-rank)")
@@ -362,15 +366,15 @@ def resolve_settings(data: CalibrationData, *, kind=None, target_sparsity=None, 
     check_kind(kind, gated, activation)
     relu = activation == "relu" and not gated
     if target_sparsity is None:  # relufied models: their own sparsity (FATReLU zeros, CATS thresholds)
-        target_sparsity = 0.0 if relu or activation in ("fatrelu", "cats") else DEFAULTS["target_sparsity"]
+        target_sparsity = 0.0 if relu or activation in ("fatrelu", "cats", "product") else DEFAULTS["target_sparsity"]
     if not 0 <= target_sparsity < 1:
         raise FlashError(f"--target-sparsity {target_sparsity}: must be in [0, 1)")
     if relu and target_sparsity > 0:
         raise FlashError(f"--target-sparsity {target_sparsity}: ReLU models use their natural "
                          "sparsity (threshold 0); leave it out")
-    if activation == "cats" and target_sparsity > 0:
-        raise FlashError(f"--target-sparsity {target_sparsity}: a CATS model's thresholds are its own "
-                         "(config.json activation_threshold); leave it out")
+    if activation in ("cats", "product") and target_sparsity > 0:
+        raise FlashError(f"--target-sparsity {target_sparsity}: a {'CATS' if activation == 'cats' else 'product-threshold'} "
+                         "model's thresholds are its own (config.json activation_threshold); leave it out")
     if kind in ("all", "exact-relu"):
         target_sparsity = 0.0
     prob_threshold = DEFAULTS["threshold"] if threshold is None else float(threshold)

@@ -234,9 +234,11 @@ def masks_like_model(mlp, threshold: float, act) -> bool:
     """True when the model's own MLP already zeroes every hidden value the thresholded model
     would (|act(gate x)| <= threshold): relu_llama's CATS, |silu(g)| > t, with its own t at least
     `threshold`. Masking the gate's output first would then change nothing (silu(0) = 0), so the
-    row projections skip it: fewer ops per sparse layer call, the same logits bit for bit."""
+    row projections skip it: fewer ops per sparse layer call, the same logits bit for bit.
+    relu_llama's product threshold (|silu(g) u| > t, calibration's threshold its own t): the
+    model's rule is the thresholded model, which no gate mask expresses."""
     own = float(getattr(mlp, "threshold", 0.0) or 0.0)
-    return getattr(mlp, "hidden_act", None) == "cats" and act is nn.silu and own >= threshold
+    return getattr(mlp, "hidden_act", None) in ("cats", "product") and act is nn.silu and own >= threshold
 
 
 def lookahead_rows(pack: Path, manifest, predictors, doc=None) -> int:

@@ -478,8 +478,12 @@ class FlashFFN(nn.Module):
         """The FFN on the Metal kernels: fused up/gate + activation (and mask) over the first n rows,
         then down over the same rows. Used when the MLP is down(silu(gate x) * up x), relu_llama's
         down(relu(gate x) * up x) / FATReLU (its threshold as the mask's) or down(relu(up x)):
-        checked against the MLP itself on the first call; None if it is not that."""
+        checked against the MLP itself on the first call; None if it is not that (and at once for
+        relu_llama's product threshold)."""
         c = self._current
+        if getattr(self.mlp, "hidden_act", "silu") == "product":  # the kernels mask act(gate), not h
+            self._fused_act = False
+            return None
         up, down = _kernel_weights(rows, "up", c.quant), _kernel_weights(rows, "down_t", c.quant)
         gate = _kernel_weights(rows, "gate", c.quant) if "gate.weight" in rows else None
         act, threshold = self._kernel_act(gate is not None)

@@ -231,10 +231,10 @@ def validate_predictors(doc: dict, path, manifest) -> None:
     """FlashError naming `path` and the field unless predictors.json is consistent with itself
     and with the pack: checksum, one entry per FFN layer of the pack, neuron counts equal to the
     bundle counts, finite non-negative thresholds and cuts, probabilities in (0, 1), capacities
-    1..n non-decreasing, a known activation."""
+    1..n non-decreasing, a known activation (no gate-based kind for a product-threshold model)."""
     c = FieldCheck(path)
     check_checksum(doc, path)
-    c.str(doc.get("activation", "silu"), "activation", (*ACTIVATIONS, "fatrelu", "cats"))
+    doc_act = c.str(doc.get("activation", "silu"), "activation", (*ACTIVATIONS, "fatrelu", "cats", "product"))
     if doc.get("tensors_file") is not None:
         c.str(doc["tensors_file"], "tensors_file", (PREDICTORS_FILE,))
         c.int(c.get(doc, "tensors_crc32"), "tensors_crc32", 0, 2 ** 32 - 1)
@@ -248,6 +248,8 @@ def validate_predictors(doc: dict, path, manifest) -> None:
         seen.add(int(key))
         c.dict(entry, f)
         kind = c.str(c.get(entry, "kind", f"{f}.kind"), f"{f}.kind", KINDS)
+        if doc_act == "product" and kind in ("gate-threshold",) + GATE_ESTIMATES:
+            c.fail(f"{f}.kind", f"= {kind!r}: a product-threshold model's mask is not the gate's")
         n = c.int(c.get(entry, "n_neurons", f"{f}.n_neurons"), f"{f}.n_neurons", 1, 1 << 24)
         if int(key) in counts and n != counts[int(key)]:
             c.fail(f"{f}.n_neurons", f"= {n}, but the pack's layer {key} has {counts[int(key)]} neurons")
