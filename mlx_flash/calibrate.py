@@ -8,7 +8,8 @@ Runs the pack's model dense (float32) over the text, records every layer's FFN i
 normalised attention output), then per layer:
   * threshold t: for gated (SwiGLU) models the |act(gate x)| value below which --target-sparsity
     of the calibration activations lie (CATS); ReLU models use t = 0 (their natural sparsity); a
-    relu_llama relufied with CATS uses its own trained per-layer thresholds;
+    relu_llama relufied with CATS uses its own trained per-layer thresholds; one relufied with the
+    product threshold (relufy --activation product) thresholds |silu(gate x) * up x| by its own;
   * predictor (--kind), fitted on the first 90% of the tokens:
       "low-rank-gate" (gated default): B (A x) + bias, the best rank-r estimate of gate x on the
         calibration inputs (PCA of the gate pre-activations); mask = |act(estimate)| > cut, the
@@ -16,6 +17,8 @@ normalised attention output), then per layer:
       "low-rank" (ReLU default, the paper's): sigmoid(B A x + bias) > --threshold, trained with
         the balanced loss (positives and negatives weighted equally);
       "quant-gate": as low-rank-gate, the estimate a --gate-bits quantized copy of the gate;
+      "quant-glu" (product-threshold default): |act(g) * u| > cut, g and u --gate-bits copies
+        of the gate and up, the cut set for --recall likewise;
       "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
@@ -49,7 +52,8 @@ def build_parser():
                         help="predictor: low-rank-gate (default for gated models: rank-r estimate of "
                              "the gate, which streams with the bundle), low-rank (default otherwise: "
                              "the paper's classifier), quant-gate (a --gate-bits copy of the gate "
-                             "estimates it), gate-threshold (resident gate, exact), "
+                             "estimates it), quant-glu (product-threshold models' default: copies of "
+                             "the gate and up), gate-threshold (resident gate, exact), "
                              "exact-relu (ReLU models, resident up, exact), all (sparsity off)")
     parser.add_argument("--target-sparsity", type=float, default=None,
                         help="gated models: fraction of |act(gate x)| thresholded to zero "
@@ -66,7 +70,7 @@ def build_parser():
                         help="low-rank-gate: fraction of the thresholded model's active neurons the "
                              f"predictor must keep on the calibration text (default {DEFAULTS['recall']})")
     parser.add_argument("--gate-bits", type=int, default=None, choices=GATE_BITS,
-                        help="quant-gate: bits of the predictor's quantized gate copy, group size "
+                        help="quant-gate / quant-glu: bits of the predictor's quantized gate (and up) copy, group size "
                              f"{GATE_GROUP_SIZE} (default {DEFAULTS['gate_bits']})")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"low-rank training epochs (default {DEFAULTS['epochs']})")

@@ -125,12 +125,11 @@ def test_cats_model_refuses_a_target_sparsity(tiny_llama, tmp_path, capsys):
 PRODUCT_THRESHOLDS = [0.004, 0.008]  # |silu(gate x) * up x| cuts of the tiny product-threshold model
 
 
-def test_product_model_calibrates_low_rank_with_its_own_thresholds_and_flash_computes_it(tiny_llama, tmp_path,
-                                                                                         capsys):
+def test_product_model_calibrates_with_its_own_thresholds_and_flash_computes_it(tiny_llama, tmp_path, capsys):
     """A product-threshold relu_llama (relufy --activation product): calibrate keeps the model's
-    thresholds and measures activity on |h|; the default kind is low-rank (a gate-based kind is
+    thresholds and measures activity on |h|; the default kind is quant-glu (a gate-based kind is
     refused in one line); flash computes the product-thresholded model (every neuron read: the
-    dense logits; the low-rank predictor: the neurons it skips are the only difference)."""
+    dense logits; quant-glu and low-rank: the neurons they skip are the only difference)."""
     from calibration_packs import decode_logits, tiny_cats_pack, write_text
     from mlx_flash.calibration.quality import load_mode
 
@@ -143,20 +142,33 @@ def test_product_model_calibrates_low_rank_with_its_own_thresholds_and_flash_com
     assert e.value.code == 2 and len(err) == 1 and "product-threshold model" in err[0], err
     ids = [5, 17, 99, 3, 42, 7, 61]
     dense = decode_logits(load_mode(pack, "dense")[0], ids)
-    for kind in ("all", None):
+    for kind in ("all", None, "low-rank"):
         argv = ["--model", str(pack), "--text", *map(str, texts), "--quiet", "--rank", "16"]
-        assert calibrate_cli.main(argv + (["--kind", kind] if kind else [])) == 0
+        # (the default kind at 8 bits: 4-bit copies of this tiny model's small random rows are too
+        # coarse against its thresholds to skip much at the default recall)
+        assert calibrate_cli.main(argv + (["--kind", kind] if kind else ["--gate-bits", "8"])) == 0
         doc = read_predictors_json(pack)
         assert doc["activation"] == "product"
         layers = [doc["layers"][str(i)] for i in range(2)]
-        assert [e["kind"] for e in layers] == [kind or "low-rank"] * 2
+        assert [e["kind"] for e in layers] == [kind or "quant-glu"] * 2
         assert [e["threshold"] for e in layers] == pytest.approx(PRODUCT_THRESHOLDS)
         assert all(0.05 < e["stats"]["active"] < 0.95 for e in layers), layers  # |h| > t cuts
         flash, _ = load_mode(pack, "flash", all_sparse=True)
         got = decode_logits(flash, ids)
         if kind == "all":  # every neuron computed: the model's own product rule, nothing else
             np.testing.assert_allclose(got, dense, rtol=1e-3, atol=1e-3)
-        else:
-            needed = [step.neurons_needed for step in flash.flash_stats.steps]
-            assert max(needed) < 0.95 * 2 * 96  # the predictor skips neurons
-            assert np.corrcoef(got.ravel(), dense.ravel())[0, 1] > 0.9
+            continue
+        needed = [step.neurons_needed for step in flash.flash_stats.steps]
+        assert max(needed) < 0.95 * 2 * 96  # the predictor skips neurons
+        if kind is None:  # the 8-bit gate and up copies keep the calibrated recall (0.99 default)
+            assert all(e["stats"]["recall"] >= 0.95 for e in layers), layers
+            np.testing.assert_allclose(got, dense, rtol=5e-2, atol=5e-2)
+        assert np.corrcoef(got.ravel(), dense.ravel())[0, 1] > 0.9
+
+
+def test_quant_glu_is_refused_for_a_model_thresholding_its_gate(tiny_llama, tmp_path, capsys):
+    pack, texts = cats_pack(tiny_llama, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--kind", "quant-glu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--kind quant-glu" in err[0] and "cats" in err[0], err

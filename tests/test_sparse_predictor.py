@@ -190,3 +190,38 @@ def test_a_product_threshold_model_takes_no_gate_based_kind(pack):
                     {i: {**entry("gate-threshold", threshold=0.05), "activation": "silu"} for i in range(2)}, {})
     with pytest.raises(FlashError, match=r"kind = 'gate-threshold': a product-threshold model's mask"):
         load_predictors(pack)
+
+
+def test_quant_glu_scores_the_product_of_its_quantized_gate_and_up(pack):
+    """quant-glu: mask = |silu(g_q x) * u_q x| > cut with 4-bit copies of gate and up; a copy whose
+    rows do not match the layer is refused by file, and so is quant-glu outside a product model."""
+    from mlx_flash.calibration.fit import quantized_gate
+
+    class Rows:
+        def __init__(self, seed):
+            k = mx.random.split(mx.random.key(seed), 2)
+            self.gate = nn.Linear(64, 96, bias=False)
+            self.up = nn.Linear(64, 96, bias=False)
+            self.gate.weight = mx.random.normal((96, 64), key=k[0]) / 8
+            self.up.weight = mx.random.normal((96, 64), key=k[1]) / 8
+
+    rows = [Rows(i) for i in range(2)]
+    glu = {"kind": "quant-glu", "bits": 4, "group_size": 32, "activation": "silu", "cut": 0.05}
+    save_predictors(pack, {"activation": "product"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
+                    {i: quantized_gate(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
+    preds = load_predictors(pack)
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(3))
+    t = preds[0]._t
+    g = mx.dequantize(t["gate.weight"], t["gate.scales"], t["gate.biases"], 32, 4)
+    u = mx.dequantize(t["up.weight"], t["up.scales"], t["up.biases"], 32, 4)
+    want = np.abs(np.array(nn.silu(x @ g.T) * (x @ u.T))) > 0.05
+    got = np.array(preds[0](x))
+    assert 0.05 < want.mean() < 0.95 and (got == want).mean() > 0.99  # the kernel's rounding aside
+    save_predictors(pack, {"activation": "silu"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
+                    {i: quantized_gate(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
+    with pytest.raises(FlashError, match="only for a product-threshold model"):
+        load_predictors(pack)
+    save_predictors(pack, {"activation": "product"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
+                    {i: quantized_gate(r, 4) for i, r in enumerate(rows)})  # the up copy left out
+    with pytest.raises(FlashError, match="missing tensor layers.0.up.weight"):
+        load_predictors(pack)

@@ -10,6 +10,8 @@
       "quant-gate": mask = |act(g)| > cut as low-rank-gate's, g = a `gate_bits`-bit quantized
         copy of the gate (group size 32) times x: far closer to gate x than a low-rank estimate
         at a quarter (4-bit) of a float16 gate's memory;
+      "quant-glu" (product-threshold default): mask = |act(g) * u| > cut, g and u quantized
+        copies of the gate and up (as quant-gate's) times x, the cut set for `recall` likewise;
       "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
@@ -176,15 +178,19 @@ def _gate_pca(ffn, x: np.ndarray):
     return mean, vecs
 
 
-def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE) -> dict:
+def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE, roles=("gate",)) -> dict:
     """{"gate.weight", "gate.scales", "gate.biases"(, "gate.bias")}: the layer's gate (its float
     values, dequantized if the pack's are quantized) MLX-quantized at `bits`, scales and biases in
-    float16 as predictors.safetensors stores them."""
-    q, scales, biases = mx.quantize(dequantized_weight(ffn.gate).astype(mx.float32), group_size=group_size,
-                                    bits=bits)
-    out = {"gate.weight": q, "gate.scales": scales.astype(mx.float16), "gate.biases": biases.astype(mx.float16)}
-    if "bias" in ffn.gate:
-        out["gate.bias"] = ffn.gate.bias.astype(mx.float16)
+    float16 as predictors.safetensors stores them; the same for each of `roles` ("gate", "up")."""
+    out = {}
+    for role in roles:
+        module = getattr(ffn, role)
+        q, scales, biases = mx.quantize(dequantized_weight(module).astype(mx.float32), group_size=group_size,
+                                        bits=bits)
+        out.update({f"{role}.weight": q, f"{role}.scales": scales.astype(mx.float16),
+                    f"{role}.biases": biases.astype(mx.float16)})
+        if "bias" in module:
+            out[f"{role}.bias"] = module.bias.astype(mx.float16)
     return out
 
 
@@ -218,7 +224,7 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
         tensors, quant = _resident_rows(ffn.gate, "gate")
     elif kind in LOW_RANK:
         tensors = {k: v.astype(mx.float16) for k, v in factors.items()}
-    elif kind == "quant-gate":
+    elif kind in ("quant-gate", "quant-glu"):
         tensors, quant = factors, quantization
     return LayerPredictor(layer, kind, n_neurons, threshold=threshold, prob_threshold=prob_threshold,
                           cut=cut,
@@ -279,9 +285,11 @@ def parse_rank_per_layer(spec, n_layers: int) -> dict:
 
 def default_kind(gated: bool, activation: str) -> str:
     """Gated models: low-rank-gate (a logistic low-rank classifier cannot express |act(g)| > t,
-    which holds on both lobes of silu/gelu); others, and product-threshold models (whose rule
-    needs up x as well as the gate): the paper's low-rank predictor."""
-    return "low-rank-gate" if gated and activation != "product" else "low-rank"
+    which holds on both lobes of silu/gelu); product-threshold models (whose rule needs up x as
+    well as the gate): quant-glu; others: the paper's low-rank predictor."""
+    if activation == "product":
+        return "quant-glu"
+    return "low-rank-gate" if gated else "low-rank"
 
 
 def check_kind(kind: str, gated: bool, activation: str):
@@ -292,7 +300,10 @@ def check_kind(kind: str, gated: bool, activation: str):
                          "(use exact-relu or low-rank)")
     if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and activation == "product":
         raise FlashError(f"--kind {kind}: a product-threshold model keeps a neuron by |silu(gate x) * "
-                         "up x|, which the gate alone does not tell (use low-rank)")
+                         "up x|, which the gate alone does not tell (use quant-glu or low-rank)")
+    if kind == "quant-glu" and activation != "product":
+        raise FlashError(f"--kind {kind}: scores |act(gate x) * up x|, the rule of a product-threshold "
+                         f"model only (relufy --activation product); this model's is {activation}")
     if kind == "exact-relu" and (gated or activation != "relu"):
         raise FlashError(f"--kind exact-relu: needs an ungated ReLU FFN, the model's is "
                          f"{'gated ' if gated else ''}{activation} (use gate-threshold or low-rank)")
@@ -312,9 +323,11 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     factors, cut, quant = None, 0.0, None
     if kind == "low-rank":
         factors = train_low_rank(x[:n_train], active[:n_train], rank, epochs=epochs, seed=seed + layer)
-    elif kind in ("low-rank-gate", "quant-gate"):
-        if kind == "quant-gate":
-            factors, quant = quantized_gate(ffn, gate_bits), {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
+    elif kind in ("low-rank-gate", "quant-gate", "quant-glu"):
+        if kind in ("quant-gate", "quant-glu"):
+            roles = ("gate",) if kind == "quant-gate" else ("gate", "up")
+            factors = quantized_gate(ffn, gate_bits, roles=roles)
+            quant = {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
         else:
             factors = fit_low_rank_gate(ffn, x[:n_train], rank)
         approx = layer_predictor(layer, kind, ffn, n, factors=factors, quantization=quant)
@@ -415,8 +428,9 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
         f"{data.activation}{' gated' if data.gated else ''}, target sparsity {st['target_sparsity']:g}"
         + (f", rank {st['rank']}" if kind in LOW_RANK else "")
         + (f", threshold {st['prob_threshold']:g}" if kind == "low-rank" else "")
-        + (f", recall {st['recall']:g}" if kind in ("low-rank-gate", "quant-gate") else "")
-        + (f", {st['gate_bits']}-bit gate" if kind == "quant-gate" else ""))
+        + (f", recall {st['recall']:g}" if kind in ("low-rank-gate", "quant-gate", "quant-glu") else "")
+        + (f", {st['gate_bits']}-bit gate" if kind == "quant-gate" else "")
+        + (f", {st['gate_bits']}-bit gate and up" if kind == "quant-glu" else ""))
     layers, factors = {}, {}
     t0 = time.perf_counter()
     loader = FlashLoader(out_pack or data.pack) if Path(out_pack or data.pack).is_dir() else None

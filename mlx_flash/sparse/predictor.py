@@ -11,7 +11,9 @@
                              (its crc32 is in predictors.json, so the pair is checked on load);
                              the same names for "low-rank-gate" (B A x + bias approximates gate x);
                              "quant-gate": layers.{i}.gate.weight / .scales / .biases (/ .bias),
-                             the gate MLX-quantized at the entry's `bits` and `group_size`
+                             the gate MLX-quantized at the entry's `bits` and `group_size`;
+                             "quant-glu": the same plus layers.{i}.up.weight / .scales / .biases
+                             (/ .bias), the up projection quantized alike
 
 Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attention output):
     "all"             sparsity off: every neuron
@@ -25,6 +27,9 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
     "quant-gate"      gated models, gate streamed with the bundle: g = a 2..8-bit quantized copy of
                       the gate times x, mask as "low-rank-gate"'s (a float16 model's exact gate
                       costs 4x a 4-bit copy's memory; the FFN computes with the bundle's gate)
+    "quant-glu"       product-threshold models (relufy --activation product): quantized copies of
+                      the gate and up, mask = |act(g) * u| > cut, the cut set per layer for a
+                      target recall (the FFN computes with the bundle's rows)
 Gate/up rows in the bundles are read from the pack's bundle files when the predictors are loaded;
 a resident gate (convert --gate-bits) is the model's own resident tensor, which the model loader
 gives the predictor (`LayerPredictor.share_gate`): the resident tensors file is read once.
@@ -58,11 +63,13 @@ FORMAT = "mlx-flash-predictors"
 FORMAT_VERSION = 1
 PREDICTORS_JSON = "predictors.json"
 PREDICTORS_FILE = "predictors.safetensors"
-KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate", "quant-gate")
+KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate", "quant-gate", "quant-glu")
 LOW_RANK = ("low-rank", "low-rank-gate")  # kinds with low-rank factors
-STORED = LOW_RANK + ("quant-gate",)  # kinds whose tensors live in predictors.safetensors
+STORED = LOW_RANK + ("quant-gate", "quant-glu")  # kinds whose tensors live in predictors.safetensors
 GATE_ESTIMATES = ("low-rank-gate", "quant-gate")  # mask = gate_score(x) > cut
+SCORED = GATE_ESTIMATES + ("quant-glu",)  # kinds whose mask is gate_score(x) > cut
 QUANT_GATE = ("gate.weight", "gate.scales", "gate.biases")
+QUANT_UP = ("up.weight", "up.scales", "up.biases")
 
 
 def monotone(activation: str) -> bool:
@@ -133,19 +140,22 @@ class LayerPredictor:
     def gate_score(self, x):
         """The "low-rank-gate" score, active where > cut: the gate estimate itself for ReLU-family
         activations (monotone and zero below their threshold, so the cut may lie below the
-        threshold and keep neurons the estimate puts just under it), |act(estimate)| otherwise."""
+        threshold and keep neurons the estimate puts just under it), |act(estimate)| otherwise;
+        "quant-glu": |act(quantized gate x) * quantized up x|."""
+        if self.kind == "quant-glu":
+            return mx.abs(self.gate_estimate(x) * self._rows("up", x).astype(mx.float32))
         if monotone(self.activation):
             return self.logits(x)
         return mx.abs(self.gate_estimate(x))
 
     def gate_estimate(self, x):
-        """act(estimated gate x) [..., n_neurons], float32 ("low-rank-gate", "quant-gate")."""
+        """act(estimated gate x) [..., n_neurons], float32 ("low-rank-gate", "quant-gate", "quant-glu")."""
         return self._act(self.logits(x))
 
     def logits(self, x):
         """B (A x) + bias [..., n_neurons], float32 ("low-rank", "low-rank-gate"); the quantized
-        gate copy times x ("quant-gate")."""
-        if self.kind == "quant-gate":
+        gate copy times x ("quant-gate", "quant-glu")."""
+        if self.kind in ("quant-gate", "quant-glu"):
             return self._rows("gate", x).astype(mx.float32)
         a, b = self._t["A"], self._t["B"]
         h = (x.astype(a.dtype) @ a.T) @ b.T
@@ -158,7 +168,7 @@ class LayerPredictor:
             return self._rows("up", x) > 0
         if self.kind == "gate-threshold":
             return self.mask_from_gate(self._rows("gate", x))
-        if self.kind in GATE_ESTIMATES:
+        if self.kind in SCORED:
             return self.gate_score(x) > self.cut
         return self.logits(x) > self._logit_cut
 
@@ -250,6 +260,8 @@ def validate_predictors(doc: dict, path, manifest) -> None:
         kind = c.str(c.get(entry, "kind", f"{f}.kind"), f"{f}.kind", KINDS)
         if doc_act == "product" and kind in ("gate-threshold",) + GATE_ESTIMATES:
             c.fail(f"{f}.kind", f"= {kind!r}: a product-threshold model's mask is not the gate's")
+        if doc_act != "product" and kind == "quant-glu":
+            c.fail(f"{f}.kind", f"= {kind!r}: only for a product-threshold model (activation product)")
         n = c.int(c.get(entry, "n_neurons", f"{f}.n_neurons"), f"{f}.n_neurons", 1, 1 << 24)
         if int(key) in counts and n != counts[int(key)]:
             c.fail(f"{f}.n_neurons", f"= {n}, but the pack's layer {key} has {counts[int(key)]} neurons")
@@ -264,7 +276,7 @@ def validate_predictors(doc: dict, path, manifest) -> None:
             c.fail(f"{f}.activation", f"= {act!r} is not a known activation (silu, relu, fatrelu:T, ...)")
         # ReLU-family layers score the gate estimate itself, whose cut may be negative
         c.num(entry.get("cut", 0.0), f"{f}.cut", -math.inf if monotone(act) else 0)
-        if kind == "quant-gate":
+        if kind in ("quant-gate", "quant-glu"):
             c.int(c.get(entry, "bits", f"{f}.bits"), f"{f}.bits", 2, 8)
             c.int(c.get(entry, "group_size", f"{f}.group_size"), f"{f}.group_size", 32, 128)
         c.num(entry.get("prob_threshold", 0.5), f"{f}.prob_threshold", 0, 1, lo_open=True)
@@ -324,17 +336,21 @@ def load_predictors(pack_dir, manifest=None, doc=None):
             if tensors["A"].shape[0] != r or tensors["B"].shape != (n, r) or tensors["bias"].shape != (n,):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
                                  f"{r} and {n} neurons")
-        elif kind == "quant-gate":
-            names = {k: f"layers.{i}.{k}" for k in (*QUANT_GATE, "gate.bias")}
-            missing = [names[k] for k in QUANT_GATE if names[k] not in factors]
+        elif kind in ("quant-gate", "quant-glu"):
+            roles = ("gate",) if kind == "quant-gate" else ("gate", "up")
+            need = QUANT_GATE if kind == "quant-gate" else QUANT_GATE + QUANT_UP
+            names = {k: f"layers.{i}.{k}" for k in (*need, *(f"{r}.bias" for r in roles))}
+            missing = [names[k] for k in need if names[k] not in factors]
             if missing:
                 raise FlashError(f"{pack / PREDICTORS_FILE}: missing tensor {missing[0]}")
             tensors = {k: factors[v] for k, v in names.items() if v in factors}
             n, quant = int(entry["n_neurons"]), {"bits": int(entry["bits"]), "group_size": int(entry["group_size"])}
-            if any(tensors[k].shape[0] != n for k in QUANT_GATE) or \
-                    tensors["gate.weight"].shape[1] * 32 // quant["bits"] != tensors["gate.scales"].shape[1] * quant["group_size"]:
-                raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized gate does not match "
-                                 f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
+            for r in roles:
+                if any(tensors[f"{r}.{k}"].shape[0] != n for k in ("weight", "scales", "biases")) or \
+                        tensors[f"{r}.weight"].shape[1] * 32 // quant["bits"] != \
+                        tensors[f"{r}.scales"].shape[1] * quant["group_size"]:
+                    raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized {r} does not match "
+                                     f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
         elif kind == "gate-threshold" and bundles[i].resident_gate:
             # the gate rows are the model's resident tensors: the model loader gives them (share_gate)
             gate = bundles[i].resident_gate
