@@ -50,10 +50,11 @@ def build_parser():
                         "model most (measured KL when only that layer is thresholded; about a minute)")
     p.add_argument("--allocation-tokens", type=int, default=512, metavar="N",
                    help="training tokens the sensitivity allocation measures on (default 512)")
-    p.add_argument("--layerwise-tokens", type=int, default=8192, metavar="N",
+    p.add_argument("--layerwise-tokens", type=int, default=None, metavar="N",
                    help="before end-to-end training, refit each layer's down projection in closed form "
                         "on N training tokens so the layer reproduces the original model's residual "
-                        "stream (layer-wise distillation, minutes; 0: off; default 8192)")
+                        "stream (layer-wise distillation, minutes; 0: off; default 8192, and 0 with "
+                        "--activation product, whose untrained swap the fit makes worse)")
     p.add_argument("--layerwise-ridge", type=float, default=1e-3, metavar="R",
                    help="ridge of the layer-wise least squares, relative to the mean hidden energy "
                         "(default 1e-3)")
@@ -121,6 +122,8 @@ def _main(argv):
     if not args.out:
         raise FlashError("--out: the output folder is required")
     _check_files("--text", args.text)
+    if args.layerwise_tokens is None:
+        args.layerwise_tokens = 0 if str(args.activation).partition(":")[0] == "product" else 8192
     for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                              ("--sequence-length", args.sequence_length, 2),
                              ("--checkpoint-every", args.checkpoint_every, 0),

@@ -89,6 +89,22 @@ def test_cli_passes_the_training_options(src, texts, tmp_path):
     assert len(state["allocation"]["targets"]) == 2 and state["losses"][0]["hidden"] > 0
 
 
+def test_product_recipe_skips_the_layerwise_fit_unless_asked(src, texts, tmp_path):
+    """--activation product --target-sparsity S: per-layer thresholds on |silu(gate) up|, and by
+    default no layer-wise fit (checkpoint step 0 is not written); --layerwise-tokens N runs it."""
+    argv = ["--model", str(src), "--text", *texts[:2], "--eval-text", texts[2], "--steps", "1",
+            "--sequence-length", "32", "--eval-tokens", "64", "--activation", "product",
+            "--target-sparsity", "0.7", "--quiet"]
+    assert relufy.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["hidden_act"] == "product" and len(config["activation_threshold"]) == 2
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step-000001"]
+    report = json.loads((tmp_path / "a" / "relufication.json").read_text())
+    assert "layerwise" not in report["before"] and 0.5 < report["after"]["sparsity"] < 0.9
+    assert relufy.main(argv + ["--layerwise-tokens", "64", "--out", str(tmp_path / "b")]) == 0
+    assert "step-000000" in {p.name for p in (tmp_path / "b" / "checkpoints").iterdir()}
+
+
 def test_parser_reads_the_librarys_choices_without_importing_mlx():
     import subprocess
     import sys
