@@ -195,7 +195,7 @@ def test_a_product_threshold_model_takes_no_gate_based_kind(pack):
 def test_quant_glu_scores_the_product_of_its_quantized_gate_and_up(pack):
     """quant-glu: mask = |silu(g_q x) * u_q x| > cut with 4-bit copies of gate and up; a copy whose
     rows do not match the layer is refused by file, and so is quant-glu outside a product model."""
-    from mlx_flash.calibration.fit import quantized_gate
+    from mlx_flash.calibration.fit import quantized_copy
 
     class Rows:
         def __init__(self, seed):
@@ -208,7 +208,7 @@ def test_quant_glu_scores_the_product_of_its_quantized_gate_and_up(pack):
     rows = [Rows(i) for i in range(2)]
     glu = {"kind": "quant-glu", "bits": 4, "group_size": 32, "activation": "silu", "cut": 0.05}
     save_predictors(pack, {"activation": "product"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
-                    {i: quantized_gate(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
+                    {i: quantized_copy(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
     preds = load_predictors(pack)
     x = mx.random.normal((2, 5, 64), key=mx.random.key(3))
     t = preds[0]._t
@@ -218,10 +218,10 @@ def test_quant_glu_scores_the_product_of_its_quantized_gate_and_up(pack):
     got = np.array(preds[0](x))
     assert 0.05 < want.mean() < 0.95 and (got == want).mean() > 0.99  # the kernel's rounding aside
     save_predictors(pack, {"activation": "silu"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
-                    {i: quantized_gate(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
+                    {i: quantized_copy(r, 4, roles=("gate", "up")) for i, r in enumerate(rows)})
     with pytest.raises(FlashError, match="only for a product-threshold model"):
         load_predictors(pack)
     save_predictors(pack, {"activation": "product"}, {i: {**entry("quant-glu", cut=0.05), **glu} for i in range(2)},
-                    {i: quantized_gate(r, 4) for i, r in enumerate(rows)})  # the up copy left out
+                    {i: quantized_copy(r, 4) for i, r in enumerate(rows)})  # the up copy left out
     with pytest.raises(FlashError, match="missing tensor layers.0.up.weight"):
         load_predictors(pack)

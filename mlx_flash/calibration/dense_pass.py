@@ -74,7 +74,7 @@ def ffn_activation(config, manifest) -> str:
         return "gelu_approx"
     if config.get("model_type") == "relu_llama" and config.get("hidden_act") == "drelu":
         raise FlashError("config.json: hidden_act drelu (ReLU on gate and up) is not supported for "
-                         "calibration; relufy with relu, fatrelu or cats")
+                         "calibration; relufy with relu, fatrelu, cats or product")
     if config.get("model_type") == "relu_llama" and config.get("hidden_act") in ("fatrelu", "cats", "product"):
         return config["hidden_act"]  # per layer "fatrelu:T", or silu with threshold T (install_masked_ffns)
     name = config.get("hidden_act") or config.get("hidden_activation") or "silu"

@@ -178,10 +178,10 @@ def _gate_pca(ffn, x: np.ndarray):
     return mean, vecs
 
 
-def quantized_gate(ffn, bits: int, group_size=GATE_GROUP_SIZE, roles=("gate",)) -> dict:
-    """{"gate.weight", "gate.scales", "gate.biases"(, "gate.bias")}: the layer's gate (its float
-    values, dequantized if the pack's are quantized) MLX-quantized at `bits`, scales and biases in
-    float16 as predictors.safetensors stores them; the same for each of `roles` ("gate", "up")."""
+def quantized_copy(ffn, bits: int, group_size=GATE_GROUP_SIZE, roles=("gate",)) -> dict:
+    """{"ROLE.weight", "ROLE.scales", "ROLE.biases"(, "ROLE.bias")} for each of `roles` ("gate",
+    "up"): the layer's projection (its float values, dequantized if the pack's are quantized)
+    MLX-quantized at `bits`, scales and biases in float16 as predictors.safetensors stores them."""
     out = {}
     for role in roles:
         module = getattr(ffn, role)
@@ -326,7 +326,7 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     elif kind in ("low-rank-gate", "quant-gate", "quant-glu"):
         if kind in ("quant-gate", "quant-glu"):
             roles = ("gate",) if kind == "quant-gate" else ("gate", "up")
-            factors = quantized_gate(ffn, gate_bits, roles=roles)
+            factors = quantized_copy(ffn, gate_bits, roles=roles)
             quant = {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
         else:
             factors = fit_low_rank_gate(ffn, x[:n_train], rank)
