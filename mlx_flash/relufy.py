@@ -122,8 +122,9 @@ def _main(argv):
     if not args.out:
         raise FlashError("--out: the output folder is required")
     _check_files("--text", args.text)
+    hidden_act, _ = R.parse_activation(args.activation)
     if args.layerwise_tokens is None:
-        args.layerwise_tokens = 0 if str(args.activation).partition(":")[0] == "product" else 8192
+        args.layerwise_tokens = 0 if hidden_act == "product" else 8192
     for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
                              ("--sequence-length", args.sequence_length, 2),
                              ("--checkpoint-every", args.checkpoint_every, 0),
@@ -138,7 +139,6 @@ def _main(argv):
         raise FlashError(f"--lr {args.lr} / --distill {args.distill}: the rate must be > 0, the weight >= 0")
     if args.hidden_distill < 0:
         raise FlashError(f"--hidden-distill {args.hidden_distill}: the weight must be >= 0")
-    R.parse_activation(args.activation)
     if args.eval_text:
         _check_files("--eval-text", args.eval_text)
         train_files, eval_files = list(args.text), list(args.eval_text)

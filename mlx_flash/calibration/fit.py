@@ -39,7 +39,8 @@ from ..config import FlashConfig
 from ..errors import FlashError
 from ..io import FlashLoader
 from ..sparse.budget import measured_cache_read_seconds, measured_read_seconds
-from ..sparse.predictor import KINDS, LOW_RANK, LayerPredictor, read_predictors_json, save_predictors
+from ..sparse.predictor import (COPIES, GATE_MASKS, KINDS, LOW_RANK, SCORED, LayerPredictor, read_predictors_json,
+                                save_predictors)
 from .dense_pass import MAX_WINDOW, CalibrationData, collect_inputs
 
 CAPACITY_PERCENTILE = 99
@@ -224,7 +225,7 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
         tensors, quant = _resident_rows(ffn.gate, "gate")
     elif kind in LOW_RANK:
         tensors = {k: v.astype(mx.float16) for k, v in factors.items()}
-    elif kind in ("quant-gate", "quant-glu"):
+    elif kind in COPIES:
         tensors, quant = factors, quantization
     return LayerPredictor(layer, kind, n_neurons, threshold=threshold, prob_threshold=prob_threshold,
                           cut=cut,
@@ -295,10 +296,10 @@ def default_kind(gated: bool, activation: str) -> str:
 def check_kind(kind: str, gated: bool, activation: str):
     if kind not in KINDS:
         raise FlashError(f"--kind {kind}: unknown (choose from {', '.join(KINDS)})")
-    if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and not gated:
+    if kind in GATE_MASKS and not gated:
         raise FlashError(f"--kind {kind}: the model's FFN has no gate projection "
                          "(use exact-relu or low-rank)")
-    if kind in ("gate-threshold", "low-rank-gate", "quant-gate") and activation == "product":
+    if kind in GATE_MASKS and activation == "product":
         raise FlashError(f"--kind {kind}: a product-threshold model keeps a neuron by |silu(gate x) * "
                          "up x|, which the gate alone does not tell (use quant-glu or low-rank)")
     if kind == "quant-glu" and activation != "product":
@@ -323,10 +324,9 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
     factors, cut, quant = None, 0.0, None
     if kind == "low-rank":
         factors = train_low_rank(x[:n_train], active[:n_train], rank, epochs=epochs, seed=seed + layer)
-    elif kind in ("low-rank-gate", "quant-gate", "quant-glu"):
-        if kind in ("quant-gate", "quant-glu"):
-            roles = ("gate",) if kind == "quant-gate" else ("gate", "up")
-            factors = quantized_copy(ffn, gate_bits, roles=roles)
+    elif kind in SCORED:
+        if kind in COPIES:
+            factors = quantized_copy(ffn, gate_bits, roles=COPIES[kind])
             quant = {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
         else:
             factors = fit_low_rank_gate(ffn, x[:n_train], rank)
@@ -428,7 +428,7 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
         f"{data.activation}{' gated' if data.gated else ''}, target sparsity {st['target_sparsity']:g}"
         + (f", rank {st['rank']}" if kind in LOW_RANK else "")
         + (f", threshold {st['prob_threshold']:g}" if kind == "low-rank" else "")
-        + (f", recall {st['recall']:g}" if kind in ("low-rank-gate", "quant-gate", "quant-glu") else "")
+        + (f", recall {st['recall']:g}" if kind in SCORED else "")
         + (f", {st['gate_bits']}-bit gate" if kind == "quant-gate" else "")
         + (f", {st['gate_bits']}-bit gate and up" if kind == "quant-glu" else ""))
     layers, factors = {}, {}

@@ -65,11 +65,12 @@ PREDICTORS_JSON = "predictors.json"
 PREDICTORS_FILE = "predictors.safetensors"
 KINDS = ("all", "exact-relu", "gate-threshold", "low-rank", "low-rank-gate", "quant-gate", "quant-glu")
 LOW_RANK = ("low-rank", "low-rank-gate")  # kinds with low-rank factors
-STORED = LOW_RANK + ("quant-gate", "quant-glu")  # kinds whose tensors live in predictors.safetensors
+COPIES = {"quant-gate": ("gate",), "quant-glu": ("gate", "up")}  # kinds holding quantized copies: of these roles
+STORED = LOW_RANK + tuple(COPIES)  # kinds whose tensors live in predictors.safetensors
 GATE_ESTIMATES = ("low-rank-gate", "quant-gate")  # mask = gate_score(x) > cut
+GATE_MASKS = ("gate-threshold",) + GATE_ESTIMATES  # kinds whose mask reads the gate alone
 SCORED = GATE_ESTIMATES + ("quant-glu",)  # kinds whose mask is gate_score(x) > cut
-QUANT_GATE = ("gate.weight", "gate.scales", "gate.biases")
-QUANT_UP = ("up.weight", "up.scales", "up.biases")
+QUANTIZED = ("weight", "scales", "biases")  # the tensors of a quantized copy, per role
 
 
 def monotone(activation: str) -> bool:
@@ -155,7 +156,7 @@ class LayerPredictor:
     def logits(self, x):
         """B (A x) + bias [..., n_neurons], float32 ("low-rank", "low-rank-gate"); the quantized
         gate copy times x ("quant-gate", "quant-glu")."""
-        if self.kind in ("quant-gate", "quant-glu"):
+        if self.kind in COPIES:
             return self._rows("gate", x).astype(mx.float32)
         a, b = self._t["A"], self._t["B"]
         h = (x.astype(a.dtype) @ a.T) @ b.T
@@ -258,7 +259,7 @@ def validate_predictors(doc: dict, path, manifest) -> None:
         seen.add(int(key))
         c.dict(entry, f)
         kind = c.str(c.get(entry, "kind", f"{f}.kind"), f"{f}.kind", KINDS)
-        if doc_act == "product" and kind in ("gate-threshold",) + GATE_ESTIMATES:
+        if doc_act == "product" and kind in GATE_MASKS:
             c.fail(f"{f}.kind", f"= {kind!r}: a product-threshold model's mask is not the gate's")
         if doc_act != "product" and kind == "quant-glu":
             c.fail(f"{f}.kind", f"= {kind!r}: only for a product-threshold model (activation product)")
@@ -276,7 +277,7 @@ def validate_predictors(doc: dict, path, manifest) -> None:
             c.fail(f"{f}.activation", f"= {act!r} is not a known activation (silu, relu, fatrelu:T, ...)")
         # ReLU-family layers score the gate estimate itself, whose cut may be negative
         c.num(entry.get("cut", 0.0), f"{f}.cut", -math.inf if monotone(act) else 0)
-        if kind in ("quant-gate", "quant-glu"):
+        if kind in COPIES:
             c.int(c.get(entry, "bits", f"{f}.bits"), f"{f}.bits", 2, 8)
             c.int(c.get(entry, "group_size", f"{f}.group_size"), f"{f}.group_size", 32, 128)
         c.num(entry.get("prob_threshold", 0.5), f"{f}.prob_threshold", 0, 1, lo_open=True)
@@ -336,9 +337,9 @@ def load_predictors(pack_dir, manifest=None, doc=None):
             if tensors["A"].shape[0] != r or tensors["B"].shape != (n, r) or tensors["bias"].shape != (n,):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
                                  f"{r} and {n} neurons")
-        elif kind in ("quant-gate", "quant-glu"):
-            roles = ("gate",) if kind == "quant-gate" else ("gate", "up")
-            need = QUANT_GATE if kind == "quant-gate" else QUANT_GATE + QUANT_UP
+        elif kind in COPIES:
+            roles = COPIES[kind]
+            need = [f"{r}.{k}" for r in roles for k in QUANTIZED]
             names = {k: f"layers.{i}.{k}" for k in (*need, *(f"{r}.bias" for r in roles))}
             missing = [names[k] for k in need if names[k] not in factors]
             if missing:
@@ -346,7 +347,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
             tensors = {k: factors[v] for k, v in names.items() if v in factors}
             n, quant = int(entry["n_neurons"]), {"bits": int(entry["bits"]), "group_size": int(entry["group_size"])}
             for r in roles:
-                if any(tensors[f"{r}.{k}"].shape[0] != n for k in ("weight", "scales", "biases")) or \
+                if any(tensors[f"{r}.{k}"].shape[0] != n for k in QUANTIZED) or \
                         tensors[f"{r}.weight"].shape[1] * 32 // quant["bits"] != \
                         tensors[f"{r}.scales"].shape[1] * quant["group_size"]:
                     raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized {r} does not match "
