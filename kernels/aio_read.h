@@ -68,6 +68,37 @@ int64_t aio_read_staged(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, 
                         const int64_t* pos, uint8_t* staging, int64_t depth, int64_t spin_ns, int64_t* waits,
                         int64_t* res, uint32_t* crcs, const StagedBundles& b, int64_t* bad);
 
+// A plain layer's bundles: bundle i is `stride` bytes at offset + i * stride of fd, `count` of them.
+struct StridedLayer {
+  int64_t fd, count, offset, stride;
+};
+
+// How plan_strided_reads (read_plan.h) plans a call's reads.
+struct PlanRule {
+  int64_t align;
+  bool merge;
+  int64_t merge_gap, max_read;
+};
+
+// What aio_read_ids did: reads (the plan's, or PLAN_ID_OUT_OF_RANGE / PLAN_DUPLICATE_ID: nothing
+// read), staged (their bytes), fits (staged <= the staging given; false: nothing read), status and
+// bad (aio_read_staged's, when it ran).
+struct IdsRead {
+  int64_t reads, staged;
+  bool fits;
+  int64_t status, bad;
+};
+
+// A decode call from bundle ids to rows in one go: bundles ids[0..n) of `layer` planned as
+// plan_strided_reads plans them (plan: int64 scratch [8 * n], its rows as that function writes
+// them), staged back to back from staging[0] in file order, then aio_read_staged with `b`'s checks
+// and targets, bundle ids[i] going to row slots[i] (b.first, starts, bundles and slots are filled
+// here from the plan; want: the crc32 table by bundle id, or null). res and crcs: room for n.
+IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& rule, int64_t n, const int64_t* ids,
+                     const int64_t* slots, const uint32_t* table, uint8_t* staging, int64_t staging_size,
+                     int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* plan, int64_t* res, uint32_t* crcs,
+                     StagedBundles b);
+
 // True when this build has the Linux AIO loop (false elsewhere: the caller uses its own).
 bool aio_read_available();
 

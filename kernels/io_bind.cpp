@@ -109,6 +109,65 @@ void bind_io(nb::module_& m) {
       "watch the completion ring this long before each blocking io_getevents (0: block at once); waits: "
       "int64[2] += (waits ended while spinning, waits that blocked).");
   m.def(
+      "aio_read_ids",
+      [](uint64_t ctx, int64_t fd, int64_t count, int64_t offset, int64_t stride, int64_t align, bool merge,
+         int64_t merge_gap, int64_t max_read, I64 ids, I64 slots, std::optional<Table> table, Staging staging,
+         I64 piece_off, I64 piece_len, std::vector<Target> targets, int64_t depth, int64_t spin_ns,
+         std::optional<Counts> waits, Plan plan, Results res, Crcs crcs) {
+        const int64_t n = static_cast<int64_t>(ids.shape(0));
+        if (ctx == 0) throw std::invalid_argument("aio_read_ids: no AIO context");
+        if (static_cast<int64_t>(slots.shape(0)) != n || plan.shape(0) != 8 ||
+            static_cast<int64_t>(plan.shape(1)) != n || static_cast<int64_t>(res.shape(0)) < n ||
+            static_cast<int64_t>(crcs.shape(0)) < n)
+          throw std::invalid_argument("aio_read_ids: slots, plan [8, n], res and crcs must match ids");
+        if (stride <= 0 || align <= 0 || offset < 0 || count < 0)
+          throw std::invalid_argument("aio_read_ids: stride and align must be > 0, offset and count >= 0");
+        if (table.has_value() && static_cast<int64_t>(table->shape(0)) < count)
+          throw std::invalid_argument("aio_read_ids: the crc32 table has fewer entries than bundles");
+        for (size_t q = 0; q < piece_off.shape(0); ++q)
+          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0 || piece_off.data()[q] + piece_len.data()[q] > stride)
+            throw std::invalid_argument("aio_read_ids: a checked piece outside the bundle");
+        if (piece_off.shape(0) != piece_len.shape(0))
+          throw std::invalid_argument("aio_read_ids: piece offsets and lengths differ in length");
+        std::vector<uint8_t*> dest;
+        std::vector<int64_t> t_off, t_len, t_stride;
+        for (auto& [off, len, rows] : targets) {
+          if (off < 0 || len < 0 || off + len > stride || rows.stride(1) != 1 ||
+              static_cast<int64_t>(rows.shape(1)) < len)
+            throw std::invalid_argument("aio_read_ids: a target outside the bundle, or rows not contiguous or too short");
+          for (int64_t i = 0; i < n; ++i)
+            if (slots.data()[i] < 0 || slots.data()[i] >= static_cast<int64_t>(rows.shape(0)))
+              throw std::invalid_argument("aio_read_ids: slot out of range");
+          dest.push_back(rows.data());
+          t_off.push_back(off);
+          t_len.push_back(len);
+          t_stride.push_back(static_cast<int64_t>(rows.stride(0)));
+        }
+        const flash::StagedBundles b{nullptr, nullptr, 0, nullptr, piece_off.data(), piece_len.data(),
+                                     static_cast<int64_t>(piece_off.shape(0)), t_off.data(), t_len.data(), dest.data(),
+                                     t_stride.data(), static_cast<int64_t>(dest.size()), nullptr};
+        flash::IdsRead r;
+        {
+          nb::gil_scoped_release release;
+          r = flash::aio_read_ids(ctx, flash::StridedLayer{fd, count, offset, stride},
+                                  flash::PlanRule{align, merge, merge_gap, max_read}, n, ids.data(), slots.data(),
+                                  table.has_value() ? table->data() : nullptr, staging.data(),
+                                  static_cast<int64_t>(staging.shape(0)), depth, spin_ns,
+                                  waits.has_value() ? waits->data() : nullptr, plan.data(), res.data(), crcs.data(), b);
+        }
+        return std::make_tuple(r.reads, r.staged, r.fits, r.status, r.bad);
+      },
+      nb::arg("ctx"), nb::arg("fd"), nb::arg("count"), nb::arg("offset"), nb::arg("stride"), nb::arg("align"),
+      nb::arg("merge"), nb::arg("merge_gap"), nb::arg("max_read"), nb::arg("ids"), nb::arg("slots"),
+      nb::arg("table").none(), nb::arg("staging"), nb::arg("piece_off"), nb::arg("piece_len"), nb::arg("targets"),
+      nb::arg("depth"), nb::arg("spin_ns"), nb::arg("waits").none(), nb::arg("plan"), nb::arg("res"), nb::arg("crcs"),
+      "A decode call from bundle ids to rows in one go (kernels/aio_read.h, aio_read_ids): bundles ids of a plain "
+      "layer (bundle i: stride bytes at offset + i * stride of fd) planned as plan_strided_reads plans them (plan "
+      "<- its rows), staged back to back, checked against table[id] (crc32 over the pieces; None: no check) and "
+      "copied to row slots[i] of each target (offset, bytes, uint8 rows). Returns (reads, staged bytes, fits, "
+      "status, bad): reads < 0 a bad id (-1 out of range, -2 repeated) and fits False (the plan needs more than "
+      "the staging given): nothing read; else status and bad as aio_read_staged's.");
+  m.def(
       "aio_read_staged",
       [](uint64_t ctx, int64_t fd, I64 r0, I64 r1, I64 pos, I64 first, I64 starts, I64 ids, std::optional<Table> table,
          Staging staging, I64 piece_off, I64 piece_len, std::vector<Target> targets, I64 slots, int64_t depth,

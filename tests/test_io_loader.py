@@ -482,6 +482,89 @@ def test_a_staged_call_is_read_checked_and_copied_in_one_kernel_call(make_pack, 
     assert len(calls) == 3
 
 
+@pytest.mark.skipif(aio.read_ids_kernel is None, reason="the kernels' aio_read_ids (mlx_flash._ext, Linux)")
+@pytest.mark.parametrize("verify", [True, False])
+def test_read_at_once_lands_what_read_lands_in_one_kernel_call(make_pack, monkeypatch, verify):
+    """read_at_once (a decode call: plan, reads, crc32 checks and copy out in one aio_read_ids
+    call) lands the rows `read` lands, counted the same, for ids in any order to any rows; no
+    other read path runs. Over `max_bytes` it reads nothing and says so (None); reads that come
+    back short or failed are redone by `read`."""
+    import ctypes
+
+    pack = make_pack(dtype="float16", quantize=(4, 32), layers=2)
+    real, calls, spoil = aio.read_ids_kernel, [], [False]
+
+    def counted(ctx, fd, count, offset, stride, align, merge, gap, max_read, ids, slots, table, flat, p_off,
+                p_len, targets, depth, spin_ns, waits, plan, res, crcs):
+        out = real(ctx, fd, count, offset, stride, align, merge, gap, max_read, ids, slots, table, flat, p_off,
+                   p_len, targets, depth, spin_ns, waits, plan, res, crcs)
+        calls.append((out, table is not None))
+        if not spoil[0] or not out[2]:
+            return out
+        ctypes.memset(flat.ctypes.data, 0, int(out[1]))  # every read short: staged bytes and rows wiped
+        for _, _, rows in targets:
+            rows[slots] = 0
+        return out[0], out[1], out[2], out[0], -1
+
+    monkeypatch.setattr(aio, "read_ids_kernel", counted)
+    rng = np.random.default_rng(3)
+    with FlashLoader(pack, threads=4, cost=COST, engine="aio", verify=verify) as loader:
+        n = loader.entry(0).count
+        for trial in range(6):
+            ids = rng.choice(n, size=int(rng.integers(1, n)), replace=False)
+            slots = rng.choice(n, size=len(ids), replace=False)
+            monkeypatch.setattr(aio, "read_staged_kernel", None)  # `read` below: not the kernel under test
+            want_rows = loader.alloc(0, n)
+            want = loader.read(0, ids, want_rows, slots)
+            if not want.direct:
+                pytest.skip("filesystem refuses O_DIRECT")
+            monkeypatch.setattr(aio.AioContext, "read_all", lambda *a, **k: pytest.fail("not one kernel call"))
+            monkeypatch.setattr(aio.AioContext, "read", lambda *a, **k: pytest.fail("not one kernel call"))
+            got_rows = loader.alloc(0, n)
+            got = loader.read_at_once(0, ids, got_rows, slots)
+            monkeypatch.undo()
+            monkeypatch.setattr(aio, "read_ids_kernel", counted)
+            assert got is not None and calls[-1][1] == verify
+            check_rows(pack, loader, 0, ids, got_rows, slots)
+            assert (got.bundles, got.reads, got.bytes_read, got.bytes_useful, got.read_sizes, got.direct) == \
+                (want.bundles, want.reads, want.bytes_read, want.bytes_useful, want.read_sizes, want.direct)
+        ids = np.arange(0, n, 2)
+        untouched = loader.alloc(1, n)
+        assert loader.read_at_once(1, ids, untouched, max_bytes=4096 * 2) is None
+        assert not any(np.asarray(a).any() for a in untouched.values())  # nothing read
+        spoil[0] = True
+        rows = loader.alloc(1, n)
+        assert loader.read_at_once(1, ids, rows) is not None  # short: redone by `read`
+        check_rows(pack, loader, 1, ids, rows, list(range(len(ids))))
+    with FlashLoader(pack, threads=4, cost=COST, engine="threads") as loader:
+        assert loader.read_at_once(0, [1, 2], loader.alloc(0, 2)) is None
+
+
+@pytest.mark.skipif(aio.read_ids_kernel is None, reason="the kernels' aio_read_ids (mlx_flash._ext, Linux)")
+def test_read_at_once_refuses_bad_ids_and_corrupt_bundles_like_read(make_pack):
+    """A bundle whose bytes fail their crc32, an id outside the layer, a repeated id: read_at_once
+    raises what `read` raises (naming the file); a layout `read` lands zero copy is left to it."""
+    pack = make_pack(dtype="float16")
+    entry = read_manifest(pack)["bundles"][0]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 7 * entry["stride"] + 11] ^= 0x40
+    path.write_bytes(bytes(data))
+    with FlashLoader(pack, threads=2, cost=COST, engine="aio") as loader:
+        dest = loader.alloc(0, 4)
+        if loader.read_at_once(0, [5, 6, 8], dest) is None:
+            pytest.skip("filesystem refuses O_DIRECT")
+        with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
+            loader.read_at_once(0, [6, 7, 8], dest)
+        with pytest.raises(FlashError, match=r"layer_000\.bin: bundle id out of range"):
+            loader.read_at_once(0, [6, entry["count"]], dest)
+        with pytest.raises(FlashError, match=r"layer_000\.bin: duplicate bundle ids"):
+            loader.read_at_once(0, [6, 2, 6], dest)
+    aligned = make_pack("aligned", dtype="float32", hidden=1024, intermediate=16, layers=1, vocab=16)
+    with FlashLoader(aligned, threads=2, cost=COST) as loader:
+        assert loader.read_at_once(0, [1, 2], loader.alloc_raw(0, 2)) is None
+
+
 @pytest.mark.skipif(aio.read_loop_kernel is None, reason="the kernels' AIO loop (mlx_flash._ext, Linux)")
 def test_only_the_main_thread_spins_in_its_aio_waits(make_pack, monkeypatch):
     """The calling thread's AIO context spins before it sleeps (aio.spin_ns); a reader thread's

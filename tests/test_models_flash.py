@@ -73,8 +73,16 @@ def test_flash_overflow_past_the_cache_stays_exact_up_to_rounding(tiny_llama, tm
         for cache in rt.caches.values():
             cache.max_read_bytes = rt.max_read_bytes
         rt.loader._local.staging = None
-    calls, read_many = [], rt.loader.read_many
+    calls, read_many, read_at_once = [], rt.loader.read_many, rt.loader.read_at_once
     rt.loader.read_many = lambda requests: calls.append(len(requests)) or read_many(requests)
+
+    def at_once(*args):  # one request when taken
+        stats = read_at_once(*args)
+        if stats is not None:
+            calls.append(1)
+        return stats
+
+    rt.loader.read_at_once = at_once
     got = run_steps(model)
     for x, y in zip(got, dense):  # float32, sums split in parts: rounding only
         assert mx.allclose(x, y, atol=1e-4, rtol=1e-4).item()
@@ -360,9 +368,14 @@ def test_lookahead_reads_the_next_layers_neurons_and_keeps_the_logits(tiny_llama
 
 def _count_neurons_read(runtime) -> list:
     """[neurons read so far] through `runtime`'s loader (every read goes through read_many, or
-    start_read when native AIO takes it)."""
+    start_read / read_at_once when native AIO takes it)."""
     count, loader = [0], runtime.loader
-    read_many, start_read = loader.read_many, loader.start_read
+    read_many, start_read, read_at_once = loader.read_many, loader.start_read, loader.read_at_once
+
+    def counted_at_once(layer, ids, *args):
+        stats = read_at_once(layer, ids, *args)
+        count[0] += len(ids) if stats is not None else 0  # else read_many reads them
+        return stats
 
     def counted(requests):
         count[0] += sum(len(ids) for _, ids, _, _ in requests)
@@ -373,7 +386,7 @@ def _count_neurons_read(runtime) -> list:
         count[0] += len(ids) if "job" in started else 0  # else read_many read it
         return started
 
-    loader.read_many, loader.start_read = counted, counted_start
+    loader.read_many, loader.start_read, loader.read_at_once = counted, counted_start, counted_at_once
     return count
 
 

@@ -590,6 +590,44 @@ def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_l
     assert_identical(got, run_steps(build_flash_model(pack, FlashConfig("flash", window=1))))
 
 
+@pytest.mark.parametrize("rows,want", [(6, "streaming buffer"), (N, "fill")])
+def test_decode_reads_go_to_their_rows_in_one_kernel_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch, rows,
+                                                                      want):
+    """A layer's reads of a call (cache fill only, overflow only, or both: the fill read beside the
+    overflow, then copied into its cache rows) are one FlashLoader.read_at_once call when it takes
+    them: every cached row holds its bundle and the logits are those of the planned path
+    (read_at_once not taken), bit for bit."""
+    from mlx_flash.io import FlashLoader, host_bytes
+    from mlx_flash.pack import read_layer_components
+
+    src = tiny_llama("src", layers=2, intermediate=N, dtype="float16")
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+    layers = {i: {"kind": "gate-threshold", "n_neurons": N, "rank": 0, "threshold": 0.02,
+                  "prob_threshold": 0.5, "stats": {}, "capacity": [rows] * 4} for i in range(2)}
+    save_predictors(pack, {"activation": "silu"}, layers, {})
+    real, taken = FlashLoader.read_at_once, []
+
+    def counted(self, layer, ids, dest, slots=None, max_bytes=None):
+        stats = real(self, layer, ids, dest, slots, max_bytes)
+        if stats is not None:
+            taken.append("fill" if dest is model.flash_runtime.caches[layer].rows else "streaming buffer")
+        return stats
+
+    monkeypatch.setattr(FlashLoader, "read_at_once", counted)
+    model = build_flash_model(pack, FlashConfig("flash", window=1))
+    monkeypatch.setattr(model.flash_runtime.loader, "read_many", lambda *a: pytest.fail("read_many ran"))
+    got = run_steps(model)
+    if not taken:
+        pytest.skip("filesystem refuses O_DIRECT (read_at_once takes direct reads only)")
+    # small caches: fills read beside an overflow, then copied in; caches of every row: fills alone
+    assert want in taken and (model.flash_runtime.fill_copied > 0) == (want == "streaming buffer")
+    for layer, cache in model.flash_runtime.caches.items():  # every cached row holds its bundle
+        rows = read_layer_components(pack, read_manifest(pack).bundles[layer])
+        cache.check({name: host_bytes(a).reshape(N, -1) for name, a in rows.items() if name in cache.rows})
+    monkeypatch.setattr(FlashLoader, "read_at_once", lambda *a, **k: None)
+    assert_identical(got, run_steps(build_flash_model(pack, FlashConfig("flash", window=1))))
+
+
 def test_a_joint_plan_over_the_staging_limit_by_its_gaps_is_still_one_call_bit_for_bit(tiny_llama, tmp_path,
                                                                                         monkeypatch):
     """When the joint fill + overflow plan stages more than the limit only through the gaps its

@@ -1,5 +1,6 @@
 """Neuron cache (paper section 3.3) under random activation sequences, on a real tiny pack."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -44,6 +45,8 @@ def test_invariants_under_random_activations(loader, capacity, window, p_active)
         upd = cache.update(active, step, window)
         cache.check(bundles)  # no duplicates, pointers match rows, num_used <= capacity, contents
         assert cache.num_used <= capacity
+        live = cache.live_ids()  # the int32 ids the FFN kernels take, one array rewritten in place
+        assert live.dtype == mx.int32 and live.tolist() == cache.ids[: cache.num_used].tolist()
         # every needed neuron is either cached now or returned as overflow, never both
         cached = set(cache.ids[: cache.num_used].tolist())
         over = set(upd.overflow.tolist())

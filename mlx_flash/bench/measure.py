@@ -44,9 +44,13 @@ class LoggedReads:
             s = self._unbundled.read_many(
                 [(lid, bundle_ids, {c.name: dest[c.name] for c in self._unbundled.entry(lid).components},
                   slots) for lid in self._layer_map[layer]])
+        self._log_call(layer, bundle_ids, dest, s)
+        return s
+
+    def _log_call(self, layer, bundle_ids, dest, s):
+        """One log row for a call that read `bundle_ids` of `layer` into `dest` (its ReadStats s)."""
         self.log.append((len(self._stats.steps) - 1, layer, len(bundle_ids), s.bytes_read, s.bytes_useful,
                          s.reads, s.seconds, id(dest) in self._cache_dests, self._pack_bytes(layer, bundle_ids)))
-        return s
 
     def read_many(self, requests):
         """FlashLoader.read_many, one log row per request (its plan's reads and bytes; the call's
@@ -67,12 +71,20 @@ class LoggedReads:
                              self._pack_bytes(layer, plan.ids)))
         return s
 
+    def read_at_once(self, layer, ids, dest, slots=None, max_bytes=None):
+        """FlashLoader.read_at_once, logged as `read` logs a call (None: not taken, nothing logged;
+        unbundled copies: never taken, their reads go through `read`)."""
+        if self._unbundled is not None:
+            return None
+        s = self._loader.read_at_once(layer, ids, dest, slots, max_bytes)
+        if s is not None:
+            self._log_call(layer, ids, dest, s)
+        return s
+
     def read_encoded(self, layer, out=None):
         """FlashLoader.read_encoded (a whole ENDOR layer as stored, for the decode-matvec kernels), logged."""
         words, offsets, s = self._loader.read_encoded(layer, out)
-        ids = np.arange(self._loader.entry(layer).count)
-        self.log.append((len(self._stats.steps) - 1, layer, len(ids), s.bytes_read, s.bytes_useful,
-                         s.reads, s.seconds, False, self._pack_bytes(layer, ids)))
+        self._log_call(layer, np.arange(self._loader.entry(layer).count), None, s)
         return words, offsets, s
 
     def _pack_bytes(self, layer, ids) -> int:

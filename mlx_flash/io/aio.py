@@ -69,6 +69,9 @@ read_loop_kernel = _read_loop_kernel()
 # the kernels' aio_read_staged (a small staged call: reads, crc32 checks and copy out in one call)
 read_staged_kernel = getattr(importlib.import_module("mlx_flash._ext"), "aio_read_staged", None) \
     if read_loop_kernel is not None else None
+# the kernels' aio_read_ids (a decode call from bundle ids to rows: plan, reads, checks, copy out)
+read_ids_kernel = getattr(importlib.import_module("mlx_flash._ext"), "aio_read_ids", None) \
+    if read_loop_kernel is not None else None
 
 
 def available() -> bool:
@@ -214,6 +217,22 @@ class AioContext:
         if status < 0:
             raise OSError(-status, "io_submit / io_getevents failed")
         return status, bad, res, crcs
+
+    def read_ids(self, fd, layout, rule, ids, slots, table, flat, pieces, targets, plan):
+        """A decode call from bundle ids to rows in one kernel call (GIL released; kernels/aio_read.h,
+        aio_read_ids): bundles `ids` of a plain layer (layout: (count, offset, stride) bytes of
+        fd) planned by rule (align, merge, merge gap, max read) into plan (int64 [8, len(ids)],
+        plan_strided_reads' rows), staged in flat, checked against table[ids] (None: no check) and
+        copied to rows `slots` of `targets` (read_staged's). Returns (reads: < 0 for a bad id,
+        staged bytes, fits: False when flat is too small (nothing read then), reads that did not
+        land whole (0: done), first bundle whose crc32 differs or -1, each read's result)."""
+        res, crcs = np.empty(len(ids), np.int64), np.empty(len(ids), np.uint32)
+        reads, staged, fits, status, bad = read_ids_kernel(
+            self._ctx.value, fd, *layout, *rule, ids, slots, table, flat, pieces[0], pieces[1], targets,
+            self.depth, self.spin_ns, self.waits, plan, res, crcs)
+        if status < 0:
+            raise OSError(-status, "io_submit / io_getevents failed")
+        return reads, staged, fits, status, bad, res
 
     def submit(self, fds, offsets, sizes, addresses, vectored=None) -> "Pending":
         """Submit reads (the arguments of `read`) and return without waiting for them: up to

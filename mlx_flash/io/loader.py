@@ -130,6 +130,21 @@ def _members_of(job, reads) -> np.ndarray:
     return np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
 
 
+def _per_dest(store: dict, key, dest, make):
+    """make()'s result for (key, destination `dest`: a dict of arrays or one array), kept in `store`
+    (at most 1024 entries, each holding its arrays so that their ids stay unique)."""
+    arrays = tuple(dest.values()) if isinstance(dest, dict) else (dest,)
+    full = (key, tuple(map(id, arrays)))
+    hit = store.get(full)
+    if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
+        return hit[1]
+    result = make()
+    if len(store) >= 1024:
+        store.pop(next(iter(store)))
+    store[full] = (arrays, result)
+    return result
+
+
 @dataclass
 class ReadStats:
     """What one `read` call did. Bytes are file bytes; seconds is wall time of the call."""
@@ -256,6 +271,7 @@ class FlashLoader:
         self._started = {}  # start_read key -> {"ctx": its AioContext, "staging": its buffer}
         self._finish_pool = None
         self._target_cache = {}
+        self._at_once_cache = {}
         self._layout_cache = {}
         self._pieces_cache = {}
         if engine not in ("auto", "threads", "aio"):
@@ -316,6 +332,73 @@ class FlashLoader:
         array from `alloc_raw` (whole bundles). On FlashError the destination rows are undefined.
         """
         return self.read_many([(layer, ids, dest, slots)])
+
+    def read_at_once(self, layer, ids, dest, slots=None, max_bytes=None) -> ReadStats | None:
+        """`read(layer, ids, dest, slots)` of a decode-sized call in one kernel call: planned, read,
+        checked and copied out by aio_read_ids (kernels/aio_read.h), no Python per step of it; or
+        None, nothing read, when the call cannot go that way: no such kernel, not native-AIO
+        direct reads of a plain layer that `read` would stage, or reads that stage more than
+        `max_bytes` (and STAGED_BATCH, the most `read` stages in one kernel call). `ids`: bundle
+        ids in any order, unique; `slots`: their rows (default 0..). A call whose reads do not all
+        land whole, or whose bytes fail their crc32, is redone (or refused) by `read` itself."""
+        t0 = time.perf_counter()
+        fast = self._at_once(layer, dest)
+        if fast is None:
+            return None
+        fd, layout, rule, pieces, targets, table, useful = fast
+        ids = np.ascontiguousarray(ids, np.int64)
+        slots = np.arange(len(ids), dtype=np.int64) if slots is None else np.ascontiguousarray(slots, np.int64)
+        limit = STAGED_BATCH if max_bytes is None else min(int(max_bytes), STAGED_BATCH)
+        plan = np.empty((8, len(ids)), np.int64)
+        ctx = self._aio_context()
+        flat = np.frombuffer(self._staging(1), np.uint8)[:limit]  # a larger buffer stages no more
+        reads, staged, fits, short, bad, _ = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
+                                                          targets, plan)
+        if reads >= 0 and not fits:
+            if staged > limit:
+                return None
+            flat = np.frombuffer(self._staging(staged), np.uint8)[:limit]
+            reads, staged, fits, short, bad, _ = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
+                                                              targets, plan)
+        if reads < 0 or short or bad >= 0:  # a bad id, short reads, a checksum: `read` says or redoes it
+            stats = self.read(layer, ids, dest, slots)
+            stats.seconds = time.perf_counter() - t0
+            return stats
+        sizes = plan[5, :reads] - plan[4, :reads]
+        stats = ReadStats(bundles=len(ids), reads=reads, bytes_useful=len(ids) * useful, bytes_read=staged,
+                          bounced_reads=reads, direct=True, read_sizes=dict(Counter(sizes.tolist())))
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _at_once(self, layer, dest):
+        """What read_at_once passes the kernel for reads of `layer` into `dest` (fd, (count,
+        offset, stride), (align, merge, merge gap, max read), crc32 pieces, targets, crc32 table
+        or None, useful bytes per bundle), or None when such reads cannot go that way; kept per
+        destination (a runtime reads into the same arrays every token)."""
+        return _per_dest(self._at_once_cache, layer, dest, lambda: self._make_at_once(layer, dest))
+
+    def _make_at_once(self, layer, dest):
+        if (aio.read_ids_kernel is None or self.engine == "threads" or type(self.files) is not FileLayer
+                or not aio.available()):
+            return None
+        entry = self.entry(layer)
+        if entry.encoding == "endor":
+            return None
+        f = self._file(layer, entry)
+        if not f.direct:
+            return None
+        targets, _, _ = self._targets(entry, dest)
+        pieces, tight, aligned = self._layout(entry, f, targets)
+        if aligned:  # `read` may land these straight in their rows: keep its choice
+            return None
+        if self.verify and f.crc is None:
+            with f.lock:
+                if f.crc is None:
+                    f.crc = read_checksum_table(f.path, entry)
+        merge = self.merge_reads and self.cost is not None
+        rule = (self.alignment, merge, self.cost.merge_gap_for(int(entry.stride)) if merge else 0, self.max_read)
+        return (f.fd, (entry.count, entry.offset, entry.stride), rule, self._pieces_of(tight, pieces), targets,
+                f.crc if self.verify else None, sum(n for _, n in pieces))
 
     def read_many(self, requests) -> ReadStats:
         """Several `read`s, [(layer, ids, dest, slots or None)], issued together.
@@ -469,13 +552,7 @@ class FlashLoader:
         this thread does that work itself as reads land: nothing waits for a submission any
         more, and a hand-over to another thread costs a wake-up (milliseconds on a loaded
         machine) per call."""
-        ctx = getattr(self._local, "aio", None)
-        if ctx is None:
-            ctx = self._local.aio = aio.AioContext(self.threads)
-            if threading.current_thread() is not threading.main_thread():
-                ctx.spin_ns = 0  # background readers (prefetch, expert preload): a spin takes the core from compute
-            with self._lock:
-                self._aio_contexts.append(ctx)
+        ctx = self._aio_context()
         read_bytes = sum(int(j.r1.sum() - j.r0.sum()) for j in jobs)
         if read_bytes <= STAGED_BATCH and aio.read_loop_kernel is not None:
             if len(jobs) == 1 and aio.read_staged_kernel is not None and not jobs[0].zero_copy \
@@ -532,6 +609,17 @@ class FlashLoader:
             if e is not None:
                 raise e
 
+    def _aio_context(self):
+        """The calling thread's AIO context (made on first use)."""
+        ctx = getattr(self._local, "aio", None)
+        if ctx is None:
+            ctx = self._local.aio = aio.AioContext(self.threads)
+            if threading.current_thread() is not threading.main_thread():
+                ctx.spin_ns = 0  # background readers (prefetch, expert preload): a spin takes the core from compute
+            with self._lock:
+                self._aio_contexts.append(ctx)
+        return ctx
+
     def _read_aio_at_once(self, ctx, jobs, staging, flat):
         """A small call's reads (at most STAGED_BATCH bytes, e.g. a decode token's reads of one
         layer), all of `jobs` at once: submitted and reaped by the kernels' loop in one call with
@@ -564,10 +652,14 @@ class FlashLoader:
     def _crc_pieces(self, job):
         """(offsets, lengths) int64 arrays of the byte ranges of a bundle its crc32 covers: the
         packed components as one range, else each component (kept per layout)."""
-        key = (job.tight, tuple(job.pieces))
+        return self._pieces_of(job.tight, job.pieces)
+
+    def _pieces_of(self, tight, pieces):
+        """_crc_pieces of a layout: (tight, pieces) as `_layout` gives them."""
+        key = (tight, tuple(pieces))
         got = self._pieces_cache.get(key)
         if got is None:
-            pieces = [(0, job.tight)] if job.tight else job.pieces
+            pieces = [(0, tight)] if tight else pieces
             got = self._pieces_cache[key] = (np.array([o for o, _ in pieces], np.int64),
                                               np.array([k for _, k in pieces], np.int64))
         return got
@@ -857,16 +949,7 @@ class FlashLoader:
         """([(offset in bundle, length, uint8 matrix [rows, length])], rows, is raw).
 
         Cached per destination: a runtime reads into the same cache arrays every token."""
-        arrays = tuple(dest.values()) if isinstance(dest, dict) else (dest,)
-        key = (entry.file, tuple(map(id, arrays)))
-        hit = self._target_cache.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
-            return hit[1]
-        result = self._make_targets(entry, dest)
-        if len(self._target_cache) >= 1024:
-            self._target_cache.pop(next(iter(self._target_cache)))
-        self._target_cache[key] = (arrays, result)  # holds the arrays: ids stay unique
-        return result
+        return _per_dest(self._target_cache, entry.file, dest, lambda: self._make_targets(entry, dest))
 
     def _make_targets(self, entry, dest):
         if isinstance(dest, dict):
@@ -1055,6 +1138,7 @@ class FlashLoader:
             ctx.close()
         self._aio_contexts = []
         self._target_cache.clear()
+        self._at_once_cache.clear()
         self._layout_cache.clear()
         for f in self._open_files.values():
             self.files.close(f.fd)

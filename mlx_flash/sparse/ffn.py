@@ -728,6 +728,9 @@ class FlashFFN(nn.Module):
         (upd.fill_slots) before anything computes with them. Else it is two plans, the fill read
         straight into its rows beside the first overflow piece, when the fill is one piece and both
         stage no more than the streaming buffer's bytes; else each is a call of its own."""
+        at_once = self._read_at_once(cache, upd, step)
+        if at_once is not None:
+            return at_once
         rt, over = self._rt, upd.overflow
         fill = upd.fill if upd.fill is not None else over[:0]
         buf = rt.stream_rows(self.layer) if len(over) else None
@@ -759,6 +762,35 @@ class FlashFFN(nn.Module):
             # the fill's neurons are counted by the cache update (upd.loaded)
             _count_read(step, stats, time.perf_counter() - t0, len(pieces[0]) if buf is not None else 0)
         return pieces, buf
+
+    def _read_at_once(self, cache, upd, step):
+        """_read_fill_and_overflow's reads in one loader call taken by FlashLoader.read_at_once
+        (a decode token's, mostly), or None, nothing read, when it does not take them: the fill
+        straight into its cache rows, the overflow into streaming-buffer rows 0.., or both there
+        (the fill after the overflow, then copied into its cache rows) when their rows fit."""
+        rt, over = self._rt, upd.overflow
+        fill = upd.fill if upd.fill is not None else over[:0]
+        if not len(over):
+            if not len(fill):
+                return [], None
+            stats = rt.loader.read_at_once(self.layer, fill, cache.rows, upd.fill_slots, cache.max_read_bytes)
+            if stats is None:
+                return None
+            _count_read(step, stats, stats.seconds, 0)  # the fill's neurons are counted by the update
+            return [], None
+        buf = rt.stream_rows(self.layer)
+        if len(over) + len(fill) > next(iter(buf.values())).shape[0]:
+            return None
+        limits = [m for m in (rt.max_read_bytes, cache.max_read_bytes if len(fill) else None) if m is not None]
+        stats = rt.loader.read_at_once(self.layer, np.concatenate([over, fill]) if len(fill) else over, buf, None,
+                                       min(limits) if limits else None)
+        if stats is None:
+            return None
+        if len(fill):
+            cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
+            rt.fill_copied += len(fill)
+        _count_read(step, stats, stats.seconds, len(over))
+        return [over], buf
 
     def _sparse(self, x, step):
         predictor, c = self._rt.predictors[self.layer], self._current
@@ -802,7 +834,7 @@ class FlashFFN(nn.Module):
         if ahead is not None:  # after this layer's own reads: they have the device first
             rt.start_ahead(self.layer, ahead)
         by_id = self._current.resident_gate is not None  # rows take the resident gate at their neuron ids
-        sets = [(cache.rows, cache.num_used, _row_ids(cache.ids[: cache.num_used]) if by_id else None)]
+        sets = [(cache.rows, cache.num_used, cache.live_ids() if by_id else None)]
         if ahead_n:
             sets.append((looked[1], ahead_n, _row_ids(looked[0][:ahead_n]) if by_id else None))
         y = None

@@ -14,6 +14,7 @@ lookahead's buffer). The projections then run on `[:num_used]` of each matrix.
 import time
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 from ..cpu.ops import extension
@@ -139,6 +140,17 @@ class NeuronCache:
         self.rows_moved = 0  # lifetime counters: every row write is one of these two
         self.rows_loaded = 0
         self.update_kernel = cache_update_kernel()  # None: numpy (the reference the kernel is tested on)
+        # the live rows' neuron ids as int32 for the FFN kernels (live_ids), rewritten in place
+        self._ids32 = mx.zeros((max(self.capacity, 1),), mx.int32)
+        self._ids32_host = host_bytes(self._ids32).view(np.int32)
+
+    def live_ids(self):
+        """mx int32 [num_used]: the neuron id of each live row, written into an array this cache
+        keeps (no new MLX array per token from numpy): like the rows, its contents change at the
+        next update, so whatever reads it is evaluated before then."""
+        n = self.num_used
+        self._ids32_host[:n] = self.ids[:n]
+        return self._ids32[:n]
 
     @property
     def row_bytes(self) -> int:
