@@ -18,7 +18,8 @@ normalised attention output), then per layer:
         the balanced loss (positives and negatives weighted equally);
       "quant-gate": as low-rank-gate, the estimate a --gate-bits quantized copy of the gate;
       "quant-glu" (product-threshold default): |act(g) * u| > cut, g and u --gate-bits copies
-        of the gate and up, the cut set for --recall likewise;
+        of the gate and up (g the model's own gate x on a pack with a resident gate, convert
+        --gate-bits), the cut set for --recall likewise;
       "gate-threshold" (resident gate, exact), "exact-relu" (resident up, exact), "all" (off);
   * stats on the held-out 10% like the paper's appendix B: fraction of neurons active in the
     thresholded model, predicted, both; recall = both / active; over-prediction = predicted / active;
@@ -53,7 +54,7 @@ def build_parser():
                              "the gate, which streams with the bundle), low-rank (default otherwise: "
                              "the paper's classifier), quant-gate (a --gate-bits copy of the gate "
                              "estimates it), quant-glu (product-threshold models' default: copies of "
-                             "the gate and up), gate-threshold (resident gate, exact), "
+                             "the gate and up; of up alone beside a resident gate), gate-threshold (resident gate, exact), "
                              "exact-relu (ReLU models, resident up, exact), all (sparsity off)")
     parser.add_argument("--target-sparsity", type=float, default=None,
                         help="gated models: fraction of |act(gate x)| thresholded to zero "

@@ -166,6 +166,52 @@ def test_product_model_calibrates_with_its_own_thresholds_and_flash_computes_it(
         assert np.corrcoef(got.ravel(), dense.ravel())[0, 1] > 0.9
 
 
+def test_quant_glu_on_a_resident_gate_pack_copies_up_alone_and_shares_the_gate(tiny_llama, tmp_path, monkeypatch):
+    """A product-threshold pack converted with --gate-bits 4: quant-glu stores a quantized copy of
+    up alone and takes the model's resident gate (exact: the one the rows use), counted once; in
+    flash mode each sparse layer computes its mask from the gate matvec its rows take (one per
+    layer), and the logits stay those of the dense pack within the calibrated recall."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash.calibration.quality import load_mode
+    import mlx.core as mx
+
+    from mlx_flash.paths import load_safetensors
+    from mlx_flash.sparse.predictor import LayerPredictor, load_predictors
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, PRODUCT_THRESHOLDS, name="product-g4", act="product",
+                          dtype="float16", gate_bits=4)
+    texts = [write_text(tmp_path / f"t{i}.txt", n_words=300, seed=i) for i in range(2)]
+    assert calibrate_cli.main(["--model", str(pack), "--text", *map(str, texts), "--quiet", "--gate-bits", "8"]) == 0
+    doc = read_predictors_json(pack)
+    layers = [doc["layers"][str(i)] for i in range(2)]
+    assert [e["kind"] for e in layers] == ["quant-glu"] * 2
+    assert all(e["stats"]["recall"] >= 0.95 for e in layers), layers
+    stored = load_safetensors(pack / "predictors.safetensors")
+    assert sorted({k.split(".", 2)[2] for k in stored}) == ["up.biases", "up.scales", "up.weight"]
+    predictors = load_predictors(pack)
+    for i, p in predictors.items():
+        assert p.resident_gate and p.nbytes == sum(v.nbytes for k, v in stored.items() if k.startswith(f"layers.{i}."))
+    ids = [5, 17, 99, 3, 42, 7, 61]
+    dense = decode_logits(load_mode(pack, "dense")[0], ids)
+    real, shared = LayerPredictor.mask_from_gate, []
+
+    def recorded(self, g, x=None):
+        shared.append(x is not None)
+        return real(self, g, x)
+
+    monkeypatch.setattr(LayerPredictor, "mask_from_gate", recorded)
+    flash, _ = load_mode(pack, "flash", all_sparse=True)
+    rt = flash.flash_runtime
+    for i, p in rt.predictors.items():  # its gate: the model's own resident arrays
+        assert p._t["gate.weight"] is rt.currents[i].resident_gate["weight"]
+        x = mx.random.normal((3, p._t["up.weight"].shape[1] * 32 // 8), key=mx.random.key(i)).astype(mx.float16)
+        assert mx.array_equal(real(p, rt.currents[i].full_gate(x), x), p(x)).item()
+    got = decode_logits(flash, ids)
+    assert shared and all(shared) and len(shared) == 2 * len(flash.flash_stats.steps)
+    assert max(step.neurons_needed for step in flash.flash_stats.steps) < 0.95 * 2 * 96
+    np.testing.assert_allclose(got, dense, rtol=5e-2, atol=5e-2)
+
+
 def test_quant_glu_is_refused_for_a_model_thresholding_its_gate(tiny_llama, tmp_path, capsys):
     pack, texts = cats_pack(tiny_llama, tmp_path)
     with pytest.raises(SystemExit) as e:

@@ -38,9 +38,10 @@ from tqdm import tqdm
 from ..config import FlashConfig
 from ..errors import FlashError
 from ..io import FlashLoader
+from ..pack import layer_bundles
 from ..sparse.budget import measured_cache_read_seconds, measured_read_seconds
-from ..sparse.predictor import (COPIES, GATE_MASKS, KINDS, LOW_RANK, SCORED, LayerPredictor, read_predictors_json,
-                                save_predictors)
+from ..sparse.predictor import (COPIES, GATE_MASKS, KINDS, LOW_RANK, SCORED, LayerPredictor, copied_roles,
+                                read_predictors_json, save_predictors)
 from .dense_pass import MAX_WINDOW, CalibrationData, collect_inputs
 
 CAPACITY_PERCENTILE = 99
@@ -212,13 +213,15 @@ def recall_cut(score: np.ndarray, active: np.ndarray, recall: float) -> float:
 
 
 def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None, prob_threshold=0.5,
-                    cut=0.0, quantization=None):
+                    cut=0.0, quantization=None, resident_gate=False):
     """The LayerPredictor the runtime will build for this layer, on the in-memory weights.
 
     Low-rank factors are rounded to float16, as predictors.safetensors stores them, so calibration
-    measures exactly the predictor that is saved.
+    measures exactly the predictor that is saved. resident_gate: the pack holds the gate resident
+    (convert --gate-bits): quant-glu takes it (ffn.gate) beside its up copy, as the runtime does.
     """
-    tensors, quant = {}, None
+    tensors, quant, gate_quant = {}, None, None
+    shares = kind in COPIES and "gate" not in copied_roles(kind, resident_gate)
     if kind == "exact-relu":
         tensors, quant = _resident_rows(ffn.up, "up")
     elif kind == "gate-threshold":
@@ -226,11 +229,15 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
     elif kind in LOW_RANK:
         tensors = {k: v.astype(mx.float16) for k, v in factors.items()}
     elif kind in COPIES:
-        tensors, quant = factors, quantization
+        tensors, quant = dict(factors), quantization
+        if shares:
+            gate, gate_quant = _resident_rows(ffn.gate, "gate")
+            tensors.update(gate)
     return LayerPredictor(layer, kind, n_neurons, threshold=threshold, prob_threshold=prob_threshold,
                           cut=cut,
                           rank=int(factors["A"].shape[0]) if kind in LOW_RANK else 0,
-                          activation=ffn.activation, tensors=tensors, quantization=quant)
+                          activation=ffn.activation, tensors=tensors, quantization=quant,
+                          resident_gate=shares, gate_quantization=gate_quant if shares else "copies")
 
 
 def predict_masks(predictor, x: np.ndarray, dtype, batch=2048) -> np.ndarray:
@@ -312,10 +319,11 @@ def check_kind(kind: str, gated: bool, activation: str):
 
 def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, target_sparsity,
                     rank, prob_threshold, epochs, max_window, seed, recall=DEFAULTS["recall"],
-                    loader=None, gate_bits=DEFAULTS["gate_bits"]):
+                    loader=None, gate_bits=DEFAULTS["gate_bits"], resident_gate=False):
     """(predictors.json entry, low-rank factors or None) for one layer; x = its FFN inputs.
     loader: the pack's FlashLoader; with it stats.read_s holds what the held-out predictions
-    read per token (sparse.budget.measured_read_seconds), for the memory plan."""
+    read per token (sparse.budget.measured_read_seconds), for the memory plan. resident_gate:
+    the pack holds this layer's gate resident (quant-glu then copies up alone)."""
     abs_act = layer_activations(ffn, x, dtype)
     n = abs_act.shape[1]
     threshold = layer_threshold(ffn, abs_act[:n_train], target_sparsity)
@@ -326,17 +334,19 @@ def calibrate_layer(layer, ffn, x: np.ndarray, dtype, n_train: int, *, kind, tar
         factors = train_low_rank(x[:n_train], active[:n_train], rank, epochs=epochs, seed=seed + layer)
     elif kind in SCORED:
         if kind in COPIES:
-            factors = quantized_copy(ffn, gate_bits, roles=COPIES[kind])
+            factors = quantized_copy(ffn, gate_bits, roles=copied_roles(kind, resident_gate))
             quant = {"bits": gate_bits, "group_size": GATE_GROUP_SIZE}
         else:
             factors = fit_low_rank_gate(ffn, x[:n_train], rank)
-        approx = layer_predictor(layer, kind, ffn, n, factors=factors, quantization=quant)
+        approx = layer_predictor(layer, kind, ffn, n, factors=factors, quantization=quant,
+                                 resident_gate=resident_gate)
         score = np.concatenate([np.array(approx.gate_score(mx.array(x[s: min(s + 2048, n_train)])))
                                 for s in range(0, n_train, 2048)])
         cut = recall_cut(score, active[:n_train], recall)
         del score
     pred = layer_predictor(layer, kind, ffn, n, threshold=threshold, factors=factors,
-                           prob_threshold=prob_threshold, cut=cut, quantization=quant)
+                           prob_threshold=prob_threshold, cut=cut, quantization=quant,
+                           resident_gate=resident_gate)
     predicted = predict_masks(pred, x[n_train:], dtype)
     stats = prediction_stats(active[n_train:], predicted)
     stats["train_active"] = float(active[:n_train].mean())
@@ -430,10 +440,12 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
         + (f", threshold {st['prob_threshold']:g}" if kind == "low-rank" else "")
         + (f", recall {st['recall']:g}" if kind in SCORED else "")
         + (f", {st['gate_bits']}-bit gate" if kind == "quant-gate" else "")
-        + (f", {st['gate_bits']}-bit gate and up" if kind == "quant-glu" else ""))
+        + ((f", {st['gate_bits']}-bit up, the resident gate" if all(b.resident_gate for b in data.manifest.bundles)
+            else f", {st['gate_bits']}-bit gate and up") if kind == "quant-glu" else ""))
     layers, factors = {}, {}
     t0 = time.perf_counter()
     loader = FlashLoader(out_pack or data.pack) if Path(out_pack or data.pack).is_dir() else None
+    bundles = layer_bundles(data.manifest)
     try:
         for i in tqdm(sorted(data.ffns), desc=f"{kind} predictors", unit="layer", disable=not progress):
             entry, f = calibrate_layer(i, data.ffns[i], data.xs[i], data.dtype, data.n_train, kind=kind,
@@ -441,7 +453,8 @@ def fit_predictors(data: CalibrationData, out_pack=None, *, seed=0, progress=Tru
                                        rank=st["rank_per_layer"].get(i, st["rank"]),
                                        prob_threshold=st["prob_threshold"], epochs=st["epochs"],
                                        max_window=st["max_window"], seed=seed, recall=st["recall"],
-                                       loader=loader, gate_bits=st["gate_bits"])
+                                       loader=loader, gate_bits=st["gate_bits"],
+                                       resident_gate=bool(bundles[i].resident_gate))
             layers[i] = entry
             if f is not None:
                 factors[i] = f

@@ -796,10 +796,10 @@ class FlashFFN(nn.Module):
         predictor, c = self._rt.predictors[self.layer], self._current
         if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
             c.gate_values = c.full_gate(x)  # one gate matvec for the mask and the rows' gate
-            if mask_activation_ok(predictor.activation):  # one op: predictor.mask_from_gate, any over tokens
-                mask = active_mask(c.gate_values, predictor.activation, predictor.threshold)
-            else:
-                mask = predictor.mask_from_gate(c.gate_values).reshape(-1, self._n).any(axis=0)
+            if predictor.kind == "gate-threshold" and mask_activation_ok(predictor.activation):
+                mask = active_mask(c.gate_values, predictor.activation, predictor.threshold)  # one op
+            else:  # quant-glu: |act(g) * quantized up x| > cut
+                mask = predictor.mask_from_gate(c.gate_values, x).reshape(-1, self._n).any(axis=0)
         else:
             mask = predictor(x).reshape(-1, self._n).any(axis=0)
         ahead = self._rt.ahead_mask(self.layer, x)

@@ -29,7 +29,9 @@ Predictor kinds (`LayerPredictor.kind`), for FFN input x (the normalised attenti
                       costs 4x a 4-bit copy's memory; the FFN computes with the bundle's gate)
     "quant-glu"       product-threshold models (relufy --activation product): quantized copies of
                       the gate and up, mask = |act(g) * u| > cut, the cut set per layer for a
-                      target recall (the FFN computes with the bundle's rows)
+                      target recall (the FFN computes with the bundle's rows); on a pack with a
+                      resident gate (convert --gate-bits) only up is copied and g is the model's
+                      own gate x, the one matvec the rows use too
 Gate/up rows in the bundles are read from the pack's bundle files when the predictors are loaded;
 a resident gate (convert --gate-bits) is the model's own resident tensor, which the model loader
 gives the predictor (`LayerPredictor.share_gate`): the resident tensors file is read once.
@@ -93,7 +95,7 @@ class LayerPredictor:
 
     def __init__(self, layer, kind, n_neurons, *, threshold=0.0, prob_threshold=0.5, rank=0,
                  activation="silu", stats=None, tensors=None, quantization=None, cut=0.0,
-                 resident_gate=False):
+                 resident_gate=False, gate_quantization="copies"):
         if kind not in KINDS:
             raise FlashError(f"{PREDICTORS_JSON}: layer {layer} has unknown kind {kind!r}")
         self.layer, self.kind, self.n_neurons = layer, kind, int(n_neurons)
@@ -102,21 +104,30 @@ class LayerPredictor:
         self.rank, self.activation, self.stats = int(rank), activation, dict(stats or {})
         self._t = dict(tensors or {})
         self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
+        # the gate rows' quantization: the copies' unless the gate is the model's resident one beside
+        # an up copy ("quant-glu" on a --gate-bits pack: its own, None when not quantized)
+        self._gate_q = quantization if gate_quantization == "copies" else gate_quantization
         self._act = activation_fn(activation)
         self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
         # a pack's resident gate (convert --gate-bits) is counted with the resident tensors, and the
-        # runtime gives this predictor the model's own arrays (share_gate)
+        # runtime gives this predictor the model's own arrays (share_gate); what it holds besides
+        # (quant-glu's up copy) is its own
         self.resident_gate = bool(resident_gate)
-        self.nbytes = 0 if self.resident_gate else int(sum(a.nbytes for a in self._t.values()))
+        self.nbytes = int(sum(a.nbytes for k, a in self._t.items()
+                              if not (self.resident_gate and k.startswith("gate."))))
 
     def share_gate(self, tensors: dict):
         """Use `tensors` ({"weight", "scales", "biases"[, "bias"]}: the model's resident gate) as
         this predictor's gate rows instead of its own copy."""
-        self._t = {f"gate.{k}": v for k, v in tensors.items()}
+        self._t = {k: v for k, v in self._t.items() if not k.startswith("gate.")}
+        self._t.update({f"gate.{k}": v for k, v in tensors.items()})
 
-    def mask_from_gate(self, g):
-        """"gate-threshold" mask from the gate's output g = gate x [..., n_neurons] computed
-        elsewhere (the runtime's resident gate: one matvec for both)."""
+    def mask_from_gate(self, g, x=None):
+        """The mask from the gate's output g = gate x [..., n_neurons] computed elsewhere (the
+        runtime's resident gate: one matvec for both): "gate-threshold" |act(g)| > threshold;
+        "quant-glu" |act(g) * quantized up x| > cut (x: the FFN input)."""
+        if self.kind == "quant-glu":
+            return self.gate_score(x, g) > self.cut
         return mx.abs(self._act(g)) > self.threshold
 
     def _rows(self, role, x):
@@ -125,9 +136,10 @@ class LayerPredictor:
             raise FlashError(f"layer {self.layer}: this predictor's gate is the model's resident gate; "
                              "call share_gate with it first (build_flash_model does)")
         w = self._t[f"{role}.weight"]
-        if self._q:
+        q = self._gate_q if role == "gate" else self._q
+        if q:
             y = quantized_matvec(x, w, self._t[f"{role}.scales"], self._t[f"{role}.biases"],
-                                 self._q["group_size"], self._q["bits"])
+                                 q["group_size"], q["bits"])
         else:
             y = half_matvec(x, w)  # our kernel for half weights, x @ w.T otherwise
         if f"{role}.bias" in self._t:
@@ -138,13 +150,14 @@ class LayerPredictor:
         """act(gate x) [..., n_neurons] from the resident gate ("gate-threshold" only)."""
         return self._act(self._rows("gate", x))
 
-    def gate_score(self, x):
+    def gate_score(self, x, g=None):
         """The "low-rank-gate" score, active where > cut: the gate estimate itself for ReLU-family
         activations (monotone and zero below their threshold, so the cut may lie below the
         threshold and keep neurons the estimate puts just under it), |act(estimate)| otherwise;
-        "quant-glu": |act(quantized gate x) * quantized up x|."""
+        "quant-glu": |act(quantized gate x) * quantized up x| (g: gate x when already computed)."""
         if self.kind == "quant-glu":
-            return mx.abs(self.gate_estimate(x) * self._rows("up", x).astype(mx.float32))
+            a = self.gate_estimate(x) if g is None else self._act(g.astype(mx.float32))
+            return mx.abs(a * self._rows("up", x).astype(mx.float32))
         if monotone(self.activation):
             return self.logits(x)
         return mx.abs(self.gate_estimate(x))
@@ -327,6 +340,9 @@ def load_predictors(pack_dir, manifest=None, doc=None):
     for key, entry in doc["layers"].items():
         i, kind = int(key), entry["kind"]
         tensors, quant = {}, None
+        gate = bundles[i].resident_gate
+        gate_quant = {"group_size": gate["group_size"], "bits": gate["bits"]} if gate else None
+        shares = bool(gate) and (kind == "gate-threshold" or kind in COPIES and "gate" not in copied_roles(kind, gate))
         if kind in LOW_RANK:
             names = {k: f"layers.{i}.{k}" for k in ("A", "B", "bias")}
             missing = [v for v in names.values() if v not in factors]
@@ -338,7 +354,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
                                  f"{r} and {n} neurons")
         elif kind in COPIES:
-            roles = COPIES[kind]
+            roles = copied_roles(kind, bundles[i].resident_gate)
             need = [f"{r}.{k}" for r in roles for k in QUANTIZED]
             names = {k: f"layers.{i}.{k}" for k in (*need, *(f"{r}.bias" for r in roles))}
             missing = [names[k] for k in need if names[k] not in factors]
@@ -354,8 +370,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                                      f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
         elif kind == "gate-threshold" and bundles[i].resident_gate:
             # the gate rows are the model's resident tensors: the model loader gives them (share_gate)
-            gate = bundles[i].resident_gate
-            quant = {"group_size": gate["group_size"], "bits": gate["bits"]}
+            quant = gate_quant
         elif kind in ("exact-relu", "gate-threshold"):
             role = "up" if kind == "exact-relu" else "gate"
             comps = read_layer_components(pack, bundles[i])
@@ -370,9 +385,17 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                                 rank=entry.get("rank", 0),
                                 activation=entry.get("activation", doc.get("activation", "silu")),
                                 stats=entry.get("stats"), tensors=tensors, quantization=quant,
-                                cut=entry.get("cut", 0.0),
-                                resident_gate=kind == "gate-threshold" and bool(bundles[i].resident_gate))
+                                cut=entry.get("cut", 0.0), resident_gate=shares,
+                                gate_quantization=gate_quant if shares else "copies")
     return out
+
+
+def copied_roles(kind: str, resident_gate) -> tuple:
+    """The roles a COPIES kind holds quantized copies of: quant-glu on a pack with a resident gate
+    (convert --gate-bits) holds only up, and takes the model's gate (exact, one matvec for the
+    mask and the rows)."""
+    roles = COPIES[kind]
+    return tuple(r for r in roles if r != "gate") if kind == "quant-glu" and resident_gate else roles
 
 
 def predicted_density(pack_dir, doc=None) -> dict | None:
