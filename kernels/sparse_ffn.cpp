@@ -87,8 +87,20 @@ class FlashSparseFFN : public CpuPrimitive {
     // silu(g) as MLX computes it (mx.sigmoid then the product, each rounded to the dtype), then the
     // mask on it and the product with u.
     mlx_silu(g, count, P.ydt, scratch(tl_act, size_t(2 * count)));
+    if (P.act == 3) {
+      product_rule(P, count, u, g);
+      return;
+    }
     for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(g[i]) > P.threshold ? g[i] * u[i] : 0.f;
     round_to(P.ydt, u, int(count));
+  }
+
+  // The product rule (relu_llama "product"): h = silu(g) * u rounded to the dtype, kept where |h| >
+  // threshold; a = silu(g) already applied; h into u.
+  static void product_rule(const Params& P, int64_t count, float* u, const float* a) {
+    for (int64_t i = 0; i < count; ++i) u[i] = a[i] * u[i];
+    round_to(P.ydt, u, int(count));
+    for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(u[i]) > P.threshold ? u[i] : 0.f;
   }
 
   // True when an activated gate value v (silu(g) for silu, g for relu_gated) keeps its neuron.
@@ -169,15 +181,16 @@ class FlashSparseFFN : public CpuPrimitive {
                                                            : flash::load_scalar(gate_values.ptr, gdt,
                                                                                 gate_values.offset(m * n_gate + c));
             }
-          if (P.act == 0) mlx_silu(g, int64_t(M) * n, P.ydt, scratch(tl_act, size_t(2) * M * n));
+          if (P.act == 0 || P.act == 3) mlx_silu(g, int64_t(M) * n, P.ydt, scratch(tl_act, size_t(2) * M * n));
           int32_t* rows = scratch(tl_rows, size_t(n));
           na = 0;
-          for (int i = 0; i < n; ++i)
+          for (int i = 0; P.act != 3 && i < n; ++i)  // the product rule needs u too: every row
             for (int m = 0; m < M; ++m)
               if (passes(P, g[int64_t(m) * n + i])) {
                 rows[na++] = i;
                 break;
               }
+          if (P.act == 3) na = n;
           if (na < n) active = rows;
         }
         flash::Problem ps[2];
@@ -198,6 +211,8 @@ class FlashSparseFFN : public CpuPrimitive {
         if (s.has_gate) {
           round_to(P.ydt, g, M * n);
           activate(P, M, n, u, g);
+        } else if (P.act == 3) {
+          product_rule(P, int64_t(M) * n, u, g);
         } else if (P.act != 2) {
           activate_rows(P, M, n, na, active, u, g);
         } else {
@@ -304,7 +319,8 @@ mx::array sparse_ffn(const mx::array& x, const std::vector<RowSet>& sets, const 
   mx::Stream s = cpu_stream();
   if (x.ndim() < 1) fail(op + ": x must have at least one dimension");
   check_float(x, op + ": x");
-  if (act < 0 || act > 2) fail(op + ": act must be 0 (silu), 1 (relu_gated) or 2 (relu), got " + std::to_string(act));
+  if (act < 0 || act > 3)
+    fail(op + ": act must be 0 (silu), 1 (relu_gated), 2 (relu) or 3 (product), got " + std::to_string(act));
   if (sets.empty()) fail(op + ": needs at least one row set");
   const int K = x.shape(-1);
   const mx::Dtype wdt = sets[0].up.dtype();

@@ -688,7 +688,8 @@ def _row_sets(dtype, k=64, n_gate=48, seed=0):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("act, threshold", [("silu", 0.0), ("silu", 0.3), ("relu_gated", 0.0), ("relu_gated", 0.5)])
+@pytest.mark.parametrize("act, threshold", [("silu", 0.0), ("silu", 0.3), ("relu_gated", 0.0), ("relu_gated", 0.5),
+                                            ("product", 0.0), ("product", 0.5)])
 @pytest.mark.parametrize("m", [1, 7])  # a decode token, a prompt chunk (the tile kernels)
 def test_sparse_ffn_equals_its_ops_bit_for_bit(path, dtype, act, threshold, m):
     sets, gate_values = _row_sets(dtype)

@@ -444,6 +444,35 @@ def test_cats_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llam
 
 
 @pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
+def test_product_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llama, tmp_path, monkeypatch):
+    """A float16 product-threshold pack (relufy --activation product) with a resident 4-bit gate
+    and quant-glu predictors: each layer's rows go to ops.sparse_ffn ("product": h = silu(g) u
+    where |h| > t) in one call, with the logits of the MLP's own ops, bit for bit; in dense mode too."""
+    from calibration_packs import decode_logits, tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+    from mlx_flash.sparse import ffn
+
+    pack = tiny_cats_pack(tiny_llama, tmp_path, [0.004, 0.008, 0.006, 0.005], act="product", dtype="float16",
+                          gate_bits=4)
+    text = write_text(tmp_path / "t.txt", n_words=300, seed=0)
+    assert calibrate_cli.main(["--model", str(pack), "--text", str(text), "--gate-bits", "8", "--quiet"]) == 0
+    ids = [5, 17, 99, 3, 42, 7, 61, 12]
+
+    def build(mode="flash"):
+        return build_flash_model(pack, FlashConfig(mode), capacity={i: 12 for i in range(4)})
+
+    calls = []
+    monkeypatch.setattr(ffn, "sparse_ffn", lambda x, sets, *a: calls.append(a[1]) or ops.sparse_ffn(x, sets, *a))
+    model = build()
+    got = decode_logits(model, ids)
+    assert _ffn_flags(model) == [True] * 4 and calls == ["product"] * (4 * len(ids))
+    assert np.array_equal(got, decode_logits(_without_ffn_kernel(build()), ids))
+    dense = build("dense")
+    assert np.array_equal(decode_logits(dense, ids), decode_logits(_without_ffn_kernel(build("dense")), ids))
+    assert _ffn_flags(dense) == [True] * 4
+
+
+@pytest.mark.skipif(not ops.EXTENSION_AVAILABLE, reason="CPU kernels not built")
 def test_every_mode_takes_the_ffn_kernel_and_keeps_the_dense_logits(tiny_llama, tmp_path):
     src = tiny_llama("src", layers=2, intermediate=96, dtype="float16")
     pack = write_pack(src, tmp_path / "pack", progress=False)

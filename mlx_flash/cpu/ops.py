@@ -384,7 +384,7 @@ def activation_fn(name: str):
 # ------------------------------------------------------------------------------------------------
 # A flash layer's FFN on its current rows
 
-SPARSE_FFN_ACTS = ("silu", "relu_gated", "relu")
+SPARSE_FFN_ACTS = ("silu", "relu_gated", "relu", "product")
 
 
 def _hidden(g, u, act, threshold):
@@ -393,6 +393,8 @@ def _hidden(g, u, act, threshold):
         return fatrelu(u, threshold)
     if act == "relu_gated":
         return fatrelu(g, threshold) * u
+    if act == "product":
+        return cats(nn.silu(g) * u, threshold)
     return cats(nn.silu(g), threshold) * u
 
 
@@ -406,6 +408,7 @@ def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
       "silu"        a = silu(g); h = a * u where |a| > threshold, else 0   (SwiGLU; CATS)
       "relu_gated"  h = g * u where g > threshold, else 0                  (ReLU, FATReLU)
       "relu"        h = u where u > threshold, else 0 (sets without gate rows, no gate_values)
+      "product"     h = silu(g) * u where |h| > threshold, else 0              (relu_llama product)
     One kernel primitive on the CPU (a dozen MLX ops per row set otherwise; an extension built
     before this op runs them too); sets taking gate_values multiply only the rows some token
     activates (same result: the others add 0); x [..., K] -> [..., K].

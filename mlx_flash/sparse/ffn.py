@@ -429,13 +429,13 @@ class FlashFFN(nn.Module):
         gated = "gate.weight" in names or c.resident_gate is not None
         if (names - {"up.weight", "gate.weight", "down_t.weight"} or c.down_bias is not None
                 or rows["up.weight"].dtype not in (mx.float16, mx.bfloat16)
-                or getattr(self.mlp, "hidden_act", "silu") not in ("silu", "cats", "relu", "fatrelu")
+                or getattr(self.mlp, "hidden_act", "silu") not in ("silu", "cats", "relu", "fatrelu", "product")
                 or (not gated and not (isinstance(self.mlp, UpDownMLP) and self.mlp._act is nn.relu))):
             return None
         if c.resident_gate is not None and "bias" in c.resident_gate:
             return None
-        act, threshold = self._kernel_act(gated)
-        return (act, threshold) if act in ("silu", "relu_gated", "relu") else None
+        act, threshold = self._kernel_act(gated, product=True)
+        return (act, threshold) if act in ("silu", "relu_gated", "relu", "product") else None
 
     def _ffn_kernel(self, x, sets, add):
         """ops.sparse_ffn over the row sets, or None when this layer or call does not take it (CPU
@@ -503,12 +503,15 @@ class FlashFFN(nn.Module):
                 return None
         return y
 
-    def _kernel_act(self, gated: bool):
-        """(act, threshold) of the Metal kernels for this MLP (the first call checks the guess)."""
+    def _kernel_act(self, gated: bool, product=False):
+        """(act, threshold) of the Metal kernels for this MLP (the first call checks the guess);
+        product: the caller's kernels compute relu_llama's product rule (ops.sparse_ffn)."""
         c = self._current
         if not gated:
             return "relu", c.threshold
         own = float(getattr(self.mlp, "threshold", 0.0))  # relu_llama's FATReLU / CATS threshold
+        if product and getattr(self.mlp, "hidden_act", "silu") == "product":
+            return "product", own  # the model's own rule: no predictor threshold is added to it
         if getattr(self.mlp, "hidden_act", "silu") in ("relu", "fatrelu"):
             return "relu_gated", max(own, c.threshold)
         if getattr(self.mlp, "hidden_act", "silu") == "cats":
