@@ -106,13 +106,13 @@ def _wrap_runtime(spans):
     from ..io import aio, loader
     from ..sparse import ffn, neuron_cache
 
-    # the AIO loop's blocking calls: reads in flight (read_staged: with its checks and copy out)
-    for name in ("read_all", "read_staged", "wait"):
+    # the AIO loop's blocking calls: reads in flight (read_staged, read_ids: with their checks and copy out)
+    for name in ("read_all", "read_staged", "read_ids", "wait"):
         if name in getattr(aio, "AioContext", object).__dict__:
             spans.wrap(aio.AioContext, name, f"read wait (AioContext.{name})")
     # the read path's host steps (those of this version): per-call preparation, planning, checks, copies
-    for name in ("read_many", "plan", "start_read", "finish_read", "_prepare", "_aio_batch", "_landed_crcs",
-                 "_read_staged", "_after_reads", "_scatter", "_finish"):
+    for name in ("read_many", "read_at_once", "plan", "start_read", "finish_read", "_prepare", "_aio_batch",
+                 "_landed_crcs", "_read_staged", "_after_reads", "_scatter", "_finish"):
         if name in loader.FlashLoader.__dict__:
             spans.wrap(loader.FlashLoader, name, f"FlashLoader.{name}")
     spans.wrap(neuron_cache.NeuronCache, "update", "NeuronCache.update")
