@@ -58,6 +58,15 @@ def check_rows(pack, loader, layer, ids, dest, slots):
             assert (got[s] == data[off: off + entry["stride"]]).all()
 
 
+def corrupt_bundle(pack, bundle: int, layer: int = 0):
+    """Flip one bit inside bundle `bundle` of `layer`'s file (its crc32 no longer matches)."""
+    entry = read_manifest(pack)["bundles"][layer]
+    path = pack / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + bundle * entry["stride"] + 11] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("float16", None), ("bfloat16", None),
                                          ("float16", (4, 32)), ("float32", (8, 64))])
 @pytest.mark.parametrize("direct,plan,engine", [(True, True, "auto"), (True, False, "auto"),
@@ -545,11 +554,7 @@ def test_read_at_once_refuses_bad_ids_and_corrupt_bundles_like_read(make_pack):
     """A bundle whose bytes fail their crc32, an id outside the layer, a repeated id: read_at_once
     raises what `read` raises (naming the file); a layout `read` lands zero copy is left to it."""
     pack = make_pack(dtype="float16")
-    entry = read_manifest(pack)["bundles"][0]
-    path = pack / entry["file"]
-    data = bytearray(path.read_bytes())
-    data[entry["offset"] + 7 * entry["stride"] + 11] ^= 0x40
-    path.write_bytes(bytes(data))
+    corrupt_bundle(pack, 7)
     with FlashLoader(pack, threads=2, cost=COST, engine="aio") as loader:
         dest = loader.alloc(0, 4)
         if loader.read_at_once(0, [5, 6, 8], dest) is None:
@@ -557,7 +562,7 @@ def test_read_at_once_refuses_bad_ids_and_corrupt_bundles_like_read(make_pack):
         with pytest.raises(FlashError, match=r"layer_000\.bin: checksum mismatch in bundle 7 "):
             loader.read_at_once(0, [6, 7, 8], dest)
         with pytest.raises(FlashError, match=r"layer_000\.bin: bundle id out of range"):
-            loader.read_at_once(0, [6, entry["count"]], dest)
+            loader.read_at_once(0, [6, loader.entry(0).count], dest)
         with pytest.raises(FlashError, match=r"layer_000\.bin: duplicate bundle ids"):
             loader.read_at_once(0, [6, 2, 6], dest)
     aligned = make_pack("aligned", dtype="float32", hidden=1024, intermediate=16, layers=1, vocab=16)
@@ -594,11 +599,7 @@ def test_truncated_bundle_file_is_refused(make_pack):
 @pytest.mark.parametrize("raw", [False, True])
 def test_checksum_mismatch_is_caught(make_pack, raw):
     pack = make_pack(dtype="float16")
-    entry = read_manifest(pack)["bundles"][0]
-    path = pack / entry["file"]
-    data = bytearray(path.read_bytes())
-    data[entry["offset"] + 7 * entry["stride"] + 11] ^= 0x40
-    path.write_bytes(bytes(data))
+    corrupt_bundle(pack, 7)
     with FlashLoader(pack, threads=2, cost=COST) as loader:
         dest = loader.alloc_raw(0, 3) if raw else loader.alloc(0, 3)
         loader.read(0, [5, 6, 8], dest)  # neighbours are fine
