@@ -41,7 +41,7 @@ from ..io import FlashLoader
 from ..pack import layer_bundles
 from ..sparse.budget import measured_cache_read_seconds, measured_read_seconds
 from ..sparse.predictor import (COPIES, GATE_MASKS, KINDS, LOW_RANK, SCORED, LayerPredictor, copied_roles,
-                                read_predictors_json, save_predictors)
+                                read_predictors_json, save_predictors, shares_resident_gate)
 from .dense_pass import MAX_WINDOW, CalibrationData, collect_inputs
 
 CAPACITY_PERCENTILE = 99
@@ -221,7 +221,7 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
     (convert --gate-bits): quant-glu takes it (ffn.gate) beside its up copy, as the runtime does.
     """
     tensors, quant, gate_quant = {}, None, None
-    shares = kind in COPIES and "gate" not in copied_roles(kind, resident_gate)
+    shares = kind in COPIES and shares_resident_gate(kind, resident_gate)  # gate-threshold: its own rows here
     if kind == "exact-relu":
         tensors, quant = _resident_rows(ffn.up, "up")
     elif kind == "gate-threshold":
@@ -237,7 +237,7 @@ def layer_predictor(layer, kind, ffn, n_neurons, *, threshold=0.0, factors=None,
                           cut=cut,
                           rank=int(factors["A"].shape[0]) if kind in LOW_RANK else 0,
                           activation=ffn.activation, tensors=tensors, quantization=quant,
-                          resident_gate=shares, gate_quantization=gate_quant if shares else "copies")
+                          resident_gate=shares, gate_quantization=gate_quant)
 
 
 def predict_masks(predictor, x: np.ndarray, dtype, batch=2048) -> np.ndarray:

@@ -95,7 +95,7 @@ class LayerPredictor:
 
     def __init__(self, layer, kind, n_neurons, *, threshold=0.0, prob_threshold=0.5, rank=0,
                  activation="silu", stats=None, tensors=None, quantization=None, cut=0.0,
-                 resident_gate=False, gate_quantization="copies"):
+                 resident_gate=False, gate_quantization=None):
         if kind not in KINDS:
             raise FlashError(f"{PREDICTORS_JSON}: layer {layer} has unknown kind {kind!r}")
         self.layer, self.kind, self.n_neurons = layer, kind, int(n_neurons)
@@ -104,9 +104,8 @@ class LayerPredictor:
         self.rank, self.activation, self.stats = int(rank), activation, dict(stats or {})
         self._t = dict(tensors or {})
         self._q = quantization  # {"group_size", "bits"} when the resident rows are quantized
-        # the gate rows' quantization: the copies' unless the gate is the model's resident one beside
-        # an up copy ("quant-glu" on a --gate-bits pack: its own, None when not quantized)
-        self._gate_q = quantization if gate_quantization == "copies" else gate_quantization
+        # the gate rows' quantization: a resident gate's own (None: not quantized), else the rows'
+        self._gate_q = gate_quantization if resident_gate else quantization
         self._act = activation_fn(activation)
         self._logit_cut = _logit(self.prob_threshold) if kind == "low-rank" else None
         # a pack's resident gate (convert --gate-bits) is counted with the resident tensors, and the
@@ -342,7 +341,6 @@ def load_predictors(pack_dir, manifest=None, doc=None):
         tensors, quant = {}, None
         gate = bundles[i].resident_gate
         gate_quant = {"group_size": gate["group_size"], "bits": gate["bits"]} if gate else None
-        shares = bool(gate) and (kind == "gate-threshold" or kind in COPIES and "gate" not in copied_roles(kind, gate))
         if kind in LOW_RANK:
             names = {k: f"layers.{i}.{k}" for k in ("A", "B", "bias")}
             missing = [v for v in names.values() if v not in factors]
@@ -354,7 +352,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                 raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} factors do not match rank "
                                  f"{r} and {n} neurons")
         elif kind in COPIES:
-            roles = copied_roles(kind, bundles[i].resident_gate)
+            roles = copied_roles(kind, gate)
             need = [f"{r}.{k}" for r in roles for k in QUANTIZED]
             names = {k: f"layers.{i}.{k}" for k in (*need, *(f"{r}.bias" for r in roles))}
             missing = [names[k] for k in need if names[k] not in factors]
@@ -368,7 +366,7 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                         tensors[f"{r}.scales"].shape[1] * quant["group_size"]:
                     raise FlashError(f"{pack / PREDICTORS_FILE}: layer {i} quantized {r} does not match "
                                      f"{n} neurons at {quant['bits']} bits, group size {quant['group_size']}")
-        elif kind == "gate-threshold" and bundles[i].resident_gate:
+        elif kind == "gate-threshold" and gate:
             # the gate rows are the model's resident tensors: the model loader gives them (share_gate)
             quant = gate_quant
         elif kind in ("exact-relu", "gate-threshold"):
@@ -385,9 +383,17 @@ def load_predictors(pack_dir, manifest=None, doc=None):
                                 rank=entry.get("rank", 0),
                                 activation=entry.get("activation", doc.get("activation", "silu")),
                                 stats=entry.get("stats"), tensors=tensors, quantization=quant,
-                                cut=entry.get("cut", 0.0), resident_gate=shares,
-                                gate_quantization=gate_quant if shares else "copies")
+                                cut=entry.get("cut", 0.0), resident_gate=shares_resident_gate(kind, gate),
+                                gate_quantization=gate_quant)
     return out
+
+
+def shares_resident_gate(kind: str, resident_gate) -> bool:
+    """True when a predictor of `kind` takes its gate rows from the pack's resident gate (convert
+    --gate-bits; `resident_gate` the bundle's record of it, falsy without one): gate-threshold's
+    whole predictor, quant-glu's gate beside its up copy (copied_roles)."""
+    return bool(resident_gate) and (kind == "gate-threshold"
+                                    or kind in COPIES and "gate" not in copied_roles(kind, resident_gate))
 
 
 def copied_roles(kind: str, resident_gate) -> tuple:
