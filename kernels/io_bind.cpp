@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -33,6 +34,45 @@ using Rows = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Target = std::tuple<int64_t, int64_t, Rows>;
 // (flat, first, starts, piece offsets, piece lengths, crcs out): aio_read's crc32 of landed bundles.
 using Landed = std::tuple<Bytes1, I64, I64, I64, I64, Crcs>;
+// Where each target's component goes (aio_read_staged's StagedBundles fields) and the bundle bytes
+// the targets touch.
+struct TargetRows {
+  std::vector<uint8_t*> dest;
+  std::vector<int64_t> off, len, stride;
+  int64_t extent = 0;
+};
+
+// The targets checked (offsets and lengths >= 0, rows contiguous and wide enough, every slot a row)
+// and unpacked; std::invalid_argument naming `op` otherwise.
+TargetRows unpack_targets(std::vector<Target>& targets, const I64& slots, const std::string& op) {
+  TargetRows t;
+  const int64_t n = static_cast<int64_t>(slots.shape(0));
+  for (auto& [off, len, rows] : targets) {
+    if (off < 0 || len < 0 || rows.stride(1) != 1 || static_cast<int64_t>(rows.shape(1)) < len)
+      throw std::invalid_argument(op + ": a target's rows are not contiguous or too short");
+    for (int64_t i = 0; i < n; ++i)
+      if (slots.data()[i] < 0 || slots.data()[i] >= static_cast<int64_t>(rows.shape(0)))
+        throw std::invalid_argument(op + ": slot out of range");
+    t.extent = std::max(t.extent, off + len);
+    t.dest.push_back(rows.data());
+    t.off.push_back(off);
+    t.len.push_back(len);
+    t.stride.push_back(static_cast<int64_t>(rows.stride(0)));
+  }
+  return t;
+}
+
+// The bundle bytes the crc32 pieces cover (offsets and lengths checked >= 0, equal in number).
+int64_t piece_extent(const I64& piece_off, const I64& piece_len, const std::string& op) {
+  if (piece_off.shape(0) != piece_len.shape(0))
+    throw std::invalid_argument(op + ": piece offsets and lengths differ in length");
+  int64_t extent = 0;
+  for (size_t q = 0; q < piece_off.shape(0); ++q) {
+    if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0) throw std::invalid_argument(op + ": negative piece");
+    extent = std::max(extent, piece_off.data()[q] + piece_len.data()[q]);
+  }
+  return extent;
+}
 }  // namespace
 
 void bind_io(nb::module_& m) {
@@ -124,28 +164,13 @@ void bind_io(nb::module_& m) {
           throw std::invalid_argument("aio_read_ids: stride and align must be > 0, offset and count >= 0");
         if (table.has_value() && static_cast<int64_t>(table->shape(0)) < count)
           throw std::invalid_argument("aio_read_ids: the crc32 table has fewer entries than bundles");
-        for (size_t q = 0; q < piece_off.shape(0); ++q)
-          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0 || piece_off.data()[q] + piece_len.data()[q] > stride)
-            throw std::invalid_argument("aio_read_ids: a checked piece outside the bundle");
-        if (piece_off.shape(0) != piece_len.shape(0))
-          throw std::invalid_argument("aio_read_ids: piece offsets and lengths differ in length");
-        std::vector<uint8_t*> dest;
-        std::vector<int64_t> t_off, t_len, t_stride;
-        for (auto& [off, len, rows] : targets) {
-          if (off < 0 || len < 0 || off + len > stride || rows.stride(1) != 1 ||
-              static_cast<int64_t>(rows.shape(1)) < len)
-            throw std::invalid_argument("aio_read_ids: a target outside the bundle, or rows not contiguous or too short");
-          for (int64_t i = 0; i < n; ++i)
-            if (slots.data()[i] < 0 || slots.data()[i] >= static_cast<int64_t>(rows.shape(0)))
-              throw std::invalid_argument("aio_read_ids: slot out of range");
-          dest.push_back(rows.data());
-          t_off.push_back(off);
-          t_len.push_back(len);
-          t_stride.push_back(static_cast<int64_t>(rows.stride(0)));
-        }
+        if (piece_extent(piece_off, piece_len, "aio_read_ids") > stride)
+          throw std::invalid_argument("aio_read_ids: a checked piece outside the bundle");
+        TargetRows t = unpack_targets(targets, slots, "aio_read_ids");
+        if (t.extent > stride) throw std::invalid_argument("aio_read_ids: a target outside the bundle");
         const flash::StagedBundles b{nullptr, nullptr, 0, nullptr, piece_off.data(), piece_len.data(),
-                                     static_cast<int64_t>(piece_off.shape(0)), t_off.data(), t_len.data(), dest.data(),
-                                     t_stride.data(), static_cast<int64_t>(dest.size()), nullptr};
+                                     static_cast<int64_t>(piece_off.shape(0)), t.off.data(), t.len.data(), t.dest.data(),
+                                     t.stride.data(), static_cast<int64_t>(t.dest.size()), nullptr};
         flash::IdsRead r;
         {
           nb::gil_scoped_release release;
@@ -184,26 +209,9 @@ void bind_io(nb::module_& m) {
         const int64_t *a = r0.data(), *e = r1.data(), *p = pos.data(), *f = first.data(), *st = starts.data();
         if (n && (f[0] != 0 || f[n] != bundles))
           throw std::invalid_argument("aio_read_staged: first must run 0..bundles");
-        int64_t extent = 0;  // bytes of a bundle that the checks and copies touch
-        for (size_t q = 0; q < piece_off.shape(0); ++q) {
-          if (piece_off.data()[q] < 0 || piece_len.data()[q] < 0)
-            throw std::invalid_argument("aio_read_staged: negative piece");
-          extent = std::max(extent, piece_off.data()[q] + piece_len.data()[q]);
-        }
-        std::vector<uint8_t*> dest;
-        std::vector<int64_t> t_off, t_len, t_stride;
-        for (auto& [off, len, rows] : targets) {
-          if (off < 0 || len < 0 || rows.stride(1) != 1 || static_cast<int64_t>(rows.shape(1)) < len)
-            throw std::invalid_argument("aio_read_staged: a target's rows are not contiguous or too short");
-          for (int64_t i = 0; i < bundles; ++i)
-            if (slots.data()[i] < 0 || slots.data()[i] >= static_cast<int64_t>(rows.shape(0)))
-              throw std::invalid_argument("aio_read_staged: slot out of range");
-          extent = std::max(extent, off + len);
-          dest.push_back(rows.data());
-          t_off.push_back(off);
-          t_len.push_back(len);
-          t_stride.push_back(static_cast<int64_t>(rows.stride(0)));
-        }
+        const int64_t checked = piece_extent(piece_off, piece_len, "aio_read_staged");
+        TargetRows t = unpack_targets(targets, slots, "aio_read_staged");
+        const int64_t extent = std::max(checked, t.extent);  // bytes of a bundle the checks and copies touch
         for (int64_t k = 0; k < n; ++k) {
           if (e[k] < a[k] || a[k] < 0 || p[k] < 0 || p[k] > size - (e[k] - a[k]) || f[k] > f[k + 1])
             throw std::invalid_argument("aio_read_staged: a read runs outside staging");
@@ -224,8 +232,8 @@ void bind_io(nb::module_& m) {
           want = expected.data();
         }
         const flash::StagedBundles b{f, st, bundles, want, piece_off.data(), piece_len.data(),
-                                     static_cast<int64_t>(piece_off.shape(0)), t_off.data(), t_len.data(), dest.data(),
-                                     t_stride.data(), static_cast<int64_t>(dest.size()), slots.data()};
+                                     static_cast<int64_t>(piece_off.shape(0)), t.off.data(), t.len.data(), t.dest.data(),
+                                     t.stride.data(), static_cast<int64_t>(t.dest.size()), slots.data()};
         int64_t bad = -1, status;
         {
           nb::gil_scoped_release release;

@@ -225,14 +225,15 @@ class AioContext:
         plan_strided_reads' rows), staged in flat, checked against table[ids] (None: no check) and
         copied to rows `slots` of `targets` (read_staged's). Returns (reads: < 0 for a bad id,
         staged bytes, fits: False when flat is too small (nothing read then), reads that did not
-        land whole (0: done), first bundle whose crc32 differs or -1, each read's result)."""
+        land whole (0: done), first bundle whose crc32 differs or -1): the caller redoes a call
+        that did not finish through its general path, so no per-read result is kept."""
         res, crcs = np.empty(len(ids), np.int64), np.empty(len(ids), np.uint32)
         reads, staged, fits, status, bad = read_ids_kernel(
             self._ctx.value, fd, *layout, *rule, ids, slots, table, flat, pieces[0], pieces[1], targets,
             self.depth, self.spin_ns, self.waits, plan, res, crcs)
         if status < 0:
             raise OSError(-status, "io_submit / io_getevents failed")
-        return reads, staged, fits, status, bad, res
+        return reads, staged, fits, status, bad
 
     def submit(self, fds, offsets, sizes, addresses, vectored=None) -> "Pending":
         """Submit reads (the arguments of `read`) and return without waiting for them: up to

@@ -352,14 +352,14 @@ class FlashLoader:
         plan = np.empty((8, len(ids)), np.int64)
         ctx = self._aio_context()
         flat = np.frombuffer(self._staging(1), np.uint8)[:limit]  # a larger buffer stages no more
-        reads, staged, fits, short, bad, _ = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
-                                                          targets, plan)
+        reads, staged, fits, short, bad = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
+                                                       targets, plan)
         if reads >= 0 and not fits:
             if staged > limit:
                 return None
             flat = np.frombuffer(self._staging(staged), np.uint8)[:limit]
-            reads, staged, fits, short, bad, _ = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
-                                                              targets, plan)
+            reads, staged, fits, short, bad = ctx.read_ids(fd, layout, rule, ids, slots, table, flat, pieces,
+                                                           targets, plan)
         if reads < 0 or short or bad >= 0:  # a bad id, short reads, a checksum: `read` says or redoes it
             stats = self.read(layer, ids, dest, slots)
             stats.seconds = time.perf_counter() - t0
@@ -378,8 +378,7 @@ class FlashLoader:
         return _per_dest(self._at_once_cache, layer, dest, lambda: self._make_at_once(layer, dest))
 
     def _make_at_once(self, layer, dest):
-        if (aio.read_ids_kernel is None or self.engine == "threads" or type(self.files) is not FileLayer
-                or not aio.available()):
+        if aio.read_ids_kernel is None or self.engine == "threads" or not self._native_aio():
             return None
         entry = self.entry(layer)
         if entry.encoding == "endor":
@@ -391,10 +390,7 @@ class FlashLoader:
         pieces, tight, aligned = self._layout(entry, f, targets)
         if aligned:  # `read` may land these straight in their rows: keep its choice
             return None
-        if self.verify and f.crc is None:
-            with f.lock:
-                if f.crc is None:
-                    f.crc = read_checksum_table(f.path, entry)
+        self._load_crcs(f, entry)
         merge = self.merge_reads and self.cost is not None
         rule = (self.alignment, merge, self.cost.merge_gap_for(int(entry.stride)) if merge else 0, self.max_read)
         return (f.fd, (entry.count, entry.offset, entry.stride), rule, self._pieces_of(tight, pieces), targets,
@@ -497,12 +493,24 @@ class FlashLoader:
                and type(self.files) is FileLayer and hasattr(os, "O_DIRECT"))
         return "aio" if use else "threads"
 
+    def _native_aio(self) -> bool:
+        """Native AIO can read this loader's files: Linux AIO, the default FileLayer (an injected
+        one sees every read)."""
+        return aio.available() and type(self.files) is FileLayer and sys.platform != "darwin"
+
+    def _load_crcs(self, f, entry) -> None:
+        """Read the crc32 table of `entry`'s file once, when the loader verifies."""
+        if self.verify and f.crc is None:
+            with f.lock:
+                if f.crc is None:
+                    f.crc = read_checksum_table(f.path, entry)
+
     def _aio_ok(self, job) -> bool:
         """Native AIO for direct reads (into staging, or vectored straight into the destination
         rows), unless a custom file layer is injected or a read needs more than IOV_MAX iovecs."""
         if self.engine == "threads" or not job.f.direct or len(job.r0) == 0:
             return False
-        ok = aio.available() and type(self.files) is FileLayer and sys.platform != "darwin"
+        ok = self._native_aio()
         if self.engine == "aio" and not ok:
             raise FlashError("engine='aio' needs Linux O_DIRECT reads and the default FileLayer")
         if ok and job.zero_copy:
@@ -906,10 +914,7 @@ class FlashLoader:
         targets, rows, raw = self._targets(entry, dest)
         if len(slots) and (slots.min() < 0 or slots.max() >= rows):
             raise FlashError(f"{f.path}: slot out of range 0..{rows - 1}")
-        if self.verify and f.crc is None:
-            with f.lock:
-                if f.crc is None:
-                    f.crc = read_checksum_table(f.path, entry)
+        self._load_crcs(f, entry)
         ids, r0, r1, first = plan.ids, plan.r0, plan.r1, plan.first
         member_read = plan.member_read if plan.member_read is not None else member_reads(first, len(ids))
         if entry.encoding == "endor":
