@@ -739,8 +739,7 @@ class FlashFFN(nn.Module):
         buf = rt.stream_rows(self.layer) if len(over) else None
         joint = None
         if len(fill) and len(over) and len(over) + len(fill) <= next(iter(buf.values())).shape[0]:
-            limits = [m for m in (rt.max_read_bytes, cache.max_read_bytes) if m is not None]
-            limit = min(limits) if limits else None
+            limit = _tightest(rt.max_read_bytes, cache.max_read_bytes)
             # one piece: the plan of both, its merges cut back to the staging limit when it is over
             both = plan_chunks(rt.loader, self.layer, np.concatenate([over, fill]), limit)
             if len(both) == 1 and (limit is None or both[0].read_bytes <= limit):
@@ -760,8 +759,7 @@ class FlashFFN(nn.Module):
             t0 = time.perf_counter()
             stats = rt.loader.read_many(batch)
             if joint is not None:
-                cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
-                rt.fill_copied += len(fill)
+                self._copy_fill(cache, upd, buf, len(over))
             # the fill's neurons are counted by the cache update (upd.loaded)
             _count_read(step, stats, time.perf_counter() - t0, len(pieces[0]) if buf is not None else 0)
         return pieces, buf
@@ -784,16 +782,20 @@ class FlashFFN(nn.Module):
         buf = rt.stream_rows(self.layer)
         if len(over) + len(fill) > next(iter(buf.values())).shape[0]:
             return None
-        limits = [m for m in (rt.max_read_bytes, cache.max_read_bytes if len(fill) else None) if m is not None]
         stats = rt.loader.read_at_once(self.layer, np.concatenate([over, fill]) if len(fill) else over, buf, None,
-                                       min(limits) if limits else None)
+                                       _tightest(rt.max_read_bytes, cache.max_read_bytes if len(fill) else None))
         if stats is None:
             return None
         if len(fill):
-            cache.copy_rows(upd.fill_slots, buf, np.arange(len(over), len(over) + len(fill)))
-            rt.fill_copied += len(fill)
+            self._copy_fill(cache, upd, buf, len(over))
         _count_read(step, stats, stats.seconds, len(over))
         return [over], buf
+
+    def _copy_fill(self, cache, upd, buf, n_over: int):
+        """Copy the cache fill, read into streaming-buffer rows n_over.. beside the overflow, into
+        the cache rows the update gave it."""
+        cache.copy_rows(upd.fill_slots, buf, np.arange(n_over, n_over + len(upd.fill)))
+        self._rt.fill_copied += len(upd.fill)
 
     def _sparse(self, x, step):
         predictor, c = self._rt.predictors[self.layer], self._current
@@ -910,6 +912,12 @@ def _use_ahead(cache, served, ids, buf):
             h[: len(src)] = h[src]  # fancy indexing copies first: overlapping rows are safe
         ids[: len(over)] = over
     return len(over), len(served.fill)
+
+
+def _tightest(*limits):
+    """The smallest of staging limits in bytes (None: no limit), None when none is set."""
+    given = [m for m in limits if m is not None]
+    return min(given) if given else None
 
 
 def _row_ids(ids):
