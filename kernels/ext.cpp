@@ -45,6 +45,7 @@ flash_ext::Linear linear(const Proj& p) {
 void bind_endor(nb::module_& m);  // endor_bind.cpp
 void bind_io(nb::module_& m);     // io_bind.cpp
 void bind_cache(nb::module_& m);  // cache_bind.cpp
+void bind_decode(nb::module_& m); // decode_bind.cpp
 
 NB_MODULE(_ext, m) {
   m.doc() = "mlx_flash CPU matvec kernels as MLX primitives";
@@ -219,5 +220,6 @@ NB_MODULE(_ext, m) {
   bind_endor(m);
   bind_io(m);
   bind_cache(m);
+  bind_decode(m);
   m.attr("built_with_mlx") = MLX_FLASH_BUILT_MLX_VERSION;
 }

@@ -21,7 +21,7 @@ namespace flash_ext {
 namespace {
 
 thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add, tl_act;
-thread_local std::vector<int32_t> tl_ids, tl_rows;
+thread_local std::vector<int32_t> tl_rows;
 
 // MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), before its
 // output is rounded to the array's dtype.
@@ -62,61 +62,62 @@ struct SetLayout {
   int n;
 };
 
+// h [M, n] from u (and g) [M, n], float32 values of dtype P.ydt; returns h in u.
+void activate(const FfnParams& P, int M, int n, float* u, float* g);
+
+// The product rule (relu_llama "product"): h = silu(g) * u rounded to the dtype, kept where |h| >
+// threshold; a = silu(g) already applied; h into u.
+void product_rule(const FfnParams& P, int64_t count, float* u, const float* a) {
+  for (int64_t i = 0; i < count; ++i) u[i] = a[i] * u[i];
+  round_to(P.ydt, u, int(count));
+  for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(u[i]) > P.threshold ? u[i] : 0.f;
+}
+
+void activate(const FfnParams& P, int M, int n, float* u, float* g) {
+  const int64_t count = int64_t(M) * n;
+  if (P.act == 2) {
+    for (int64_t i = 0; i < count; ++i) u[i] = u[i] > P.threshold ? u[i] : 0.f;
+    return;
+  }
+  if (P.act == 1) {
+    for (int64_t i = 0; i < count; ++i) u[i] = g[i] > P.threshold ? g[i] * u[i] : 0.f;
+    round_to(P.ydt, u, int(count));
+    return;
+  }
+  // silu(g) as MLX computes it (mx.sigmoid then the product, each rounded to the dtype), then the
+  // mask on it and the product with u.
+  mlx_silu(g, count, P.ydt, scratch(tl_act, size_t(2 * count)));
+  if (P.act == 3) {
+    product_rule(P, count, u, g);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(g[i]) > P.threshold ? g[i] * u[i] : 0.f;
+  round_to(P.ydt, u, int(count));
+}
+
+// True when an activated gate value v (silu(g) for silu, g for relu_gated) keeps its neuron.
+bool passes(const FfnParams& P, float v) { return P.act == 0 ? std::fabs(v) > P.threshold : v > P.threshold; }
+
+// h [M, na] of the rows `active` (nullptr: rows 0..n) from u [M, na] and the activated gate
+// g [M, n] (silu already applied for silu), as activate computes it; returns h in u.
+void activate_rows(const FfnParams& P, int M, int n, int na, const int32_t* active, float* u, const float* g) {
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < na; ++j) {
+      const float gv = g[int64_t(m) * n + (active ? active[j] : j)];
+      float& h = u[int64_t(m) * na + j];
+      h = passes(P, gv) ? gv * h : 0.f;
+    }
+  round_to(P.ydt, u, M * na);
+}
+
 class FlashSparseFFN : public CpuPrimitive {
  public:
   struct Params {
     std::vector<SetLayout> sets;
     bool has_gate_values, has_add;
-    int fmt, act, ydt;
-    float threshold;  // already rounded to ydt (MLX compares in the array's dtype)
+    FfnParams ffn;
   };
   FlashSparseFFN(mx::Stream s, Params p) : CpuPrimitive(s), p_(std::move(p)) {}
-
-  // h [M, n] from u (and g) [M, n], float32 values of dtype ydt; returns h.
-  static void activate(const Params& P, int M, int n, float* u, float* g) {
-    const int64_t count = int64_t(M) * n;
-    if (P.act == 2) {
-      for (int64_t i = 0; i < count; ++i) u[i] = u[i] > P.threshold ? u[i] : 0.f;
-      return;
-    }
-    if (P.act == 1) {
-      for (int64_t i = 0; i < count; ++i) u[i] = g[i] > P.threshold ? g[i] * u[i] : 0.f;
-      round_to(P.ydt, u, int(count));
-      return;
-    }
-    // silu(g) as MLX computes it (mx.sigmoid then the product, each rounded to the dtype), then the
-    // mask on it and the product with u.
-    mlx_silu(g, count, P.ydt, scratch(tl_act, size_t(2 * count)));
-    if (P.act == 3) {
-      product_rule(P, count, u, g);
-      return;
-    }
-    for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(g[i]) > P.threshold ? g[i] * u[i] : 0.f;
-    round_to(P.ydt, u, int(count));
-  }
-
-  // The product rule (relu_llama "product"): h = silu(g) * u rounded to the dtype, kept where |h| >
-  // threshold; a = silu(g) already applied; h into u.
-  static void product_rule(const Params& P, int64_t count, float* u, const float* a) {
-    for (int64_t i = 0; i < count; ++i) u[i] = a[i] * u[i];
-    round_to(P.ydt, u, int(count));
-    for (int64_t i = 0; i < count; ++i) u[i] = std::fabs(u[i]) > P.threshold ? u[i] : 0.f;
-  }
-
-  // True when an activated gate value v (silu(g) for silu, g for relu_gated) keeps its neuron.
-  static bool passes(const Params& P, float v) { return P.act == 0 ? std::fabs(v) > P.threshold : v > P.threshold; }
-
-  // h [M, na] of the rows `active` (nullptr: rows 0..n) from u [M, na] and the activated gate
-  // g [M, n] (silu already applied for silu), as activate computes it; returns h in u.
-  static void activate_rows(const Params& P, int M, int n, int na, const int32_t* active, float* u, const float* g) {
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < na; ++j) {
-        const float gv = g[int64_t(m) * n + (active ? active[j] : j)];
-        float& h = u[int64_t(m) * na + j];
-        h = passes(P, gv) ? gv * h : 0.f;
-      }
-    round_to(P.ydt, u, M * na);
-  }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Params P = p_;
@@ -125,21 +126,21 @@ class FlashSparseFFN : public CpuPrimitive {
     View gate_values, add;
     if (P.has_gate_values) gate_values = View::of(inputs[next++]);
     if (P.has_add) add = View::of(inputs[next++]);
-    struct SetViews {
-      View up, gate, down, ids;
-    };
-    std::vector<SetViews> views;
+    std::vector<SetRows> sets;
+    std::vector<View> ids;
     for (const SetLayout& s : P.sets) {
-      SetViews v;
-      v.up = View::of(inputs[next++]);
-      if (s.has_gate) v.gate = View::of(inputs[next++]);
-      v.down = View::of(inputs[next++]);
-      if (s.has_ids) v.ids = View::of(inputs[next++]);
-      views.push_back(std::move(v));
+      SetRows r;
+      r.up = View::of(inputs[next++]);
+      r.has_gate = s.has_gate;
+      if (s.has_gate) r.gate = View::of(inputs[next++]);
+      r.down = View::of(inputs[next++]);
+      r.n = s.n;
+      ids.push_back(s.has_ids ? View::of(inputs[next++]) : View());
+      sets.push_back(std::move(r));
     }
     uint8_t* out = allocate_output(outputs[0]);
     const int odt = scalar_type(outputs[0].dtype());
-    dispatch(stream(), inputs, outputs, [=]() {
+    dispatch(stream(), inputs, outputs, [=]() mutable {
       const int K = int(x.shape.back());
       const int M = K == 0 ? 0 : int(x.size() / K);
       const int64_t out_size = int64_t(M) * K;
@@ -149,95 +150,15 @@ class FlashSparseFFN : public CpuPrimitive {
       float* y = scratch(tl_y, size_t(out_size));
       bool have_y = P.has_add;
       if (P.has_add) to_float(add, y);
-      const int64_t n_gate = P.has_gate_values ? gate_values.shape.back() : 0;
-      for (size_t j = 0; j < P.sets.size(); ++j) {
-        const SetLayout& s = P.sets[j];
-        const SetViews& v = views[j];
-        const int n = s.n;
-        if (n == 0) {  // no rows: a zero part (`y + 0` leaves y as it is)
-          if (!have_y) std::fill(y, y + out_size, 0.f);
-          have_y = true;
-          continue;
+      std::vector<std::vector<int32_t>> id_rows(sets.size());
+      for (size_t j = 0; j < sets.size(); ++j)
+        if (ids[j].ptr != nullptr) {
+          id_rows[j].resize(size_t(sets[j].n));
+          for (int i = 0; i < sets[j].n; ++i)
+            id_rows[j][i] = reinterpret_cast<const int32_t*>(ids[j].ptr)[ids[j].offset(i)];
+          sets[j].ids = id_rows[j].data();
         }
-        float* u = scratch(tl_gu, size_t(2) * M * n);
-        float* g = u + size_t(M) * n;
-        // Without gate rows the gate's values are known before any matvec: the up and down
-        // matvecs run only on the rows some token activates (the others' h is exactly 0, and
-        // matvec_t adds its rows in order, so skipping them leaves every sum as it was).
-        const int32_t* active = nullptr;
-        int na = n;
-        if (!s.has_gate && P.act != 2) {
-          const int32_t* ids = nullptr;
-          if (s.has_ids) {
-            int32_t* tmp = scratch(tl_ids, size_t(n));
-            for (int i = 0; i < n; ++i) tmp[i] = reinterpret_cast<const int32_t*>(v.ids.ptr)[v.ids.offset(i)];
-            ids = tmp;
-          }
-          const int gdt = scalar_type(gate_values.dtype);
-          for (int m = 0; m < M; ++m)
-            for (int i = 0; i < n; ++i) {
-              const int64_t c = ids ? ids[i] : i;
-              g[int64_t(m) * n + i] = c < 0 || c >= n_gate ? std::numeric_limits<float>::quiet_NaN()
-                                                           : flash::load_scalar(gate_values.ptr, gdt,
-                                                                                gate_values.offset(m * n_gate + c));
-            }
-          if (P.act == 0 || P.act == 3) mlx_silu(g, int64_t(M) * n, P.ydt, scratch(tl_act, size_t(2) * M * n));
-          int32_t* rows = scratch(tl_rows, size_t(n));
-          na = 0;
-          for (int i = 0; P.act != 3 && i < n; ++i)  // the product rule needs u too: every row
-            for (int m = 0; m < M; ++m)
-              if (passes(P, g[int64_t(m) * n + i])) {
-                rows[na++] = i;
-                break;
-              }
-          if (P.act == 3) na = n;
-          if (na < n) active = rows;
-        }
-        flash::Problem ps[2];
-        WeightCopies copies[2];
-        const View* weights[2] = {&v.up, s.has_gate ? &v.gate : nullptr};
-        for (int r = 0; r < (s.has_gate ? 2 : 1); ++r) {
-          flash::Problem& p = ps[r];
-          set_weights(p, P.fmt, 0, *weights[r], nullptr, nullptr, copies[r]);
-          p.n = na;
-          p.M = M;
-          p.rows = active;
-          p.in = xin;
-          p.out = r == 0 ? u : g;
-          p.out_dtype = flash::DT_F32;
-        }
-        if (na > 0) flash::matvec_many(ps, s.has_gate ? 2 : 1);
-        round_to(P.ydt, u, M * na);
-        if (s.has_gate) {
-          round_to(P.ydt, g, M * n);
-          activate(P, M, n, u, g);
-        } else if (P.act == 3) {
-          product_rule(P, int64_t(M) * n, u, g);
-        } else if (P.act != 2) {
-          activate_rows(P, M, n, na, active, u, g);
-        } else {
-          activate(P, M, n, u, g);
-        }
-        flash::Problem pd;
-        WeightCopies down_copy;
-        set_weights(pd, P.fmt, 0, v.down, nullptr, nullptr, down_copy);
-        pd.n = na;
-        pd.M = M;
-        pd.rows = active;
-        pd.in = u;
-        float* part = have_y ? scratch(tl_part, size_t(out_size)) : y;
-        std::fill(part, part + out_size, 0.f);
-        pd.out = part;
-        pd.out_dtype = flash::DT_F32;
-        if (na > 0) flash::matvec_t(pd);
-        round_to(P.ydt, part, int(out_size));
-        if (have_y) {
-          for (int64_t i = 0; i < out_size; ++i) y[i] += part[i];
-          round_to(P.ydt, y, int(out_size));
-        }
-        have_y = true;
-      }
-      if (!have_y) std::fill(y, y + out_size, 0.f);
+      ffn_sets(P.ffn, M, K, xin, P.has_gate_values ? &gate_values : nullptr, sets, y, have_y);
       store_row(out, odt, 0, int(out_size), y);
     });
   }
@@ -250,8 +171,8 @@ class FlashSparseFFN : public CpuPrimitive {
       if (p_.sets[j].has_gate != o.sets[j].has_gate || p_.sets[j].has_ids != o.sets[j].has_ids ||
           p_.sets[j].n != o.sets[j].n)
         return false;
-    return p_.has_gate_values == o.has_gate_values && p_.has_add == o.has_add && p_.fmt == o.fmt &&
-           p_.act == o.act && p_.ydt == o.ydt && p_.threshold == o.threshold;
+    return p_.has_gate_values == o.has_gate_values && p_.has_add == o.has_add && p_.ffn.fmt == o.ffn.fmt &&
+           p_.ffn.act == o.ffn.act && p_.ffn.ydt == o.ffn.ydt && p_.ffn.threshold == o.ffn.threshold;
   }
 
  private:
@@ -303,6 +224,99 @@ float in_dtype(float t, int dt) {
 
 }  // namespace
 
+void ffn_sets(const FfnParams& P, int M, int K, const float* xin, const View* gate_values,
+              const std::vector<SetRows>& sets, float* y, bool& have_y) {
+  const int64_t out_size = int64_t(M) * K;
+  const int64_t n_gate = gate_values != nullptr ? gate_values->shape.back() : 0;
+  for (const SetRows& s : sets) {
+    const int n = s.n;
+    if (n == 0) {  // no rows: a zero part (`y + 0` leaves y as it is)
+      if (!have_y) std::fill(y, y + out_size, 0.f);
+      have_y = true;
+      continue;
+    }
+    float* u = scratch(tl_gu, size_t(2) * M * n);
+    float* g = u + size_t(M) * n;
+    // Without gate rows the gate's values are known before any matvec: the up and down
+    // matvecs run only on the rows some token activates (the others' h is exactly 0, and
+    // matvec_t adds its rows in order, so skipping them leaves every sum as it was).
+    const int32_t* active = nullptr;
+    int na = n;
+    if (!s.has_gate && P.act != 2) {
+      const int gdt = scalar_type(gate_values->dtype);
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < n; ++i) {
+          const int64_t c = s.ids ? s.ids[i] : i;
+          g[int64_t(m) * n + i] = c < 0 || c >= n_gate ? std::numeric_limits<float>::quiet_NaN()
+                                                       : flash::load_scalar(gate_values->ptr, gdt,
+                                                                            gate_values->offset(m * n_gate + c));
+        }
+      if (P.act == 0 || P.act == 3) mlx_silu(g, int64_t(M) * n, P.ydt, scratch(tl_act, size_t(2) * M * n));
+      int32_t* rows = scratch(tl_rows, size_t(n));
+      na = 0;
+      for (int i = 0; P.act != 3 && i < n; ++i)  // the product rule needs u too: every row
+        for (int m = 0; m < M; ++m)
+          if (passes(P, g[int64_t(m) * n + i])) {
+            rows[na++] = i;
+            break;
+          }
+      if (P.act == 3) na = n;
+      if (na < n) active = rows;
+    }
+    flash::Problem ps[2];
+    WeightCopies copies[2];
+    const View* weights[2] = {&s.up, s.has_gate ? &s.gate : nullptr};
+    for (int r = 0; r < (s.has_gate ? 2 : 1); ++r) {
+      flash::Problem& p = ps[r];
+      set_weights(p, P.fmt, 0, *weights[r], nullptr, nullptr, copies[r]);
+      p.n = na;
+      p.M = M;
+      p.rows = active;
+      p.in = xin;
+      p.out = r == 0 ? u : g;
+      p.out_dtype = flash::DT_F32;
+    }
+    if (na > 0) flash::matvec_many(ps, s.has_gate ? 2 : 1);
+    round_to(P.ydt, u, M * na);
+    if (s.has_gate) {
+      round_to(P.ydt, g, M * n);
+      activate(P, M, n, u, g);
+    } else if (P.act == 3) {
+      product_rule(P, int64_t(M) * n, u, g);
+    } else if (P.act != 2) {
+      activate_rows(P, M, n, na, active, u, g);
+    } else {
+      activate(P, M, n, u, g);
+    }
+    flash::Problem pd;
+    WeightCopies down_copy;
+    set_weights(pd, P.fmt, 0, s.down, nullptr, nullptr, down_copy);
+    pd.n = na;
+    pd.M = M;
+    pd.rows = active;
+    pd.in = u;
+    float* part = have_y ? scratch(tl_part, size_t(out_size)) : y;
+    std::fill(part, part + out_size, 0.f);
+    pd.out = part;
+    pd.out_dtype = flash::DT_F32;
+    if (na > 0) flash::matvec_t(pd);
+    round_to(P.ydt, part, int(out_size));
+    if (have_y) {
+      for (int64_t i = 0; i < out_size; ++i) y[i] += part[i];
+      round_to(P.ydt, y, int(out_size));
+    }
+    have_y = true;
+  }
+  if (!have_y) std::fill(y, y + out_size, 0.f);
+  have_y = true;
+}
+
+FfnParams ffn_params(int fmt, int act, mx::Dtype ydt, float threshold) {
+  FfnParams P{fmt, act, scalar_type(ydt), threshold};
+  flash::round_floats(P.ydt, &P.threshold, 1);
+  return P;
+}
+
 mx::array active_mask(const mx::array& g, int act, float act_threshold, float threshold) {
   const std::string op = "active_mask";
   if (g.ndim() < 1) fail(op + ": g must have at least one dimension");
@@ -331,12 +345,7 @@ mx::array sparse_ffn(const mx::array& x, const std::vector<RowSet>& sets, const 
   FlashSparseFFN::Params P;
   P.has_gate_values = gate_values.has_value();
   P.has_add = add.has_value();
-  P.fmt = fmt;
-  P.act = act;
-  P.ydt = scalar_type(ydt);
-  std::vector<float> t = {threshold};
-  flash::round_floats(P.ydt, t.data(), 1);
-  P.threshold = t[0];
+  P.ffn = ffn_params(fmt, act, ydt, threshold);
   mx::Shape out_shape = x.shape();
   if (gate_values) {
     check_float(*gate_values, op + ": gate_values");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx_view.h"
 
 namespace flash_ext {
 
@@ -30,6 +31,30 @@ struct RowSet {
 // `y = y + part` computes it; x [..., K]; gate_values [..., N] when a set has no gate rows.
 // A set without gate rows multiplies only the rows some x row activates (its gate values are
 // known first; the others' h is 0 and adds nothing): a CATS layer pays for its active neurons.
+// What sparse_ffn computes a row set with: the rows' format (flash::FMT_F16 / FMT_BF16), act (as
+// above), the output dtype (DT_*) and the threshold rounded to it (ffn_params).
+struct FfnParams {
+  int fmt, act, ydt;
+  float threshold;
+};
+FfnParams ffn_params(int fmt, int act, mlx::core::Dtype ydt, float threshold);
+
+// One row set as a task reads it: up / gate / down_t [R, K] views, the first n rows used, ids
+// (int32 [n]) their neuron ids (nullptr: 0..n-1).
+struct SetRows {
+  View up, gate;
+  bool has_gate = false;
+  View down;
+  int n = 0;
+  const int32_t* ids = nullptr;
+};
+
+// sparse_ffn's arithmetic inside a task: y [M, K] (float32 values of P.ydt) <- [y +] each set's
+// part in order (have_y: y already holds a sum; true on return); xin [M, K] float32; gate_values
+// [M, N] for sets without gate rows (nullptr when none needs it).
+void ffn_sets(const FfnParams& P, int M, int K, const float* xin, const View* gate_values,
+              const std::vector<SetRows>& sets, float* y, bool& have_y);
+
 mlx::core::array sparse_ffn(const mlx::core::array& x, const std::vector<RowSet>& sets,
                             const std::optional<mlx::core::array>& gate_values, int act, float threshold,
                             const std::optional<mlx::core::array>& add);

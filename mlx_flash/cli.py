@@ -3,7 +3,7 @@
 import sys
 import traceback
 
-from .errors import FlashError
+from .errors import FlashError, from_kernel
 
 
 def run_cli(main_body, argv, verbose_flag="--verbose"):
@@ -14,10 +14,12 @@ def run_cli(main_body, argv, verbose_flag="--verbose"):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
-    except (FlashError, FileNotFoundError, ValueError, OSError) as e:
+    except (FlashError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and from_kernel(e) is None:
+            raise
         if verbose:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {from_kernel(e) or e}", file=sys.stderr)
         sys.exit(2)
 
 

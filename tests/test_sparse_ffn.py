@@ -3,6 +3,8 @@ MLP shapes FlashFFN accepts, its GPU path on the fused Metal kernels, and the th
 flash mode computes (|act(gate x)| > threshold), on the CPU kernels and on their MLX twins, against
 an independent reference: mlx-lm's own model with each MLP's activation thresholded."""
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -22,6 +24,11 @@ from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import layer_bytes, prefetch_bytes
 from mlx_flash.sparse.ffn import CurrentRows, RowDown, RowProjection, check_mlp_shape
 from mlx_flash.sparse.predictor import LayerPredictor, load_predictors, predicted_density, save_predictors
+
+
+def host_decode(monkeypatch):
+    """Decode on the per-layer host path (MLX_FLASH_DECODE_KERNEL=0), for a test that counts its calls."""
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "0")
 
 
 def all_predictors_pack(tiny_llama, tmp_path, layers=4, n=96, predicted=1.0):
@@ -412,6 +419,7 @@ def test_cats_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llam
     """A float16 CATS pack with a resident 4-bit gate (what convert --dtype float16 --gate-bits 4
     makes), caches smaller than the active set: cache rows, lookahead rows and overflow rows of a
     layer go to ops.sparse_ffn in one call, with the same logits as the MLP's ops, bit for bit."""
+    host_decode(monkeypatch)
     from calibration_packs import decode_logits, tiny_cats_pack, write_text
     from mlx_flash import calibrate as calibrate_cli
     from mlx_flash.sparse import ffn
@@ -448,6 +456,7 @@ def test_product_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_l
     """A float16 product-threshold pack (relufy --activation product) with a resident 4-bit gate
     and quant-glu predictors: each layer's rows go to ops.sparse_ffn ("product": h = silu(g) u
     where |h| > t) in one call, with the logits of the MLP's own ops, bit for bit; in dense mode too."""
+    host_decode(monkeypatch)
     from calibration_packs import decode_logits, tiny_cats_pack, write_text
     from mlx_flash import calibrate as calibrate_cli
     from mlx_flash.sparse import ffn
@@ -580,6 +589,7 @@ def test_cache_fill_and_overflow_are_read_in_one_planned_call_bit_for_bit(tiny_l
     read plan (their bundles interleave; planned apart, each reads through the other's gaps): the
     logits are those of the fill and overflow read apart, bit for bit, and the fill lands in its
     cache rows."""
+    host_decode(monkeypatch)
     from mlx_flash.io import host_bytes
     from mlx_flash.pack import read_layer_components
     from mlx_flash.sparse.ffn import FlashFFN
@@ -626,6 +636,7 @@ def test_decode_reads_go_to_their_rows_in_one_kernel_call_bit_for_bit(tiny_llama
     overflow, then copied into its cache rows) are one FlashLoader.read_at_once call when it takes
     them: every cached row holds its bundle and the logits are those of the planned path
     (read_at_once not taken), bit for bit."""
+    host_decode(monkeypatch)
     from mlx_flash.io import FlashLoader, host_bytes
     from mlx_flash.pack import read_layer_components
 
@@ -662,6 +673,7 @@ def test_a_joint_plan_over_the_staging_limit_by_its_gaps_is_still_one_call_bit_f
     """When the joint fill + overflow plan stages more than the limit only through the gaps its
     merges read across, the layer still reads in one loader call (its merges cut back to the
     limit), within the limit, and the logits are those of unlimited reads, bit for bit."""
+    host_decode(monkeypatch)
     from mlx_flash.io.planner import ReadCost
     from mlx_flash.sparse.ffn import FlashFFN
 
@@ -703,3 +715,97 @@ def test_a_joint_plan_over_the_staging_limit_by_its_gaps_is_still_one_call_bit_f
     monkeypatch.setattr(FlashFFN, "_read_fill_and_overflow", real)
     model = build_flash_model(pack, FlashConfig("flash", window=1))
     assert_identical(got, run_steps(model))
+
+
+DECODE_KERNEL = ops.decode_kernel_enabled({})
+DECODE_IDS = [5, 17, 99, 3, 42, 7, 61, 12, 200, 31]
+
+
+def decode_pack(tiny_llama, tmp_path, act):
+    """A float16 CATS (gate-threshold predictors) or product (quant-glu) pack with a resident 4-bit gate."""
+    from calibration_packs import tiny_cats_pack, write_text
+    from mlx_flash import calibrate as calibrate_cli
+
+    thresholds = [0.03, 0.05, 0.04, 0.06] if act == "cats" else [0.004, 0.008, 0.006, 0.005]
+    pack = tiny_cats_pack(tiny_llama, tmp_path, thresholds, act=act, dtype="float16", gate_bits=4)
+    text = write_text(tmp_path / "t.txt", n_words=300, seed=0)
+    flags = ["--kind", "gate-threshold"] if act == "cats" else ["--gate-bits", "8"]
+    assert calibrate_cli.main(["--model", str(pack), "--text", str(text), *flags, "--quiet"]) == 0
+    return pack
+
+
+def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None):
+    """(logits, {layer: (ids, rows, num_used)}, per-step counters, model) of DECODE_IDS decoded one
+    token per pass on the decode kernel or the per-layer path; limits: (overflow rows, staged
+    bytes) of an overflow piece."""
+    from calibration_packs import decode_logits
+
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1" if kernel else "0")
+    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: capacity for i in range(4)})
+    rt = model.flash_runtime
+    if limits:
+        rt.overflow_rows, rt.max_read_bytes = limits
+    logits = decode_logits(model, DECODE_IDS)
+    caches = {i: (c.ids.copy(), [h.copy() for h in c.host_rows], c.num_used) for i, c in rt.caches.items()}
+    model.flash_stats.finish()
+    counts = [(s.neurons_needed, s.hits, s.neurons_loaded, s.window, sorted(s.layers)) for s in model.flash_stats.steps]
+    return logits, caches, counts, model
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+@pytest.mark.parametrize("act,capacity,limits", [("cats", 0, None), ("cats", 3, None), ("cats", 12, None),
+                                                 ("cats", 96, None), ("cats", 3, (5, 8192)),
+                                                 ("product", 12, None), ("product", 3, (7, 4096))])
+def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(tiny_llama, tmp_path, monkeypatch,
+                                                                               act, capacity, limits):
+    """After a layer's first call (the kernel's check), each decode token of a sparse layer is one
+    ops.sparse_decode primitive: no loader call from Python, and the logits, every neuron cache's
+    ids and rows, and each step's counters (needed, hits, loaded, window) equal the per-layer
+    path's, bit for bit: caches of no rows, a few, some and all, the window expiring rows, and
+    overflow read and computed in pieces (a few rows, a few KiB each)."""
+    from mlx_flash.io import FlashLoader, host_bytes
+    from mlx_flash.pack import read_layer_components
+    from mlx_flash.sparse import ffn
+
+    pack = decode_pack(tiny_llama, tmp_path, act)
+    want = decode_run(pack, monkeypatch, False, capacity, limits)
+    calls = []  # "decode" per primitive, "read" per loader call from Python
+    monkeypatch.setattr(ffn, "sparse_decode", lambda *a: calls.append("decode") or ops.sparse_decode(*a))
+    for name in ("read", "read_many", "read_at_once"):
+        real = getattr(FlashLoader, name)
+        monkeypatch.setattr(FlashLoader, name, lambda self, *a, _real=real, **k: calls.append("read") or _real(self, *a, **k))
+    got = decode_run(pack, monkeypatch, True, capacity, limits)
+    decoded = calls[calls.index("decode"):]  # after the first token: primitives only
+    assert decoded == ["decode"] * 4 * (len(DECODE_IDS) - 1)
+    assert np.array_equal(got[0], want[0])
+    for i, (ids, rows, used) in want[1].items():
+        assert got[1][i][2] == used and np.array_equal(got[1][i][0], ids)
+        assert all(np.array_equal(a, b) for a, b in zip(got[1][i][1], rows))
+    assert got[2] == want[2]
+    for layer, cache in got[3].flash_runtime.caches.items():  # every cached row holds its bundle
+        bundles = read_layer_components(pack, read_manifest(pack).bundles[layer])
+        cache.check({name: host_bytes(a).reshape(96, -1) for name, a in bundles.items() if name in cache.rows})
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+def test_decode_kernel_names_the_file_of_a_bundle_that_fails_its_checksum(tiny_llama, tmp_path, monkeypatch):
+    """Bundles whose bytes no longer match their crc32 stop the decode kernel's token where it is
+    evaluated, with MLX's RuntimeError naming the pack file and the bundle: the FlashError a CLI
+    prints as its one-line error (exit 2)."""
+    from mlx_flash.errors import from_kernel
+    from test_io_loader import corrupt_bundle
+
+    pack = decode_pack(tiny_llama, tmp_path, "cats")
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
+    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
+    cache = make_prompt_cache(model)
+    for t in DECODE_IDS[:2]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    entry = read_manifest(pack)["bundles"][1]
+    for bundle in range(96):
+        corrupt_bundle(pack, bundle, layer=1)
+    with pytest.raises(RuntimeError) as raised:
+        mx.eval(model(mx.array([[DECODE_IDS[2]]]), cache=cache))
+    error = from_kernel(raised.value)
+    assert isinstance(error, FlashError)
+    assert re.fullmatch(rf"\S+/{entry['file']}: checksum mismatch in bundle \d+ \(offset \d+\)", str(error))

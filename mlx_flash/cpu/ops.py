@@ -421,6 +421,36 @@ def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
     return sparse_ffn_ops(x, sets, gate_values, act, threshold, add)
 
 
+# The counters of a sparse_decode call (kernels/sparse_decode.h, DecodeCounter), in order.
+DECODE_COUNTERS = ("needed", "hits", "loaded", "bytes", "reads", "io_ns", "mem_ns", "call_ns", "window",
+                   "fill_copied", "overflow")
+
+
+def decode_kernel_enabled(environ=os.environ) -> bool:
+    """Whether flash decode may run a sparse layer's token as one primitive (sparse_decode): the
+    kernels have it (Linux AIO) and MLX_FLASH_DECODE_KERNEL is not 0 (0: the per-layer host path,
+    for comparisons; same results)."""
+    return hasattr(_ext, "sparse_decode_state") and environ.get("MLX_FLASH_DECODE_KERNEL", "1") != "0"
+
+
+def sparse_decode_state(**kwargs):
+    """A sparse layer's decode state for sparse_decode (kernels/sparse_decode.h; decode_bind.cpp
+    names the arguments: the neuron cache's arrays, the streaming buffer's rows, the bundle file's
+    read arguments). The arrays must outlive every call made with it."""
+    return _ext.sparse_decode_state(**kwargs)
+
+
+def sparse_decode(x, gate_values, mask, state, cache, buf, roles, act, threshold, step):
+    """(y, counters) of one token's step of a sparse layer as one CPU primitive: its neuron cache
+    updated for the neurons of `mask` (bool [N]) at `step`, those it lacks read, and y as
+    sparse_ffn computes it over the cached rows, then the streamed ones (bit for bit
+    FlashFFN's per-layer path). cache / buf: the cache's and the streaming buffer's component
+    arrays in the state's order; roles: (up, gate or -1, down_t) indices into them; act as
+    sparse_ffn's. counters: int64 [len(DECODE_COUNTERS)]. No twin: the per-layer path is it."""
+    return _ext.sparse_decode(x, gate_values, mask, state, cache, buf, list(roles), SPARSE_FFN_ACTS.index(act),
+                              float(threshold), int(step))
+
+
 def sparse_ffn_ops(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
     """sparse_ffn's twin: the row projections' ops one by one (gather_matvec / _t, MLX's
     elementwise ops), as FlashFFN's MLP computes it."""

@@ -132,6 +132,11 @@ class AioContext:
         self.all_submitted = False  # during on_done: nothing is left to submit
         self.waits = np.zeros(2, np.int64)  # read_all's waits so far: (ended spinning, blocked)
 
+    @property
+    def handle(self) -> int:
+        """The io_setup context's id, for a kernel that submits on it (one thread at a time)."""
+        return self._ctx.value
+
     def read(self, fds, offsets, sizes, addresses, vectored=None, *, on_done=None, more=None,
              min_batch=None) -> np.ndarray:
         """Read sizes[i] bytes at offsets[i] of fds[i] into memory at addresses[i], all arrays.

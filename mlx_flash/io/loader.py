@@ -274,6 +274,7 @@ class FlashLoader:
         self._at_once_cache = {}
         self._layout_cache = {}
         self._pieces_cache = {}
+        self._stream_reads = None  # decode_reads' (AioContext, staging) of the MLX stream's thread
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
@@ -395,6 +396,31 @@ class FlashLoader:
         rule = (self.alignment, merge, self.cost.merge_gap_for(int(entry.stride)) if merge else 0, self.max_read)
         return (f.fd, (entry.count, entry.offset, entry.stride), rule, self._pieces_of(tight, pieces), targets,
                 f.crc if self.verify else None, sum(n for _, n in pieces))
+
+    def decode_reads(self, layer, dest, staging_bytes=None):
+        """How the sparse-decode primitive (kernels/sparse_decode.h) reads bundles of `layer` into
+        `dest` (alloc's layout; the same offsets serve the layer's cache rows) from the MLX stream's
+        thread: a dict of sparse_decode_state's read arguments (fd, layout, rule, crc32 table and
+        pieces, each component's offset and bytes, the pack file's path, an AIO context and a
+        staging buffer only that thread uses: made by the first call, of `staging_bytes`, at most
+        STAGED_BATCH; the primitive splits a call it does not fit), or None when read_at_once
+        would not take such reads either."""
+        fast = self._at_once(layer, dest)
+        if fast is None:
+            return None
+        fd, layout, rule, pieces, targets, table, _ = fast
+        if self._stream_reads is None:  # made once: every call runs on the one CPU stream thread
+            ctx = aio.AioContext(self.threads)
+            with self._lock:
+                self._aio_contexts.append(ctx)
+            size = STAGED_BATCH if staging_bytes is None else min(int(staging_bytes), STAGED_BATCH)
+            self._stream_reads = (ctx, np.frombuffer(aligned_buffer(size), np.uint8)[:size])
+        ctx, staging = self._stream_reads
+        return {"ctx": ctx.handle, "fd": fd, "count": layout[0], "offset": layout[1], "stride": layout[2],
+                "align": rule[0], "merge": rule[1], "merge_gap": rule[2], "max_read": rule[3], "table": table,
+                "piece_off": pieces[0], "piece_len": pieces[1], "comp_off": [int(t[0]) for t in targets],
+                "comp_len": [int(t[1]) for t in targets], "staging": staging, "depth": ctx.depth,
+                "spin_ns": ctx.spin_ns, "path": str(self._file(layer, self.entry(layer)).path)}
 
     def read_many(self, requests) -> ReadStats:
         """Several `read`s, [(layer, ids, dest, slots or None)], issued together.
@@ -1142,6 +1168,7 @@ class FlashLoader:
         for ctx in self._aio_contexts:
             ctx.close()
         self._aio_contexts = []
+        self._stream_reads = None
         self._target_cache.clear()
         self._at_once_cache.clear()
         self._layout_cache.clear()

@@ -29,8 +29,8 @@ from mlx.utils import tree_flatten
 
 from ..cpu import endor as cpu_endor
 from ..io import host_bytes
-from ..cpu.ops import (active_mask, gather_matvec, gather_matvec_t, kernels_active, mask_activation_ok,
-                       quantized_matvec, sparse_ffn)
+from ..cpu.ops import (active_mask, decode_kernel_enabled, gather_matvec, gather_matvec_t, kernels_active,
+                       mask_activation_ok, quantized_matvec, sparse_decode, sparse_decode_state, sparse_ffn)
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -398,6 +398,7 @@ class FlashFFN(nn.Module):
         self._cpu_layout = None  # the decode-matvec's view of this layer's bundles, False: not taken
         self._cpu_ffn = None  # CPU: True once ops.sparse_ffn matched the MLP, False: not taken
         self._ffn_act = None  # ops.sparse_ffn's (act, threshold) for this MLP, once looked at
+        self._decoder = None  # ops.sparse_decode's (state, cache arrays, buffer arrays, roles), False: not taken
 
     def _run(self, x, rows, n, add_down_bias=True, ids=None):
         """The MLP on rows[:n]; ids: their neuron ids (mx int32 [n]) for a resident gate."""
@@ -808,6 +809,10 @@ class FlashFFN(nn.Module):
         else:
             mask = predictor(x).reshape(-1, self._n).any(axis=0)
         ahead = self._rt.ahead_mask(self.layer, x)
+        if ahead is None and self.layer not in self._rt.ahead:
+            y = self._decode(x, step, mask)
+            if y is not None:
+                return y
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
         mx.eval(mask, x) if ahead is None else mx.eval(mask, x, ahead)
@@ -858,6 +863,59 @@ class FlashFFN(nn.Module):
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
         c.gate_values = None
         return y
+
+    def _decode(self, x, step, mask):
+        """One token's step of this layer as one primitive (ops.sparse_decode): the cache update,
+        its reads and the FFN run when the graph is evaluated, with no host sync here, the same
+        rows, reads and result as the rest of `_sparse`; its counters reach `step` when the stats
+        settle. None when the call does not go that way: more than one token, a layer whose FFN
+        does not take the CPU kernel (or not yet checked), reads the primitive does not make
+        (read_at_once's), dtypes that differ."""
+        if self._decoder is False or x.size != x.shape[-1] or self._cpu_ffn is not True:
+            return None
+        if self._decoder is None:
+            self._decoder = self._make_decoder() or False
+            if self._decoder is False:
+                return None
+        state, cache_arrays, buf_arrays, roles = self._decoder
+        c, rt = self._current, self._rt
+        act, threshold = self._ffn_act
+        gate_values = None
+        if roles[1] < 0 and act != "relu":
+            gate_values = c.full_gate(x) if c.gate_values is None else c.gate_values
+        dtype = cache_arrays[roles[0]].dtype
+        if x.dtype != dtype or (gate_values is not None and gate_values.dtype != dtype):
+            return None
+        y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
+                                    len(rt.stats.steps))
+        rt.stats.defer(step, self.layer, counters)
+        if rt.eval_sparse is None or self.layer in rt.eval_sparse:
+            mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
+        c.gate_values = None
+        return y
+
+    def _make_decoder(self):
+        """_decode's primitive arguments for this layer, or None when it cannot take it."""
+        rt = self._rt
+        if (not decode_kernel_enabled() or self._ffn_act is None or metal_kernels.metal_active()
+                or not kernels_active()):
+            return None
+        cache = rt.caches[self.layer]
+        buf = rt.stream_rows(self.layer)
+        names = list(buf)
+        if list(cache.rows) != names or set(names) - {"up.weight", "gate.weight", "down_t.weight"}:
+            return None
+        reads = rt.loader.decode_reads(self.layer, buf, rt.max_read_bytes)
+        if reads is None:
+            return None
+        roles = (names.index("up.weight"), names.index("gate.weight") if "gate.weight" in names else -1,
+                 names.index("down_t.weight"))
+        state = sparse_decode_state(
+            layer=self.layer, window=rt.window, ids=cache.ids, slot_of=cache.slot_of,
+            last_active=cache.last_active, used=cache.used_array, cache_rows=cache.host_rows,
+            buf_rows=[host_bytes(a).reshape(a.shape[0], -1) for a in buf.values()], piece_bytes=rt.max_read_bytes,
+            **reads)
+        return state, list(cache.rows.values()), list(buf.values()), roles
 
 
 CHECK_TOKENS = 8  # tokens of a kernel path's first call checked against the MLP (_first_call_checked)

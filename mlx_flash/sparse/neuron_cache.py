@@ -136,13 +136,32 @@ class NeuronCache:
         self.ids = np.full(self.capacity, -1, np.int64)
         self.slot_of = np.full(self.n_neurons, -1, np.int64)  # neuron -> row, -1 when absent
         self.last_active = np.zeros(self.capacity, np.int64)
-        self.num_used = 0
+        self._used = np.zeros(1, np.int64)  # num_used, where the sparse-decode primitive updates it too
         self.rows_moved = 0  # lifetime counters: every row write is one of these two
         self.rows_loaded = 0
         self.update_kernel = cache_update_kernel()  # None: numpy (the reference the kernel is tested on)
         # the live rows' neuron ids as int32 for the FFN kernels (live_ids), rewritten in place
         self._ids32 = mx.zeros((max(self.capacity, 1),), mx.int32)
         self._ids32_host = host_bytes(self._ids32).view(np.int32)
+
+    @property
+    def num_used(self) -> int:
+        """Rows 0..num_used-1 are live."""
+        return int(self._used[0])
+
+    @num_used.setter
+    def num_used(self, n: int) -> None:
+        self._used[0] = n
+
+    @property
+    def used_array(self) -> np.ndarray:
+        """num_used as the int64 [1] array behind it (a kernel updates it in place)."""
+        return self._used
+
+    @property
+    def host_rows(self) -> list:
+        """Each component's rows as uint8 [capacity, bytes] host views of `rows` (the same memory)."""
+        return self._host
 
     def live_ids(self):
         """mx int32 [num_used]: the neuron id of each live row, written into an array this cache

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass
@@ -74,11 +75,46 @@ class FlashStats:
         """Forget all steps and restart MLX's peak-memory counter."""
         self.steps: list[StepStats] = []
         self._last_layer = None
+        self._deferred: list[tuple] = []  # (step, layer, counters): defer's, not yet settled
+        self.decode_fill_copied = 0  # fill rows the decode primitive read beside its overflow (settled)
         mx.reset_peak_memory()
+
+    def defer(self, step: StepStats, layer: int, counters) -> None:
+        """Count a layer call whose work runs when its graph is evaluated (the sparse-decode
+        primitive): `counters` is its lazy int64 output (kernels/sparse_decode.h's DecodeCounter
+        order), added to `step` and its layer by settle()."""
+        self._deferred.append((step, layer, counters))
+
+    def settle(self, keep_last: int = 0) -> None:
+        """Add the deferred counters to their steps, all but those of the last `keep_last` steps
+        (still being evaluated, maybe: reading them would wait for them)."""
+        recent = {id(s) for s in self.steps[len(self.steps) - keep_last:]} if keep_last else set()
+        keep = []
+        for step, layer, counters in self._deferred:
+            if id(step) in recent:
+                keep.append((step, layer, counters))
+                continue
+            (needed, hits, loaded, nbytes, _reads, io_ns, mem_ns, call_ns, window, fill_copied,
+             _overflow) = np.array(counters).tolist()
+            grown = {"io_s": io_ns * 1e-9, "mem_s": mem_ns * 1e-9, "bytes_read": nbytes, "neurons_loaded": loaded,
+                     "neurons_needed": needed, "hits": hits}
+            for k, v in grown.items():
+                setattr(step, k, getattr(step, k) + v)
+            step.io_read_s += io_ns * 1e-9
+            step.window.append(window)
+            row = step.layers.get(layer)
+            if row is not None:
+                for k, v in grown.items():
+                    setattr(row, k, getattr(row, k) + v)
+                row.call_s += call_ns * 1e-9
+            self.decode_fill_copied += fill_copied
+        self._deferred = keep
 
     def enter_layer(self, layer: int, tokens: int) -> StepStats:
         """Called by each FFN module; a layer index not above the previous one starts a step."""
         if self._last_layer is None or layer <= self._last_layer:
+            if len(self._deferred) > 256:  # settle as it goes, not the step in flight or the one before it
+                self.settle(keep_last=2)
             now = time.perf_counter()
             if self.steps and self.steps[-1].end is None:
                 self.steps[-1].end = now
@@ -91,6 +127,7 @@ class FlashStats:
         if self.steps and self.steps[-1].end is None:
             self.steps[-1].end = time.perf_counter()
         self._last_layer = None
+        self.settle()
 
     def summary(self) -> dict:
         """Per-token means over single-token (decode) steps, the prompt step(s) separately.
@@ -101,6 +138,7 @@ class FlashStats:
         peak_memory (bytes, MLX allocator), peak_rss (bytes, whole process), budget, weights_bytes,
         layers (layer_summary: the same per layer).
         """
+        self.settle()
         decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
         prompt = [s for s in self.steps if s.tokens > 1 and s.end is not None]
         n = max(1, len(decode))
@@ -139,6 +177,7 @@ class FlashStats:
         layers), needed (neurons), hit_rate, loaded (neurons read), mb_read, io_ms, mem_ms,
         call_ms (LayerStep.call_s), plan_io_ms (the read ms per token the flash plan priced for
         the layer's option; None without a per-layer plan)."""
+        self.settle()
         decode = [s for s in self.steps if s.tokens == 1 and s.end is not None]
         out = {}
         for layer in sorted({i for s in decode for i in s.layers}):
