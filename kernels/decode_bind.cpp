@@ -55,7 +55,8 @@ void bind_decode(nb::module_& m) {
          std::vector<Rows> cache_rows, std::vector<Rows> buf_rows, uint64_t ctx, int64_t fd, int64_t count,
          int64_t offset, int64_t stride, int64_t align, bool merge, int64_t merge_gap, int64_t max_read,
          std::optional<Table> table, CI64 piece_off, CI64 piece_len, std::vector<int64_t> comp_off,
-         std::vector<int64_t> comp_len, Staging staging, int64_t depth, int64_t spin_ns, std::optional<int64_t> piece_bytes) {
+         std::vector<int64_t> comp_len, Staging staging, int64_t depth, int64_t spin_ns, std::optional<int64_t> piece_bytes,
+         std::optional<int64_t> fill_bytes) {
         auto st = std::make_shared<flash_ext::SparseDecode>();
         const int64_t capacity = int64_t(ids.shape(0)), n_neurons = int64_t(slot_of.shape(0));
         if (int64_t(last_active.shape(0)) != capacity || used.shape(0) != 1 || n_neurons != count)
@@ -99,6 +100,7 @@ void bind_decode(nb::module_& m) {
         st->depth = depth;
         st->spin_ns = spin_ns;
         st->piece_bytes = piece_bytes.has_value() ? std::max<int64_t>(0, *piece_bytes) : -1;
+        st->fill_bytes = fill_bytes.has_value() ? std::max<int64_t>(0, *fill_bytes) : -1;
         return st;
       },
       nb::arg("layer"), nb::arg("path"), nb::arg("window"), nb::arg("ids"), nb::arg("slot_of"), nb::arg("last_active"),
@@ -106,13 +108,14 @@ void bind_decode(nb::module_& m) {
       nb::arg("offset"), nb::arg("stride"), nb::arg("align"), nb::arg("merge"), nb::arg("merge_gap"),
       nb::arg("max_read"), nb::arg("table").none(), nb::arg("piece_off"), nb::arg("piece_len"), nb::arg("comp_off"),
       nb::arg("comp_len"), nb::arg("staging"), nb::arg("depth"), nb::arg("spin_ns"), nb::arg("piece_bytes").none(),
+      nb::arg("fill_bytes").none(),
       "A sparse layer's decode state: its neuron cache's arrays (NeuronCache's ids, slot_of, last_active, used "
       "int64 [1], each component's rows as uint8 [capacity, bytes]: updated in place by every call), the streaming "
       "buffer's rows (uint8 [rows, bytes] per component), and its bundles' file: fd, layout (count, offset, stride), "
       "plan rule (align, merge, merge gap, max read), crc32 table (None: no check) and pieces, each component's "
       "offset and bytes in a bundle, a staging buffer, an AIO context only the CPU stream's thread uses, depth and "
-      "spin; piece_bytes: the most bytes an overflow piece stages (None: no limit; a piece holds at most the buffer's "
-      "rows). The arrays must outlive every call.");
+      "spin; piece_bytes / fill_bytes: the most bytes a read call of the overflow (its pieces also hold at most the "
+      "buffer's rows) / of the cache fill stages (None: no limit). The arrays must outlive every call.");
   m.def(
       "sparse_decode",
       [](const mx::array& x, std::optional<mx::array> gate_values, const mx::array& mask,

@@ -35,105 +35,240 @@ const std::string BAD_PACK = "mlx_flash: bad pack: ";
 // mismatch read twice is in the file).
 constexpr int READ_ATTEMPTS = 2;
 
-// Bundles ids[0..n) of st's layer into rows slots[i] of each component's rows at dest[c] (rows
-// st.row_bytes[c] apart), in as few aio_read_ids calls as st's staging allows; counters
-// (DC_READS, DC_BYTES, DC_IO_NS) added. Errors throw: a checksum mismatch (the pack's bytes) as
-// std::invalid_argument, I/O failures as std::runtime_error.
+// Reads of a plan (plan_strided_reads' rows for n bundles): read k covers [r0[k], r1[k]) and
+// bundles first[k]..first[k + 1] - 1.
+struct Reads {
+  std::vector<int64_t> r0, r1, first;
+  int64_t bytes() const {  // what they stage
+    int64_t n = 0;
+    for (size_t k = 0; k < r0.size(); ++k) n += r1[k] - r0[k];
+    return n;
+  }
+};
+
+// neuron_cache.fit_merges in one pass: the plan's reads with some of its merges undone so that
+// they stage at most `limit` bytes (the merges kept: those whose aligned reads touch, then the
+// smallest gaps first), or false when even the bundles' own reads stage more.
+bool fit_merges(const int64_t* plan, int64_t n, int64_t reads, int64_t align, int64_t limit, Reads& out) {
+  const int64_t *starts = plan + 2 * n, *lengths = plan + 3 * n, *first = plan + 6 * n;
+  std::vector<int64_t> a0(static_cast<size_t>(n)), a1(static_cast<size_t>(n));
+  std::vector<char> join(static_cast<size_t>(n), 1);  // join[j]: bundle j shares a read with j + 1
+  for (int64_t i = 0; i < n; ++i) {
+    a0[i] = starts[i] / align * align;
+    a1[i] = (starts[i] + lengths[i] + align - 1) / align * align;
+  }
+  for (int64_t k = 1; k < reads; ++k) join[size_t(first[k] - 1)] = 0;
+  join[size_t(n - 1)] = 0;
+  int64_t staged = 0;
+  std::vector<int64_t> open;  // merges that stage bytes of their own, by gap
+  for (int64_t i = 0; i < n; ++i) {
+    staged += a1[i] - a0[i];
+    if (!join[i]) continue;
+    const int64_t gap = a0[i + 1] - a1[i];
+    if (gap <= 0)
+      staged += gap;
+    else
+      open.push_back(i);
+  }
+  if (staged > limit) return false;
+  std::stable_sort(open.begin(), open.end(), [&](int64_t x, int64_t y) { return a0[x + 1] - a1[x] < a0[y + 1] - a1[y]; });
+  size_t kept = 0;
+  for (; kept < open.size() && staged + (a0[open[kept] + 1] - a1[open[kept]]) <= limit; ++kept)
+    staged += a0[open[kept] + 1] - a1[open[kept]];
+  for (size_t q = kept; q < open.size(); ++q) join[size_t(open[q])] = 0;
+  out = Reads{};
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || !join[i - 1]) {
+      out.first.push_back(i);
+      out.r0.push_back(a0[i]);
+      out.r1.push_back(a1[i]);
+    }
+    out.r1.back() = std::max(out.r1.back(), a1[i]);
+  }
+  return true;
+}
+
+// Bundles sorted[0..n) (their positions index[i] in the caller's ids, file offsets starts[i])
+// read as `f` says, staged back to back, checked and copied to rows slots[index[i]] of b's
+// targets: aio_read_staged's result as an IdsRead.
+flash::IdsRead read_staged(const SparseDecode& st, const int64_t* sorted, const int64_t* index, const int64_t* starts,
+                           int64_t n, const Reads& f, const int64_t* slots, flash::StagedBundles b, int64_t* res,
+                           uint32_t* crcs) {
+  const int64_t k = int64_t(f.r0.size());
+  flash::IdsRead out{k, 0, true, 0, -1};
+  std::vector<int64_t> pos(static_cast<size_t>(k)), bounds(f.first), rows(static_cast<size_t>(n));
+  std::vector<uint32_t> want(st.table != nullptr ? static_cast<size_t>(n) : 0);
+  for (int64_t r = 0; r < k; ++r) {
+    pos[r] = out.staged;
+    out.staged += f.r1[r] - f.r0[r];
+  }
+  bounds.push_back(n);
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = slots[index[i]];
+    if (st.table != nullptr) want[i] = st.table[sorted[i]];
+  }
+  b.first = bounds.data();
+  b.starts = starts;
+  b.bundles = n;
+  b.want = st.table != nullptr ? want.data() : nullptr;
+  b.slots = rows.data();
+  out.status = flash::aio_read_staged(st.ctx, k, st.file.fd, f.r0.data(), f.r1.data(), pos.data(), st.staging,
+                                      st.depth, st.spin_ns, nullptr, res, crcs, b, &out.bad);
+  return out;
+}
+
+// The targets of a read into `dest` (each component's rows, st.row_bytes[c] apart).
+flash::StagedBundles targets_of(const SparseDecode& st, const std::vector<uint8_t*>& dest) {
+  return flash::StagedBundles{nullptr, nullptr, 0, nullptr, st.piece_off.data(), st.piece_len.data(),
+                              int64_t(st.piece_off.size()), st.comp_off.data(), st.comp_len.data(),
+                              dest.data(), st.row_bytes.data(), int64_t(dest.size()), nullptr};
+}
+
+// The checks after a read call: an I/O failure throws; the call's reads and bytes counted; true
+// when it is done, false to try again; short reads or a checksum mismatch on the last attempt
+// throw BAD_PACK messages (plan rows: sorted ids and file offsets of the call's bundles).
+bool read_done(const SparseDecode& st, const flash::IdsRead& r, const int64_t* sorted, const int64_t* starts,
+               int attempt, int64_t* counters) {
+  if (r.status < 0)
+    throw std::runtime_error("mlx_flash: " + st.path + ": io_submit / io_getevents failed: " +
+                             std::strerror(int(-r.status)));
+  counters[DC_READS] += r.reads;
+  counters[DC_BYTES] += r.staged;
+  if (r.status == 0 && r.bad < 0) return true;
+  if (attempt < READ_ATTEMPTS) return false;
+  if (r.bad >= 0)
+    throw std::invalid_argument(BAD_PACK + st.path + ": checksum mismatch in bundle " + std::to_string(sorted[r.bad]) +
+                                " (offset " + std::to_string(starts[r.bad]) + ")");
+  throw std::invalid_argument(BAD_PACK + st.path + ": " + std::to_string(r.status) +
+                              " reads came back short (truncated?)");
+}
+
+// Bundles ids[0..n) into rows slots[i] of dest planned anew in calls that fit st's staging (halves
+// while a call does not): what a chunk whose reads stage more than the staging falls back to.
 void read_rows(const SparseDecode& st, const int64_t* ids, const int64_t* slots, int64_t n,
                const std::vector<uint8_t*>& dest, int64_t* counters) {
   if (n == 0) return;
-  const int64_t t0 = now_ns();
   std::vector<int64_t> plan(static_cast<size_t>(8 * n)), res(static_cast<size_t>(n));
   std::vector<uint32_t> crcs(static_cast<size_t>(n));
-  const flash::StagedBundles targets{nullptr, nullptr, 0, nullptr, st.piece_off.data(), st.piece_len.data(),
-                                     int64_t(st.piece_off.size()), st.comp_off.data(), st.comp_len.data(),
-                                     dest.data(), st.row_bytes.data(), int64_t(dest.size()), nullptr};
   for (int attempt = 1;; ++attempt) {
     const flash::IdsRead r =
         flash::aio_read_ids(st.ctx, st.file, st.rule, n, ids, slots, st.table, st.staging, st.staging_size, st.depth,
-                            st.spin_ns, nullptr, plan.data(), res.data(), crcs.data(), targets);
+                            st.spin_ns, nullptr, plan.data(), res.data(), crcs.data(), targets_of(st, dest));
     if (r.reads < 0)
       throw std::invalid_argument("mlx_flash: layer " + std::to_string(st.layer) +
                                   ": neuron ids out of range or repeated");
-    if (!r.fits) {  // more than the staging holds: two halves
+    if (!r.fits) {
       if (n == 1) throw std::runtime_error("mlx_flash: " + st.path + ": one bundle does not fit the staging buffer");
-      counters[DC_IO_NS] += now_ns() - t0;
       read_rows(st, ids, slots, n / 2, dest, counters);
       read_rows(st, ids + n / 2, slots + n / 2, n - n / 2, dest, counters);
       return;
     }
-    if (r.status < 0)
-      throw std::runtime_error("mlx_flash: " + st.path + ": io_submit / io_getevents failed: " +
-                               std::strerror(int(-r.status)));
-    counters[DC_READS] += r.reads;
-    counters[DC_BYTES] += r.staged;
-    if (r.status == 0 && r.bad < 0) break;
-    if (attempt == READ_ATTEMPTS) {
-      if (r.bad >= 0)  // the plan's rows: sorted ids, then their file offsets (row 2)
-        throw std::invalid_argument(BAD_PACK + st.path + ": checksum mismatch in bundle " +
-                                    std::to_string(plan[size_t(r.bad)]) + " (offset " +
-                                    std::to_string(plan[size_t(2 * n + r.bad)]) + ")");
-      throw std::invalid_argument(BAD_PACK + st.path + ": " + std::to_string(r.status) +
-                                  " reads came back short (truncated?)");
-    }
+    if (read_done(st, r, plan.data(), plan.data() + 2 * n, attempt, counters)) return;
   }
-  counters[DC_IO_NS] += now_ns() - t0;
 }
 
-// The overflow's pieces, [lo, hi) ranges of the sorted ids over[0..n), as neuron_cache.plan_chunks
-// cuts them (each computed on its own, in order: the same sums as the per-layer path): one piece
-// when its plan stages at most st.piece_bytes and holds at most st.buf_capacity rows, or when only
-// merges through gaps take it over the bytes (fit_merges); else cut at read boundaries.
-std::vector<std::pair<int64_t, int64_t>> overflow_pieces(const SparseDecode& st, const int64_t* over, int64_t n) {
-  if (n == 0) return {};
-  std::vector<int64_t> plan(static_cast<size_t>(8 * n));
-  int64_t* p = plan.data();
-  const int64_t *sorted = p, *starts = p + 2 * n, *lengths = p + 3 * n, *r0 = p + 4 * n, *r1 = p + 5 * n,
-                *first = p + 6 * n;
+// A read plan of bundles ids[0..n) (plan_strided_reads' rows) cut into chunks as
+// neuron_cache.plan_chunks cuts it: each chunk [lo[c], hi[c]) of the sorted bundles with its reads
+// (first relative to lo): one chunk when the plan stages at most `limit` bytes (-1: no limit) and
+// holds at most max_rows bundles, or when only merges through gaps take it over (fit_merges);
+// else chunks cut at read boundaries (a read cut at a chunk's end covering just that chunk's
+// bundles, as ReadPlan.take).
+struct Chunks {
+  int64_t n = 0;
+  std::vector<int64_t> plan;
+  std::vector<int64_t> lo, hi;
+  std::vector<Reads> reads;
+};
+
+Chunks plan_chunks(const SparseDecode& st, const int64_t* ids, int64_t n, int64_t limit, int64_t max_rows) {
+  Chunks ch;
+  ch.n = n;
+  if (n == 0) return ch;
+  ch.plan.resize(static_cast<size_t>(8 * n));
+  int64_t* p = ch.plan.data();
   const int64_t reads =
-      flash::plan_strided_reads(n, over, st.file.count, st.file.offset, st.file.stride, st.rule.align, st.rule.merge,
+      flash::plan_strided_reads(n, ids, st.file.count, st.file.offset, st.file.stride, st.rule.align, st.rule.merge,
                                 st.rule.merge_gap, st.rule.max_read, p, p + n, p + 2 * n, p + 3 * n, p + 4 * n,
                                 p + 5 * n, p + 6 * n, p + 7 * n);
-  if (reads < 0) throw std::invalid_argument("mlx_flash: layer " + std::to_string(st.layer) + ": overflow ids out of range or repeated");
-  (void)sorted;
-  const int64_t max_rows = std::max<int64_t>(1, st.buf_capacity);
-  const double max_bytes = st.piece_bytes < 0 ? 1e300 : double(st.piece_bytes);
-  int64_t staged = 0;
-  for (int64_t k = 0; k < reads; ++k) staged += r1[k] - r0[k];
-  if (double(staged) <= max_bytes && n <= max_rows) return {{0, n}};
-  if (n <= max_rows) {  // fit_merges: the bundles' own aligned reads and the merges that stage nothing
-    const int64_t al = st.rule.align;
-    std::vector<bool> read_start(static_cast<size_t>(n), false);
-    for (int64_t k = 0; k < reads; ++k) read_start[size_t(first[k])] = true;
-    int64_t base = 0, prev_end = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t a0 = starts[i] / al * al, a1 = (starts[i] + lengths[i] + al - 1) / al * al;
-      base += a1 - a0;
-      if (i > 0 && !read_start[size_t(i)] && a0 - prev_end <= 0) base += a0 - prev_end;
-      prev_end = a1;
-    }
-    if (double(base) <= max_bytes) return {{0, n}};
+  if (reads < 0)
+    throw std::invalid_argument("mlx_flash: layer " + std::to_string(st.layer) + ": neuron ids out of range or repeated");
+  const int64_t *starts = p + 2 * n, *lengths = p + 3 * n, *r0 = p + 4 * n, *r1 = p + 5 * n, *first = p + 6 * n;
+  max_rows = std::max<int64_t>(1, max_rows);
+  const double max_bytes = limit < 0 ? 1e300 : double(limit);
+  Reads whole{std::vector<int64_t>(r0, r0 + reads), std::vector<int64_t>(r1, r1 + reads),
+              std::vector<int64_t>(first, first + reads)};
+  if (double(whole.bytes()) <= max_bytes && n <= max_rows) {
+    ch.lo = {0};
+    ch.hi = {n};
+    ch.reads = {std::move(whole)};
+    return ch;
   }
-  std::vector<std::pair<int64_t, int64_t>> out;
+  Reads fitted;
+  if (n <= max_rows && limit >= 0 && fit_merges(p, n, reads, st.rule.align, limit, fitted)) {
+    ch.lo = {0};
+    ch.hi = {n};
+    ch.reads = {std::move(fitted)};
+    return ch;
+  }
+  const int64_t al = st.rule.align;
+  auto take = [&](int64_t lo, int64_t hi) {  // ReadPlan.take
+    Reads t;
+    for (int64_t k = 0; k < reads; ++k) {
+      const int64_t end = k + 1 < reads ? first[k + 1] : n;
+      if (end <= lo || first[k] >= hi) continue;
+      t.r0.push_back(r0[k]);
+      t.r1.push_back(r1[k]);
+      t.first.push_back(std::max(first[k], lo) - lo);
+    }
+    t.r0.front() = starts[lo] / al * al;
+    t.r1.back() = (starts[hi - 1] + lengths[hi - 1] + al - 1) / al * al;
+    ch.lo.push_back(lo);
+    ch.hi.push_back(hi);
+    ch.reads.push_back(std::move(t));
+  };
   int64_t lo = 0;
   double piece = 0;
   for (int64_t k = 0; k < reads; ++k) {
     const int64_t a = first[k], b = k + 1 < reads ? first[k + 1] : n;
     const double size = double(r1[k] - r0[k]);
     if (a > lo && (piece + size > max_bytes || b - lo > max_rows)) {
-      out.emplace_back(lo, a);
+      take(lo, a);
       lo = a;
       piece = 0;
     }
-    while (b - lo > max_rows) {  // one read of more bundles than a piece holds: split it
-      out.emplace_back(lo, lo + max_rows);
+    while (b - lo > max_rows) {  // one read of more bundles than a chunk holds: split it
+      take(lo, lo + max_rows);
       lo += max_rows;
       piece = 0;
     }
     piece += size;
   }
-  out.emplace_back(lo, n);
-  return out;
+  take(lo, n);
+  return ch;
+}
+
+// Chunk c of `ch` (planned from ids) into rows slots[i] of dest for ids[i]: its reads as planned
+// in one call, or, when they stage more than st's staging, its bundles planned anew (read_rows).
+void read_chunk(const SparseDecode& st, const Chunks& ch, size_t c, const int64_t* slots,
+                const std::vector<uint8_t*>& dest, int64_t* counters) {
+  const int64_t n = ch.n, lo = ch.lo[c], m = ch.hi[c] - lo;
+  const int64_t *sorted = ch.plan.data() + lo, *index = ch.plan.data() + n + lo, *starts = ch.plan.data() + 2 * n + lo;
+  const Reads& f = ch.reads[c];
+  const int64_t t0 = now_ns();
+  if (f.bytes() > st.staging_size) {
+    std::vector<int64_t> ids(sorted, sorted + m), rows(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) rows[i] = slots[index[i]];
+    read_rows(st, ids.data(), rows.data(), m, dest, counters);
+  } else {
+    std::vector<int64_t> res(f.r0.size());
+    std::vector<uint32_t> crcs(static_cast<size_t>(m));
+    for (int attempt = 1;; ++attempt) {
+      const flash::IdsRead r = read_staged(st, sorted, index, starts, m, f, slots, targets_of(st, dest), res.data(),
+                                           crcs.data());
+      if (read_done(st, r, sorted, starts, attempt, counters)) break;
+    }
+  }
+  counters[DC_IO_NS] += now_ns() - t0;
 }
 
 class FlashSparseDecode : public CpuPrimitive {
@@ -190,26 +325,43 @@ class FlashSparseDecode : public CpuPrimitive {
       // the reads: the overflow into buffer rows 0.. with the fill after it (copied into its cache
       // rows) when both fit the buffer; else the fill straight into its rows, the overflow in
       // pieces of the buffer's rows, each read when the one before it was computed
-      const std::vector<std::pair<int64_t, int64_t>> pieces = overflow_pieces(st, over.data(), n_over);
-      bool first_read = false;
-      if (n_over == 0) {
-        read_rows(st, fill.data(), fill_slots.data(), n_fill, st.rows, counters);
-      } else if (pieces.size() == 1 && n_over + n_fill <= st.buf_capacity) {
-        std::vector<int64_t> ids(over.begin(), over.begin() + n_over), slots(static_cast<size_t>(n_over + n_fill));
+      // the reads, as the per-layer path makes them (FlashFFN._read_fill_and_overflow): the fill
+      // beside the overflow in buffer rows 0.. (then copied into its cache rows) when both fit the
+      // buffer and one call of at most both limits; else the fill straight into its rows, the
+      // overflow in the chunks of its limits, each read when the one before it was computed
+      const Chunks oc = plan_chunks(st, over.data(), n_over, st.piece_bytes, st.buf_capacity);
+      std::vector<int64_t> buf_slots(static_cast<size_t>(n_over + n_fill));
+      for (int64_t i = 0; i < n_over + n_fill; ++i) buf_slots[i] = i;
+      bool joint = false;
+      if (n_over > 0 && n_fill > 0 && n_over + n_fill <= st.buf_capacity) {
+        std::vector<int64_t> ids(over.begin(), over.begin() + n_over);
         ids.insert(ids.end(), fill.begin(), fill.begin() + n_fill);
-        for (int64_t i = 0; i < n_over + n_fill; ++i) slots[i] = i;
-        read_rows(st, ids.data(), slots.data(), n_over + n_fill, st.buf, counters);
-        t0 = now_ns();
-        for (size_t c = 0; c < st.rows.size(); ++c)
-          for (int64_t i = 0; i < n_fill; ++i)
-            std::memcpy(st.rows[c] + fill_slots[i] * st.row_bytes[c], st.buf[c] + (n_over + i) * st.row_bytes[c],
-                        size_t(st.row_bytes[c]));
-        counters[DC_MEM_NS] += now_ns() - t0;
-        counters[DC_FILL_COPIED] = n_fill;
-        first_read = true;
-      } else {
-        read_rows(st, fill.data(), fill_slots.data(), n_fill, st.rows, counters);
+        const int64_t limit = st.piece_bytes < 0   ? st.fill_bytes
+                              : st.fill_bytes < 0 ? st.piece_bytes
+                                                   : std::min(st.piece_bytes, st.fill_bytes);
+        const Chunks jc = plan_chunks(st, ids.data(), n_over + n_fill, limit, n_over + n_fill);
+        if (jc.lo.size() == 1 && (limit < 0 || jc.reads[0].bytes() <= limit)) {  // (one read over the limit stays one chunk)
+          read_chunk(st, jc, 0, buf_slots.data(), st.buf, counters);
+          t0 = now_ns();
+          for (size_t c = 0; c < st.rows.size(); ++c)
+            for (int64_t i = 0; i < n_fill; ++i)
+              std::memcpy(st.rows[c] + fill_slots[i] * st.row_bytes[c], st.buf[c] + (n_over + i) * st.row_bytes[c],
+                          size_t(st.row_bytes[c]));
+          counters[DC_MEM_NS] += now_ns() - t0;
+          counters[DC_FILL_COPIED] = n_fill;
+          joint = true;
+        }
       }
+      if (!joint && n_fill > 0) {
+        const Chunks fc = plan_chunks(st, fill.data(), n_fill, st.fill_bytes, n_fill);
+        for (size_t c = 0; c < fc.lo.size(); ++c) read_chunk(st, fc, c, fill_slots.data(), st.rows, counters);
+      }
+      std::vector<int64_t> over_rows(static_cast<size_t>(n_over));
+      std::vector<std::pair<int64_t, int64_t>> pieces;
+      if (joint)
+        pieces = {{0, n_over}};
+      else
+        for (size_t c = 0; c < oc.lo.size(); ++c) pieces.emplace_back(oc.lo[c], oc.hi[c]);
       // the FFN: the cached rows and the first overflow piece, then each further piece added
       const int K = int(x.shape.back());
       const int M = K == 0 ? 0 : int(x.size() / K);
@@ -233,17 +385,16 @@ class FlashSparseDecode : public CpuPrimitive {
       };
       std::vector<SetRows> sets = {rows_of(cache, int(used), live.data())};
       const View* gv = P.has_gate_values ? &gate_values : nullptr;
-      for (const auto& [a, b] : pieces) {
+      for (size_t c = 0; c < pieces.size(); ++c) {
+        const auto [a, b] = pieces[c];
         if (a > 0) {  // the buffer is about to be refilled
           ffn_sets(P.ffn, M, K, xin, gv, sets, y, have_y);
           sets.clear();
         }
-        if (!first_read) {
-          std::vector<int64_t> slots(static_cast<size_t>(b - a));
-          for (int64_t i = 0; i < b - a; ++i) slots[i] = i;
-          read_rows(st, over.data() + a, slots.data(), b - a, st.buf, counters);
+        if (!joint) {  // over[a + i] (sorted: the plan's order) -> buffer row i
+          for (int64_t j = a; j < b; ++j) over_rows[j] = j - a;
+          read_chunk(st, oc, c, over_rows.data(), st.buf, counters);
         }
-        first_read = false;
         piece_ids.assign(over.begin() + a, over.begin() + b);
         sets.push_back(rows_of(buf, int(b - a), piece_ids.data()));
       }

@@ -54,9 +54,10 @@ struct SparseDecode {
   std::vector<int64_t> piece_off, piece_len, comp_off, comp_len;
   uint8_t* staging = nullptr;
   int64_t staging_size = 0, depth = 32, spin_ns = 0;
-  // the most bytes an overflow piece's reads stage (-1: no limit); a piece also holds at most
-  // buf_capacity rows (the runtime's overflow limits: neuron_cache.plan_chunks)
-  int64_t piece_bytes = -1;
+  // the most bytes a call's reads stage (-1: no limit) for the overflow (whose pieces also hold
+  // at most buf_capacity rows) and for the cache fill: the runtime's and the cache's limits, cut
+  // as neuron_cache.plan_chunks cuts them
+  int64_t piece_bytes = -1, fill_bytes = -1;
 };
 
 // (y, counters): the decode step of `state`'s layer for x [..., K] holding one token. mask: bool

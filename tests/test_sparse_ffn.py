@@ -748,21 +748,23 @@ def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None):
     logits = decode_logits(model, DECODE_IDS)
     caches = {i: (c.ids.copy(), [h.copy() for h in c.host_rows], c.num_used) for i, c in rt.caches.items()}
     model.flash_stats.finish()
-    counts = [(s.neurons_needed, s.hits, s.neurons_loaded, s.window, sorted(s.layers)) for s in model.flash_stats.steps]
+    counts = [(s.neurons_needed, s.hits, s.neurons_loaded, s.bytes_read, s.window, sorted(s.layers))
+              for s in model.flash_stats.steps]
     return logits, caches, counts, model
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
 @pytest.mark.parametrize("act,capacity,limits", [("cats", 0, None), ("cats", 3, None), ("cats", 12, None),
-                                                 ("cats", 96, None), ("cats", 3, (5, 8192)),
+                                                 ("cats", 96, None), ("cats", 3, (5, 8192)), ("cats", 3, (96, 4096)),
                                                  ("product", 12, None), ("product", 3, (7, 4096))])
 def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(tiny_llama, tmp_path, monkeypatch,
                                                                                act, capacity, limits):
     """After a layer's first call (the kernel's check), each decode token of a sparse layer is one
     ops.sparse_decode primitive: no loader call from Python, and the logits, every neuron cache's
     ids and rows, and each step's counters (needed, hits, loaded, window) equal the per-layer
-    path's, bit for bit: caches of no rows, a few, some and all, the window expiring rows, and
-    overflow read and computed in pieces (a few rows, a few KiB each)."""
+    path's, bit for bit, and so do the bytes it reads: caches of no rows, a few, some and all, the
+    window expiring rows, overflow read and computed in pieces (a few rows, a few KiB each), and a
+    fill beside an overflow whose joint read would stage more than the limit."""
     from mlx_flash.io import FlashLoader, host_bytes
     from mlx_flash.pack import read_layer_components
     from mlx_flash.sparse import ffn

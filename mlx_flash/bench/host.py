@@ -7,7 +7,8 @@ One process, one mode: the pack is loaded, a prompt from --text prefilled, --war
 decoded, then --tokens timed decode tokens (greedy). During the timed tokens mx.eval, the AIO
 loop's wait and the flash runtime's host steps are wrapped with timers (wall and
 time.thread_time, the main thread's CPU); "host" is the wall time outside every eval and read
-wait: Python, numpy and graph building between them. Spans nest (a layer's call holds its reads
+wait: Python, numpy and graph building between them; "reads in them": the read time the flash
+steps counted inside evaluations (a sparse layer's decode primitive reads there). Spans nest (a layer's call holds its reads
 and its evals), so rows do not add up; the first three rows do (plus host = wall). The timers
 cost about a microsecond per call: compare modes and versions with this command, not with
 `bench run`'s totals.
@@ -145,6 +146,8 @@ def measure(pack, mode, budget, window, files, prompt_tokens, warmup, tokens) ->
     spans.wrap_eval(mx)
     if mode != "dense":
         _wrap_runtime(spans)
+    stats = getattr(model, "flash_stats", None)
+    first = len(stats.steps) if stats is not None else 0
     try:
         spans.on = True
         w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -152,6 +155,8 @@ def measure(pack, mode, budget, window, files, prompt_tokens, warmup, tokens) ->
             y = step(y)
         wall, cpu, proc = time.perf_counter() - w0, time.thread_time() - c0, time.process_time() - p0
         spans.on = False
+        if stats is not None:
+            stats.finish()  # settles what the decode primitives counted
     finally:
         spans.restore()
         rt = getattr(model, "flash_runtime", None)
@@ -159,18 +164,24 @@ def measure(pack, mode, budget, window, files, prompt_tokens, warmup, tokens) ->
             rt.close()
     per = 1e3 / tokens
     waits = sum(v for k, v in spans.wall.items() if k.startswith(("mx.eval", "read wait")))
+    read_wait = sum(v for k, v in spans.wall.items() if k.startswith("read wait"))
+    io = sum(s.io_s for s in stats.steps[first:]) if stats is not None else 0.0
     rows = [{"span": k, "wall_ms": v * per, "cpu_ms": spans.cpu[k] * per, "calls": spans.calls[k] / tokens}
             for k, v in sorted(spans.wall.items(), key=lambda kv: -kv[1])]
     return {"mode": mode, "tokens": tokens, "wall_ms": wall * per, "main_cpu_ms": cpu * per,
             "process_cpu_ms": proc * per, "host_ms": (wall - waits) * per,
             "eval_ms": sum(v for k, v in spans.wall.items() if k.startswith("mx.eval")) * per,
-            "read_wait_ms": sum(v for k, v in spans.wall.items() if k.startswith("read wait")) * per,
+            "read_wait_ms": read_wait * per,
+            # reads timed inside evaluations (the sparse-decode primitive's): the steps' I/O time
+            # beyond the read waits on the host
+            "eval_read_ms": max(0.0, io - read_wait) * per,
             "spans": rows}
 
 
 def markdown(result) -> str:
     r = result
-    lines = [f"{r['mode']}: {r['wall_ms']:.1f} ms/token wall = evals {r['eval_ms']:.1f} + read waits "
+    lines = [f"{r['mode']}: {r['wall_ms']:.1f} ms/token wall = evals {r['eval_ms']:.1f} (reads in them "
+             f"{r['eval_read_ms']:.1f}) + read waits "
              f"{r['read_wait_ms']:.1f} + host {r['host_ms']:.1f}; main-thread CPU {r['main_cpu_ms']:.1f}, "
              f"process CPU {r['process_cpu_ms']:.1f} ms/token ({r['tokens']} tokens)",
              "", "| span | wall ms/token | main-thread CPU ms/token | calls/token |", "|---|---|---|---|"]

@@ -402,9 +402,9 @@ class FlashLoader:
         `dest` (alloc's layout; the same offsets serve the layer's cache rows) from the MLX stream's
         thread: a dict of sparse_decode_state's read arguments (fd, layout, rule, crc32 table and
         pieces, each component's offset and bytes, the pack file's path, an AIO context and a
-        staging buffer only that thread uses: made by the first call, of `staging_bytes`, at most
-        STAGED_BATCH; the primitive splits a call it does not fit), or None when read_at_once
-        would not take such reads either."""
+        staging buffer only that thread uses: made by the first call, for calls of at most
+        `staging_bytes` (None: STAGED_BATCH); the primitive splits a call it does not fit), or
+        None when read_at_once would not take such reads either."""
         fast = self._at_once(layer, dest)
         if fast is None:
             return None
@@ -413,7 +413,8 @@ class FlashLoader:
             ctx = aio.AioContext(self.threads)
             with self._lock:
                 self._aio_contexts.append(ctx)
-            size = STAGED_BATCH if staging_bytes is None else min(int(staging_bytes), STAGED_BATCH)
+            # a call stages at most its limit, or one planned read (max_read, aligned at both ends)
+            size = STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
             self._stream_reads = (ctx, np.frombuffer(aligned_buffer(size), np.uint8)[:size])
         ctx, staging = self._stream_reads
         return {"ctx": ctx.handle, "fd": fd, "count": layout[0], "offset": layout[1], "stride": layout[2],

@@ -905,7 +905,7 @@ class FlashFFN(nn.Module):
         names = list(buf)
         if list(cache.rows) != names or set(names) - {"up.weight", "gate.weight", "down_t.weight"}:
             return None
-        reads = rt.loader.decode_reads(self.layer, buf, rt.max_read_bytes)
+        reads = rt.loader.decode_reads(self.layer, buf, _largest(rt.max_read_bytes, cache.max_read_bytes))
         if reads is None:
             return None
         roles = (names.index("up.weight"), names.index("gate.weight") if "gate.weight" in names else -1,
@@ -914,7 +914,7 @@ class FlashFFN(nn.Module):
             layer=self.layer, window=rt.window, ids=cache.ids, slot_of=cache.slot_of,
             last_active=cache.last_active, used=cache.used_array, cache_rows=cache.host_rows,
             buf_rows=[host_bytes(a).reshape(a.shape[0], -1) for a in buf.values()], piece_bytes=rt.max_read_bytes,
-            **reads)
+            fill_bytes=cache.max_read_bytes, **reads)
         return state, list(cache.rows.values()), list(buf.values()), roles
 
 
@@ -976,6 +976,11 @@ def _tightest(*limits):
     """The smallest of staging limits in bytes (None: no limit), None when none is set."""
     given = [m for m in limits if m is not None]
     return min(given) if given else None
+
+
+def _largest(*limits):
+    """The largest of staging limits in bytes, None (no limit) when any is None."""
+    return None if any(m is None for m in limits) else max(limits)
 
 
 def _row_ids(ids):

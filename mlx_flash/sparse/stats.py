@@ -2,8 +2,9 @@
 
 A step is one forward pass of the model (the prompt, then one per generated token). I/O and
 memory-management times are measured where they happen (loader reads; neuron-cache deletes and
-bookkeeping); compute is the rest of the step's wall time (attention, FFN matmuls, predictors,
-lm_head, sampling), so io + mem + compute = wall time.
+bookkeeping; inside a sparse layer's decode primitive while MLX evaluates it, counted into its
+step by `settle`); compute is the rest of the step's wall time (attention, FFN matmuls,
+predictors, lm_head, sampling), so io + mem + compute = wall time.
 """
 
 import resource
