@@ -784,6 +784,9 @@ def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(t
         assert got[1][i][2] == used and np.array_equal(got[1][i][0], ids)
         assert all(np.array_equal(a, b) for a, b in zip(got[1][i][1], rows))
     assert got[2] == want[2]
+    # the primitive's reads are counted as reads inside evaluations, the per-layer path's are not
+    assert sum(s.io_eval_s for s in want[3].flash_stats.steps) == 0
+    assert (sum(s.io_eval_s for s in got[3].flash_stats.steps) > 0) == any(c[3] for c in got[2][1:])
     for layer, cache in got[3].flash_runtime.caches.items():  # every cached row holds its bundle
         bundles = read_layer_components(pack, read_manifest(pack).bundles[layer])
         cache.check({name: host_bytes(a).reshape(96, -1) for name, a in bundles.items() if name in cache.rows})

@@ -8,7 +8,7 @@ decoded, then --tokens timed decode tokens (greedy). During the timed tokens mx.
 loop's wait and the flash runtime's host steps are wrapped with timers (wall and
 time.thread_time, the main thread's CPU); "host" is the wall time outside every eval and read
 wait: Python, numpy and graph building between them; "reads in them": the read time the flash
-steps counted inside evaluations (a sparse layer's decode primitive reads there). Spans nest (a layer's call holds its reads
+steps counted inside evaluations (StepStats.io_eval_s: a sparse layer's decode primitive reads there). Spans nest (a layer's call holds its reads
 and its evals), so rows do not add up; the first three rows do (plus host = wall). The timers
 cost about a microsecond per call: compare modes and versions with this command, not with
 `bench run`'s totals.
@@ -164,17 +164,14 @@ def measure(pack, mode, budget, window, files, prompt_tokens, warmup, tokens) ->
             rt.close()
     per = 1e3 / tokens
     waits = sum(v for k, v in spans.wall.items() if k.startswith(("mx.eval", "read wait")))
-    read_wait = sum(v for k, v in spans.wall.items() if k.startswith("read wait"))
-    io = sum(s.io_s for s in stats.steps[first:]) if stats is not None else 0.0
+    in_evals = sum(s.io_eval_s for s in stats.steps[first:]) if stats is not None else 0.0
     rows = [{"span": k, "wall_ms": v * per, "cpu_ms": spans.cpu[k] * per, "calls": spans.calls[k] / tokens}
             for k, v in sorted(spans.wall.items(), key=lambda kv: -kv[1])]
     return {"mode": mode, "tokens": tokens, "wall_ms": wall * per, "main_cpu_ms": cpu * per,
             "process_cpu_ms": proc * per, "host_ms": (wall - waits) * per,
             "eval_ms": sum(v for k, v in spans.wall.items() if k.startswith("mx.eval")) * per,
-            "read_wait_ms": read_wait * per,
-            # reads timed inside evaluations (the sparse-decode primitive's): the steps' I/O time
-            # beyond the read waits on the host
-            "eval_read_ms": max(0.0, io - read_wait) * per,
+            "read_wait_ms": sum(v for k, v in spans.wall.items() if k.startswith("read wait")) * per,
+            "eval_read_ms": in_evals * per,  # the steps' reads inside evaluations (StepStats.io_eval_s)
             "spans": rows}
 
 

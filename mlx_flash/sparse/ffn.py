@@ -366,7 +366,9 @@ class FlashRuntime:
         return ids, buf
 
     def close(self):
-        """Stop the prefetcher and close the loader (threads, AIO contexts, open files)."""
+        """Stop the prefetcher and close the loader (threads, AIO contexts, open files), once
+        whatever MLX still evaluates is done (a sparse layer's decode primitive reads the files)."""
+        mx.synchronize()
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None

@@ -25,6 +25,7 @@ class StepStats:
     io_s: float = 0.0  # waited for reads (prefetched reads: only the part not hidden by compute)
     io_read_s: float = 0.0  # loader time of this step's reads, hidden or not
     decode_s: float = 0.0  # ENDOR crc32 check + decode, inside io_s / io_read_s (not extra time)
+    io_eval_s: float = 0.0  # of io_s: reads inside MLX's evaluations (the sparse-decode primitive's)
     mem_s: float = 0.0
     bytes_read: int = 0
     neurons_loaded: int = 0
@@ -102,6 +103,7 @@ class FlashStats:
             for k, v in grown.items():
                 setattr(step, k, getattr(step, k) + v)
             step.io_read_s += io_ns * 1e-9
+            step.io_eval_s += io_ns * 1e-9
             step.window.append(window)
             row = step.layers.get(layer)
             if row is not None:
