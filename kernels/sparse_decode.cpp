@@ -50,6 +50,8 @@ struct Reads {
 // they stage at most `limit` bytes (the merges kept: those whose aligned reads touch, then the
 // smallest gaps first), or false when even the bundles' own reads stage more.
 bool fit_merges(const int64_t* plan, int64_t n, int64_t reads, int64_t align, int64_t limit, Reads& out) {
+  out = Reads{};
+  if (n <= 0) return true;
   const int64_t *starts = plan + 2 * n, *lengths = plan + 3 * n, *first = plan + 6 * n;
   std::vector<int64_t> a0(static_cast<size_t>(n)), a1(static_cast<size_t>(n));
   std::vector<char> join(static_cast<size_t>(n), 1);  // join[j]: bundle j shares a read with j + 1
@@ -76,7 +78,6 @@ bool fit_merges(const int64_t* plan, int64_t n, int64_t reads, int64_t align, in
   for (; kept < open.size() && staged + (a0[open[kept] + 1] - a1[open[kept]]) <= limit; ++kept)
     staged += a0[open[kept] + 1] - a1[open[kept]];
   for (size_t q = kept; q < open.size(); ++q) join[size_t(open[q])] = 0;
-  out = Reads{};
   for (int64_t i = 0; i < n; ++i) {
     if (i == 0 || !join[i - 1]) {
       out.first.push_back(i);
@@ -271,6 +272,40 @@ void read_chunk(const SparseDecode& st, const Chunks& ch, size_t c, const int64_
   counters[DC_IO_NS] += now_ns() - t0;
 }
 
+// A call's cache fill read as the per-layer path reads it (FlashFFN._read_fill_and_overflow):
+// beside the overflow in buffer rows 0.. (the overflow first, then the fill, copied into its cache
+// rows) when both fit the buffer and one call within both limits takes them (returns true: the
+// overflow is read too); else straight into its cache rows in the chunks of the cache's limit
+// (returns false: the caller reads the overflow, chunk by chunk, as it computes).
+bool read_fill(const SparseDecode& st, const int64_t* over, int64_t n_over, const int64_t* fill,
+               const int64_t* fill_slots, int64_t n_fill, int64_t* counters) {
+  if (n_over > 0 && n_fill > 0 && n_over + n_fill <= st.buf_capacity) {
+    std::vector<int64_t> ids(over, over + n_over), rows(static_cast<size_t>(n_over + n_fill));
+    ids.insert(ids.end(), fill, fill + n_fill);
+    for (int64_t i = 0; i < n_over + n_fill; ++i) rows[i] = i;
+    const int64_t limit = st.piece_bytes < 0 ? st.fill_bytes
+                          : st.fill_bytes < 0 ? st.piece_bytes
+                                              : std::min(st.piece_bytes, st.fill_bytes);
+    const Chunks jc = plan_chunks(st, ids.data(), n_over + n_fill, limit, n_over + n_fill);
+    if (jc.lo.size() == 1 && (limit < 0 || jc.reads[0].bytes() <= limit)) {  // (one read over the limit stays one chunk)
+      read_chunk(st, jc, 0, rows.data(), st.buf, counters);
+      const int64_t t0 = now_ns();
+      for (size_t c = 0; c < st.rows.size(); ++c)
+        for (int64_t i = 0; i < n_fill; ++i)
+          std::memcpy(st.rows[c] + fill_slots[i] * st.row_bytes[c], st.buf[c] + (n_over + i) * st.row_bytes[c],
+                      size_t(st.row_bytes[c]));
+      counters[DC_MEM_NS] += now_ns() - t0;
+      counters[DC_FILL_COPIED] = n_fill;
+      return true;
+    }
+  }
+  if (n_fill > 0) {
+    const Chunks fc = plan_chunks(st, fill, n_fill, st.fill_bytes, n_fill);
+    for (size_t c = 0; c < fc.lo.size(); ++c) read_chunk(st, fc, c, fill_slots, st.rows, counters);
+  }
+  return false;
+}
+
 class FlashSparseDecode : public CpuPrimitive {
  public:
   struct Params {
@@ -307,7 +342,7 @@ class FlashSparseDecode : public CpuPrimitive {
         if (mask.ptr[mask.offset(i)]) active.push_back(i);
       const int64_t k = int64_t(active.size());
       // the cache update: survivors, evictions, rows for the new neurons that fit
-      int64_t t0 = now_ns();
+      const int64_t t0 = now_ns();
       const auto kk = static_cast<size_t>(k);
       std::vector<int64_t> over(kk), fill(kk), fill_slots(kk), scratch2(static_cast<size_t>(2 * st.capacity));
       flash::CacheState cs{st.ids,      st.slot_of,           st.last_active, st.capacity, st.n_neurons, *st.used,
@@ -322,40 +357,8 @@ class FlashSparseDecode : public CpuPrimitive {
       counters[DC_WINDOW] = r.window;
       counters[DC_OVERFLOW] = r.n_overflow;
       const int64_t n_over = r.n_overflow, n_fill = r.n_fill;
-      // the reads: the overflow into buffer rows 0.. with the fill after it (copied into its cache
-      // rows) when both fit the buffer; else the fill straight into its rows, the overflow in
-      // pieces of the buffer's rows, each read when the one before it was computed
-      // the reads, as the per-layer path makes them (FlashFFN._read_fill_and_overflow): the fill
-      // beside the overflow in buffer rows 0.. (then copied into its cache rows) when both fit the
-      // buffer and one call of at most both limits; else the fill straight into its rows, the
-      // overflow in the chunks of its limits, each read when the one before it was computed
       const Chunks oc = plan_chunks(st, over.data(), n_over, st.piece_bytes, st.buf_capacity);
-      std::vector<int64_t> buf_slots(static_cast<size_t>(n_over + n_fill));
-      for (int64_t i = 0; i < n_over + n_fill; ++i) buf_slots[i] = i;
-      bool joint = false;
-      if (n_over > 0 && n_fill > 0 && n_over + n_fill <= st.buf_capacity) {
-        std::vector<int64_t> ids(over.begin(), over.begin() + n_over);
-        ids.insert(ids.end(), fill.begin(), fill.begin() + n_fill);
-        const int64_t limit = st.piece_bytes < 0   ? st.fill_bytes
-                              : st.fill_bytes < 0 ? st.piece_bytes
-                                                   : std::min(st.piece_bytes, st.fill_bytes);
-        const Chunks jc = plan_chunks(st, ids.data(), n_over + n_fill, limit, n_over + n_fill);
-        if (jc.lo.size() == 1 && (limit < 0 || jc.reads[0].bytes() <= limit)) {  // (one read over the limit stays one chunk)
-          read_chunk(st, jc, 0, buf_slots.data(), st.buf, counters);
-          t0 = now_ns();
-          for (size_t c = 0; c < st.rows.size(); ++c)
-            for (int64_t i = 0; i < n_fill; ++i)
-              std::memcpy(st.rows[c] + fill_slots[i] * st.row_bytes[c], st.buf[c] + (n_over + i) * st.row_bytes[c],
-                          size_t(st.row_bytes[c]));
-          counters[DC_MEM_NS] += now_ns() - t0;
-          counters[DC_FILL_COPIED] = n_fill;
-          joint = true;
-        }
-      }
-      if (!joint && n_fill > 0) {
-        const Chunks fc = plan_chunks(st, fill.data(), n_fill, st.fill_bytes, n_fill);
-        for (size_t c = 0; c < fc.lo.size(); ++c) read_chunk(st, fc, c, fill_slots.data(), st.rows, counters);
-      }
+      const bool joint = read_fill(st, over.data(), n_over, fill.data(), fill_slots.data(), n_fill, counters);
       std::vector<int64_t> over_rows(static_cast<size_t>(n_over));
       std::vector<std::pair<int64_t, int64_t>> pieces;
       if (joint)
