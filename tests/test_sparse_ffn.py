@@ -735,22 +735,31 @@ def decode_pack(tiny_llama, tmp_path, act):
 
 
 def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None):
-    """(logits, {layer: (ids, rows, num_used)}, per-step counters, model) of DECODE_IDS decoded one
-    token per pass on the decode kernel or the per-layer path; limits: (overflow rows, staged
-    bytes) of an overflow piece."""
+    """(logits, {layer: (ids, rows, num_used)}, per-step counters, model, read log) of DECODE_IDS
+    decoded one token per pass on the decode kernel or the per-layer path, its reads logged by
+    bench run's LoggedReads; limits: (overflow rows, staged bytes) of an overflow piece.
+    Per-step counters: needed, hits, loaded, bytes and window from the stats, then the bundles and
+    bytes the read log holds for the step, and the layers."""
     from calibration_packs import decode_logits
+
+    from mlx_flash.bench.measure import LoggedReads
 
     monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1" if kernel else "0")
     model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: capacity for i in range(4)})
     rt = model.flash_runtime
     if limits:
         rt.overflow_rows, rt.max_read_bytes = limits
+    rt.loader = reads = LoggedReads(rt.loader, model.flash_stats, rt.caches)
+    for cache in rt.caches.values():
+        cache.loader = reads
     logits = decode_logits(model, DECODE_IDS)
     caches = {i: (c.ids.copy(), [h.copy() for h in c.host_rows], c.num_used) for i, c in rt.caches.items()}
     model.flash_stats.finish()
-    counts = [(s.neurons_needed, s.hits, s.neurons_loaded, s.bytes_read, s.window, sorted(s.layers))
-              for s in model.flash_stats.steps]
-    return logits, caches, counts, model
+    logged = [(sum(r[2] for r in reads.log if r[0] == i), sum(r[3] for r in reads.log if r[0] == i))
+              for i in range(len(model.flash_stats.steps))]
+    counts = [(s.neurons_needed, s.hits, s.neurons_loaded, s.bytes_read, s.window, *log, sorted(s.layers))
+              for s, log in zip(model.flash_stats.steps, logged)]
+    return logits, caches, counts, model, reads.log
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
@@ -784,6 +793,14 @@ def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(t
         assert got[1][i][2] == used and np.array_equal(got[1][i][0], ids)
         assert all(np.array_equal(a, b) for a, b in zip(got[1][i][1], rows))
     assert got[2] == want[2]
+    # what bench run's accounting adds up: the log's bundles and bytes per step (in counts), the
+    # rows each cache filled, those logged into cache rows and those copied from beside an overflow
+    filled = []
+    for run in (want, got):
+        rt = run[3].flash_runtime
+        filled.append((sum(c.rows_loaded for c in rt.caches.values()), rt.fill_copied))
+        assert filled[-1][0] == sum(r[2] for r in run[4] if r[7]) + rt.fill_copied
+    assert filled[0] == filled[1]
     # the primitive's reads are counted as reads inside evaluations, the per-layer path's are not
     assert sum(s.io_eval_s for s in want[3].flash_stats.steps) == 0
     assert (sum(s.io_eval_s for s in got[3].flash_stats.steps) > 0) == any(c[3] for c in got[2][1:])

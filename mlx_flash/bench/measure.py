@@ -81,6 +81,20 @@ class LoggedReads:
             self._log_call(layer, ids, dest, s)
         return s
 
+    def decode_reads(self, layer, dest, staging_bytes=None):
+        """FlashLoader.decode_reads (a kernel reads with what it returns; kernel_reads logs them);
+        unbundled copies: None, their reads go through `read`."""
+        return None if self._unbundled is not None else self._loader.decode_reads(layer, dest, staging_bytes)
+
+    def kernel_reads(self, step, layer, bundles, cache_bundles, nbytes, reads, seconds):
+        """FlashLoader.kernel_reads, logged as two rows: the bundles read straight into cache
+        rows, then the rest (the bytes, reads and seconds on this one)."""
+        rows = [(cache_bundles, True, 0, 0, 0.0), (bundles - cache_bundles, False, nbytes, reads, seconds)]
+        for n, into_cache, b, r, sec in rows:
+            if n or b:
+                self.log.append((step, layer, n, b, self._pack_bytes(layer, range(n)), r, sec, into_cache,
+                                 self._pack_bytes(layer, range(n))))
+
     def read_encoded(self, layer, out=None):
         """FlashLoader.read_encoded (a whole ENDOR layer as stored, for the decode-matvec kernels), logged."""
         words, offsets, s = self._loader.read_encoded(layer, out)

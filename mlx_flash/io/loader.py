@@ -423,6 +423,12 @@ class FlashLoader:
                 "comp_len": [int(t[1]) for t in targets], "staging": staging, "depth": ctx.depth,
                 "spin_ns": ctx.spin_ns, "path": str(self._file(layer, self.entry(layer)).path)}
 
+    def kernel_reads(self, step, layer, bundles, cache_bundles, nbytes, reads, seconds) -> None:
+        """Reads a kernel made with decode_reads' arguments, reported once it ran (step: the flash
+        step's index; `bundles` of `layer`, `cache_bundles` of them straight into cache rows;
+        `nbytes` in `reads` reads, `seconds`). Their bytes and counts are in the flash stats
+        already: nothing to do here; a wrapper that logs the loader's reads (bench) logs them."""
+
     def read_many(self, requests) -> ReadStats:
         """Several `read`s, [(layer, ids, dest, slots or None)], issued together.
 

@@ -890,11 +890,22 @@ class FlashFFN(nn.Module):
             return None
         y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
                                     len(rt.stats.steps))
-        rt.stats.defer(step, self.layer, counters)
+        rt.stats.defer(self.layer, counters, self._decode_settled)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
         c.gate_values = None
         return y
+
+    def _decode_settled(self, step_index: int, v: dict) -> None:
+        """What a settled decode call (its counters v, ops.DECODE_COUNTERS) did beyond its step's
+        counters, counted where the per-layer path counts it: the cache rows it filled, the fills
+        it copied from beside the overflow, and its reads for the loader (FlashLoader.kernel_reads)."""
+        rt = self._rt
+        fills = v["loaded"] - v["overflow"]
+        rt.caches[self.layer].rows_loaded += fills
+        rt.fill_copied += v["fill_copied"]
+        rt.loader.kernel_reads(step_index, self.layer, v["loaded"], fills - v["fill_copied"], v["bytes"], v["reads"],
+                               v["io_ns"] * 1e-9)
 
     def _make_decoder(self):
         """_decode's primitive arguments for this layer, or None when it cannot take it."""

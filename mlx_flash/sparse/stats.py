@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..cpu.ops import DECODE_COUNTERS
+
 
 @dataclass
 class StepStats:
@@ -77,40 +79,41 @@ class FlashStats:
         """Forget all steps and restart MLX's peak-memory counter."""
         self.steps: list[StepStats] = []
         self._last_layer = None
-        self._deferred: list[tuple] = []  # (step, layer, counters): defer's, not yet settled
-        self.decode_fill_copied = 0  # fill rows the decode primitive read beside its overflow (settled)
+        self._deferred: list[tuple] = []  # (step index, layer, counters, then): defer's, not yet settled
         mx.reset_peak_memory()
 
-    def defer(self, step: StepStats, layer: int, counters) -> None:
-        """Count a layer call whose work runs when its graph is evaluated (the sparse-decode
-        primitive): `counters` is its lazy int64 output (kernels/sparse_decode.h's DecodeCounter
-        order), added to `step` and its layer by settle()."""
-        self._deferred.append((step, layer, counters))
+    def defer(self, layer: int, counters, then=None) -> None:
+        """Count a call of `layer` in the current step whose work runs when its graph is evaluated
+        (the sparse-decode primitive): `counters` is its lazy int64 output (ops.DECODE_COUNTERS),
+        added to the step and its layer by settle(), which then calls then(step index, {name:
+        value}) for whoever else counts that work (the neuron cache's rows, a read log)."""
+        self._deferred.append((len(self.steps) - 1, layer, counters, then))
 
     def settle(self, keep_last: int = 0) -> None:
         """Add the deferred counters to their steps, all but those of the last `keep_last` steps
         (still being evaluated, maybe: reading them would wait for them)."""
-        recent = {id(s) for s in self.steps[len(self.steps) - keep_last:]} if keep_last else set()
         keep = []
-        for step, layer, counters in self._deferred:
-            if id(step) in recent:
-                keep.append((step, layer, counters))
+        for entry in self._deferred:
+            index, layer, counters, then = entry
+            if index >= len(self.steps) - keep_last:
+                keep.append(entry)
                 continue
-            (needed, hits, loaded, nbytes, _reads, io_ns, mem_ns, call_ns, window, fill_copied,
-             _overflow) = np.array(counters).tolist()
-            grown = {"io_s": io_ns * 1e-9, "mem_s": mem_ns * 1e-9, "bytes_read": nbytes, "neurons_loaded": loaded,
-                     "neurons_needed": needed, "hits": hits}
-            for k, v in grown.items():
-                setattr(step, k, getattr(step, k) + v)
-            step.io_read_s += io_ns * 1e-9
-            step.io_eval_s += io_ns * 1e-9
-            step.window.append(window)
+            step = self.steps[index]
+            v = dict(zip(DECODE_COUNTERS, np.array(counters).tolist()))
+            grown = {"io_s": v["io_ns"] * 1e-9, "mem_s": v["mem_ns"] * 1e-9, "bytes_read": v["bytes"],
+                     "neurons_loaded": v["loaded"], "neurons_needed": v["needed"], "hits": v["hits"]}
+            for k, g in grown.items():
+                setattr(step, k, getattr(step, k) + g)
+            step.io_read_s += v["io_ns"] * 1e-9
+            step.io_eval_s += v["io_ns"] * 1e-9
+            step.window.append(v["window"])
             row = step.layers.get(layer)
             if row is not None:
-                for k, v in grown.items():
-                    setattr(row, k, getattr(row, k) + v)
-                row.call_s += call_ns * 1e-9
-            self.decode_fill_copied += fill_copied
+                for k, g in grown.items():
+                    setattr(row, k, getattr(row, k) + g)
+                row.call_s += v["call_ns"] * 1e-9
+            if then is not None:
+                then(index, v)
         self._deferred = keep
 
     def enter_layer(self, layer: int, tokens: int) -> StepStats:
