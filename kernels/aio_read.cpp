@@ -167,24 +167,19 @@ int64_t aio_read_staged(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, 
   return 0;
 }
 
-IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& rule, int64_t n, const int64_t* ids,
-                     const int64_t* slots, const uint32_t* table, uint8_t* staging, int64_t staging_size,
-                     int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* plan, int64_t* res, uint32_t* crcs,
-                     StagedBundles b) {
-  IdsRead out{0, 0, false, 0, -1};
-  int64_t *sorted = plan, *index = plan + n, *starts = plan + 2 * n, *r0 = plan + 4 * n, *r1 = plan + 5 * n,
-          *first = plan + 6 * n;
-  out.reads = plan_strided_reads(n, ids, layer.count, layer.offset, layer.stride, rule.align, rule.merge,
-                                 rule.merge_gap, rule.max_read, sorted, index, starts, plan + 3 * n, r0, r1, first,
-                                 plan + 7 * n);
-  if (out.reads < 0) return out;
-  std::vector<int64_t> pos(static_cast<size_t>(out.reads)), bounds(static_cast<size_t>(out.reads) + 1);
-  for (int64_t k = 0; k < out.reads; ++k) {
+IdsRead aio_read_planned(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sorted, const int64_t* index,
+                         const int64_t* starts, int64_t reads, const int64_t* r0, const int64_t* r1,
+                         const int64_t* first, const int64_t* slots, const uint32_t* table, uint8_t* staging,
+                         int64_t staging_size, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res,
+                         uint32_t* crcs, StagedBundles b) {
+  IdsRead out{reads, 0, false, 0, -1};
+  std::vector<int64_t> pos(static_cast<size_t>(reads)), bounds(static_cast<size_t>(reads) + 1);
+  for (int64_t k = 0; k < reads; ++k) {
     pos[k] = out.staged;
     out.staged += r1[k] - r0[k];
     bounds[k] = first[k];
   }
-  bounds[out.reads] = n;
+  bounds[reads] = n;
   out.fits = out.staged <= staging_size;
   if (!out.fits) return out;
   std::vector<int64_t> rows(static_cast<size_t>(n));  // rows follow the sorted ids
@@ -198,9 +193,23 @@ IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& ru
   b.bundles = n;
   b.want = table != nullptr ? want.data() : nullptr;
   b.slots = rows.data();
-  out.status = aio_read_staged(ctx, out.reads, layer.fd, r0, r1, pos.data(), staging, depth, spin_ns, waits, res,
-                               crcs, b, &out.bad);
+  out.status = aio_read_staged(ctx, reads, fd, r0, r1, pos.data(), staging, depth, spin_ns, waits, res, crcs, b,
+                               &out.bad);
   return out;
+}
+
+IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& rule, int64_t n, const int64_t* ids,
+                     const int64_t* slots, const uint32_t* table, uint8_t* staging, int64_t staging_size,
+                     int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* plan, int64_t* res, uint32_t* crcs,
+                     StagedBundles b) {
+  int64_t *sorted = plan, *index = plan + n, *starts = plan + 2 * n, *r0 = plan + 4 * n, *r1 = plan + 5 * n,
+          *first = plan + 6 * n;
+  const int64_t reads = plan_strided_reads(n, ids, layer.count, layer.offset, layer.stride, rule.align, rule.merge,
+                                           rule.merge_gap, rule.max_read, sorted, index, starts, plan + 3 * n, r0,
+                                           r1, first, plan + 7 * n);
+  if (reads < 0) return IdsRead{reads, 0, false, 0, -1};
+  return aio_read_planned(ctx, layer.fd, n, sorted, index, starts, reads, r0, r1, first, slots, table, staging,
+                          staging_size, depth, spin_ns, waits, res, crcs, b);
 }
 
 #else
@@ -212,6 +221,12 @@ int64_t aio_read_staged(uint64_t, int64_t n, int64_t, const int64_t*, const int6
   *bad = -1;
   for (int64_t i = 0; i < n; ++i) res[i] = -ENOSYS;
   return -ENOSYS;
+}
+
+IdsRead aio_read_planned(uint64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
+                         const int64_t*, const int64_t*, const int64_t*, const int64_t*, const uint32_t*, uint8_t*,
+                         int64_t, int64_t, int64_t, int64_t*, int64_t*, uint32_t*, StagedBundles) {
+  return IdsRead{0, 0, false, -ENOSYS, -1};
 }
 
 IdsRead aio_read_ids(uint64_t, const StridedLayer&, const PlanRule&, int64_t, const int64_t*, const int64_t*,

@@ -89,11 +89,23 @@ struct IdsRead {
   int64_t status, bad;
 };
 
+// Planned reads of a call in one go: read k (r0[k]..r1[k] of fd, k < reads) holds the sorted
+// bundles first[k]..first[k + 1] - 1 of sorted[0..n) (file offsets starts; index[i]: the position
+// of bundle i among the caller's ids, whose row is slots[index[i]]), staged back to back from
+// staging[0] when they fit staging_size (else nothing read, fits false), then aio_read_staged with
+// b's checks and targets; table: the crc32 table by bundle id, or null. res: room for the reads,
+// crcs for n.
+IdsRead aio_read_planned(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sorted, const int64_t* index,
+                         const int64_t* starts, int64_t reads, const int64_t* r0, const int64_t* r1,
+                         const int64_t* first, const int64_t* slots, const uint32_t* table, uint8_t* staging,
+                         int64_t staging_size, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res,
+                         uint32_t* crcs, StagedBundles b);
+
 // A decode call from bundle ids to rows in one go: bundles ids[0..n) of `layer` planned as
 // plan_strided_reads plans them (plan: int64 scratch [8 * n], its rows as that function writes
-// them), staged back to back from staging[0] in file order, then aio_read_staged with `b`'s checks
-// and targets, bundle ids[i] going to row slots[i] (b.first, starts, bundles and slots are filled
-// here from the plan; want: the crc32 table by bundle id, or null). res and crcs: room for n.
+// them), then aio_read_planned, bundle ids[i] going to row slots[i] (b.first, starts, bundles and
+// slots are filled from the plan; table: the crc32 table by bundle id, or null). res and crcs:
+// room for n.
 IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& rule, int64_t n, const int64_t* ids,
                      const int64_t* slots, const uint32_t* table, uint8_t* staging, int64_t staging_size,
                      int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* plan, int64_t* res, uint32_t* crcs,

@@ -89,35 +89,6 @@ bool fit_merges(const int64_t* plan, int64_t n, int64_t reads, int64_t align, in
   return true;
 }
 
-// Bundles sorted[0..n) (their positions index[i] in the caller's ids, file offsets starts[i])
-// read as `f` says, staged back to back, checked and copied to rows slots[index[i]] of b's
-// targets: aio_read_staged's result as an IdsRead.
-flash::IdsRead read_staged(const SparseDecode& st, const int64_t* sorted, const int64_t* index, const int64_t* starts,
-                           int64_t n, const Reads& f, const int64_t* slots, flash::StagedBundles b, int64_t* res,
-                           uint32_t* crcs) {
-  const int64_t k = int64_t(f.r0.size());
-  flash::IdsRead out{k, 0, true, 0, -1};
-  std::vector<int64_t> pos(static_cast<size_t>(k)), bounds(f.first), rows(static_cast<size_t>(n));
-  std::vector<uint32_t> want(st.table != nullptr ? static_cast<size_t>(n) : 0);
-  for (int64_t r = 0; r < k; ++r) {
-    pos[r] = out.staged;
-    out.staged += f.r1[r] - f.r0[r];
-  }
-  bounds.push_back(n);
-  for (int64_t i = 0; i < n; ++i) {
-    rows[i] = slots[index[i]];
-    if (st.table != nullptr) want[i] = st.table[sorted[i]];
-  }
-  b.first = bounds.data();
-  b.starts = starts;
-  b.bundles = n;
-  b.want = st.table != nullptr ? want.data() : nullptr;
-  b.slots = rows.data();
-  out.status = flash::aio_read_staged(st.ctx, k, st.file.fd, f.r0.data(), f.r1.data(), pos.data(), st.staging,
-                                      st.depth, st.spin_ns, nullptr, res, crcs, b, &out.bad);
-  return out;
-}
-
 // The targets of a read into `dest` (each component's rows, st.row_bytes[c] apart).
 flash::StagedBundles targets_of(const SparseDecode& st, const std::vector<uint8_t*>& dest) {
   return flash::StagedBundles{nullptr, nullptr, 0, nullptr, st.piece_off.data(), st.piece_len.data(),
@@ -256,18 +227,20 @@ void read_chunk(const SparseDecode& st, const Chunks& ch, size_t c, const int64_
   const int64_t *sorted = ch.plan.data() + lo, *index = ch.plan.data() + n + lo, *starts = ch.plan.data() + 2 * n + lo;
   const Reads& f = ch.reads[c];
   const int64_t t0 = now_ns();
-  if (f.bytes() > st.staging_size) {
-    std::vector<int64_t> ids(sorted, sorted + m), rows(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) rows[i] = slots[index[i]];
-    read_rows(st, ids.data(), rows.data(), m, dest, counters);
-  } else {
-    std::vector<int64_t> res(f.r0.size());
-    std::vector<uint32_t> crcs(static_cast<size_t>(m));
-    for (int attempt = 1;; ++attempt) {
-      const flash::IdsRead r = read_staged(st, sorted, index, starts, m, f, slots, targets_of(st, dest), res.data(),
-                                           crcs.data());
-      if (read_done(st, r, sorted, starts, attempt, counters)) break;
+  std::vector<int64_t> res(f.r0.size());
+  std::vector<uint32_t> crcs(static_cast<size_t>(m));
+  for (int attempt = 1;; ++attempt) {
+    const flash::IdsRead r = flash::aio_read_planned(
+        st.ctx, st.file.fd, m, sorted, index, starts, int64_t(f.r0.size()), f.r0.data(), f.r1.data(), f.first.data(),
+        slots, st.table, st.staging, st.staging_size, st.depth, st.spin_ns, nullptr, res.data(), crcs.data(),
+        targets_of(st, dest));
+    if (!r.fits) {  // more than the staging holds: its bundles planned anew in calls that fit
+      std::vector<int64_t> ids(sorted, sorted + m), rows(static_cast<size_t>(m));
+      for (int64_t i = 0; i < m; ++i) rows[i] = slots[index[i]];
+      read_rows(st, ids.data(), rows.data(), m, dest, counters);
+      break;
     }
+    if (read_done(st, r, sorted, starts, attempt, counters)) break;
   }
   counters[DC_IO_NS] += now_ns() - t0;
 }
