@@ -445,19 +445,15 @@ class FlashFFN(nn.Module):
         kernels off, dtypes that differ). Its first call is checked against the MLP (kept if not)."""
         if metal_kernels.metal_active() or not kernels_active():
             return None
-        c = self._current
         if self._ffn_act is None:
             self._ffn_act = self._ffn_kernel_act(sets[0][0])
             if self._ffn_act is None:
                 self._cpu_ffn = False
                 return None
         act, threshold = self._ffn_act
-        gate_values = None
-        if act != "relu" and "gate.weight" not in sets[0][0]:
-            gate_values = c.full_gate(x) if c.gate_values is None else c.gate_values
         dtype = sets[0][0]["up.weight"].dtype
-        if x.dtype != dtype or (gate_values is not None and gate_values.dtype != dtype) or \
-                (add is not None and add.dtype != dtype):
+        same, gate_values = self._kernel_gate(x, "gate.weight" in sets[0][0], dtype)
+        if not same or (add is not None and add.dtype != dtype):
             return None
         y = sparse_ffn(x, [(r["up.weight"], r.get("gate.weight"), r["down_t.weight"], n, ids)
                            for r, n, ids in sets], gate_values, act, threshold, add)
@@ -880,21 +876,28 @@ class FlashFFN(nn.Module):
             if self._decoder is False:
                 return None
         state, cache_arrays, buf_arrays, roles = self._decoder
-        c, rt = self._current, self._rt
+        rt = self._rt
         act, threshold = self._ffn_act
-        gate_values = None
-        if roles[1] < 0 and act != "relu":
-            gate_values = c.full_gate(x) if c.gate_values is None else c.gate_values
-        dtype = cache_arrays[roles[0]].dtype
-        if x.dtype != dtype or (gate_values is not None and gate_values.dtype != dtype):
+        same, gate_values = self._kernel_gate(x, roles[1] >= 0, cache_arrays[roles[0]].dtype)
+        if not same:
             return None
         y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
                                     len(rt.stats.steps))
         rt.stats.defer(self.layer, counters, self._decode_settled)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
-        c.gate_values = None
+        self._current.gate_values = None
         return y
+
+    def _kernel_gate(self, x, gate_rows: bool, dtype):
+        """(x and the gate values have the rows' `dtype`, the gate values) for the CPU FFN kernels:
+        the resident gate's output on x (the one _sparse computed, else now) when the rows carry
+        no gate and the act needs one, else None."""
+        c = self._current
+        gate_values = None
+        if self._ffn_act[0] != "relu" and not gate_rows:
+            gate_values = c.full_gate(x) if c.gate_values is None else c.gate_values
+        return x.dtype == dtype and (gate_values is None or gate_values.dtype == dtype), gate_values
 
     def _decode_settled(self, step_index: int, v: dict) -> None:
         """What a settled decode call (its counters v, ops.DECODE_COUNTERS) did beyond its step's
