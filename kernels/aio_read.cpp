@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__linux__)
@@ -65,106 +66,231 @@ void crc_landed(const LandedCrcs& l, int64_t read) {
 
 }  // namespace
 
+// aio_read_all's loop as an object: reads submitted now (submit_some: at most depth go out) and
+// reaped later (run). Its destructor reaps whatever is still in flight: no read lands in a caller's
+// buffer after it.
+class AioRun {
+ public:
+  AioRun(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t* offsets, const int64_t* sizes,
+         const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res, const LandedCrcs* landed,
+         int64_t spin_ns, int64_t* waits)
+      : n_(n), sizes_(sizes), vectored_(vectored), depth_(depth < 1 ? 1 : depth), res_(res), landed_(landed),
+        spin_ns_(spin_ns), waits_(waits), context_(static_cast<aio_context_t>(ctx)),
+        ring_(reinterpret_cast<const AioRing*>(ctx)), cbs_(static_cast<size_t>(n)), ptrs_(static_cast<size_t>(n)),
+        events_(static_cast<size_t>(depth_)) {
+    for (int64_t i = 0; i < n; ++i) {
+      iocb& cb = cbs_[i];
+      std::memset(&cb, 0, sizeof(cb));
+      cb.aio_data = static_cast<uint64_t>(i);
+      cb.aio_lio_opcode = (vectored != nullptr && vectored[i]) ? IOCB_CMD_PREADV : IOCB_CMD_PREAD;
+      cb.aio_fildes = static_cast<uint32_t>(fds[i]);
+      cb.aio_buf = addresses[i];
+      cb.aio_nbytes = static_cast<uint64_t>(sizes[i]);
+      cb.aio_offset = offsets[i];
+      ptrs_[i] = &cb;
+      res[i] = -ECANCELED;
+    }
+    if (ring_->magic != kAioRingMagic) ring_ = nullptr;  // not the layout read above: wait in io_getevents only
+  }
+  AioRun(const AioRun&) = delete;
+  AioRun& operator=(const AioRun&) = delete;
+  ~AioRun() { drain(); }
+
+  // io_submit as many reads as the depth has room for; false on a hard error (kept for run).
+  bool submit_some() {
+    const int64_t room = std::min(depth_ - (submitted_ - completed_), n_ - submitted_);
+    if (room <= 0 || error_) return !error_;
+    const long got = syscall(SYS_io_submit, context_, room, ptrs_.data() + submitted_);
+    if (got > 0) {
+      submitted_ += got;
+    } else if (got < 0 && errno != EAGAIN && errno != EINTR) {
+      error_ = -errno;
+      return false;
+    }
+    return true;
+  }
+
+  // Until every read has completed (or an error: then every submitted one is reaped): 0 or -errno.
+  int64_t run() {
+    while (completed_ < n_ && !error_) {
+      if (!submit_some()) break;
+      if (submitted_ == completed_) continue;  // nothing in flight: submit again
+      if (!reap()) break;
+    }
+    drain();
+    return error_;
+  }
+
+ private:
+  bool reap() {  // false on a hard error (stored in error_)
+    const bool spun = spin_for_event(ring_, spin_ns_);
+    if (waits_ != nullptr) ++waits_[spun ? 0 : 1];
+    const long got = syscall(SYS_io_getevents, context_, 1, depth_, events_.data(), nullptr);
+    if (got < 0) {
+      if (errno == EINTR) return true;
+      error_ = -errno;
+      return false;
+    }
+    for (long e = 0; e < got; ++e) res_[events_[e].data] = events_[e].res;
+    completed_ += got;
+    if (landed_ != nullptr)  // after recording every result: the work below runs while later reads fly
+      for (long e = 0; e < got; ++e) {
+        const int64_t k = static_cast<int64_t>(events_[e].data);
+        if (res_[k] == sizes_[k] && (vectored_ == nullptr || !vectored_[k])) crc_landed(*landed_, k);
+      }
+    return true;
+  }
+
+  void drain() {  // the kernel may still write into caller buffers until each submitted read is reaped
+    while (completed_ < submitted_) {
+      const long got = syscall(SYS_io_getevents, context_, submitted_ - completed_, depth_, events_.data(), nullptr);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        break;  // a context that cannot be reaped: nothing more can be done here
+      }
+      for (long e = 0; e < got; ++e) res_[events_[e].data] = events_[e].res;
+      completed_ += got;
+    }
+  }
+
+  int64_t n_;
+  const int64_t* sizes_;
+  const uint8_t* vectored_;
+  int64_t depth_;
+  int64_t* res_;
+  const LandedCrcs* landed_;
+  int64_t spin_ns_;
+  int64_t* waits_;
+  aio_context_t context_;
+  const AioRing* ring_;
+  std::vector<iocb> cbs_;
+  std::vector<iocb*> ptrs_;
+  std::vector<io_event> events_;
+  int64_t submitted_ = 0, completed_ = 0, error_ = 0;
+};
+
 int64_t aio_read_all(uint64_t ctx, int64_t n, const int64_t* fds, const int64_t* offsets, const int64_t* sizes,
                      const uint64_t* addresses, const uint8_t* vectored, int64_t depth, int64_t* res,
                      const LandedCrcs* landed, int64_t spin_ns, int64_t* waits) {
-  std::vector<iocb> cbs(static_cast<size_t>(n));
-  std::vector<iocb*> ptrs(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    iocb& cb = cbs[i];
-    std::memset(&cb, 0, sizeof(cb));
-    cb.aio_data = static_cast<uint64_t>(i);
-    cb.aio_lio_opcode = (vectored != nullptr && vectored[i]) ? IOCB_CMD_PREADV : IOCB_CMD_PREAD;
-    cb.aio_fildes = static_cast<uint32_t>(fds[i]);
-    cb.aio_buf = addresses[i];
-    cb.aio_nbytes = static_cast<uint64_t>(sizes[i]);
-    cb.aio_offset = offsets[i];
-    ptrs[i] = &cb;
-    res[i] = -ECANCELED;
-  }
-  if (depth < 1) depth = 1;
-  std::vector<io_event> events(static_cast<size_t>(depth));
-  const aio_context_t context = static_cast<aio_context_t>(ctx);
-  const auto* ring = reinterpret_cast<const AioRing*>(ctx);
-  if (ring->magic != kAioRingMagic) ring = nullptr;  // not the layout read above: wait in io_getevents only
-  int64_t submitted = 0, completed = 0, error = 0;
-  auto reap = [&](int64_t min_nr) -> bool {  // false on a hard error (stored in `error`)
-    const bool spun = spin_for_event(ring, spin_ns);
-    if (waits != nullptr) ++waits[spun ? 0 : 1];
-    const long got = syscall(SYS_io_getevents, context, min_nr, depth, events.data(), nullptr);
-    if (got < 0) {
-      if (errno == EINTR) return true;
-      error = -errno;
-      return false;
-    }
-    for (long e = 0; e < got; ++e) res[events[e].data] = events[e].res;
-    completed += got;
-    if (landed != nullptr)  // after recording every result: the work below runs while later reads fly
-      for (long e = 0; e < got; ++e) {
-        const int64_t k = static_cast<int64_t>(events[e].data);
-        if (res[k] == sizes[k] && (vectored == nullptr || !vectored[k])) crc_landed(*landed, k);
-      }
-    return true;
-  };
-  while (completed < n) {
-    const int64_t room = std::min(depth - (submitted - completed), n - submitted);
-    if (room > 0) {
-      const long got = syscall(SYS_io_submit, context, room, ptrs.data() + submitted);
-      if (got > 0) {
-        submitted += got;
-      } else if (got < 0 && errno != EAGAIN && errno != EINTR) {
-        error = -errno;
-        break;
-      }
-    }
-    if (submitted == completed) continue;  // nothing in flight: submit again
-    if (!reap(1)) break;
-  }
-  while (completed < submitted) {  // after an error: the kernel may still write into caller buffers
-    const long got = syscall(SYS_io_getevents, context, submitted - completed, depth, events.data(), nullptr);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      break;  // a context that cannot be reaped: nothing more can be done here
-    }
-    for (long e = 0; e < got; ++e) res[events[e].data] = events[e].res;
-    completed += got;
-  }
-  return error;
+  AioRun run(ctx, n, fds, offsets, sizes, addresses, vectored, depth, res, landed, spin_ns, waits);
+  return run.run();
 }
+
+// aio_read_staged's call as an object: its reads go out with start() (at most depth) or finish(),
+// which reaps the rest, then checks and copies out (aio_read_staged's return value).
+class StagedRun {
+ public:
+  StagedRun(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, const int64_t* r1, const int64_t* pos,
+            uint8_t* staging, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res, uint32_t* crcs,
+            const StagedBundles& b)
+      : n_(n), staging_(staging), res_(res), crcs_(crcs), b_(b), fds_(static_cast<size_t>(n), fd),
+        sizes_(static_cast<size_t>(n)), addresses_(static_cast<size_t>(n)), staged_(static_cast<size_t>(b.bundles)) {
+    std::fill(crcs, crcs + b.bundles, 0u);
+    for (int64_t k = 0; k < n; ++k) {
+      sizes_[k] = r1[k] - r0[k];
+      addresses_[k] = reinterpret_cast<uint64_t>(staging + pos[k]);
+      for (int64_t i = b.first[k]; i < b.first[k + 1]; ++i) staged_[i] = pos[k] + b.starts[i] - r0[k];
+    }
+    landed_ = LandedCrcs{staging, b.first, staged_.data(), b.piece_off, b.piece_len, b.pieces, crcs, active_isa()};
+    run_ = std::make_unique<AioRun>(ctx, n, fds_.data(), r0, sizes_.data(), addresses_.data(), nullptr, depth, res,
+                                    b.want != nullptr ? &landed_ : nullptr, spin_ns, waits);
+  }
+
+  bool start() { return run_->submit_some(); }
+
+  int64_t finish(int64_t* bad) {
+    *bad = -1;
+    const int64_t error = run_->run();
+    if (error) return error;
+    int64_t short_reads = 0;
+    for (int64_t k = 0; k < n_; ++k) short_reads += res_[k] != sizes_[k];
+    if (short_reads) return short_reads;
+    if (b_.want != nullptr)
+      for (int64_t i = 0; i < b_.bundles; ++i)
+        if (crcs_[i] != b_.want[i]) {
+          *bad = i;
+          return 0;
+        }
+    std::vector<int64_t> from(static_cast<size_t>(b_.bundles));
+    for (int64_t t = 0; t < b_.targets; ++t) {
+      for (int64_t i = 0; i < b_.bundles; ++i) from[i] = staged_[i] + b_.target_off[t];
+      copy_rows(staging_, from.data(), b_.target_len[t], b_.target_dest[t], b_.target_stride[t], b_.slots, b_.bundles,
+                landed_.isa);
+    }
+    return 0;
+  }
+
+ private:
+  int64_t n_;
+  uint8_t* staging_;
+  int64_t* res_;
+  uint32_t* crcs_;
+  StagedBundles b_;
+  std::vector<int64_t> fds_, sizes_;
+  std::vector<uint64_t> addresses_;
+  std::vector<int64_t> staged_;  // each bundle's offset in staging
+  LandedCrcs landed_{};
+  std::unique_ptr<AioRun> run_;
+};
 
 int64_t aio_read_staged(uint64_t ctx, int64_t n, int64_t fd, const int64_t* r0, const int64_t* r1,
                         const int64_t* pos, uint8_t* staging, int64_t depth, int64_t spin_ns, int64_t* waits,
                         int64_t* res, uint32_t* crcs, const StagedBundles& b, int64_t* bad) {
-  *bad = -1;
-  std::fill(crcs, crcs + b.bundles, 0u);
-  std::vector<int64_t> fds(static_cast<size_t>(n), fd), sizes(static_cast<size_t>(n));
-  std::vector<uint64_t> addresses(static_cast<size_t>(n));
-  std::vector<int64_t> staged(static_cast<size_t>(b.bundles));  // each bundle's offset in staging
-  for (int64_t k = 0; k < n; ++k) {
-    sizes[k] = r1[k] - r0[k];
-    addresses[k] = reinterpret_cast<uint64_t>(staging + pos[k]);
-    for (int64_t i = b.first[k]; i < b.first[k + 1]; ++i) staged[i] = pos[k] + b.starts[i] - r0[k];
+  StagedRun run(ctx, n, fd, r0, r1, pos, staging, depth, spin_ns, waits, res, crcs, b);
+  return run.finish(bad);
+}
+
+struct PlannedRead::Impl {
+  IdsRead out{0, 0, false, 0, -1};
+  std::vector<int64_t> pos, bounds, rows;  // rows follow the sorted ids
+  std::vector<uint32_t> want;
+  std::unique_ptr<StagedRun> run;
+  bool started = false;
+};
+
+PlannedRead::PlannedRead(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sorted, const int64_t* index,
+                         const int64_t* starts, int64_t reads, const int64_t* r0, const int64_t* r1,
+                         const int64_t* first, const int64_t* slots, const uint32_t* table, uint8_t* staging,
+                         int64_t staging_size, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res,
+                         uint32_t* crcs, StagedBundles b)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.out.reads = reads;
+  m.pos.resize(static_cast<size_t>(reads));
+  m.bounds.resize(static_cast<size_t>(reads) + 1);
+  for (int64_t k = 0; k < reads; ++k) {
+    m.pos[k] = m.out.staged;
+    m.out.staged += r1[k] - r0[k];
+    m.bounds[k] = first[k];
   }
-  const Isa isa = active_isa();
-  const LandedCrcs landed{staging, b.first, staged.data(), b.piece_off, b.piece_len, b.pieces, crcs, isa};
-  const int64_t error = aio_read_all(ctx, n, fds.data(), r0, sizes.data(), addresses.data(), nullptr, depth, res,
-                                     b.want != nullptr ? &landed : nullptr, spin_ns, waits);
-  if (error) return error;
-  int64_t short_reads = 0;
-  for (int64_t k = 0; k < n; ++k) short_reads += res[k] != sizes[k];
-  if (short_reads) return short_reads;
-  if (b.want != nullptr)
-    for (int64_t i = 0; i < b.bundles; ++i)
-      if (crcs[i] != b.want[i]) {
-        *bad = i;
-        return 0;
-      }
-  std::vector<int64_t> from(static_cast<size_t>(b.bundles));
-  for (int64_t t = 0; t < b.targets; ++t) {
-    for (int64_t i = 0; i < b.bundles; ++i) from[i] = staged[i] + b.target_off[t];
-    copy_rows(staging, from.data(), b.target_len[t], b.target_dest[t], b.target_stride[t], b.slots, b.bundles, isa);
+  m.bounds[reads] = n;
+  m.out.fits = m.out.staged <= staging_size;
+  if (!m.out.fits) return;
+  m.rows.resize(static_cast<size_t>(n));
+  m.want.resize(table != nullptr ? static_cast<size_t>(n) : 0);
+  for (int64_t i = 0; i < n; ++i) {
+    m.rows[i] = slots[index[i]];
+    if (table != nullptr) m.want[i] = table[sorted[i]];
   }
-  return 0;
+  b.first = m.bounds.data();
+  b.starts = starts;
+  b.bundles = n;
+  b.want = table != nullptr ? m.want.data() : nullptr;
+  b.slots = m.rows.data();
+  m.run = std::make_unique<StagedRun>(ctx, reads, fd, r0, r1, m.pos.data(), staging, depth, spin_ns, waits, res, crcs,
+                                      b);
+}
+
+PlannedRead::~PlannedRead() = default;
+
+bool PlannedRead::fits() const { return impl_->out.fits; }
+
+bool PlannedRead::start() { return impl_->run != nullptr && impl_->run->start(); }
+
+IdsRead PlannedRead::finish() {
+  Impl& m = *impl_;
+  if (m.run != nullptr) m.out.status = m.run->finish(&m.out.bad);
+  return m.out;
 }
 
 IdsRead aio_read_planned(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sorted, const int64_t* index,
@@ -172,30 +298,9 @@ IdsRead aio_read_planned(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sor
                          const int64_t* first, const int64_t* slots, const uint32_t* table, uint8_t* staging,
                          int64_t staging_size, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res,
                          uint32_t* crcs, StagedBundles b) {
-  IdsRead out{reads, 0, false, 0, -1};
-  std::vector<int64_t> pos(static_cast<size_t>(reads)), bounds(static_cast<size_t>(reads) + 1);
-  for (int64_t k = 0; k < reads; ++k) {
-    pos[k] = out.staged;
-    out.staged += r1[k] - r0[k];
-    bounds[k] = first[k];
-  }
-  bounds[reads] = n;
-  out.fits = out.staged <= staging_size;
-  if (!out.fits) return out;
-  std::vector<int64_t> rows(static_cast<size_t>(n));  // rows follow the sorted ids
-  std::vector<uint32_t> want(table != nullptr ? static_cast<size_t>(n) : 0);
-  for (int64_t i = 0; i < n; ++i) {
-    rows[i] = slots[index[i]];
-    if (table != nullptr) want[i] = table[sorted[i]];
-  }
-  b.first = bounds.data();
-  b.starts = starts;
-  b.bundles = n;
-  b.want = table != nullptr ? want.data() : nullptr;
-  b.slots = rows.data();
-  out.status = aio_read_staged(ctx, reads, fd, r0, r1, pos.data(), staging, depth, spin_ns, waits, res, crcs, b,
-                               &out.bad);
-  return out;
+  PlannedRead read(ctx, fd, n, sorted, index, starts, reads, r0, r1, first, slots, table, staging, staging_size, depth,
+                   spin_ns, waits, res, crcs, b);
+  return read.finish();
 }
 
 IdsRead aio_read_ids(uint64_t ctx, const StridedLayer& layer, const PlanRule& rule, int64_t n, const int64_t* ids,
@@ -222,6 +327,21 @@ int64_t aio_read_staged(uint64_t, int64_t n, int64_t, const int64_t*, const int6
   for (int64_t i = 0; i < n; ++i) res[i] = -ENOSYS;
   return -ENOSYS;
 }
+
+struct PlannedRead::Impl {};
+
+PlannedRead::PlannedRead(uint64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
+                         const int64_t*, const int64_t*, const int64_t*, const int64_t*, const uint32_t*, uint8_t*,
+                         int64_t, int64_t, int64_t, int64_t*, int64_t*, uint32_t*, StagedBundles)
+    : impl_(std::make_unique<Impl>()) {}
+
+PlannedRead::~PlannedRead() = default;
+
+bool PlannedRead::fits() const { return false; }
+
+bool PlannedRead::start() { return false; }
+
+IdsRead PlannedRead::finish() { return IdsRead{0, 0, false, -ENOSYS, -1}; }
 
 IdsRead aio_read_planned(uint64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
                          const int64_t*, const int64_t*, const int64_t*, const int64_t*, const uint32_t*, uint8_t*,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "cpu_features.h"
 
@@ -100,6 +101,31 @@ IdsRead aio_read_planned(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sor
                          const int64_t* first, const int64_t* slots, const uint32_t* table, uint8_t* staging,
                          int64_t staging_size, int64_t depth, int64_t spin_ns, int64_t* waits, int64_t* res,
                          uint32_t* crcs, StagedBundles b);
+
+// aio_read_planned in two steps: the constructor stages the plan (fits() false: more than
+// staging_size, nothing will be read), start() submits the first reads (at most depth; false: none
+// went out, finish() still reads them all) and returns at once, finish() reaps the rest, checks and
+// copies out, returning what aio_read_planned returns. Between them the caller may compute and make
+// reads of its own on another AIO context; it keeps every array it passed (and b's) and the staging
+// alive until finish() has returned or the object is gone (its destructor waits for the reads in
+// flight, so none lands afterwards).
+class PlannedRead {
+ public:
+  PlannedRead(uint64_t ctx, int64_t fd, int64_t n, const int64_t* sorted, const int64_t* index, const int64_t* starts,
+              int64_t reads, const int64_t* r0, const int64_t* r1, const int64_t* first, const int64_t* slots,
+              const uint32_t* table, uint8_t* staging, int64_t staging_size, int64_t depth, int64_t spin_ns,
+              int64_t* waits, int64_t* res, uint32_t* crcs, StagedBundles b);
+  PlannedRead(const PlannedRead&) = delete;
+  PlannedRead& operator=(const PlannedRead&) = delete;
+  ~PlannedRead();
+  bool fits() const;
+  bool start();
+  IdsRead finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // A decode call from bundle ids to rows in one go: bundles ids[0..n) of `layer` planned as
 // plan_strided_reads plans them (plan: int64 scratch [8 * n], its rows as that function writes
