@@ -48,7 +48,35 @@ void bind_decode(nb::module_& m) {
   nb::class_<flash_ext::SparseDecode>(m, "SparseDecode",
                                       "One sparse layer's decode state (kernels/sparse_decode.h): made by "
                                       "sparse_decode_state, passed to every sparse_decode call of the layer.");
+  nb::class_<flash_ext::Lookahead>(m, "DecodeLookahead",
+                                    "The lookahead of a runtime's decode calls (kernels/sparse_decode.h): made by "
+                                    "sparse_decode_lookahead, given to the states of the layers that read ahead.");
   if (!flash::aio_read_available()) return;  // reads by the kernels' AIO loop only (Linux)
+  m.def(
+      "sparse_decode_lookahead",
+      [](uint64_t ctx, Staging staging, std::vector<Rows> rows_a, std::vector<Rows> rows_b) {
+        auto la = std::make_shared<flash_ext::Lookahead>();
+        if (ctx == 0) throw std::invalid_argument("sparse_decode_lookahead: no AIO context");
+        if (rows_a.empty() || rows_a.size() != rows_b.size())
+          throw std::invalid_argument("sparse_decode_lookahead: two buffers of the same components needed");
+        la->capacity = int64_t(rows_a[0].shape(0));
+        for (const Rows& r : rows_a) la->row_bytes.push_back(int64_t(r.shape(1)));
+        la->rows[0] = row_bases(rows_a, la->row_bytes, la->capacity, "lookahead");
+        la->rows[1] = row_bases(rows_b, la->row_bytes, la->capacity, "lookahead");
+        if (la->capacity < 1) throw std::invalid_argument("sparse_decode_lookahead: the buffers have no rows");
+        la->ctx = ctx;
+        la->staging = staging.data();
+        la->staging_size = int64_t(staging.shape(0));
+        return la;
+      },
+      nb::arg("ctx"), nb::arg("staging"), nb::arg("rows_a"), nb::arg("rows_b"),
+      "The lookahead of a runtime's decode calls: an AIO context and a staging buffer of its own, and two buffers "
+      "(each component's rows as uint8 [rows, bytes], the same components and rows in both). Pass it as "
+      "sparse_decode_state's lookahead to the layers that read ahead or are read ahead for. The memory must "
+      "outlive every call; sparse_decode_drain waits for a read in flight before it is freed.");
+  m.def(
+      "sparse_decode_drain", [](std::shared_ptr<flash_ext::Lookahead> la) { la->drop(); }, nb::arg("lookahead"),
+      "Wait for the lookahead's read in flight, if any, and forget it (before its buffers, staging or files go).");
   m.def(
       "sparse_decode_state",
       [](int64_t layer, std::string path, int64_t window, I64 ids, I64 slot_of, I64 last_active, I64 used,
@@ -56,7 +84,7 @@ void bind_decode(nb::module_& m) {
          int64_t offset, int64_t stride, int64_t align, bool merge, int64_t merge_gap, int64_t max_read,
          std::optional<Table> table, CI64 piece_off, CI64 piece_len, std::vector<int64_t> comp_off,
          std::vector<int64_t> comp_len, Staging staging, int64_t depth, int64_t spin_ns, std::optional<int64_t> piece_bytes,
-         std::optional<int64_t> fill_bytes) {
+         std::optional<int64_t> fill_bytes, std::shared_ptr<flash_ext::Lookahead> lookahead) {
         auto st = std::make_shared<flash_ext::SparseDecode>();
         const int64_t capacity = int64_t(ids.shape(0)), n_neurons = int64_t(slot_of.shape(0));
         if (int64_t(last_active.shape(0)) != capacity || used.shape(0) != 1 || n_neurons != count)
@@ -101,6 +129,9 @@ void bind_decode(nb::module_& m) {
         st->spin_ns = spin_ns;
         st->piece_bytes = piece_bytes.has_value() ? std::max<int64_t>(0, *piece_bytes) : -1;
         st->fill_bytes = fill_bytes.has_value() ? std::max<int64_t>(0, *fill_bytes) : -1;
+        if (lookahead && lookahead->row_bytes != st->row_bytes)
+          throw std::invalid_argument("sparse_decode_state: the lookahead's buffers do not match the layout");
+        st->lookahead = std::move(lookahead);
         return st;
       },
       nb::arg("layer"), nb::arg("path"), nb::arg("window"), nb::arg("ids"), nb::arg("slot_of"), nb::arg("last_active"),
@@ -108,28 +139,34 @@ void bind_decode(nb::module_& m) {
       nb::arg("offset"), nb::arg("stride"), nb::arg("align"), nb::arg("merge"), nb::arg("merge_gap"),
       nb::arg("max_read"), nb::arg("table").none(), nb::arg("piece_off"), nb::arg("piece_len"), nb::arg("comp_off"),
       nb::arg("comp_len"), nb::arg("staging"), nb::arg("depth"), nb::arg("spin_ns"), nb::arg("piece_bytes").none(),
-      nb::arg("fill_bytes").none(),
+      nb::arg("fill_bytes").none(), nb::arg("lookahead").none() = nb::none(),
       "A sparse layer's decode state: its neuron cache's arrays (NeuronCache's ids, slot_of, last_active, used "
       "int64 [1], each component's rows as uint8 [capacity, bytes]: updated in place by every call), the streaming "
       "buffer's rows (uint8 [rows, bytes] per component), and its bundles' file: fd, layout (count, offset, stride), "
       "plan rule (align, merge, merge gap, max read), crc32 table (None: no check) and pieces, each component's "
       "offset and bytes in a bundle, a staging buffer, an AIO context only the CPU stream's thread uses, depth and "
       "spin; piece_bytes / fill_bytes: the most bytes a read call of the overflow (its pieces also hold at most the "
-      "buffer's rows) / of the cache fill stages (None: no limit). The arrays must outlive every call.");
+      "buffer's rows) / of the cache fill stages (None: no limit); lookahead: the runtime's "
+      "(sparse_decode_lookahead), or None. The arrays must outlive every call.");
   m.def(
       "sparse_decode",
       [](const mx::array& x, std::optional<mx::array> gate_values, const mx::array& mask,
          std::shared_ptr<flash_ext::SparseDecode> state, const std::vector<mx::array>& cache,
-         const std::vector<mx::array>& buf, std::vector<int> roles, int act, float threshold, int64_t step) {
+         const std::vector<mx::array>& buf, std::vector<int> roles, int act, float threshold, int64_t step,
+         std::optional<mx::array> ahead_mask, std::shared_ptr<flash_ext::SparseDecode> next) {
         auto out = flash_ext::sparse_decode(x, gate_values, mask, std::move(state), cache, buf, std::move(roles), act,
-                                            threshold, step);
+                                            threshold, step, ahead_mask, std::move(next));
         return std::make_tuple(out[0], out[1]);
       },
       nb::arg("x"), nb::arg("gate_values").none(), nb::arg("mask"), nb::arg("state"), nb::arg("cache"), nb::arg("buf"),
       nb::arg("roles"), nb::arg("act"), nb::arg("threshold"), nb::arg("step"),
+      nb::arg("ahead_mask").none() = nb::none(), nb::arg("next").none() = nb::none(),
       "(y, counters): one token's step of a sparse layer as one CPU primitive: the cache updated for the neurons of "
       "mask (bool [N]) at `step`, the ones it lacks read (fill and overflow), y = sparse_ffn over the cached rows "
       "and the streamed ones (act, threshold, gate_values as sparse_ffn's; roles: up, gate or -1, down_t component "
-      "indices of cache / buf, the state's arrays as MLX arrays). counters: int64 [11] (needed, hits, loaded, bytes, "
-      "reads, io ns, mem ns, call ns, window, fill copied, overflow). Read errors raise when evaluated.");
+      "indices of cache / buf, the state's arrays as MLX arrays); ahead_mask (bool [N of next]) with next (the next "
+      "sparse layer's state, the same lookahead): its predicted neurons start landing in the lookahead's buffer "
+      "once this layer's own reads are in. counters: int64 [15] (needed, hits, loaded, bytes, reads, io ns, mem "
+      "ns, call ns, window, fill copied, overflow, ahead read, ahead taken, ahead used, ahead copied). Read errors "
+      "raise when evaluated.");
 }

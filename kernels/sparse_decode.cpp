@@ -279,6 +279,88 @@ bool read_fill(const SparseDecode& st, const int64_t* over, int64_t n_over, cons
   return false;
 }
 
+// Start reading ahead for `next` (the next sparse layer): the neurons of amask its cache lacks, at
+// most la.capacity in id order, cut to the bundles whose reads fit la's staging, into rows 0.. of
+// la's buffer `b`. Returns how many went out (0: none; a read that cannot start is dropped: the
+// next layer reads those neurons itself).
+int64_t start_ahead(Lookahead& la, const SparseDecode& next, const View& amask, int b) {
+  la.drop();  // a read no layer took (an aborted pass): its buffer and staging are reused now
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < next.n_neurons && int64_t(ids.size()) < la.capacity; ++i)
+    if (amask.ptr[amask.offset(i)] && next.slot_of[i] < 0) ids.push_back(i);
+  if (ids.empty()) return 0;
+  Chunks ch = plan_chunks(next, ids.data(), int64_t(ids.size()), la.staging_size, int64_t(ids.size()));
+  const int64_t n = ch.hi[0];  // the first chunk: the bundles that fit the staging (sorted ids)
+  const Reads& f = ch.reads[0];
+  if (f.bytes() > la.staging_size) return 0;
+  la.ids.assign(ch.plan.begin(), ch.plan.begin() + n);
+  la.plan.assign(ch.plan.begin() + 2 * ch.n, ch.plan.begin() + 2 * ch.n + n);  // their file offsets
+  la.r0 = f.r0;
+  la.r1 = f.r1;
+  la.first = f.first;
+  la.slots.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) la.slots[i] = i;  // sorted: bundle i -> row i (index is the identity)
+  la.res.assign(f.r0.size(), 0);
+  la.crcs.assign(size_t(n), 0);
+  la.read = std::make_unique<flash::PlannedRead>(
+      la.ctx, next.file.fd, n, la.ids.data(), la.slots.data(), la.plan.data(), int64_t(f.r0.size()), la.r0.data(),
+      la.r1.data(), la.first.data(), la.slots.data(), next.table, la.staging, la.staging_size, next.depth,
+      next.spin_ns, nullptr, la.res.data(), la.crcs.data(), targets_of(next, la.rows[b]));
+  if (!la.read->fits() || !la.read->start()) {
+    la.drop();
+    return 0;
+  }
+  la.target = &next;
+  la.buffer = b;
+  return n;
+}
+
+// The lookahead read of `st`'s layer once it is in (reaped, checked, in la.rows[la.buffer]; read
+// again, planned anew, when it came back short or failed its checksum once).
+void finish_ahead(Lookahead& la, const SparseDecode& st, int64_t* counters) {
+  const int64_t t0 = now_ns();
+  const flash::IdsRead r = la.read->finish();
+  const int64_t n = int64_t(la.ids.size());
+  if (!read_done(st, r, la.ids.data(), la.plan.data(), 1, counters))
+    read_rows(st, la.ids.data(), la.slots.data(), n, la.rows[la.buffer], counters);
+  counters[DC_IO_NS] += now_ns() - t0;
+  la.read.reset();
+  la.target = nullptr;
+}
+
+// Take the neurons `la`'s read holds out of a cache update's fill (ids fill[0..n_fill), their
+// slots) and overflow (over[0..n_over)), compacting both; their positions in la.ids are returned
+// in served_fill / served_over (with the fills' slots in served_slots).
+void split_ahead(const Lookahead& la, int64_t* fill, int64_t* fill_slots, int64_t& n_fill, int64_t* over,
+                 int64_t& n_over, std::vector<int64_t>& served_fill, std::vector<int64_t>& served_slots,
+                 std::vector<int64_t>& served_over) {
+  auto at = [&](int64_t id) -> int64_t {
+    const auto it = std::lower_bound(la.ids.begin(), la.ids.end(), id);
+    return it != la.ids.end() && *it == id ? int64_t(it - la.ids.begin()) : -1;
+  };
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n_fill; ++i) {
+    const int64_t p = at(fill[i]);
+    if (p >= 0) {
+      served_fill.push_back(p);
+      served_slots.push_back(fill_slots[i]);
+    } else {
+      fill[kept] = fill[i];
+      fill_slots[kept++] = fill_slots[i];
+    }
+  }
+  n_fill = kept;
+  kept = 0;
+  for (int64_t i = 0; i < n_over; ++i) {
+    const int64_t p = at(over[i]);
+    if (p >= 0)
+      served_over.push_back(p);
+    else
+      over[kept++] = over[i];
+  }
+  n_over = kept;
+}
+
 class FlashSparseDecode : public CpuPrimitive {
  public:
   struct Params {
@@ -286,7 +368,7 @@ class FlashSparseDecode : public CpuPrimitive {
     bool has_gate_values;
     int64_t step;
     int up, gate, down, comps;
-    std::shared_ptr<SparseDecode> st;
+    std::shared_ptr<SparseDecode> st, next;  // next: the layer read ahead for (ahead mask given), or null
   };
   FlashSparseDecode(mx::Stream s, Params p) : CpuPrimitive(s), p_(std::move(p)) {}
 
@@ -297,6 +379,8 @@ class FlashSparseDecode : public CpuPrimitive {
     View gate_values;
     if (P.has_gate_values) gate_values = View::of(inputs[next++]);
     const View mask = View::of(inputs[next++]);
+    View ahead_mask;
+    if (P.next) ahead_mask = View::of(inputs[next++]);
     std::vector<View> cache, buf;
     for (int c = 0; c < P.comps; ++c) cache.push_back(View::of(inputs[next++]));
     for (int c = 0; c < P.comps; ++c) buf.push_back(View::of(inputs[next++]));
@@ -329,9 +413,41 @@ class FlashSparseDecode : public CpuPrimitive {
       counters[DC_LOADED] = r.n_fill + r.n_overflow;
       counters[DC_WINDOW] = r.window;
       counters[DC_OVERFLOW] = r.n_overflow;
-      const int64_t n_over = r.n_overflow, n_fill = r.n_fill;
+      int64_t n_over = r.n_overflow, n_fill = r.n_fill;
+      // this layer's lookahead read, if one is in flight: the neurons it holds leave the update
+      Lookahead* la = st.lookahead.get();
+      const bool ahead_in = la != nullptr && la->read != nullptr && la->target == &st;
+      std::vector<int64_t> served_fill, served_slots, served_over;
+      if (ahead_in)
+        split_ahead(*la, fill.data(), fill_slots.data(), n_fill, over.data(), n_over, served_fill, served_slots,
+                    served_over);
       const Chunks oc = plan_chunks(st, over.data(), n_over, st.piece_bytes, st.buf_capacity);
       const bool joint = read_fill(st, over.data(), n_over, fill.data(), fill_slots.data(), n_fill, counters);
+      int served_buffer = -1;
+      std::vector<int32_t> ahead_ids;
+      if (ahead_in) {  // after this layer's own reads (they had the device first): its rows are in
+        const int64_t taken = int64_t(la->ids.size());
+        served_buffer = la->buffer;
+        finish_ahead(*la, st, counters);
+        const std::vector<uint8_t*>& rows = la->rows[served_buffer];
+        const int64_t t1 = now_ns();
+        for (size_t c = 0; c < st.rows.size(); ++c) {
+          const int64_t rb = st.row_bytes[c];
+          for (size_t i = 0; i < served_fill.size(); ++i)
+            std::memcpy(st.rows[c] + served_slots[i] * rb, rows[c] + served_fill[i] * rb, size_t(rb));
+          for (size_t t = 0; t < served_over.size(); ++t)  // to rows 0.. in order (served_over[t] >= t)
+            if (served_over[t] != int64_t(t))
+              std::memcpy(rows[c] + int64_t(t) * rb, rows[c] + served_over[t] * rb, size_t(rb));
+        }
+        counters[DC_MEM_NS] += now_ns() - t1;
+        for (int64_t p : served_over) ahead_ids.push_back(int32_t(la->ids[size_t(p)]));
+        counters[DC_AHEAD_TAKEN] = taken;
+        counters[DC_AHEAD_USED] = int64_t(served_fill.size() + served_over.size());
+        counters[DC_AHEAD_COPIED] = int64_t(served_fill.size());
+        counters[DC_LOADED] += taken - counters[DC_AHEAD_USED];
+      }
+      if (P.next && la != nullptr)  // the next layer's neurons start landing while this one computes
+        counters[DC_AHEAD_READ] = start_ahead(*la, *P.next, ahead_mask, served_buffer == 0 ? 1 : 0);
       std::vector<int64_t> over_rows(static_cast<size_t>(n_over));
       std::vector<std::pair<int64_t, int64_t>> pieces;
       if (joint)
@@ -360,6 +476,16 @@ class FlashSparseDecode : public CpuPrimitive {
         return s;
       };
       std::vector<SetRows> sets = {rows_of(cache, int(used), live.data())};
+      std::vector<View> ahead_rows;  // the served overflow rows of the lookahead buffer, as Views
+      if (!ahead_ids.empty()) {
+        for (int c = 0; c < P.comps; ++c) {
+          View v = buf[c];
+          v.ptr = la->rows[served_buffer][c];
+          v.shape[0] = int(la->capacity);
+          ahead_rows.push_back(v);
+        }
+        sets.push_back(rows_of(ahead_rows, int(ahead_ids.size()), ahead_ids.data()));
+      }
       const View* gv = P.has_gate_values ? &gate_values : nullptr;
       for (size_t c = 0; c < pieces.size(); ++c) {
         const auto [a, b] = pieces[c];
@@ -401,7 +527,8 @@ class FlashSparseDecode : public CpuPrimitive {
 std::vector<mx::array> sparse_decode(const mx::array& x, const std::optional<mx::array>& gate_values,
                                      const mx::array& mask, std::shared_ptr<SparseDecode> state,
                                      const std::vector<mx::array>& cache, const std::vector<mx::array>& buf,
-                                     std::vector<int> roles, int act, float threshold, int64_t step) {
+                                     std::vector<int> roles, int act, float threshold, int64_t step,
+                                     const std::optional<mx::array>& ahead_mask, std::shared_ptr<SparseDecode> next) {
   const std::string op = "sparse_decode";
   if (!state) fail(op + ": no state");
   const SparseDecode& st = *state;
@@ -440,10 +567,21 @@ std::vector<mx::array> sparse_decode(const mx::array& x, const std::optional<mx:
     inputs.push_back(*gate_values);
   }
   inputs.push_back(mask);
+  if (ahead_mask.has_value() != bool(next)) fail(op + ": ahead_mask and next go together");
+  if (next) {
+    if (!st.lookahead || next->lookahead != st.lookahead || next.get() == &st)
+      fail(op + ": the next layer must be another layer sharing this layer's lookahead");
+    if (next->row_bytes != st.row_bytes || next->piece_off != st.piece_off || next->comp_off != st.comp_off)
+      fail(op + ": the next layer's bundles must have this layer's layout");
+    if (ahead_mask->dtype() != mx::bool_ || ahead_mask->ndim() != 1 || ahead_mask->shape(0) != next->n_neurons)
+      fail(op + ": ahead_mask must be bool [" + std::to_string(next->n_neurons) + "], got " + shape_str(*ahead_mask));
+    inputs.push_back(*ahead_mask);
+  }
   inputs.insert(inputs.end(), cache.begin(), cache.end());
   inputs.insert(inputs.end(), buf.begin(), buf.end());
   FlashSparseDecode::Params P{ffn_params(wdt == mx::float16 ? flash::FMT_F16 : flash::FMT_BF16, act, ydt, threshold),
-                              gate_values.has_value(), step, roles[0], roles[1], roles[2], comps, std::move(state)};
+                              gate_values.has_value(), step, roles[0], roles[1], roles[2], comps, std::move(state),
+                              std::move(next)};
   auto prim = std::make_shared<FlashSparseDecode>(cpu_stream(), std::move(P));
   return mx::array::make_arrays({x.shape(), {DECODE_COUNTERS}}, {ydt, mx::int64}, prim, std::move(inputs));
 }

@@ -734,7 +734,7 @@ def decode_pack(tiny_llama, tmp_path, act):
     return pack
 
 
-def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None):
+def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None, lookahead=False):
     """(logits, {layer: (ids, rows, num_used)}, per-step counters, model, read log) of DECODE_IDS
     decoded one token per pass on the decode kernel or the per-layer path, its reads logged by
     bench run's LoggedReads; limits: (overflow rows, staged bytes) of an overflow piece.
@@ -745,7 +745,8 @@ def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None):
     from mlx_flash.bench.measure import LoggedReads
 
     monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1" if kernel else "0")
-    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: capacity for i in range(4)})
+    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: capacity for i in range(4)},
+                              lookahead=lookahead)
     rt = model.flash_runtime
     if limits:
         rt.overflow_rows, rt.max_read_bytes = limits
@@ -807,6 +808,44 @@ def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(t
     for layer, cache in got[3].flash_runtime.caches.items():  # every cached row holds its bundle
         bundles = read_layer_components(pack, read_manifest(pack).bundles[layer])
         cache.check({name: host_bytes(a).reshape(96, -1) for name, a in bundles.items() if name in cache.rows})
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+@pytest.mark.parametrize("act,capacity,limits", [("cats", 0, None), ("cats", 3, None), ("cats", 12, None),
+                                                 ("cats", 3, (5, 8192)), ("product", 12, None)])
+def test_decode_kernel_reads_the_next_layers_neurons_ahead_as_the_per_layer_path_does(tiny_llama, tmp_path,
+                                                                                     monkeypatch, act, capacity,
+                                                                                     limits):
+    """With lookahead on, each decode primitive starts reading the next sparse layer's predicted
+    neurons once its own reads are in, and the next layer's primitive takes those it needs (cache
+    fills copied, overflow computed from the lookahead buffer): the logits and every cache's ids
+    and rows equal the per-layer path's with lookahead, bit for bit, and so do each step's
+    counters (needed, hits, loaded, bytes, window) and the lookahead's (read, used, copied); the
+    primitives' reads, lookahead included, are all in bench run's read log."""
+    pack = decode_pack(tiny_llama, tmp_path, act)
+    want = decode_run(pack, monkeypatch, False, capacity, limits, lookahead=True)
+    got = decode_run(pack, monkeypatch, True, capacity, limits, lookahead=True)
+    assert np.array_equal(got[0], want[0])
+    for i, (ids, rows, used) in want[1].items():
+        assert got[1][i][2] == used and np.array_equal(got[1][i][0], ids)
+        assert all(np.array_equal(a, b) for a, b in zip(got[1][i][1], rows))
+    assert [c[:5] for c in got[2]] == [c[:5] for c in want[2]]
+    rts = [run[3].flash_runtime for run in (want, got)]
+    assert [(rt.ahead_read, rt.ahead_used, rt.ahead_copied) for rt in rts][0] == \
+        (rts[1].ahead_read, rts[1].ahead_used, rts[1].ahead_copied)
+    if act == "cats":  # (the product pack's plan holds no lookahead buffers: the primitives read nothing ahead)
+        assert rts[1].ahead_read > 0 and 0 < rts[1].ahead_used <= rts[1].ahead_read
+        assert rts[1]._decode_ahead is not None and not rts[1].ahead  # the primitives read ahead, not Python
+    assert rts[1].ahead_read > 0 or not rts[1].lookahead
+    # the decode tokens' reads (after the first, per-layer, token) are logged as the stats count
+    # them, and each cache row filled was read into it, or copied from beside an overflow or from
+    # the lookahead's buffer
+    first = len(got[2]) - len(DECODE_IDS) + 1
+    assert [c[2:4] for c in got[2][first:]] == [c[5:7] for c in got[2][first:]]
+    filled = sum(c.rows_loaded for c in rts[1].caches.values())
+    cache_logged = sum(r[2] for r in got[4] if r[7] and r[0] >= first)
+    assert filled - sum(c.rows_loaded for c in rts[0].caches.values()) == 0
+    assert cache_logged + rts[1].fill_copied + rts[1].ahead_copied <= filled
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")

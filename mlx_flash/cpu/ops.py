@@ -423,7 +423,7 @@ def sparse_ffn(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):
 
 # The counters of a sparse_decode call (kernels/sparse_decode.h, DecodeCounter), in order.
 DECODE_COUNTERS = ("needed", "hits", "loaded", "bytes", "reads", "io_ns", "mem_ns", "call_ns", "window",
-                   "fill_copied", "overflow")
+                   "fill_copied", "overflow", "ahead_read", "ahead_taken", "ahead_used", "ahead_copied")
 
 
 def decode_kernel_enabled(environ=os.environ) -> bool:
@@ -440,15 +440,30 @@ def sparse_decode_state(**kwargs):
     return _ext.sparse_decode_state(**kwargs)
 
 
-def sparse_decode(x, gate_values, mask, state, cache, buf, roles, act, threshold, step):
+def sparse_decode_lookahead(ctx: int, staging, rows_a, rows_b):
+    """The decode primitives' lookahead (kernels/sparse_decode.h, Lookahead): an AIO context and a
+    staging buffer of its own, two buffers of rows (each component's uint8 [rows, bytes]) the
+    next layer's predicted neurons land in. Given to sparse_decode_state(lookahead=...)."""
+    return _ext.sparse_decode_lookahead(ctx, staging, rows_a, rows_b)
+
+
+def sparse_decode_drain(lookahead) -> None:
+    """Wait for the lookahead's read in flight, if any (before its buffers or files go)."""
+    _ext.sparse_decode_drain(lookahead)
+
+
+def sparse_decode(x, gate_values, mask, state, cache, buf, roles, act, threshold, step, ahead_mask=None, next_state=None):
     """(y, counters) of one token's step of a sparse layer as one CPU primitive: its neuron cache
     updated for the neurons of `mask` (bool [N]) at `step`, those it lacks read, and y as
     sparse_ffn computes it over the cached rows, then the streamed ones (bit for bit
     FlashFFN's per-layer path). cache / buf: the cache's and the streaming buffer's component
     arrays in the state's order; roles: (up, gate or -1, down_t) indices into them; act as
-    sparse_ffn's. counters: int64 [len(DECODE_COUNTERS)]. No twin: the per-layer path is it."""
+    sparse_ffn's. ahead_mask (bool [N of the next sparse layer]) with next_state (its state, the
+    same lookahead): those neurons the next layer's cache lacks start landing in the lookahead's
+    buffer once this layer's reads are in, and the next layer's call takes them from there.
+    counters: int64 [len(DECODE_COUNTERS)]. No twin: the per-layer path is it."""
     return _ext.sparse_decode(x, gate_values, mask, state, cache, buf, list(roles), SPARSE_FFN_ACTS.index(act),
-                              float(threshold), int(step))
+                              float(threshold), int(step), ahead_mask, next_state)
 
 
 def sparse_ffn_ops(x, sets, gate_values=None, act="silu", threshold=0.0, add=None):

@@ -275,6 +275,7 @@ class FlashLoader:
         self._layout_cache = {}
         self._pieces_cache = {}
         self._stream_reads = None  # decode_reads' (AioContext, staging) of the MLX stream's thread
+        self._ahead_reads = None  # decode_lookahead_io's (AioContext, staging)
         if engine not in ("auto", "threads", "aio"):
             raise FlashError(f"engine {engine!r}: choose auto, threads or aio")
         self.engine = engine
@@ -422,6 +423,20 @@ class FlashLoader:
                 "piece_off": pieces[0], "piece_len": pieces[1], "comp_off": [int(t[0]) for t in targets],
                 "comp_len": [int(t[1]) for t in targets], "staging": staging, "depth": ctx.depth,
                 "spin_ns": ctx.spin_ns, "path": str(self._file(layer, self.entry(layer)).path)}
+
+    def decode_lookahead_io(self, staging_bytes=None) -> tuple:
+        """(AIO context handle, staging) for the decode primitives' lookahead reads (kernels/
+        sparse_decode.h's Lookahead): their own context, so that a layer's call reaps only its own
+        reads on decode_reads' context, and their own staging (`staging_bytes`, None: STAGED_BATCH),
+        used by the MLX stream's thread only. Made once."""
+        if self._ahead_reads is None:
+            ctx = aio.AioContext(self.threads)
+            with self._lock:
+                self._aio_contexts.append(ctx)
+            size = STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
+            self._ahead_reads = (ctx, np.frombuffer(aligned_buffer(size), np.uint8)[:size])
+        ctx, staging = self._ahead_reads
+        return ctx.handle, staging
 
     def kernel_reads(self, step, layer, bundles, cache_bundles, nbytes, reads, seconds) -> None:
         """Reads a kernel made with decode_reads' arguments, reported once it ran (step: the flash
@@ -1175,7 +1190,7 @@ class FlashLoader:
         for ctx in self._aio_contexts:
             ctx.close()
         self._aio_contexts = []
-        self._stream_reads = None
+        self._stream_reads = self._ahead_reads = None
         self._target_cache.clear()
         self._at_once_cache.clear()
         self._layout_cache.clear()

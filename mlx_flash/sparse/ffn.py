@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten
 from ..cpu import endor as cpu_endor
 from ..io import host_bytes
 from ..cpu.ops import (active_mask, decode_kernel_enabled, gather_matvec, gather_matvec_t, kernels_active,
-                       mask_activation_ok, quantized_matvec, sparse_decode, sparse_decode_state, sparse_ffn)
+                       mask_activation_ok, quantized_matvec, sparse_decode, sparse_decode_drain,
+                       sparse_decode_lookahead, sparse_decode_state, sparse_ffn)
 from ..errors import FlashError
 from ..metal import endor as metal_endor
 from ..metal import kernels as metal_kernels
@@ -308,6 +309,9 @@ class FlashRuntime:
         self.ahead_read = self.ahead_used = self.ahead_copied = 0
         # cache rows read into the streaming buffer with their layer's overflow, then copied in
         self.fill_copied = 0
+        self.ffns: dict = {}  # layer -> its FlashFFN
+        self.decode_states: dict = {}  # sparse layer -> its decode primitive's state, with the lookahead
+        self._decode_ahead = None  # (the decode primitives' lookahead, its bundle layout): decode_lookahead
 
     def set_lookahead(self, pairs: dict, rows: int):
         """Read the next sparse layer's predicted neurons while this one computes.
@@ -348,6 +352,28 @@ class FlashRuntime:
                    else {"stats": self.loader.read(j, ids, buf, np.arange(len(ids)))})
         self.ahead[j] = (started, ids, buf)
 
+    def decode_lookahead(self):
+        """(the decode primitives' lookahead (ops.sparse_decode_lookahead) over the two lookahead
+        buffers, their bundle layout), made once when lookahead is on (else None). From then on
+        the buffers are the primitives': the per-layer path reads nothing ahead (next_ahead)."""
+        if not self.lookahead:
+            return None
+        if self._decode_ahead is None:
+            self.drain_ahead()
+            j = min(j for j, _ in self.lookahead.values())
+            for k in (0, 1):
+                if k not in self._ahead_bufs:
+                    self._ahead_bufs[k] = self.loader.alloc(j, self.ahead_rows)
+            rows = [[host_bytes(a).reshape(a.shape[0], -1) for a in self._ahead_bufs[k].values()] for k in (0, 1)]
+            ctx, staging = self.loader.decode_lookahead_io()
+            self._decode_ahead = (sparse_decode_lookahead(ctx, staging, *rows), layout_key(self.loader.entry(j)))
+        return self._decode_ahead
+
+    def next_ahead(self, layer: int, x):
+        """The per-layer path's lookahead mask for the layer after `layer` (ahead_mask), None once
+        the decode primitives read ahead (decode_lookahead has been made)."""
+        return None if self._decode_ahead is not None else self.ahead_mask(layer, x)
+
     def drain_ahead(self, parity=None) -> None:
         """Wait for lookahead reads no layer took (an aborted pass), of one buffer or all: nothing
         may still land in a buffer, or be reaped from its context, once it is reused."""
@@ -369,6 +395,8 @@ class FlashRuntime:
         """Stop the prefetcher and close the loader (threads, AIO contexts, open files), once
         whatever MLX still evaluates is done (a sparse layer's decode primitive reads the files)."""
         mx.synchronize()
+        if self._decode_ahead is not None:
+            sparse_decode_drain(self._decode_ahead[0])
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
@@ -401,6 +429,7 @@ class FlashFFN(nn.Module):
         self._cpu_ffn = None  # CPU: True once ops.sparse_ffn matched the MLP, False: not taken
         self._ffn_act = None  # ops.sparse_ffn's (act, threshold) for this MLP, once looked at
         self._decoder = None  # ops.sparse_decode's (state, cache arrays, buffer arrays, roles), False: not taken
+        runtime.ffns[layer] = self
 
     def _run(self, x, rows, n, add_down_bias=True, ids=None):
         """The MLP on rows[:n]; ids: their neuron ids (mx int32 [n]) for a resident gate."""
@@ -806,11 +835,11 @@ class FlashFFN(nn.Module):
                 mask = predictor.mask_from_gate(c.gate_values, x).reshape(-1, self._n).any(axis=0)
         else:
             mask = predictor(x).reshape(-1, self._n).any(axis=0)
-        ahead = self._rt.ahead_mask(self.layer, x)
-        if ahead is None and self.layer not in self._rt.ahead:
+        if self.layer not in self._rt.ahead:  # (a read the per-layer path started for it: taken there)
             y = self._decode(x, step, mask)
             if y is not None:
                 return y
+        ahead = self._rt.next_ahead(self.layer, x)
         # the one host sync of this layer: x carries the earlier layers' lazy outputs (rows are
         # rewritten below; sparse_layers_to_eval), whatever the predictor reads of it
         mx.eval(mask, x) if ahead is None else mx.eval(mask, x, ahead)
@@ -869,25 +898,36 @@ class FlashFFN(nn.Module):
         settle. None when the call does not go that way: more than one token, a layer whose FFN
         does not take the CPU kernel (or not yet checked), reads the primitive does not make
         (read_at_once's), dtypes that differ."""
-        if self._decoder is False or x.size != x.shape[-1] or self._cpu_ffn is not True:
+        if x.size != x.shape[-1] or not self.decoder_ready():
             return None
-        if self._decoder is None:
-            self._decoder = self._make_decoder() or False
-            if self._decoder is False:
-                return None
         state, cache_arrays, buf_arrays, roles = self._decoder
         rt = self._rt
         act, threshold = self._ffn_act
         same, gate_values = self._kernel_gate(x, roles[1] >= 0, cache_arrays[roles[0]].dtype)
         if not same:
             return None
+        # the next sparse layer's predicted neurons, read while this one computes, when both layers
+        # decode by primitive with the runtime's lookahead (a layer's first decode call makes its
+        # state: the next one's exists from the next token on)
+        nxt = None
+        if self.layer in rt.lookahead and rt.ffns[rt.lookahead[self.layer][0]].decoder_ready():
+            nxt = rt.decode_states.get(rt.lookahead[self.layer][0])
+        ahead = rt.ahead_mask(self.layer, x) if nxt is not None else None
         y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
-                                    len(rt.stats.steps))
+                                    len(rt.stats.steps), ahead, nxt)
         rt.stats.defer(self.layer, counters, self._decode_settled)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
         self._current.gate_values = None
         return y
+
+    def decoder_ready(self) -> bool:
+        """Whether this layer's decode tokens run as one primitive (_decode): after its first call
+        (the CPU kernel's check), its primitive's state made now if not yet (by its own first
+        decode call, or by the layer before it, which reads ahead for it)."""
+        if self._decoder is None and self._cpu_ffn is True:
+            self._decoder = self._make_decoder() or False
+        return bool(self._decoder)
 
     def _kernel_gate(self, x, gate_rows: bool, dtype):
         """(x and the gate values have the rows' `dtype`, the gate values) for the CPU FFN kernels:
@@ -904,11 +944,15 @@ class FlashFFN(nn.Module):
         counters, counted where the per-layer path counts it: the cache rows it filled, the fills
         it copied from beside the overflow, and its reads for the loader (FlashLoader.kernel_reads)."""
         rt = self._rt
-        fills = v["loaded"] - v["overflow"]
+        # loaded: the fills and overflow it read itself, and the lookahead read it took
+        fills = v["loaded"] - v["overflow"] + v["ahead_used"] - v["ahead_taken"]
         rt.caches[self.layer].rows_loaded += fills
         rt.fill_copied += v["fill_copied"]
-        rt.loader.kernel_reads(step_index, self.layer, v["loaded"], fills - v["fill_copied"], v["bytes"], v["reads"],
-                               v["io_ns"] * 1e-9)
+        rt.ahead_read += v["ahead_read"]
+        rt.ahead_used += v["ahead_used"]
+        rt.ahead_copied += v["ahead_copied"]
+        rt.loader.kernel_reads(step_index, self.layer, v["loaded"], fills - v["fill_copied"] - v["ahead_copied"],
+                               v["bytes"], v["reads"], v["io_ns"] * 1e-9)
 
     def _make_decoder(self):
         """_decode's primitive arguments for this layer, or None when it cannot take it."""
@@ -926,11 +970,16 @@ class FlashFFN(nn.Module):
             return None
         roles = (names.index("up.weight"), names.index("gate.weight") if "gate.weight" in names else -1,
                  names.index("down_t.weight"))
+        ahead = rt.decode_lookahead()
+        if ahead is not None and ahead[1] != layout_key(rt.loader.entry(self.layer)):
+            ahead = None  # a layer of another bundle layout reads nothing ahead, nor is read ahead for
         state = sparse_decode_state(
             layer=self.layer, window=rt.window, ids=cache.ids, slot_of=cache.slot_of,
             last_active=cache.last_active, used=cache.used_array, cache_rows=cache.host_rows,
             buf_rows=[host_bytes(a).reshape(a.shape[0], -1) for a in buf.values()], piece_bytes=rt.max_read_bytes,
-            fill_bytes=cache.max_read_bytes, **reads)
+            fill_bytes=cache.max_read_bytes, lookahead=None if ahead is None else ahead[0], **reads)
+        if ahead is not None:
+            rt.decode_states[self.layer] = state
         return state, list(cache.rows.values()), list(buf.values()), roles
 
 
