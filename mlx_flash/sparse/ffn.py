@@ -289,9 +289,11 @@ class FlashRuntime:
     whose only use of it is sparse overflow) and overflow reads stage at most that many bytes per
     loader call; larger overflows are read and computed in pieces. None: a whole layer, any size."""
 
-    def __init__(self, loader, stats, *, window=5, predictors=None, overflow_rows=None, max_read_bytes=None):
+    def __init__(self, loader, stats, *, window=5, predictors=None, overflow_rows=None, max_read_bytes=None,
+                 decode_stage=0):
         self.loader, self.stats, self.window = loader, stats, window
         self.overflow_rows, self.max_read_bytes = overflow_rows, max_read_bytes
+        self.decode_stage = decode_stage  # bytes of the decode primitive's staging (the plan's), 0: not planned
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
@@ -365,7 +367,8 @@ class FlashRuntime:
                 if k not in self._ahead_bufs:
                     self._ahead_bufs[k] = self.loader.alloc(j, self.ahead_rows)
             rows = [[host_bytes(a).reshape(a.shape[0], -1) for a in self._ahead_bufs[k].values()] for k in (0, 1)]
-            ctx, staging = self.loader.decode_lookahead_io()
+            # the plan's third share of the lookahead: a buffer's rows, as bytes
+            ctx, staging = self.loader.decode_lookahead_io(sum(r.shape[1] for r in rows[0]) * self.ahead_rows)
             self._decode_ahead = (sparse_decode_lookahead(ctx, staging, *rows), layout_key(self.loader.entry(j)))
         return self._decode_ahead
 
@@ -965,7 +968,9 @@ class FlashFFN(nn.Module):
         names = list(buf)
         if list(cache.rows) != names or set(names) - {"up.weight", "gate.weight", "down_t.weight"}:
             return None
-        reads = rt.loader.decode_reads(self.layer, buf, _largest(rt.max_read_bytes, cache.max_read_bytes))
+        # the plan's staging for it (unplanned: as large as the loader's calls stage)
+        reads = rt.loader.decode_reads(self.layer, buf,
+                                       rt.decode_stage or _largest(rt.max_read_bytes, cache.max_read_bytes))
         if reads is None:
             return None
         roles = (names.index("up.weight"), names.index("gate.weight") if "gate.weight" in names else -1,
