@@ -41,10 +41,16 @@ const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Is
 
 Isa best_isa() { return cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::scalar; }
 
+namespace {
+std::atomic<bool> vnni_allowed{true};
+}  // namespace
+
+void set_vnni_allowed(bool allowed) { vnni_allowed.store(allowed, std::memory_order_relaxed); }
+
 bool has_avx512_vnni() {
 #if FLASH_X86
   static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
-  return ok;
+  return ok && vnni_allowed.load(std::memory_order_relaxed);
 #else
   return false;
 #endif

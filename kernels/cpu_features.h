@@ -42,6 +42,10 @@ Isa parse_isa(const std::string& name);
 // only when this holds (else its avx2 one).
 bool has_avx512_vnni();
 
+// Let the kernels use AVX512_VNNI when the CPU has it (true, the default) or act as on an avx512 CPU
+// without it (false): how tests run the VNNI-less path on a CPU that has VNNI.
+void set_vnni_allowed(bool allowed);
+
 // Names of the detected features the kernels care about (e.g. "avx2", "fma", "f16c", "avx512f",
 // "avx512vbmi2", "avx512vnni").
 std::vector<std::string> cpu_features();

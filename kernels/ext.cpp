@@ -194,6 +194,9 @@ NB_MODULE(_ext, m) {
         "The fastest instruction set this CPU runs the kernels with.");
   m.def("set_isa", [](const std::string& name) { flash::set_isa(flash::parse_isa(name)); }, nb::arg("name"),
         "Run the kernels with this instruction set ('scalar', 'avx2' or 'avx512'); ValueError if the CPU lacks it.");
+  m.def("set_vnni_allowed", &flash::set_vnni_allowed, nb::arg("allowed"),
+        "Tests: false makes the kernels act as on an avx512 CPU without AVX512_VNNI (the int8-activation "
+        "forward runs its avx2 kernel); true (the default) uses VNNI when the CPU has it.");
   m.def("cpu_features", &flash::cpu_features,
         "CPU features the kernels detect (avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512vbmi2, vpclmulqdq, "
         "avx512vnni).");

@@ -323,16 +323,18 @@ def test_q8_activations_switch():
 
 
 @needs_ext
+@pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("sdtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_q8_activations_avx512_equals_avx2(bits, group, sdtype):
+def test_q8_activations_avx512_equals_avx2(bits, group, sdtype, vnni):
     # On CPUs with AVX512_VNNI the int8-activation forward runs its avx512 kernel under MLX_FLASH_ISA
     # avx512 (vpdpbusd, 16 lanes), built to give the avx2 kernel's float32 sums bit for bit; both
     # within the rounding bound of the reference (and of the scalar kernel). K: 4-bit 128-element steps
     # with a last 64-chunk and / or a lone 32-block (96, 320, 352), 8-bit an odd number of 32-blocks,
     # and (4224, 4384) a last partial register of 16 block scales. x rows 1, 2, 4, 5; rows dense and
-    # gathered with repeats and -1 / N.
+    # gathered with repeats and -1 / N. vnni False: the kernels act as on an avx512 CPU without
+    # VNNI (set_vnni_allowed), whose int8 path runs the avx2 kernel under avx512, x prepared for it.
     if ops._ext.best_isa() != "avx512" or "avx512vnni" not in ops._ext.cpu_features():
         pytest.skip("this CPU has no AVX512_VNNI: the int8 path runs avx2 under avx512")
     n = 23
@@ -346,6 +348,7 @@ def test_q8_activations_avx512_equals_avx2(bits, group, sdtype):
             out = {}
             for isa in ("scalar", "avx2", "avx512"):
                 ops._ext.set_isa(isa)
+                ops._ext.set_vnni_allowed(vnni)
                 try:
                     out[isa] = (ops._ext.quantized_matvec(x, wq, s, b, group, bits, q8_activations=True),
                                 ops._ext.gather_matvec(x, wq, s, b, mx.array(sel.astype(np.int32)), None, group,
@@ -353,6 +356,7 @@ def test_q8_activations_avx512_equals_avx2(bits, group, sdtype):
                     mx.eval(*out[isa])  # under this ISA (MLX evaluates lazily)
                 finally:
                     ops._ext.set_isa(ops._ext.best_isa())
+                    ops._ext.set_vnni_allowed(True)
             for dense, gathered in out.values():
                 _assert_close(dense, ref, _bound(mag, x, k, mx.float32, ref))
                 assert np.all(np.isnan(_f32(gathered)[:, ~ok]))
