@@ -518,32 +518,28 @@ def test_a_relu_llama_mlp_with_its_own_threshold_is_left_unmasked(act):
 
 @pytest.mark.skipif(not __import__("mlx_flash.cpu.ops", fromlist=["x"]).decode_kernel_enabled({}),
                     reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
-def test_the_flash_plan_counts_the_decode_primitives_staging(tiny_llama, tmp_path, monkeypatch):
-    """The decode primitive reads on the CPU stream's thread into a staging buffer of its own,
-    beside the loader's: the plan counts it among its weights (as large as the overflow's stage:
-    out of a budget when one is given), shows it, and the runtime stages exactly that; with the
-    primitive off (the per-layer path) the plan holds no such buffer. A budget too small for it
-    beside the minimum plans without it."""
+def test_decode_primitives_stage_in_the_generating_threads_staging(tiny_llama, tmp_path, monkeypatch):
+    """The decode primitives' reads (on the CPU stream's thread) stage in the staging buffer of the
+    thread that generates, the one the memory plan counts: no second buffer. That thread waits for
+    MLX's pending work before it stages again (no primitive's read may still land there); another
+    thread stages in its own buffer, without waiting."""
     from calibration_packs import decode_logits, tiny_cats_pack, write_text
     from mlx_flash import calibrate as calibrate_cli
-    from mlx_flash.sparse.budget import overflow_sizes
 
     pack = tiny_cats_pack(tiny_llama, tmp_path, [0.03, 0.05, 0.04, 0.06], gate_bits=4, dtype="float16")
     text = write_text(tmp_path / "t.txt", n_words=300, seed=0)
     assert calibrate_cli.main(["--model", str(pack), "--text", str(text), "--kind", "gate-threshold", "--quiet"]) == 0
-    plans = {}
-    for kernel in ("1", "0"):
-        monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", kernel)
-        model = build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)})
-        plans[kernel] = plan = model.flash_stats.plan
-        decode_logits(model, [5, 17, 99, 3])
-        staged = model.flash_runtime.loader._stream_reads
-        if kernel == "1":
-            assert plan.decode_stage >= overflow_sizes(read_manifest(pack), 1)[1] > 0
-            assert "decode staging" in plan.describe()
-            assert staged is not None and len(staged[1]) == plan.decode_stage
-        else:
-            assert plan.decode_stage == 0 and staged is None and "decode staging" not in plan.describe()
-    assert plans["1"].weights - plans["0"].weights == plans["1"].decode_stage
-    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")  # (its stage, 1 MiB, is twice this pack)
-    assert build_flash_model(pack, FlashConfig("flash", memory_budget=0.9)).flash_stats.plan.decode_stage == 0
+    model = build_flash_model(pack, FlashConfig("flash"), capacity={i: 12 for i in range(4)})
+    loader = model.flash_runtime.loader
+    decode_logits(model, [5, 17, 99, 3])
+    _, staging, owner = loader._stream_reads
+    assert owner == threading.get_ident()
+    assert np.shares_memory(staging, np.frombuffer(loader._local.staging, np.uint8))
+    syncs, real = [], mx.synchronize
+    monkeypatch.setattr(mx, "synchronize", lambda *a: syncs.append(threading.get_ident()) or real(*a))
+    assert loader._staging(1) is loader._local.staging and syncs == [owner]
+    other = []
+    worker = threading.Thread(target=lambda: other.append(loader._staging(1)))
+    worker.start()
+    worker.join()
+    assert syncs == [owner] and not np.shares_memory(np.frombuffer(other[0], np.uint8), staging)

@@ -414,10 +414,14 @@ class FlashLoader:
             ctx = aio.AioContext(self.threads)
             with self._lock:
                 self._aio_contexts.append(ctx)
-            # a call stages at most its limit, or one planned read (max_read, aligned at both ends)
+            # a call stages at most its limit, or one planned read (max_read, aligned at both ends),
+            # in the calling thread's staging: that thread and the stream's never stage at once
+            # (_staging waits for MLX's pending work before the calling thread stages again), so
+            # the primitives take no staging beyond the one the memory plan counts
             size = STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
-            self._stream_reads = (ctx, np.frombuffer(aligned_buffer(size), np.uint8)[:size])
-        ctx, staging = self._stream_reads
+            staging = self._staging(size)
+            self._stream_reads = (ctx, np.frombuffer(staging, np.uint8)[:size], threading.get_ident())
+        ctx, staging, _ = self._stream_reads
         return {"ctx": ctx.handle, "fd": fd, "count": layout[0], "offset": layout[1], "stride": layout[2],
                 "align": rule[0], "merge": rule[1], "merge_gap": rule[2], "max_read": rule[3], "table": table,
                 "piece_off": pieces[0], "piece_len": pieces[1], "comp_off": [int(t[0]) for t in targets],
@@ -1139,7 +1143,11 @@ class FlashLoader:
 
     def _staging(self, n) -> memoryview:
         """The calling thread's page-aligned staging buffer (kept and grown: size = its largest
-        read_many's bytes), so direct reads need no per-call allocation or page faults."""
+        read_many's bytes), so direct reads need no per-call allocation or page faults. The thread
+        whose staging the decode primitives share (decode_reads) first waits for MLX's pending
+        work: none of their reads may still be landing in it."""
+        if self._stream_reads is not None and self._stream_reads[2] == threading.get_ident():
+            mx.synchronize()
         buf = getattr(self._local, "staging", None)
         if buf is None or len(buf) < n:
             buf = self._local.staging = aligned_buffer(n)

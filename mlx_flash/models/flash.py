@@ -18,14 +18,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..config import FlashConfig
-from ..cpu.ops import decode_kernel_enabled, kernels_active
 from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
-from ..metal import kernels as metal_kernels
 from ..pack import load_resident
-from ..sparse.budget import (budget_param, expected_read_seconds, overflow_sizes, plan_memory,
-                             priced_read_fractions, resolve_budget, row_bytes)
+from ..sparse.budget import (budget_param, expected_read_seconds, plan_memory, priced_read_fractions,
+                             resolve_budget, row_bytes)
 from ..sparse.ffn import (CurrentRows, FlashFFN, FlashRuntime, RowDown, RowProjection, StreamPrefetcher,
                           UpDownMLP, check_mlp_shape, layout_key, sparse_layers_to_eval)
 from ..sparse.neuron_cache import NeuronCache
@@ -87,13 +85,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         budget = cfg.memory_budget
         # two lookahead buffers and the reader's staging, out of the budget
         ahead_bytes = 3 * ahead_rows * max(row_bytes(b) for b in manifest.bundles) if ahead_rows else 0
-        # the decode primitive's reads stage in a buffer of the CPU stream's thread, beside the
-        # loader's (the plan's overflow stage): as large as that one, out of the budget too
-        decode_stage = (overflow_sizes(manifest, overflow_rows)[1]
-                        if cfg.mode == "flash" and overflow_rows is not None and decode_kernel_enabled()
-                        and kernels_active() and not metal_kernels.metal_active() else 0)
-        if (ahead_bytes or decode_stage) and budget is not None:
-            budget = resolve_budget(budget, manifest) - ahead_bytes - decode_stage
+        if ahead_bytes and budget is not None:
+            budget = resolve_budget(budget, manifest) - ahead_bytes
 
         def plan_for(budget):
             return plan_memory(manifest, cfg.mode, budget,
@@ -105,13 +98,12 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         try:
             plan = plan_for(budget)
         except FlashError:
-            if not (ahead_bytes or decode_stage):
+            if not ahead_bytes:
                 raise
-            # the buffers do not fit beside the minimum: no lookahead, the decode staging unplanned
-            ahead_rows = ahead_bytes = decode_stage = 0
+            ahead_rows = ahead_bytes = 0  # the buffers do not fit beside the minimum: no lookahead
             plan = plan_for(cfg.memory_budget)
-        if (ahead_bytes or decode_stage) and plan.capacity:  # the plan shows the budget asked for, these in it
-            plan.lookahead, plan.decode_stage = ahead_bytes, decode_stage
+        if ahead_bytes and plan.capacity:  # the plan shows the budget asked for, the buffers in it
+            plan.lookahead = ahead_bytes
             if cfg.memory_budget is not None:
                 plan.budget = resolve_budget(cfg.memory_budget, manifest)
                 plan.budget_param = budget_param(cfg.memory_budget)
@@ -123,8 +115,7 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
         model = build_model(config, weights)
         stats = FlashStats(plan)
         runtime = FlashRuntime(loader, stats, window=cfg.window, predictors=predictors,
-                               overflow_rows=plan.overflow_rows, max_read_bytes=plan.overflow_stage,
-                               decode_stage=plan.decode_stage)
+                               overflow_rows=plan.overflow_rows, max_read_bytes=plan.overflow_stage)
         checked, kinds, currents = set(), {}, {}
         for entry in manifest.bundles:
             layer = entry.layer

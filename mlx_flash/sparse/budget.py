@@ -123,7 +123,6 @@ class MemoryPlan:
     row_bytes: dict = field(default_factory=dict)
     budget_param: str = "budget"  # what the caller called the budget (errors name it)
     lookahead: int = 0  # flash: bytes of the lookahead buffers and their reader's staging
-    decode_stage: int = 0  # flash: the decode primitive's staging (reads on the CPU stream's thread)
 
     def budget_named(self) -> str:
         """`--memory-budget 1.2 MB` / `memory_budget='1.2 MB'`: the budget as errors show it."""
@@ -132,7 +131,7 @@ class MemoryPlan:
     @property
     def weights(self) -> int:
         """Bytes of weights held in memory under this plan."""
-        return (self.resident + self.predictors + self.stream + self.lookahead + self.decode_stage
+        return (self.resident + self.predictors + self.stream + self.lookahead
                 + sum(self.layer_bytes[i] for i in self.resident_layers)
                 + sum(self.encoded_bytes[i] for i in self.encoded_layers)
                 + sum(self.capacity[i] * self.row_bytes[i] for i in self.capacity))
@@ -145,8 +144,6 @@ class MemoryPlan:
             parts.append(f"streaming buffer {fmt_bytes(self.stream)}")
         if self.lookahead:
             parts.append(f"lookahead buffers {fmt_bytes(self.lookahead)}")
-        if self.decode_stage:
-            parts.append(f"decode staging {fmt_bytes(self.decode_stage)}")
         if self.resident_layers or self.encoded_layers:
             held = len(self.resident_layers) + len(self.encoded_layers)
             parts.append(f"{held}/{len(self.layer_bytes)} layer FFNs resident"

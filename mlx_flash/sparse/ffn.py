@@ -289,11 +289,9 @@ class FlashRuntime:
     whose only use of it is sparse overflow) and overflow reads stage at most that many bytes per
     loader call; larger overflows are read and computed in pieces. None: a whole layer, any size."""
 
-    def __init__(self, loader, stats, *, window=5, predictors=None, overflow_rows=None, max_read_bytes=None,
-                 decode_stage=0):
+    def __init__(self, loader, stats, *, window=5, predictors=None, overflow_rows=None, max_read_bytes=None):
         self.loader, self.stats, self.window = loader, stats, window
         self.overflow_rows, self.max_read_bytes = overflow_rows, max_read_bytes
-        self.decode_stage = decode_stage  # bytes of the decode primitive's staging (the plan's), 0: not planned
         self.predictors = predictors or {}
         self.caches: dict[int, NeuronCache] = {}
         self._stream: dict[tuple, dict] = {}
@@ -968,9 +966,7 @@ class FlashFFN(nn.Module):
         names = list(buf)
         if list(cache.rows) != names or set(names) - {"up.weight", "gate.weight", "down_t.weight"}:
             return None
-        # the plan's staging for it (unplanned: as large as the loader's calls stage)
-        reads = rt.loader.decode_reads(self.layer, buf,
-                                       rt.decode_stage or _largest(rt.max_read_bytes, cache.max_read_bytes))
+        reads = rt.loader.decode_reads(self.layer, buf, _largest(rt.max_read_bytes, cache.max_read_bytes))
         if reads is None:
             return None
         roles = (names.index("up.weight"), names.index("gate.weight") if "gate.weight" in names else -1,
