@@ -330,8 +330,10 @@ class FlashRuntime:
         if layer not in self.lookahead or x.size // x.shape[-1] != 1:
             return None
         j, scale = self.lookahead[layer]
-        g = self.currents[j].full_gate(x * scale)
-        return self.predictors[j].mask_from_gate(g).reshape(-1, g.shape[-1]).any(axis=0)
+        g, predictor = self.currents[j].full_gate(x * scale), self.predictors[j]
+        if predictor.kind == "gate-threshold" and mask_activation_ok(predictor.activation):
+            return active_mask(g, predictor.activation, predictor.threshold)  # one op (_sparse's)
+        return predictor.mask_from_gate(g).reshape(-1, g.shape[-1]).any(axis=0)
 
     def start_ahead(self, layer: int, mask) -> None:
         """Start reading the lookahead neurons of the layer after `layer` (mask: evaluated
