@@ -439,7 +439,9 @@ def test_cats_pack_runs_its_sparse_ffns_on_one_kernel_call_bit_for_bit(tiny_llam
     got = decode_logits(model, ids)
     assert _ffn_flags(model) == [True] * 4
     assert len(calls) == 4 * len(ids) and max(calls) >= 2  # one call per layer and token, over all row sets
-    assert len(masks) == 4 * len(ids)  # the predictors' masks from the resident gate's output: one op each
+    # the predictors' masks from the resident gate's output, and the lookahead's of the next
+    # layer (pairs 0-1, 1-2, 2-3) from its estimated input: one op each
+    assert len(masks) == (4 + 3 * lookahead) * len(ids)
     if lookahead:
         assert model.flash_runtime.ahead_used > 0
     want = decode_logits(_without_ffn_kernel(build()), ids)
