@@ -51,7 +51,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
       lookahead neurons while it computes (FlashRuntime.set_lookahead; its buffers, two of
       Req_1 rows plus their staging, come out of the budget). None: off unless the environment
       sets MLX_FLASH_LOOKAHEAD=1 (idle, on the 88-minute CATS packs at 65%, it made flash slower:
-      129.7 vs 108.6 ms/token, float16 resident; 67.8 vs 55.8, 8-bit resident: docs/benchmarks.md).
+      129.7 vs 108.6 ms/token, float16 resident; 67.8 vs 55.8, 8-bit resident; in the decode
+      primitive too, 59.5-66.3 vs 48.4-63.8: docs/benchmarks.md).
     """
     pack = Path(pack_dir)
     cfg = flash_config or FlashConfig()
