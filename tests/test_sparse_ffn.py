@@ -822,8 +822,8 @@ def test_decode_kernel_reads_the_next_layers_neurons_ahead_as_the_per_layer_path
     neurons once its own reads are in, and the next layer's primitive takes those it needs (cache
     fills copied, overflow computed from the lookahead buffer): the logits and every cache's ids
     and rows equal the per-layer path's with lookahead, bit for bit, and so do each step's
-    counters (needed, hits, loaded, bytes, window) and the lookahead's (read, used, copied); the
-    primitives' reads, lookahead included, are all in bench run's read log."""
+    counters (needed, hits, loaded, bytes, window) and the lookahead's (read, used, copied); both
+    paths' reads, lookahead included, are all in bench run's read log."""
     pack = decode_pack(tiny_llama, tmp_path, act)
     want = decode_run(pack, monkeypatch, False, capacity, limits, lookahead=True)
     got = decode_run(pack, monkeypatch, True, capacity, limits, lookahead=True)
@@ -844,6 +844,7 @@ def test_decode_kernel_reads_the_next_layers_neurons_ahead_as_the_per_layer_path
     # the lookahead's buffer
     first = len(got[2]) - len(DECODE_IDS) + 1
     assert [c[2:4] for c in got[2][first:]] == [c[5:7] for c in got[2][first:]]
+    assert [c[2:4] for c in want[2]] == [c[5:7] for c in want[2]]  # the per-layer path's lookahead reads too
     filled = sum(c.rows_loaded for c in rts[1].caches.values())
     cache_logged = sum(r[2] for r in got[4] if r[7] and r[0] >= first)
     assert filled - sum(c.rows_loaded for c in rts[0].caches.values()) == 0

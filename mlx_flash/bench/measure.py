@@ -81,6 +81,26 @@ class LoggedReads:
             self._log_call(layer, ids, dest, s)
         return s
 
+    def start_read(self, layer, ids, dest, slots=None, key=0):
+        """FlashLoader.start_read (the per-layer path's lookahead), logged as `read` logs a call
+        once finish_read reaps it (or now, when the loader read it at once); unbundled copies: read
+        now through `read`."""
+        if self._unbundled is not None:
+            return {"stats": self.read(layer, ids, dest, slots)}
+        started = self._loader.start_read(layer, ids, dest, slots, key)
+        if "job" in started:
+            started["logged"] = (layer, ids, dest)
+        else:
+            self._log_call(layer, ids, dest, started["stats"])
+        return started
+
+    def finish_read(self, started):
+        """FlashLoader.finish_read, logging what start_read started."""
+        s = self._loader.finish_read(started)
+        if "logged" in started:
+            self._log_call(*started.pop("logged"), s)
+        return s
+
     def decode_reads(self, layer, dest, staging_bytes=None):
         """FlashLoader.decode_reads (a kernel reads with what it returns; kernel_reads logs them);
         unbundled copies: None, their reads go through `read`."""
