@@ -411,16 +411,12 @@ class FlashLoader:
             return None
         fd, layout, rule, pieces, targets, table, _ = fast
         if self._stream_reads is None:  # made once: every call runs on the one CPU stream thread
-            ctx = aio.AioContext(self.threads)
-            with self._lock:
-                self._aio_contexts.append(ctx)
-            # a call stages at most its limit, or one planned read (max_read, aligned at both ends),
             # in the calling thread's staging: that thread and the stream's never stage at once
             # (_staging waits for MLX's pending work before the calling thread stages again), so
             # the primitives take no staging beyond the one the memory plan counts
-            size = STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
+            size = self._stage_size(staging_bytes)
             staging = self._staging(size)
-            self._stream_reads = (ctx, np.frombuffer(staging, np.uint8)[:size], threading.get_ident())
+            self._stream_reads = (self._new_context(), np.frombuffer(staging, np.uint8)[:size], threading.get_ident())
         ctx, staging, _ = self._stream_reads
         return {"ctx": ctx.handle, "fd": fd, "count": layout[0], "offset": layout[1], "stride": layout[2],
                 "align": rule[0], "merge": rule[1], "merge_gap": rule[2], "max_read": rule[3], "table": table,
@@ -434,11 +430,8 @@ class FlashLoader:
         reads on decode_reads' context, and their own staging (`staging_bytes`, None: STAGED_BATCH),
         used by the MLX stream's thread only. Made once."""
         if self._ahead_reads is None:
-            ctx = aio.AioContext(self.threads)
-            with self._lock:
-                self._aio_contexts.append(ctx)
-            size = STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
-            self._ahead_reads = (ctx, np.frombuffer(aligned_buffer(size), np.uint8)[:size])
+            size = self._stage_size(staging_bytes)
+            self._ahead_reads = (self._new_context(), np.frombuffer(aligned_buffer(size), np.uint8)[:size])
         ctx, staging = self._ahead_reads
         return ctx.handle, staging
 
@@ -517,9 +510,7 @@ class FlashLoader:
         pos = _count_job(stats, job, 0)
         started = self._started.get(key)
         if started is None:
-            started = self._started[key] = {"ctx": aio.AioContext(self.threads), "staging": None}
-            with self._lock:
-                self._aio_contexts.append(started["ctx"])
+            started = self._started[key] = {"ctx": self._new_context(), "staging": None}
         if pos and (started["staging"] is None or len(started["staging"]) < pos):
             started["staging"] = aligned_buffer(pos)
         staging = started["staging"] if pos else None
@@ -673,12 +664,22 @@ class FlashLoader:
         """The calling thread's AIO context (made on first use)."""
         ctx = getattr(self._local, "aio", None)
         if ctx is None:
-            ctx = self._local.aio = aio.AioContext(self.threads)
+            ctx = self._local.aio = self._new_context()
             if threading.current_thread() is not threading.main_thread():
                 ctx.spin_ns = 0  # background readers (prefetch, expert preload): a spin takes the core from compute
-            with self._lock:
-                self._aio_contexts.append(ctx)
         return ctx
+
+    def _new_context(self):
+        """A new AIO context, closed with the loader."""
+        ctx = aio.AioContext(self.threads)
+        with self._lock:
+            self._aio_contexts.append(ctx)
+        return ctx
+
+    def _stage_size(self, staging_bytes) -> int:
+        """Bytes of a staging buffer for calls of at most `staging_bytes` (None: STAGED_BATCH): at
+        least one planned read (max_read, aligned at both ends)."""
+        return STAGED_BATCH if staging_bytes is None else max(int(staging_bytes), self.max_read + 2 * self.alignment)
 
     def _read_aio_at_once(self, ctx, jobs, staging, flat):
         """A small call's reads (at most STAGED_BATCH bytes, e.g. a decode token's reads of one
