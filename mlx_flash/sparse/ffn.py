@@ -330,10 +330,7 @@ class FlashRuntime:
         if layer not in self.lookahead or x.size // x.shape[-1] != 1:
             return None
         j, scale = self.lookahead[layer]
-        g, predictor = self.currents[j].full_gate(x * scale), self.predictors[j]
-        if predictor.kind == "gate-threshold" and mask_activation_ok(predictor.activation):
-            return active_mask(g, predictor.activation, predictor.threshold)  # one op (_sparse's)
-        return predictor.mask_from_gate(g).reshape(-1, g.shape[-1]).any(axis=0)
+        return _gate_mask(self.predictors[j], self.currents[j].full_gate(x * scale))
 
     def start_ahead(self, layer: int, mask) -> None:
         """Start reading the lookahead neurons of the layer after `layer` (mask: evaluated
@@ -832,10 +829,7 @@ class FlashFFN(nn.Module):
         predictor, c = self._rt.predictors[self.layer], self._current
         if c.resident_gate is not None and getattr(predictor, "resident_gate", False):
             c.gate_values = c.full_gate(x)  # one gate matvec for the mask and the rows' gate
-            if predictor.kind == "gate-threshold" and mask_activation_ok(predictor.activation):
-                mask = active_mask(c.gate_values, predictor.activation, predictor.threshold)  # one op
-            else:  # quant-glu: |act(g) * quantized up x| > cut
-                mask = predictor.mask_from_gate(c.gate_values, x).reshape(-1, self._n).any(axis=0)
+            mask = _gate_mask(predictor, c.gate_values, x)
         else:
             mask = predictor(x).reshape(-1, self._n).any(axis=0)
         if self.layer not in self._rt.ahead:  # (a read the per-layer path started for it: taken there)
@@ -912,9 +906,8 @@ class FlashFFN(nn.Module):
         # the next sparse layer's predicted neurons, read while this one computes, when both layers
         # decode by primitive with the runtime's lookahead (a layer's first decode call makes its
         # state: the next one's exists from the next token on)
-        nxt = None
-        if self.layer in rt.lookahead and rt.ffns[rt.lookahead[self.layer][0]].decoder_ready():
-            nxt = rt.decode_states.get(rt.lookahead[self.layer][0])
+        j = rt.lookahead.get(self.layer, (None,))[0]
+        nxt = rt.decode_states.get(j) if j is not None and rt.ffns[j].decoder_ready() else None
         ahead = rt.ahead_mask(self.layer, x) if nxt is not None else None
         y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
                                     len(rt.stats.steps), ahead, nxt)
@@ -997,6 +990,15 @@ def _token_picker(x):
         return lambda a: a
     idx = mx.array(np.unique(np.linspace(0, t - 1, CHECK_TOKENS).round().astype(np.int32)))
     return lambda a: mx.take(a, idx, axis=-2)
+
+
+def _gate_mask(predictor, g, x=None):
+    """bool [N]: the neurons `predictor` keeps, from its resident gate's output g [..., N]:
+    gate-threshold by the active_mask kernel (one op), else the predictor's rule (quant-glu:
+    |act(g) * quantized up x| > cut, x the FFN input)."""
+    if predictor.kind == "gate-threshold" and mask_activation_ok(predictor.activation):
+        return active_mask(g, predictor.activation, predictor.threshold)
+    return predictor.mask_from_gate(g, x).reshape(-1, g.shape[-1]).any(axis=0)
 
 
 def _split_ahead(upd, ids):
