@@ -141,7 +141,7 @@ def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, tokens,
 
     student = resident_as_packed()
     kw = dict(steps=args.expert_tune, group_size=group_size, lr=args.expert_tune_lr,
-              lr_by_width=args.expert_tune_lr_width)
+              lr_by_width=args.expert_tune_lr_width, integer_lr=args.expert_tune_int_lr)
     if windows:
         out = tune_keeping_best(student, teacher, resident_as_packed(), quantized, bits, tokens,
                                 windows, checkpoint_every=args.expert_tune_every,
@@ -338,6 +338,11 @@ def _main(argv):
                         help="--expert-tune: the learning rate times FACTOR for the experts at "
                              "BITS (e.g. 2=3 3=2: the narrow experts' scales move further; "
                              "widths not named: 1)")
+    parser.add_argument("--expert-tune-int-lr", type=float, default=0.0, metavar="LR",
+                        help="--expert-tune: move the experts' integers too (straight-through "
+                             "rounding of a float offset per weight, started from the float "
+                             "weight's place in its rounding step); LR is the offset's Adam step "
+                             "in integer steps (default 0: integers fixed). See docs/moe.md")
     parser.add_argument("--expert-tune-tokens", type=int, default=65536,
                         help="--expert-tune: --calib-text tokens it draws its windows from "
                              "(default 65536)")
@@ -383,6 +388,11 @@ def _main(argv):
         if not args.expert_tune:
             raise FlashError("--expert-tune-lr-width: only with --expert-tune")
         args.expert_tune_lr_width = dict(args.expert_tune_lr_width)
+    if args.expert_tune_int_lr:
+        if not args.expert_tune:
+            raise FlashError("--expert-tune-int-lr: only with --expert-tune")
+        if not args.expert_tune_int_lr > 0:
+            raise FlashError(f"--expert-tune-int-lr {args.expert_tune_int_lr:g}: must be > 0")
     if args.expert_tune_val_tokens:
         if not args.expert_tune:
             raise FlashError("--expert-tune-val-tokens: only with --expert-tune")

@@ -179,3 +179,47 @@ def test_tune_keeping_best_returns_the_best_checkpoints_stacks(models, monkeypat
     for key, stacks in four.items():
         for role, want in stacks.items():
             assert all(mx.array_equal(a, b) for a, b in zip(out["quantized"][key][role], want))
+
+
+def _integers(packed, bits):
+    ones = mx.ones((*packed.shape[:-1], packed.shape[-1] * 32 // bits // 32), mx.float32)
+    return np.array(mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=32, bits=bits))
+
+
+def test_moving_integers_are_the_weights_the_student_computed_with(models):
+    """integer_lr: integers move (by at most one step in three steps this small: MLX's Adam moves a
+    parameter by at most ~5 lr a step then; only the rows of each width's own experts), and a checkpoint's stacks, packed anew, are the weights the next step
+    computed with: its KL from the teacher is that step's."""
+    from mlx_flash.calibration.relufication import distill_kl
+    from mlx_flash.cpu import ops
+
+    teacher, student, tokens, quantized, bits = _mixed_widths(models, 7)
+    seen = {}
+    out = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=4, group_size=32,
+                             lr=1e-2, integer_lr=0.03, seq_len=64, progress=False,
+                             checkpoint_every=3, on_checkpoint=lambda n, q: seen.setdefault(n, q))
+    moved = 0
+    for (layer, b), stacks in quantized.items():
+        rows = [e for e, w in enumerate(bits[layer]) if w == b]
+        others = [e for e in range(6) if e not in rows]
+        for role, (packed, _, _) in stacks.items():
+            q0, q3 = _integers(packed, b), _integers(seen[3][(layer, b)][role][0], b)
+            assert np.array_equal(q0[others], q3[others])
+            assert np.abs(q3 - q0).max() <= 1 and q3.min() >= 0 and q3.max() <= 2 ** b - 1
+            moved += int((q3 != q0).sum())
+    assert moved > 0
+    rng = np.random.default_rng(0)  # the windows tune_expert_scales drew (seed 0)
+    start = [int(rng.integers(0, len(tokens) - 64)) for _ in range(4)][3]
+    x = mx.array(tokens[start: start + 64])[None]
+    kernels = ops.kernels_active()
+    ops.set_kernels_enabled(False)
+    try:
+        with experts_at_widths(student, bits, 32, seen[3]), dense_experts(student), dense_experts(teacher):
+            kl = float(distill_kl(student(x).astype(mx.float32), teacher(x).astype(mx.float32)))
+    finally:
+        ops.set_kernels_enabled(kernels)
+    assert kl == pytest.approx(out["kl"][3], rel=1e-4)
+    assert kl != pytest.approx(out["kl"][2], rel=1e-4)
+    with pytest.raises(FlashError, match="--expert-tune-int-lr -1: must be >= 0"):
+        tune_expert_scales(student, teacher, quantized, bits, tokens, steps=1, group_size=32,
+                           integer_lr=-1.0, seq_len=64, progress=False)

@@ -107,7 +107,8 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text,
     assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}
     assert "--expert-bits-tolerance 1e+09%" in capsys.readouterr().err
     assert main(args + ["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-lr-width", "2=3",
-                        "--expert-importance", "layer-loss-frozen", "--out", str(tmp_path / "pk")]) == 0
+                        "--expert-tune-int-lr", "0.3", "--expert-importance", "layer-loss-frozen",
+                        "--out", str(tmp_path / "pk")]) == 0
     err = capsys.readouterr().err
     assert "--expert-tune 2: KL from the float model" in err
     assert "--expert-importance layer-loss-frozen: KL" in err and "bits with routing frozen" in err
@@ -143,7 +144,10 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text,
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-val-tokens", "4096"],
                        "--expert-tune-val-tokens 4096: needs at least"),
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-every", "0"],
-                       "--expert-tune-every 0")):
+                       "--expert-tune-every 0"),
+                      (["--expert-bits", "3", "--expert-tune-int-lr", "0.1"], "--expert-tune-int-lr"),
+                      (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-int-lr", "-1"],
+                       "--expert-tune-int-lr -1: must be > 0")):
         with pytest.raises(SystemExit) as e:
             main(args + bad + ["--out", str(tmp_path / "q")])
         err = capsys.readouterr().err.strip()

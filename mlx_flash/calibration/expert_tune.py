@@ -1,10 +1,15 @@
 """End-to-end tuning of quantized experts' scales and biases against the float model.
 
-After each expert is rounded at its width (moe/quantize.py), its integers stay fixed and only its
-affine scales and biases move: every group's w_hat = scale * (1 + a) * q + bias + scale * c, with
-a and c trained by Adam to minimise the KL divergence from the float model's next-token
-distribution to the quantized model's on calibration text. The pack keeps MLX's affine format
-(same integers, new scales and biases), so the runtime and kernels read it unchanged.
+After each expert is rounded at its width (moe/quantize.py), its affine scales and biases move:
+every group's w_hat = scale * (1 + a) * q + bias + scale * c, with a and c trained by Adam to
+minimise the KL divergence from the float model's next-token distribution to the quantized
+model's on calibration text. By default the integers q stay fixed. With an integer learning rate
+they move too: each weight holds a float offset u from its integer, started at the float weight's
+place within its rounding step (|u| < 1/2, so the first forward pass is the rounding's), and the
+forward pass uses clip(round(q + u), 0, 2^bits - 1) with a straight-through gradient (the
+gradient of the rounded value taken as that of q + u). The pack keeps MLX's affine format (new
+scales and biases, and with moving integers new packed words), so the runtime and kernels read
+it unchanged.
 
 The student is the model as the pack will hold it: non-expert weights quantized-dequantized as
 `--quantize` stores them, experts at their widths. Experts are computed densely during tuning
@@ -18,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FlashError
+from ..moe.quantize import pack_bits
 from .expert_bits import dense_experts, switch_glus
 from .relufication import distill_kl
 
@@ -58,7 +64,8 @@ def _expert_grids(quantized, bits, group_size):
 def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np.ndarray, *,
                        steps: int, group_size: int, lr: float = 2e-3, seq_len: int = 256,
                        seed: int = 0, progress: bool = True, lr_by_width: dict = None,
-                       checkpoint_every: int = 0, on_checkpoint=None) -> dict:
+                       integer_lr: float = 0.0, checkpoint_every: int = 0,
+                       on_checkpoint=None) -> dict:
     """Train the scales and biases of each expert at its width (module docstring).
 
     student / teacher: the same MoE architecture (student: non-expert weights as the pack holds
@@ -67,12 +74,14 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     {layer: [bits per expert]}. tokens: int32 training ids (never the evaluation text); each
     step is one random window of seq_len tokens. lr_by_width: {bits: factor} multiplying `lr`
     for the experts at that width (default 1 for every width): the narrow experts' scales can
-    be moved further than the wide ones' in the same steps. on_checkpoint(steps done, tuned
+    be moved further than the wide ones' in the same steps. integer_lr > 0: the integers move
+    too (module docstring), their offsets' Adam step being integer_lr integer steps (times the
+    width's factor). on_checkpoint(steps done, tuned
     `quantized` as returned) is called every `checkpoint_every` steps (e.g. to score a validation
     split: a run's first n steps are exactly an n-step run, same windows and Adam state).
 
-    Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases for the
-    experts at that width (integers and other rows unchanged), "kl": [nats per token, each
+    Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases (and,
+    with integer_lr, integers) for the experts at that width (other rows unchanged), "kl": [nats per token, each
     step], "seconds", "lr_by_width": the factors applied}. `student`'s experts are restored to their float weights.
     """
     import mlx.optimizers as optim
@@ -85,6 +94,14 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     saved = {(layer, r): getattr(found[layer][2], f"{r}_proj").weight for layer, r in grids}
     params = {f"{layer}.{r}": {"a": mx.zeros(g[1].shape), "c": mx.zeros(g[1].shape)}
               for (layer, r), g in grids.items()}
+    if integer_lr < 0:
+        raise FlashError(f"--expert-tune-int-lr {integer_lr:g}: must be >= 0")
+    # the offsets are Adam parameters too: stored divided by k, so that lr moves them k * lr
+    k = integer_lr / lr if integer_lr else 0.0
+    integers = _Integers(grids, bits, group_size, k, saved) if k else None
+    if integers:
+        for key, u in integers.start().items():
+            params[key]["u"] = u
     # each expert's Adam step times its width's factor: a per-expert learning rate
     factor = {f"{layer}.{r}": mx.array([float((lr_by_width or {}).get(b, 1.0))
                                         for b in bits[layer]], mx.float32)[:, None, None]
@@ -92,7 +109,10 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
 
     def expert_weights(p):
         for (layer, r), (q, s0, b0) in grids.items():
-            a, c = p[f"{layer}.{r}"]["a"], p[f"{layer}.{r}"]["c"]
+            key = f"{layer}.{r}"
+            a, c = p[key]["a"], p[key]["c"]
+            if integers:
+                q = integers.forward(key, q, p[key]["u"])
             n_exp, out, n = q.shape
             w = q.reshape(n_exp, out, n // group_size, group_size) * (s0 * (1 + a))[..., None]
             w = (w + (b0 + s0 * c)[..., None]).reshape(n_exp, out, n)
@@ -122,35 +142,71 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                 loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logits))
                 if lr_by_width:
                     new = opt.apply_gradients(grads, params)
-                    params = {k: {v: params[k][v] + factor[k] * (new[k][v] - params[k][v])
-                                  for v in "ac"} for k in params}
+                    params = {n: {v: params[n][v] + factor[n] * (new[n][v] - params[n][v])
+                                  for v in params[n]} for n in params}
                 else:
                     opt.update(params, grads)
                 mx.eval(params, opt.state, loss)
                 kl.append(float(loss))
                 if on_checkpoint and checkpoint_every and len(kl) % checkpoint_every == 0:
-                    on_checkpoint(len(kl), _tuned_stacks(quantized, grids, params, bits))
+                    on_checkpoint(len(kl), _tuned_stacks(quantized, grids, params, bits, integers))
     finally:
         ops.set_kernels_enabled(kernels)
         for (layer, r), w in saved.items():
             getattr(found[layer][2], f"{r}_proj").weight = w
 
-    return {"quantized": _tuned_stacks(quantized, grids, params, bits), "kl": kl,
+    return {"quantized": _tuned_stacks(quantized, grids, params, bits, integers), "kl": kl,
             "seconds": time.perf_counter() - t0, "lr_by_width": dict(lr_by_width or {})}
 
 
-def _tuned_stacks(quantized, grids, params, bits) -> dict:
+class _Integers:
+    """The moving integers of tune_expert_scales (module docstring): offsets u / k per weight."""
+
+    def __init__(self, grids, bits, group_size, k, floats):
+        self.grids, self.group_size, self.k, self.floats = grids, group_size, k, floats
+        self.top = {f"{layer}.{r}": mx.array([2.0 ** b - 1 for b in bits[layer]], mx.float32)[:, None, None]
+                    for layer, r in grids}
+
+    def start(self) -> dict:
+        """{"layer.role": u / k}: each float weight's place within its rounding step, |u| < 1/2."""
+        out = {}
+        for (layer, r), (q, s0, b0) in self.grids.items():
+            n_exp, rows, n = q.shape
+            w = self.floats[(layer, r)].astype(mx.float32).reshape(n_exp, rows, n // self.group_size,
+                                                                     self.group_size)
+            safe = mx.where(s0 == 0, 1.0, s0)[..., None]
+            place = ((w - b0[..., None]) / safe).reshape(q.shape) - q
+            out[f"{layer}.{r}"] = mx.clip(place, -0.49, 0.49) / self.k
+        return out
+
+    def forward(self, key, q, u):
+        """clip(round(q + u), 0, top) valued, with the gradient of q + u (straight through)."""
+        t = q + self.k * u
+        t = t + mx.stop_gradient(mx.round(t) - t)
+        return mx.minimum(mx.maximum(t, 0.0), self.top[key])
+
+    def rounded(self, key, q, u) -> np.ndarray:
+        return np.array(mx.minimum(mx.maximum(mx.round(q + self.k * u), 0.0), self.top[key])).astype(np.uint32)
+
+
+def _tuned_stacks(quantized, grids, params, bits, integers=None) -> dict:
     """A copy of `quantized` whose stacks hold the scales/biases of `params` ({"layer.role": {"a",
-    "c"}}) for the experts at each width (integers and other rows unchanged)."""
+    "c"[, "u"]}}) for the experts at each width (with `integers`, their integers packed anew;
+    other rows unchanged)."""
     tuned = {key: dict(stacks) for key, stacks in quantized.items()}
-    for (layer, r), (_, s0, b0) in grids.items():
-        a, c = params[f"{layer}.{r}"]["a"], params[f"{layer}.{r}"]["c"]
-        scale, bias = np.array(s0 * (1 + a)), np.array(b0 + s0 * c)
+    for (layer, r), (q, s0, b0) in grids.items():
+        p = params[f"{layer}.{r}"]
+        scale, bias = np.array(s0 * (1 + p["a"])), np.array(b0 + s0 * p["c"])
+        q_new = integers.rounded(f"{layer}.{r}", q, p["u"]) if integers else None
         for b in set(bits[layer]):
             rows = [e for e, w in enumerate(bits[layer]) if w == b]
             packed, s, bb = tuned[(layer, b)][r]
             s_new, b_new = np.array(s.astype(mx.float32)), np.array(bb.astype(mx.float32))
             s_new[rows], b_new[rows] = scale[rows], bias[rows]
+            if q_new is not None:
+                words = np.array(packed)
+                words[rows] = pack_bits(q_new[rows], b)
+                packed = mx.array(words)
             tuned[(layer, b)][r] = (packed, mx.array(s_new).astype(s.dtype),
                                     mx.array(b_new).astype(bb.dtype))
     return tuned
