@@ -269,6 +269,18 @@ def pytest_unconfigure(config):
             f.close()
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its counts go to the controller
+        workeroutput["tests_by_isa"] = dict(_tests_by_isa)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's instruction-set counts (pytest_sessionfinish)."""
+    _tests_by_isa.update(getattr(node, "workeroutput", {}).get("tests_by_isa", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _tests_by_isa:
         counts = ", ".join(f"{isa} {n}" for isa, n in sorted(_tests_by_isa.items()))

@@ -13,6 +13,8 @@ from mlx_flash.errors import FlashError
 from mlx_flash.sources.gguf import gguf_config, gguf_to_mlx, read_gguf_header, unpermute_rows
 
 gguf = pytest.importorskip("gguf")
+# the transformers reference (conftest.reference) is built once, in one test process
+pytestmark = pytest.mark.xdist_group("gguf_reference")
 
 
 def _dequantized(model, path):

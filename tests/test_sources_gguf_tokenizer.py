@@ -4,6 +4,8 @@ same GGUF, and against llama.cpp when installed."""
 import pytest
 
 pytest.importorskip("gguf")
+# the transformers reference (conftest.reference) is built once, in one test process
+pytestmark = pytest.mark.xdist_group("gguf_reference")
 
 SAMPLE_TEXTS = [
     "Hello world! The year 2024 had 366 days; 1234567 is a number.",
