@@ -1,4 +1,4 @@
-"""End-to-end tuning of quantized experts' scales and biases against the float model.
+"""End-to-end tuning of quantized experts (scales and biases; optionally integers) against the float model.
 
 After each expert is rounded at its width (moe/quantize.py), its affine scales and biases move:
 every group's w_hat = scale * (1 + a) * q + bias + scale * c, with a and c trained by Adam to
@@ -66,7 +66,8 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                        seed: int = 0, progress: bool = True, lr_by_width: dict = None,
                        integer_lr: float = 0.0, checkpoint_every: int = 0,
                        on_checkpoint=None) -> dict:
-    """Train the scales and biases of each expert at its width (module docstring).
+    """Train the scales and biases (with integer_lr, also the integers) of each expert at its width
+    (module docstring).
 
     student / teacher: the same MoE architecture (student: non-expert weights as the pack holds
     them, `quantize_resident`; teacher: the float model). quantized: {(layer, bits): {"gate",
@@ -81,8 +82,9 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     split: a run's first n steps are exactly an n-step run, same windows and Adam state).
 
     Returns {"quantized": a copy of `quantized` whose stacks hold the tuned scales/biases (and,
-    with integer_lr, integers) for the experts at that width (other rows unchanged), "kl": [nats per token, each
-    step], "seconds", "lr_by_width": the factors applied}. `student`'s experts are restored to their float weights.
+    with integer_lr, integers) for the experts at that width (other rows unchanged), "kl": [nats
+    per token, each step], "seconds", "lr_by_width": the factors applied}. `student`'s experts
+    are restored to their float weights.
     """
     import mlx.optimizers as optim
 
@@ -186,7 +188,9 @@ class _Integers:
         return mx.minimum(mx.maximum(t, 0.0), self.top[key])
 
     def rounded(self, key, q, u) -> np.ndarray:
-        return np.array(mx.minimum(mx.maximum(mx.round(q + self.k * u), 0.0), self.top[key])).astype(np.uint32)
+        """The integers of forward's value, uint32 (to pack)."""
+        t = mx.minimum(mx.maximum(mx.round(q + self.k * u), 0.0), self.top[key])
+        return np.array(t).astype(np.uint32)
 
 
 def _tuned_stacks(quantized, grids, params, bits, integers=None) -> dict:
