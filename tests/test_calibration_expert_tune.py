@@ -220,6 +220,16 @@ def test_moving_integers_are_the_weights_the_student_computed_with(models):
         ops.set_kernels_enabled(kernels)
     assert kl == pytest.approx(out["kl"][3], rel=1e-4)
     assert kl != pytest.approx(out["kl"][2], rel=1e-4)
+    # the offsets have an Adam of their own: integers move with the scales held (lr 0)
+    held = tune_expert_scales(student, teacher, quantized, bits, tokens, steps=3, group_size=32,
+                              lr=0.0, integer_lr=0.03, seq_len=64, progress=False)["quantized"]
+    for (layer, b), stacks in quantized.items():
+        for role, (packed, s, bias) in stacks.items():
+            new = held[(layer, b)][role]
+            assert np.array_equal(np.array(new[1]), np.array(s))
+            assert np.array_equal(np.array(new[2]), np.array(bias))
+    assert any(not np.array_equal(np.array(held[key][role][0]), np.array(stacks[role][0]))
+               for key, stacks in quantized.items() for role in stacks)
     with pytest.raises(FlashError, match="--expert-tune-int-lr -1: must be >= 0"):
         tune_expert_scales(student, teacher, quantized, bits, tokens, steps=1, group_size=32,
                            integer_lr=-1.0, seq_len=64, progress=False)

@@ -76,8 +76,8 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     step is one random window of seq_len tokens. lr_by_width: {bits: factor} multiplying `lr`
     for the experts at that width (default 1 for every width): the narrow experts' scales can
     be moved further than the wide ones' in the same steps. integer_lr > 0: the integers move
-    too (module docstring), their offsets' Adam step being integer_lr integer steps (times the
-    width's factor). on_checkpoint(steps done, tuned
+    too (module docstring), their offsets trained by an Adam of their own at learning rate
+    integer_lr, in integer steps (times the width's factor). on_checkpoint(steps done, tuned
     `quantized` as returned) is called every `checkpoint_every` steps (e.g. to score a validation
     split: a run's first n steps are exactly an n-step run, same windows and Adam state).
 
@@ -91,16 +91,14 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
     if len(tokens) < seq_len + 1:
         raise FlashError(f"--expert-tune: needs more than {seq_len} calibration tokens "
                          f"(got {len(tokens)})")
+    if integer_lr < 0:
+        raise FlashError(f"--expert-tune-int-lr {integer_lr:g}: must be >= 0")
     grids = _expert_grids(quantized, bits, group_size)
     found = switch_glus(student)
     saved = {(layer, r): getattr(found[layer][2], f"{r}_proj").weight for layer, r in grids}
     params = {f"{layer}.{r}": {"a": mx.zeros(g[1].shape), "c": mx.zeros(g[1].shape)}
               for (layer, r), g in grids.items()}
-    if integer_lr < 0:
-        raise FlashError(f"--expert-tune-int-lr {integer_lr:g}: must be >= 0")
-    # the offsets are Adam parameters too: stored divided by k, so that lr moves them k * lr
-    k = integer_lr / lr if integer_lr else 0.0
-    integers = _Integers(grids, bits, group_size, k, saved) if k else None
+    integers = _Integers(grids, bits, group_size, saved) if integer_lr else None
     if integers:
         for key, u in integers.start().items():
             params[key]["u"] = u
@@ -125,7 +123,21 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
         return distill_kl(student(x).astype(mx.float32), teacher_logits)
 
     value_and_grad = mx.value_and_grad(loss_fn)
-    opt = optim.Adam(learning_rate=lr)
+    # one Adam per kind of parameter: the scales' and biases' (lr), the integer offsets' (integer_lr)
+    optimizers = {("a", "c"): optim.Adam(learning_rate=lr)}
+    if integers:
+        optimizers[("u",)] = optim.Adam(learning_rate=integer_lr)
+
+    def update(params, grads):
+        out = {n: {} for n in params}
+        for names, opt in optimizers.items():
+            p = {n: {v: params[n][v] for v in names} for n in params}
+            new = opt.apply_gradients({n: {v: grads[n][v] for v in names} for n in grads}, p)
+            for n in params:
+                for v in names:  # each expert's step times its width's factor (1 without lr_by_width)
+                    out[n][v] = p[n][v] + factor[n] * (new[n][v] - p[n][v]) if lr_by_width else new[n][v]
+        return out
+
     rng = np.random.default_rng(seed)
     kl = []
     t0 = time.perf_counter()
@@ -142,13 +154,8 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
                 x = mx.array(tokens[start: start + seq_len])[None]
                 teacher_logits = teacher(x).astype(mx.float32)
                 loss, grads = value_and_grad(params, x, mx.stop_gradient(teacher_logits))
-                if lr_by_width:
-                    new = opt.apply_gradients(grads, params)
-                    params = {n: {v: params[n][v] + factor[n] * (new[n][v] - params[n][v])
-                                  for v in params[n]} for n in params}
-                else:
-                    opt.update(params, grads)
-                mx.eval(params, opt.state, loss)
+                params = update(params, grads)
+                mx.eval(params, [opt.state for opt in optimizers.values()], loss)
                 kl.append(float(loss))
                 if on_checkpoint and checkpoint_every and len(kl) % checkpoint_every == 0:
                     on_checkpoint(len(kl), _tuned_stacks(quantized, grids, params, bits, integers))
@@ -162,15 +169,15 @@ def tune_expert_scales(student, teacher, quantized: dict, bits: dict, tokens: np
 
 
 class _Integers:
-    """The moving integers of tune_expert_scales (module docstring): offsets u / k per weight."""
+    """The moving integers of tune_expert_scales (module docstring): an offset u per weight."""
 
-    def __init__(self, grids, bits, group_size, k, floats):
-        self.grids, self.group_size, self.k, self.floats = grids, group_size, k, floats
+    def __init__(self, grids, bits, group_size, floats):
+        self.grids, self.group_size, self.floats = grids, group_size, floats
         self.top = {f"{layer}.{r}": mx.array([2.0 ** b - 1 for b in bits[layer]], mx.float32)[:, None, None]
                     for layer, r in grids}
 
     def start(self) -> dict:
-        """{"layer.role": u / k}: each float weight's place within its rounding step, |u| < 1/2."""
+        """{"layer.role": u}: each float weight's place within its rounding step, |u| < 1/2."""
         out = {}
         for (layer, r), (q, s0, b0) in self.grids.items():
             n_exp, rows, n = q.shape
@@ -178,18 +185,18 @@ class _Integers:
                                                                      self.group_size)
             safe = mx.where(s0 == 0, 1.0, s0)[..., None]
             place = ((w - b0[..., None]) / safe).reshape(q.shape) - q
-            out[f"{layer}.{r}"] = mx.clip(place, -0.49, 0.49) / self.k
+            out[f"{layer}.{r}"] = mx.clip(place, -0.49, 0.49)
         return out
 
     def forward(self, key, q, u):
         """clip(round(q + u), 0, top) valued, with the gradient of q + u (straight through)."""
-        t = q + self.k * u
+        t = q + u
         t = t + mx.stop_gradient(mx.round(t) - t)
         return mx.minimum(mx.maximum(t, 0.0), self.top[key])
 
     def rounded(self, key, q, u) -> np.ndarray:
         """The integers of forward's value, uint32 (to pack)."""
-        t = mx.minimum(mx.maximum(mx.round(q + self.k * u), 0.0), self.top[key])
+        t = mx.minimum(mx.maximum(mx.round(q + u), 0.0), self.top[key])
         return np.array(t).astype(np.uint32)
 
 
