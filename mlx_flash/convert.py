@@ -78,6 +78,8 @@ def _calibrate_moe(model_dir, args) -> tuple:
         if args.expert_tune:
             quantized = _tune_experts(model_dir, model, quantized, bits, group_size, args,
                                       all_tokens[: args.expert_tune_tokens], windows)
+        elif windows:
+            _score_rounded(model_dir, quantized, bits, group_size, args, windows)
         quantizer = stored_quantizer(quantized) if quantized else None
         # scales and biases are stored in the experts' float dtype (--dtype's when given)
         itemsize = ({"float32": 4, "float16": 2, "bfloat16": 2}.get(args.dtype)
@@ -124,26 +126,41 @@ def _validation_windows(tokens, args) -> list:
                               args.expert_tune_val_tokens)
 
 
+def _packed_resident(model_dir, args):
+    """The model with its non-expert weights as the pack holds them (--quantize's rounding)."""
+    from .calibration.expert_tune import quantize_resident
+    from .models import load_model
+
+    model, _ = load_model(model_dir, lazy=False)
+    if args.quantize:
+        quantize_resident(model, args.quantize, args.group_size or 64)
+    return model
+
+
+def _score_rounded(model_dir, quantized, bits, group_size, args, windows) -> None:
+    """--expert-tune-val-tokens without --expert-tune: the rounded experts' validation
+    perplexity, as --expert-tune scores its step 0."""
+    from .calibration.expert_tune import windows_perplexity
+
+    ppl = windows_perplexity(_packed_resident(model_dir, args), quantized, bits, group_size, windows)
+    print(f"--expert-tune-val-tokens {args.expert_tune_val_tokens}: validation perplexity "
+          f"{ppl:.3f} ({len(windows)} windows of 256 after the first {args.expert_tune_tokens} "
+          f"--calib-text tokens; experts rounded, not tuned)", file=sys.stderr)
+
+
 def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, tokens,
                   windows=None) -> dict:
     """`quantized` with each expert's scales/biases at its width tuned end to end against the
     float model on `tokens` (the first --expert-tune-tokens of --calib-text;
     calibration/expert_tune.py); with validation `windows`, the checkpoint that scores best on
     them."""
-    from .calibration.expert_tune import quantize_resident, tune_expert_scales, tune_keeping_best
-    from .models import load_model
+    from .calibration.expert_tune import tune_expert_scales, tune_keeping_best
 
-    def resident_as_packed():
-        model, _ = load_model(model_dir, lazy=False)
-        if args.quantize:
-            quantize_resident(model, args.quantize, args.group_size or 64)
-        return model
-
-    student = resident_as_packed()
+    student = _packed_resident(model_dir, args)
     kw = dict(steps=args.expert_tune, group_size=group_size, lr=args.expert_tune_lr,
               lr_by_width=args.expert_tune_lr_width, integer_lr=args.expert_tune_int_lr)
     if windows:
-        out = tune_keeping_best(student, teacher, resident_as_packed(), quantized, bits, tokens,
+        out = tune_keeping_best(student, teacher, _packed_resident(model_dir, args), quantized, bits, tokens,
                                 windows, checkpoint_every=args.expert_tune_every,
                                 on_score=lambda n, p: print(f"--expert-tune step {n}: validation "
                                                             f"perplexity {p:.3f}", file=sys.stderr,
@@ -347,10 +364,11 @@ def _main(argv):
                         help="--expert-tune: --calib-text tokens it draws its windows from "
                              "(default 65536)")
     parser.add_argument("--expert-tune-val-tokens", type=int, default=0, metavar="N",
-                        help="--expert-tune: score the perplexity of N --calib-text tokens after "
-                             "the tuning range (windows of 256 spread evenly; never tuned on) "
-                             "before tuning and every --expert-tune-every steps, and keep the "
-                             "checkpoint that scores best (step 0, untuned, included)")
+                        help="--expert-bits: score the perplexity of N --calib-text tokens after "
+                             "the tuning range (--expert-tune-tokens; windows of 256 spread "
+                             "evenly; never calibrated or tuned on); with --expert-tune, before "
+                             "tuning and every --expert-tune-every steps, keeping the checkpoint "
+                             "that scores best (step 0, untuned, included)")
     parser.add_argument("--expert-tune-every", type=int, default=20, metavar="STEPS",
                         help="--expert-tune-val-tokens: steps between checkpoints (default 20)")
     parser.add_argument("--calib-text", nargs="+", default=None, metavar="FILE",
@@ -394,8 +412,9 @@ def _main(argv):
         if not args.expert_tune_int_lr > 0:
             raise FlashError(f"--expert-tune-int-lr {args.expert_tune_int_lr:g}: must be > 0")
     if args.expert_tune_val_tokens:
-        if not args.expert_tune:
-            raise FlashError("--expert-tune-val-tokens: only with --expert-tune")
+        if not wants_bits:
+            raise FlashError("--expert-tune-val-tokens: only with --expert-bits or "
+                             "--expert-bits-tolerance")
         if args.expert_tune_val_tokens < 256:
             raise FlashError(f"--expert-tune-val-tokens {args.expert_tune_val_tokens}: must be >= 256")
     if args.expert_tune_every < 1:

@@ -123,6 +123,14 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text,
     assert re.search(r"--expert-tune-val-tokens 256: validation perplexity \(1 windows of 256 after "
                      r"the first 300 --calib-text tokens\) at steps 0: [\d.]+, 2: [\d.]+, 3: [\d.]+; "
                      r"the pack keeps step [023]\n", err), err
+    step0 = re.search(r"at steps 0: ([\d.]+),", err).group(1)
+    # without --expert-tune: the rounded experts scored on the same split, step 0's figure
+    assert main(["--model", str(src), "--group-size", "32", "--calib-text", str(text), str(text),
+                 "--calib-tokens", "512", "--expert-bits", "3", "--expert-tune-tokens", "300",
+                 "--expert-tune-val-tokens", "256", "--out", str(tmp_path / "pr")]) == 0
+    err = capsys.readouterr().err
+    assert (f"--expert-tune-val-tokens 256: validation perplexity {step0} (1 windows of 256 after "
+            "the first 300 --calib-text tokens; experts rounded, not tuned)") in err, err
     for bad, flag in ((["--expert-bits", "9"], "--expert-bits 9"),
                       (["--expert-bits", "3", "--group-size", "128"], "--group-size 128"),
                       (["--expert-bits", "3", "--expert-bits-tolerance", "5"], "--expert-bits-tolerance"),
@@ -137,8 +145,7 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text,
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-quantizer", "mlx"],
                        "--expert-tune"),
                       (["--expert-bits", "3", "--expert-widths", "4"], "--expert-bits 3"),
-                      (["--expert-bits", "3", "--expert-tune-val-tokens", "256"],
-                       "--expert-tune-val-tokens"),
+                      (["--expert-tune-val-tokens", "256"], "--expert-tune-val-tokens"),
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-val-tokens", "100"],
                        "--expert-tune-val-tokens 100"),
                       (["--expert-bits", "3", "--expert-tune", "2", "--expert-tune-val-tokens", "4096"],
