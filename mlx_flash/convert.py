@@ -210,7 +210,7 @@ def _resident_quantizer(model_dir, args):
     method = args.resident_quantizer
     if method in ("mlx", "minmax") and args.resident_calib_text:
         raise FlashError(f"--resident-calib-text: --resident-quantizer {method} uses no calibration "
-                         "text (clip, gptq and gptq-fit do)")
+                         "text (clip and the gptq ones do)")
     if method == "mlx":
         return None
     if not args.resident_bits:
@@ -218,7 +218,7 @@ def _resident_quantizer(model_dir, args):
     from .calibration.resident_quant import input_moments, resident_quantizer
 
     if not args.resident_calib_text:
-        if method in ("gptq", "gptq-fit"):
+        if method.startswith("gptq"):
             raise FlashError(f"--resident-quantizer {method}: needs --resident-calib-text FILES")
         return resident_quantizer(method)
     import mlx.core as mx
@@ -285,9 +285,10 @@ def _main(argv):
                              "min..max grid; clip = the range shrink with the least error; gptq = "
                              "clip plus GPTQ's error-compensating rounding with each linear's inputs "
                              "on --resident-calib-text; gptq-fit = gptq, then each row's scales and "
-                             "biases refit to those inputs")
+                             "biases refit to those inputs; gptq-cd = gptq-fit, then coordinate "
+                             "descent on the integers")
     parser.add_argument("--resident-calib-text", nargs="+", default=None, metavar="FILE",
-                        help="--resident-quantizer clip/gptq/gptq-fit: calibration text (never the "
+                        help="--resident-quantizer clip/gptq/gptq-fit/gptq-cd: calibration text (never the "
                              "text you evaluate on)")
     parser.add_argument("--resident-calib-tokens", type=int, default=4096,
                         help="--resident-calib-text: calibration tokens (default 4096)")
@@ -341,7 +342,8 @@ def _main(argv):
                              "calibration inputs; gptq = clip plus GPTQ's error-compensating "
                              "rounding with each expert's routed inputs; gptq-fit = gptq, then "
                              "each row's scales and biases refit to the least error on those "
-                             "inputs (default). See docs/moe.md")
+                             "inputs (default); gptq-cd = gptq-fit, then coordinate descent on "
+                             "the integers against the same error (slower). See docs/moe.md")
     parser.add_argument("--expert-tune", type=int, default=0, metavar="STEPS",
                         help="with --expert-bits: after rounding, train each expert's scales and "
                              "biases (integers fixed) for STEPS steps of 256 --calib-text tokens "
@@ -420,7 +422,7 @@ def _main(argv):
     if args.expert_tune_every < 1:
         raise FlashError(f"--expert-tune-every {args.expert_tune_every}: must be >= 1")
     if args.expert_tune and args.expert_quantizer == "mlx":
-        raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip, gptq or gptq-fit")
+        raise FlashError("--expert-tune: needs --expert-quantizer minmax, clip or a gptq one")
     if args.expert_widths and not wants_bits:
         raise FlashError("--expert-widths: only with --expert-bits or --expert-bits-tolerance")
     for flag, value in (("--expert-bits", args.expert_bits), ("--calib-text", args.calib_text),

@@ -47,6 +47,7 @@ def test_gptq_and_clip_cut_the_output_error_on_the_calibration_inputs(bits):
     minmax, clip, gptq = output_error("minmax"), output_error("clip"), output_error("gptq")
     assert clip < minmax and gptq < 0.8 * clip, (minmax, clip, gptq)
     assert output_error("gptq-fit") < 0.97 * gptq
+    assert output_error("gptq-cd") < 0.97 * output_error("gptq-fit")
 
 
 def test_bad_method_and_gptq_without_statistics_fail_with_the_flag():
@@ -57,6 +58,8 @@ def test_bad_method_and_gptq_without_statistics_fail_with_the_flag():
         quantize_experts(w, 3, 32, "gptq")
     with pytest.raises(FlashError, match="gptq-fit: needs calibration text"):
         quantize_experts(w, 3, 32, "gptq-fit", factor={})
+    with pytest.raises(FlashError, match="gptq-cd: needs calibration text"):
+        quantize_experts(w, 3, 32, "gptq-cd", factor={})
 
 
 def test_refit_scales_biases_lowers_the_weighted_error_and_keeps_an_exact_grid():
@@ -86,3 +89,35 @@ def test_refit_scales_biases_lowers_the_weighted_error_and_keeps_an_exact_grid()
     exact = np.repeat(s, 32, -1) * q + np.repeat(b, 32, -1)
     s3, b3 = refit_scales_biases(exact, q, s, b, h, 32)
     assert np.allclose(s3, s, rtol=1e-6) and np.allclose(b3, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_descend_integers_reaches_a_point_no_single_step_improves(bits):
+    from mlx_flash.moe.quantize import descend_integers, gptq, gptq_factor, refit_scales_biases
+
+    rng = np.random.default_rng(bits)
+    n_in, out, e = 64, 6, 2
+    x = rng.normal(size=(e, 96, n_in)) @ (rng.normal(size=(n_in, n_in)) * rng.uniform(0.1, 2, n_in))
+    h = np.einsum("eti,etj->eij", x, x)
+    h[1, :, 5] = h[1, 5, :] = 0.0  # an input no token of expert 1 uses
+    w = rng.normal(size=(e, out, n_in))
+    maxq = 2 ** bits - 1
+
+    def error(q, s, b):
+        d = np.repeat(s, 32, -1) * q + np.repeat(b, 32, -1) - w
+        return np.einsum("eoi,eij,eoj->eo", d, h, d)
+
+    q, s, b = gptq(w, gptq_factor(h), bits, 32)
+    s, b = refit_scales_biases(w, q, s, b, h, 32)
+    q2, moves = descend_integers(w, q, s, b, h, bits, 32, sweeps=50)
+    assert moves > 0 and q2.min() >= 0 and q2.max() <= maxq
+    before, after = error(q, s, b), error(q2, s, b)
+    assert np.all(after <= before + 1e-9 * before) and after.sum() < 0.99 * before.sum()
+    assert np.array_equal(q2[1, :, 5], q[1, :, 5])  # an unused input's weight never moves
+    # a local optimum: no weight's single step up or down lowers its row's error
+    for i, o, j in [(0, 0, 3), (1, 5, 40), (0, 2, 63), (1, 1, 0)]:
+        for d in (-1, 1):
+            if 0 <= q2[i, o, j] + d <= maxq:
+                moved = q2.copy()
+                moved[i, o, j] += d
+                assert error(moved, s, b)[i, o] >= after[i, o] - 1e-9 * after[i, o]

@@ -79,15 +79,15 @@ def input_moments(model, tokens: np.ndarray, seq_len: int = 256) -> dict:
 def resident_quantizer(method: str, moments: dict | None = None):
     """The pack writer's `resident_quantizer` for `method` (moe/quantize.py METHODS): a function
     (module path, weight [out, in], bits, group_size) -> (packed, scales, biases). moments:
-    input_moments' {path: H} ("gptq" and "gptq-fit" need the module's; "clip" weights its
+    input_moments' {path: H} ("gptq", "gptq-fit" and "gptq-cd" need the module's; "clip" weights its
     errors by H's diagonal when it has it); a module with no recorded inputs (an untied
-    embedding: a lookup, no matmul) is rounded by "clip" instead of "gptq" / "gptq-fit"."""
+    embedding: a lookup, no matmul) is rounded by "clip" instead of "gptq" / "gptq-fit" / "gptq-cd"."""
     if method not in METHODS:
         raise FlashError(f"--resident-quantizer {method}: not one of {', '.join(METHODS)}")
 
     def quantize(path, w, bits, group_size):
         h = (moments or {}).get(path)
-        own = "clip" if h is None and method in ("gptq", "gptq-fit") else method
+        own = "clip" if h is None and method.startswith("gptq") else method
         q, s, b = quantize_experts(w[None], bits, group_size, own, hessian=None if h is None else h[None])
         return q[0], s[0], b[0]
     return quantize
