@@ -17,6 +17,11 @@ from .cli import run_cli
 from .errors import FlashError
 from .moe.bitwidths import SOLVERS, WIDTHS
 from .moe.quantize import METHODS
+
+# --expert-bits' default --calib-tokens: GPTQ's per-expert input moments on 2048 tokens (~1000
+# routed to each expert at top-8 of 16, for 576 inputs) left the mean-3.0 pack of the derived
+# model 3.5% worse on validation (docs/benchmarks.md, "Expert bits: calibration tokens ...")
+EXPERT_BITS_CALIB_TOKENS = 8192
 from .pack import read_manifest, write_pack
 from .pack.writer import check_resident_modules
 from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
@@ -377,8 +382,10 @@ def _main(argv):
                         help="MoE models: calibration text files (never the text you evaluate on): "
                              "the routing statistics that split --memory-budget's expert slots "
                              "over layers, and --expert-bits' measurements")
-    parser.add_argument("--calib-tokens", type=int, default=2048,
-                        help="--calib-text: calibration tokens (default 2048)")
+    parser.add_argument("--calib-tokens", type=int, default=None,
+                        help="--calib-text: calibration tokens (default 2048; 8192 with "
+                             "--expert-bits or --expert-bits-tolerance, whose per-expert rounding "
+                             "statistics need them: docs/moe.md)")
     parser.add_argument("--sparsity", type=float, default=0.95,
                         help="--synthetic: fraction of FFN neurons inactive per token (default 0.95)")
     parser.add_argument("--weight-sparsity", type=float, default=0.0,
@@ -396,6 +403,8 @@ def _main(argv):
     if args.expert_bits_tolerance is not None and args.expert_bits_tolerance < 0:
         raise FlashError(f"--expert-bits-tolerance {args.expert_bits_tolerance:g}: must be >= 0")
     wants_bits = args.expert_bits is not None or args.expert_bits_tolerance is not None
+    if args.calib_tokens is None:
+        args.calib_tokens = EXPERT_BITS_CALIB_TOKENS if wants_bits else 2048
     if args.expert_tune < 0:
         raise FlashError(f"--expert-tune {args.expert_tune}: must be >= 0")
     if args.expert_tune and not wants_bits:

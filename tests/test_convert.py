@@ -103,6 +103,11 @@ def test_convert_expert_bits_measures_widths_on_text_and_refuses_bad_flags(text,
     assert main(args + ["--expert-bits", "4", "--expert-widths", "4", "--expert-quantizer", "clip",
                         "--expert-assign", "greedy", "--out", str(tmp_path / "p4")]) == 0
     assert {b for e in read_manifest(tmp_path / "p4").bundles for b in e.expert_bits} == {4}
+    # --expert-bits' own default: 8192 calibration tokens (all ~2350 of this text), not 2048
+    n_text = len(text.read_bytes())
+    assert 2048 < n_text < 8192
+    assert main(args[:-2] + ["--expert-bits", "4", "--expert-widths", "4", "--out", str(tmp_path / "pd")]) == 0
+    assert f"expert bits on {n_text} calibration tokens" in capsys.readouterr().err
     assert main(args + ["--expert-bits-tolerance", "1e9", "--out", str(tmp_path / "pt")]) == 0
     assert {b for e in read_manifest(tmp_path / "pt").bundles for b in e.expert_bits} == {2}
     assert "--expert-bits-tolerance 1e+09%" in capsys.readouterr().err
