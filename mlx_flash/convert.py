@@ -17,14 +17,14 @@ from .cli import run_cli
 from .errors import FlashError
 from .moe.bitwidths import SOLVERS, WIDTHS
 from .moe.quantize import METHODS
+from .pack import read_manifest, write_pack
+from .pack.writer import check_resident_modules
+from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
 
 # --expert-bits' default --calib-tokens: GPTQ's per-expert input moments on 2048 tokens (~1000
 # routed to each expert at top-8 of 16, for 576 inputs) left the mean-3.0 pack of the derived
 # model 3.5% worse on validation (docs/benchmarks.md, "Expert bits: calibration tokens ...")
 EXPERT_BITS_CALIB_TOKENS = 8192
-from .pack import read_manifest, write_pack
-from .pack.writer import check_resident_modules
-from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
 
 
 def down_report(down: dict) -> str:
@@ -165,8 +165,9 @@ def _tune_experts(model_dir, teacher, quantized, bits, group_size, args, tokens,
     kw = dict(steps=args.expert_tune, group_size=group_size, lr=args.expert_tune_lr,
               lr_by_width=args.expert_tune_lr_width, integer_lr=args.expert_tune_int_lr)
     if windows:
-        out = tune_keeping_best(student, teacher, _packed_resident(model_dir, args), quantized, bits, tokens,
-                                windows, checkpoint_every=args.expert_tune_every,
+        judge = _packed_resident(model_dir, args)
+        out = tune_keeping_best(student, teacher, judge, quantized, bits, tokens, windows,
+                                checkpoint_every=args.expert_tune_every,
                                 on_score=lambda n, p: print(f"--expert-tune step {n}: validation "
                                                             f"perplexity {p:.3f}", file=sys.stderr,
                                                             flush=True), **kw)
