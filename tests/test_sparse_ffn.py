@@ -49,15 +49,22 @@ def test_streamed_flash_layers_are_prefetched_and_exact(tiny_llama, tmp_path):
     model = build_flash_model(pack, FlashConfig("flash", memory_budget=budget))
     plan = model.flash_stats.plan
     assert plan.resident_layers == [0] and plan.streamed_layers == [1, 2, 3, 4, 5] and plan.capacity == {}
-    assert model.flash_runtime.prefetcher is not None
+    pf = model.flash_runtime.prefetcher
+    assert pf is not None
+    submit, started = pf._submit, []  # (layer, passes begun) of each read, as it is scheduled
+    pf._submit = lambda layer: started.append((layer, len(model.flash_stats.steps))) or submit(layer)
     assert_identical(run_steps(model), dense)
     row = sum(c["length"] for c in m["bundles"][0]["components"])
-    for s in model.flash_stats.steps:  # three whole layers read per forward pass, counted once
+    for s in model.flash_stats.steps:  # five whole layers read per forward pass, counted once
         assert s.neurons_loaded == 5 * 96 and s.neurons_needed == 6 * 96 and s.hits == 96
         assert s.bytes_read >= 5 * 96 * row and s.io_read_s > 0
-    assert len(model.flash_stats.steps) == len(TOKENS)
-    pf = model.flash_runtime.prefetcher
-    assert sorted(pf.free) == [0, 1] and not pf.pending  # every slot back in the ring
+    passes = len(model.flash_stats.steps)
+    assert passes == len(TOKENS)
+    # each pass's first two streamed layers were read during the pass before it (the ring's two
+    # slots, freed by its layers 4 and 5); the last pass's are read for the next one, still held
+    assert [layer for layer, _ in started] == [1, 2, 3, 4, 5] + [1, 2, 3, 4, 5] * (passes - 1) + [1, 2]
+    assert all(started[5 * n: 5 * n + 2] == [(1, n), (2, n)] for n in range(1, passes + 1))
+    assert not pf.pending and not pf.free and list(pf.carried) == [1, 2]
     pf.close()
 
 

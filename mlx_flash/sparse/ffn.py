@@ -203,11 +203,13 @@ class StreamPrefetcher:
     """Reads whole streamed layers ahead, in a background thread, into a ring of two buffers.
 
     The weights a streamed layer needs do not depend on the token, so while layer i computes (its
-    attention and FFN) the next streamed layers of the same forward pass are already being read.
-    Each forward pass schedules its streamed layers in order, at most `slots` ahead; a slot is
-    reused only after the FFN that used it has been evaluated. Reads go through `runtime.loader`
-    (whatever wraps it at the time) and are counted when the FFN consumes them, so per-step bytes
-    stay exact; the step's I/O time is the time the forward pass waited for a read.
+    attention and FFN) the next streamed layers are already being read: those of the same forward
+    pass, and once the pass has taken its last streamed layer, the first ones of the next pass
+    (into the slots it frees, while the pass's remaining layers compute). Reads are scheduled in
+    layer order, at most `slots` ahead; a slot is reused only after the FFN that used it has been
+    evaluated. Reads go through `runtime.loader` (whatever wraps it at the time) and are counted
+    when the FFN consumes them, so per-step bytes stay exact; the step's I/O time is the time the
+    forward pass waited for a read. `carried`: the next pass's reads scheduled so far.
 
     On the GPU, ENDOR layers the decode-matvec kernels take are read as stored (`encoded`: each
     slot is (uint32 words, bundle byte offsets) from FlashLoader.read_encoded, not decoded rows).
@@ -230,22 +232,32 @@ class StreamPrefetcher:
                     loader._targets(loader.entry(i), buf)
         self.free = list(range(slots))
         self.pending = {}  # layer -> (slot, future) for the current step
+        self.carried = {}  # layer -> (slot, future): the next pass's first layers, read ahead
         self.step, self.cursor = None, 0  # step: the StepStats of the pass being scheduled
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlx-flash-prefetch")
 
     def pump(self, step):
-        """Fill free slots with the next streamed layers of forward pass `step` (its StepStats)."""
+        """Fill free slots with the next streamed layers of forward pass `step` (its StepStats),
+        then, when all of them are scheduled, with the next pass's first ones (`carried`)."""
         if step is not self.step:
             for slot, fut in self.pending.values():  # an aborted pass: drain before reuse
                 fut.result()
                 self.free.append(slot)
-            self.pending, self.step, self.cursor = {}, step, 0
+            # the new pass starts with the reads the last one scheduled for it
+            self.pending, self.carried, self.step = self.carried, {}, step
+            self.cursor = len(self.pending)
         while self.free and self.cursor < len(self.order):
             layer = self.order[self.cursor]
             self.cursor += 1
-            slot = self.free.pop(0)
-            fut = self._pool.submit(self._read, layer, slot)
-            self.pending[layer] = (slot, fut)
+            self.pending[layer] = self._submit(layer)
+        while self.free and len(self.carried) < len(self.order):
+            layer = self.order[len(self.carried)]
+            self.carried[layer] = self._submit(layer)
+
+    def _submit(self, layer):
+        """(slot, future) of reading `layer` into a free slot in the background."""
+        slot = self.free.pop(0)
+        return slot, self._pool.submit(self._read, layer, slot)
 
     def _read(self, layer, slot):
         """ReadStats of reading all of `layer` into `slot` (decoded rows, or stored bundles)."""
