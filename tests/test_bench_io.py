@@ -389,3 +389,38 @@ def test_fio_cpu_time_comes_from_its_json(monkeypatch):
                         lambda *a, **k: type("P", (), {"returncode": 0, "stdout": out, "stderr": ""})())
     r = bench_io.run_fio(["fio"])
     assert r.cpu_s == pytest.approx(0.08) and r.seconds == pytest.approx(0.2)
+
+
+def test_fio_read_size_mix_sums_to_100_percent_and_keeps_the_mean_size():
+    from mlx_flash.bench.io import BSSPLIT_SIZES, bssplit, fio_command
+
+    assert bssplit({4096: 3, 8192: 1}) == [(4096, 75), (8192, 25)]
+    assert bssplit({1 << 20: 5}) == [(1 << 20, 100)]
+    # a flash row's mix: ~150 merged read sizes, most of them a handful of reads each
+    rng = np.random.default_rng(0)
+    mix = {int(b) * 4096: int(n) for b, n in zip(rng.choice(np.arange(1, 257), 150, replace=False),
+                                                  rng.integers(1, 60, 150))}
+    split = bssplit(mix)
+    sizes, pct = np.array(split).T
+    assert pct.sum() == 100 and (pct >= 1).all() and len(split) <= BSSPLIT_SIZES
+    assert (sizes % 4096 == 0).all() and (np.diff(sizes) > 0).all()
+    mean = sum(k * v for k, v in mix.items()) / sum(mix.values())
+    assert abs((sizes * pct).sum() / 100 / mean - 1) < 0.03
+    cmd = fio_command(["/dev/null"], 7, mix, 1 << 20, "libaio")
+    if cmd is not None:  # fio installed: its split is this one
+        (arg,) = [a for a in cmd if a.startswith("--bssplit=")]
+        assert arg == "--bssplit=" + ":".join(f"{s}/{p}" for s, p in split)
+
+
+def test_fio_reads_the_mix_it_is_given(tmp_path):
+    import shutil
+
+    from mlx_flash.bench.io import fio_throughput
+
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed (apt-get install fio)")
+    f = tmp_path / "bundles.bin"
+    f.write_bytes(np.random.default_rng(0).integers(0, 256, 8 << 20, np.uint8).tobytes())
+    ref = fio_throughput([f], {4096: 3, 262144: 1}, 4, 16 << 20)
+    mean = ref["gbps"] * 1e9 / ref["iops"]  # bytes per read fio issued: (3 x 4 KiB + 256 KiB) / 4
+    assert abs(mean / ((3 * 4096 + 262144) / 4) - 1) < 0.15, ref

@@ -775,14 +775,45 @@ def fio_command(paths, threads, read_sizes, total_bytes, engine):
     if fio is None:
         return None
     files = ":".join(str(p).replace(":", "\\:") for p in paths)
-    total = sum(read_sizes.values())
-    split = "/".join(f"{size}/{max(1, round(100 * n / total))}" for size, n in sorted(read_sizes.items()))
+    split = ":".join(f"{size}/{pct}" for size, pct in bssplit(read_sizes))  # fio: size/percent:...
     jobs, depth = (threads, 1) if engine == "psync" else (1, threads)
     return [fio, "--name=flashbench", f"--filename={files}", "--direct=1", "--rw=randread",
             f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--thread",
             "--group_reporting", f"--bs={next(iter(read_sizes))}" if len(read_sizes) == 1
             else f"--bssplit={split}", "--blockalign=4096", "--norandommap",
             f"--io_size={max(1 << 20, total_bytes // jobs)}", "--output-format=json"]
+
+
+BSSPLIT_SIZES = 16  # read sizes a fio mix keeps (bssplit)
+
+
+def bssplit(read_sizes, max_sizes=BSSPLIT_SIZES, block=4096) -> list:
+    """fio's --bssplit for a read-size mix {bytes: reads}: [(size, percent of reads)], the
+    percentages whole numbers summing to 100 (fio reads only the first sizes of a split summing
+    to more, e.g. 4 KiB alone for a flash row's ~150 sizes). More than `max_sizes` sizes are
+    grouped into that many log-spaced bins, each read at its reads' mean size (a multiple of
+    `block`), so the mix keeps the reads' mean size; every bin with reads gets at least 1%."""
+    sizes = np.array(sorted(read_sizes), np.float64)
+    counts = np.array([read_sizes[k] for k in sorted(read_sizes)], np.float64)
+    keep = counts > 0
+    sizes, counts = sizes[keep], counts[keep]
+    if len(sizes) > max_sizes:
+        edges = np.geomspace(sizes[0], sizes[-1] * (1 + 1e-9), max_sizes + 1)
+        idx = np.clip(np.searchsorted(edges, sizes, side="right") - 1, 0, max_sizes - 1)
+        n = np.bincount(idx, counts, max_sizes)
+        mean = np.bincount(idx, counts * sizes, max_sizes) / np.maximum(n, 1)
+        sizes, counts = mean[n > 0], n[n > 0]
+    sizes = np.maximum(block, np.round(sizes / block) * block).astype(np.int64)
+    share = 100 * counts / counts.sum()
+    pct = np.maximum(1, np.floor(share)).astype(np.int64)
+    while pct.sum() > 100:  # the 1% floors took more than their share: take it from the largest
+        pct[np.argmax(pct)] -= 1
+    for i in np.argsort(-(share - np.floor(share)), kind="stable")[:100 - pct.sum()]:
+        pct[i] += 1  # largest remainders first
+    out = {}
+    for size, p in zip(sizes.tolist(), pct.tolist()):
+        out[size] = out.get(size, 0) + p  # bins rounding to one size merge
+    return sorted(out.items())
 
 
 def fio_throughput(paths, read_sizes, depth, total_bytes) -> dict | None:
