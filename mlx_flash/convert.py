@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .blas import preload_openblas
+from .calibration.expert_bits import EXPERT_BITS_CALIB_TOKENS
 from .calibration.synthetic import write_synthetic_pack
 from .cli import run_cli
 from .errors import FlashError
@@ -21,10 +22,6 @@ from .pack import read_manifest, write_pack
 from .pack.writer import check_resident_modules
 from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
 
-# --expert-bits' default --calib-tokens: GPTQ's per-expert input moments on 2048 tokens (~1000
-# routed to each expert at top-8 of 16, for 576 inputs) left the mean-3.0 pack of the derived
-# model 3.5% worse on validation (docs/benchmarks.md, "Expert bits: calibration tokens ...")
-EXPERT_BITS_CALIB_TOKENS = 8192
 
 
 def down_report(down: dict) -> str:

@@ -46,8 +46,9 @@ def add_arguments(p):
                         "experts: Spearman rank correlation (group size --group-size)")
     p.add_argument("--bits-variants", type=float, default=None, metavar="AVG",
                    help="also report held-out perplexity with the experts at a mean of AVG bits "
-                        "chosen each way convert can (calibration on the first 2048 --calib-text "
-                        "tokens, gptq-fit, non-expert weights 4-bit, group size --group-size), "
+                        "chosen each way convert can (calibration on the first --calib-tokens "
+                        "--calib-text tokens, at most as many as convert --expert-bits takes "
+                        "by default; gptq-fit, non-expert weights 4-bit, group size --group-size), "
                         "next to every expert at 4 bits: one calibration for all rows")
     p.add_argument("--group-size", type=int, default=32,
                    help="--importance-samples' and --bits-variants' group size")
@@ -353,7 +354,9 @@ def run(args):
               f"Spearman {check['spearman']:.3f} ({check['seconds']:.0f} s)", flush=True)
         result["importance"] = check
     if args.bits_variants is not None:
-        result["bits_variants"] = bits_variant_rows(args, calib[:2048], text)
+        from ..calibration.expert_bits import EXPERT_BITS_CALIB_TOKENS
+
+        result["bits_variants"] = bits_variant_rows(args, calib[:EXPERT_BITS_CALIB_TOKENS], text)
     if args.ppl_packs:
         result["pack_perplexity"] = pack_perplexity(args.ppl_packs, text)
     if args.routing_stability:

@@ -25,6 +25,10 @@ from ..moe.switch import switch_glus
 from .relufication import distill_kl
 
 SEQ_LEN = 256
+# convert --expert-bits' default --calib-tokens: GPTQ's per-expert input moments on 2048 tokens
+# (~1000 routed to each expert at top-8 of 16, for 576 inputs) left the mean-3.0 pack of the
+# derived model 3.5% worse on validation (docs/benchmarks.md, "Expert bits: calibration tokens ...")
+EXPERT_BITS_CALIB_TOKENS = 8192
 
 
 class _InputRecorder(nn.Module):
