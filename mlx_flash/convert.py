@@ -23,7 +23,6 @@ from .pack.writer import check_resident_modules
 from .sources import convert_gguf, default_gguf_path, is_gguf, resolve_model
 
 
-
 def down_report(down: dict) -> str:
     """One line: how the pack stores the source's quantized down projection, and its measured error."""
     err = (f"max |dw| {down['max_abs_error']:.3g}, relative RMS error "
