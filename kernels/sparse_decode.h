@@ -47,7 +47,11 @@ struct SparseDecode;
 // AIO context of their own (the layers' calls reap theirs on theirs) and a staging buffer of their
 // own: a read that does not fit it is cut to the bundles that do. One per runtime, shared by its
 // layers' states (raw pointers: the Python objects that own the memory outlive every call).
-struct Lookahead {
+// Shared from this (as SparseDecode): a pointer nanobind passes back from Python shares the
+// control block made in C++, so the copy a pending call holds can be dropped on MLX's stream
+// thread without taking the GIL (a Python-made control block's deleter takes it, and a main
+// thread that holds it while waiting for the stream, mx.clear_cache say, never lets go).
+struct Lookahead : std::enable_shared_from_this<Lookahead> {
   uint64_t ctx = 0;
   uint8_t* staging = nullptr;
   int64_t staging_size = 0, capacity = 0;
@@ -73,8 +77,8 @@ struct Lookahead {
 // rows), and how to read a bundle (one plain layer of `path`: fd, layout, plan rule, crc32 table or
 // null, the crc32 pieces and each component's bytes in a bundle, a staging buffer the runtime's
 // calls share, the AIO context of the stream's thread). Raw pointers: the Python objects that own
-// the memory outlive the model's calls.
-struct SparseDecode {
+// the memory outlive the model's calls. Shared from this: see Lookahead.
+struct SparseDecode : std::enable_shared_from_this<SparseDecode> {
   int64_t layer = 0, window = 1;
   std::string path;
   int64_t *ids = nullptr, *slot_of = nullptr, *last_active = nullptr, *used = nullptr;

@@ -21,6 +21,23 @@ def run_steps(model):
     return out
 
 
+def run_steps_lazily(model):
+    """run_steps' logits with each step's graph built before the last one is evaluated, as
+    mlx-lm's generate does: a decode step's ids depend on the last step's logits (their values
+    are TOKENS'), and nothing is evaluated until every step is built."""
+    cache = make_prompt_cache(model)
+    out = []
+    for ids in TOKENS:
+        x = mx.array([ids])
+        if out:
+            x = x + 0 * mx.argmax(out[-1][:, -1:, :], axis=-1).astype(x.dtype)
+        out.append(model(x, cache=cache))
+    mx.eval(out)
+    if hasattr(model, "flash_stats"):
+        model.flash_stats.finish()
+    return out
+
+
 def all_neurons(n):
     return lambda x: mx.ones((*x.shape[:-1], n), dtype=mx.bool_)
 

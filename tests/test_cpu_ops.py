@@ -1,5 +1,7 @@
 """mlx_flash.cpu.ops: CPU kernels vs MLX's own ops, and the MLX-op fallback (tolerances: cpu_checks.py)."""
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -250,6 +252,32 @@ def test_quantized_embedding_equals_mlx_dequantize(bits, group, sdtype):
     assert np.isnan(_f32(y[:2])).all() and not np.isnan(_f32(y[2])).any()
     with pytest.raises(ValueError, match="ids must be int32 or uint32"):
         ops._ext.quantized_embedding(mx.array([1.0]), wq, s, b, group, bits)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "mlx-twin"])
+def test_quantized_embedding_leaves_lazy_ids_unevaluated(kernels):
+    """mlx-lm's generate builds the next token's graph on the sampled id before evaluating it: the
+    lookup must not evaluate its ids (a host sync there stalls that pipeline every token). The
+    ids here come from a chain of matmuls that takes far longer to evaluate than a graph to build."""
+    w, s, b = mx.quantize(mx.random.normal((16, 64), key=mx.random.key(0)), group_size=32, bits=4)
+    a = mx.random.normal((768, 768), key=mx.random.key(3)) / 28
+    mx.eval(a)
+    was = ops.kernels_active()
+    ops.set_kernels_enabled(kernels)
+    try:
+        h = a
+        for _ in range(40):
+            h = h @ a
+        ids = (mx.argmax(h[:1], axis=-1) % 16).astype(mx.int32)
+        t0 = time.perf_counter()
+        y = ops.quantized_embedding(ids, w, s, b, 32, 4)
+        built = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mx.eval(y)
+        evaluated = time.perf_counter() - t0
+    finally:
+        ops.set_kernels_enabled(was)
+    assert built < evaluated / 4, f"the lookup took {built:.3f} s (evaluating it then {evaluated:.3f} s)"
 
 
 @needs_ext
@@ -547,19 +575,24 @@ def test_environment_switch(value, active):
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "mlx-twin"])
-def test_out_of_range_ids_and_row_counts_are_refused_on_both_paths(kernels):
-    """One validation for the kernel and its twin (MLX's gather does not check ids; a negative n
-    meant every row on the kernel and 3 on the twin)."""
+def test_out_of_range_ids_give_nan_rows_and_row_counts_are_refused_on_both_paths(kernels):
+    """One behaviour for the kernel and its twin (MLX's gather does not check ids: the twin reads
+    row 0 for them, then NaN; a negative n meant every row on the kernel and 3 on the twin)."""
     w, s, b = mx.quantize(mx.random.normal((16, 64), key=mx.random.key(0)), group_size=32, bits=4)
     half = mx.random.normal((8, 64), key=mx.random.key(1)).astype(mx.float16)
     x = mx.random.normal((1, 64), key=mx.random.key(2))
+    table = mx.dequantize(w, s, b, group_size=32, bits=4)
     was = ops.kernels_active()
     ops.set_kernels_enabled(kernels)
     try:
-        for ids in ([0, 16], [-1], [2 ** 31 - 1]):
-            with pytest.raises(ValueError, match="outside the table's rows 0..15"):
-                ops.quantized_embedding(mx.array(ids), w, s, b, 32, 4)
-        assert ops.quantized_embedding(mx.array([0, 15]), w, s, b, 32, 4).shape == (2, 64)
+        for ids in ([0, 16], [-1, 3], [2 ** 31 - 1, 15]):
+            y = ops.quantized_embedding(mx.array(ids), w, s, b, 32, 4)
+            inside = [0 <= i < 16 for i in ids]
+            assert y.shape == (2, 64) and [bool(mx.isnan(r).all()) for r in y] == [not k for k in inside]
+            for r, i, k in zip(y, ids, inside):
+                assert not k or mx.array_equal(r, table[i]).item()
+        with pytest.raises(ValueError, match="ids must be integers"):
+            ops.quantized_embedding(mx.array([1.0]), w, s, b, 32, 4)
         for n in (-1, 9, 2.5, True):
             with pytest.raises(ValueError, match="must be an integer in 0..8"):
                 ops.gather_matvec(x, half, n=n)

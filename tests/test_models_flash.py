@@ -17,8 +17,9 @@ from mlx_flash.models import load_model
 from mlx_flash.models.flash import build_flash_model
 from mlx_flash.pack import read_manifest, write_pack
 from mlx_flash.sparse.budget import encoded_bytes, layer_bytes, resident_bytes, stream_bytes
+from mlx_flash.sparse.ffn import sparse_layers_to_eval
 from mlx_flash.sparse.predictor import save_predictors
-from flash_runs import TOKENS, all_neurons, assert_identical, open_files_under, run_steps
+from flash_runs import TOKENS, all_neurons, assert_identical, open_files_under, run_steps, run_steps_lazily
 from test_generate import run as generate  # the CLI in a subprocess, as users run it
 
 def hybrid_budget(pack, resident_layers):
@@ -282,8 +283,6 @@ def test_a_dropped_model_closes_its_pack_files_and_reader_threads(tiny_llama, tm
 
 
 def test_one_host_sync_per_sparse_layer_keeps_the_logits_bit_identical(tiny_llama, tmp_path):
-    from mlx_flash.sparse.ffn import sparse_layers_to_eval
-
     src = tiny_llama("src", layers=3, intermediate=96)
     pack = write_pack(src, tmp_path / "pack", progress=False)
 
@@ -295,7 +294,7 @@ def test_one_host_sync_per_sparse_layer_keeps_the_logits_bit_identical(tiny_llam
     every.flash_runtime.eval_sparse = None  # each sparse layer evaluates its own output
     want = run_steps(every)
     one = build()
-    assert one.flash_runtime.eval_sparse == {2}
+    assert one.flash_runtime.eval_sparse == set()  # the next pass's first sparse layer evaluates them
     assert_identical(run_steps(one), want)
     # a layer that refills the shared buffer before it syncs: the sparse layer before it evaluates
     mixed = build()
@@ -305,6 +304,31 @@ def test_one_host_sync_per_sparse_layer_keeps_the_logits_bit_identical(tiny_llam
     ref.model.layers[1].mlp.kind = "streamed"
     ref.flash_runtime.eval_sparse = None
     assert_identical(run_steps(mixed), run_steps(ref))
+
+
+@pytest.mark.parametrize("first", ["sparse", "streamed"])
+def test_steps_built_before_the_last_is_evaluated_keep_the_logits_bit_identical(tiny_llama, tmp_path, first):
+    """mlx-lm's generate builds a token's graph on the last token's unevaluated id: a pass's last
+    sparse layer leaves its output lazy only when the next pass's first layer that is not resident
+    syncs before it writes rows (sparse); a streamed one refills the shared buffer right away, so
+    the layer evaluates its own (else the lazy output reads that layer's rows)."""
+    src = tiny_llama("src", layers=3, intermediate=96)
+    pack = write_pack(src, tmp_path / "pack", progress=False)
+
+    def build():  # every sparse layer overflows its cache into the shared streaming buffer
+        model = build_flash_model(pack, FlashConfig("flash"), predictors={i: all_neurons(96) for i in range(3)},
+                                  capacity={0: 30, 1: 50, 2: 20})
+        model.model.layers[0].mlp.kind = first
+        kinds = {i: layer.mlp.kind for i, layer in enumerate(model.model.layers)}
+        model.flash_runtime.eval_sparse = sparse_layers_to_eval(kinds, False)
+        return model
+
+    every = build()
+    every.flash_runtime.eval_sparse = None
+    want = run_steps(every)
+    lazy = build()
+    assert lazy.flash_runtime.eval_sparse == (set() if first == "sparse" else {2})
+    assert_identical(run_steps_lazily(lazy), want)
 
 
 def test_resident_gate_pack_runs_every_mode_like_its_dense_model(tiny_llama, tmp_path):

@@ -394,10 +394,14 @@ def test_gpu_path_prefetches_endor_layers_as_stored(tiny_llama, tmp_path, monkey
 
 
 @pytest.mark.parametrize("kinds, prefetch, want", [
-    ({0: "sparse", 1: "sparse", 2: "sparse"}, False, {2}),
-    ({0: "sparse", 1: "resident", 2: "sparse", 3: "resident"}, False, {2}),
-    ({0: "sparse", 1: "streamed", 2: "sparse"}, False, {0, 2}),  # the streamed read refills the buffer first
-    ({0: "sparse", 1: "streamed", 2: "sparse"}, True, {2}),
+    ({0: "sparse", 1: "sparse", 2: "sparse"}, False, set()),  # the next pass's layer 0 syncs first
+    ({0: "sparse", 1: "resident", 2: "sparse", 3: "resident"}, False, set()),
+    ({0: "resident", 1: "sparse"}, False, set()),  # the only one: its own next call syncs first
+    ({0: "sparse", 1: "streamed", 2: "sparse"}, False, {0}),  # the streamed read refills the buffer first
+    ({0: "sparse", 1: "streamed", 2: "sparse"}, True, set()),
+    ({0: "streamed", 1: "sparse", 2: "sparse"}, False, {2}),  # the next pass starts by refilling it
+    ({0: "encoded", 1: "resident", 2: "sparse"}, False, {2}),
+    ({0: "streamed", 1: "sparse"}, True, set()),
     ({0: "resident", 1: "streamed"}, False, set()),
 ])
 def test_only_sparse_layers_no_later_sync_covers_evaluate_their_output(kinds, prefetch, want):

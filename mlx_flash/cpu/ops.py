@@ -169,13 +169,19 @@ def quantized_matvec(x, w, scales, biases, group_size=64, bits=4):
 def quantized_embedding(ids, w, scales, biases, group_size=64, bits=4):
     """mlx-lm's QuantizedEmbedding lookup, mx.dequantize(w[ids], scales[ids], biases[ids]): one
     primitive on the kernel (MLX's ops: about 35 for a 4- or 8-bit table), the same values.
-    Ids outside 0..rows-1 raise ValueError on both paths (MLX's gather does not check them)."""
-    _check_ids(ids, w.shape[0])
+    Ids outside 0..rows-1 give NaN rows on both paths (MLX's gather does not check them: the twin
+    gathers row 0 for them instead), with no host sync: mlx-lm's generate builds a token's graph on
+    the last token's id before it is evaluated, so reading the ids here would stall that pipeline.
+    Host ids (a prompt) are checked where they come in (api.check_token_ids)."""
+    _check_id_dtype(ids)
     if (kernels_active() and ids.dtype in (mx.int32, mx.uint32)
             and quant_ok(w, scales, biases, group_size, bits)):
         return _ext.quantized_embedding(ids, w, scales, biases, group_size, bits)
-    return mx.dequantize(w[ids], scales=scales[ids], biases=None if biases is None else biases[ids],
-                         group_size=group_size, bits=bits)
+    inside = (ids >= 0) & (ids < w.shape[0])
+    safe = mx.where(inside, ids, 0)
+    y = mx.dequantize(w[safe], scales=scales[safe], biases=None if biases is None else biases[safe],
+                      group_size=group_size, bits=bits)
+    return mx.where(inside[..., None], y, mx.array(float("nan"), y.dtype))
 
 
 def half_matvec(x, w):
@@ -194,15 +200,11 @@ def _select(a, rows, n):
     return a[:n] if rows is None else a[rows]
 
 
-def _check_ids(ids, rows: int) -> None:
-    """ValueError unless every id is in 0..rows-1 (one small reduction; evaluates `ids`)."""
+def _check_id_dtype(ids) -> None:
+    """ValueError unless `ids` are integers (its dtype only: the values stay lazy)."""
     if ids.size and (ids.dtype not in (mx.int32, mx.uint32, mx.int64, mx.uint64, mx.int16, mx.uint16,
                                        mx.int8, mx.uint8)):
         raise ValueError(f"ids must be integers, not {ids.dtype}")
-    if ids.size:
-        lo, hi = mx.min(ids).item(), mx.max(ids).item()
-        if lo < 0 or hi >= rows:
-            raise ValueError(f"id {lo if lo < 0 else hi} is outside the table's rows 0..{rows - 1}")
 
 
 def _check_rows(rows, n, w=None):

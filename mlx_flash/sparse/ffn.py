@@ -180,15 +180,19 @@ def sparse_layers_to_eval(kinds: dict, prefetch: bool) -> set:
 
     A sparse layer's output reads its cache rows and the shared streaming buffer lazily. When the
     next layer that is not resident is sparse (or prefetched), its mask read evaluates the
-    residual stream, this output included, before it writes any rows: a second host sync per
-    layer saves nothing. The last one, and one followed by a layer that refills the shared
-    buffer before syncing (streamed without prefetch, encoded), evaluate their own."""
+    residual stream, this output included, before it writes any rows (its decode primitive runs
+    after it on MLX's stream), so a second host sync per layer saves nothing. One followed by a
+    layer that refills the shared buffer before syncing (streamed without prefetch, encoded)
+    evaluates its own. The next pass's first such layer follows the last one: when it is sparse,
+    nothing in the pass waits for its output, and mlx-lm's generate builds the next token's graph
+    while this one evaluates (a graph built on another token runs after it on the stream too)."""
     order = sorted(kinds)
     out = set()
     for k, i in enumerate(order):
         if kinds[i] != "sparse":
             continue
-        nxt = next((kinds[j] for j in order[k + 1:] if kinds[j] != "resident"), None)
+        # the layers after it, then the next pass's up to itself (a sparse layer: the list is not empty)
+        nxt = next(kinds[j] for j in order[k + 1:] + order[:k + 1] if kinds[j] != "resident")
         if not (nxt == "sparse" or (nxt == "streamed" and prefetch)):
             out.add(i)
     return out
