@@ -824,6 +824,37 @@ def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(t
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+def test_a_pass_on_another_stream_waits_for_the_lazy_pass_before_it(tiny_llama, tmp_path, monkeypatch):
+    """A decode pass leaves its token unevaluated (its primitives not yet run); the next pass, on
+    another stream and not built on it (mlx-lm's generate runs on a stream of its own, a new prompt
+    then on the default one), must not update the neuron caches before it ran: the same logits as
+    with the first pass evaluated first."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
+    pack = decode_pack(tiny_llama, tmp_path, "cats")
+
+    def run(lazy):
+        model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
+        first, second = make_prompt_cache(model), make_prompt_cache(model)
+        for t in DECODE_IDS[:4]:  # past each layer's first call (the kernel's check)
+            mx.eval(model(mx.array([[t]]), cache=first))
+        mx.eval(model(mx.array([DECODE_IDS[4:8]]), cache=second))
+        with mx.stream(mx.new_stream(mx.cpu)):
+            a = model(mx.array([[DECODE_IDS[8]]]), cache=first)
+        if not lazy:
+            mx.eval(a)
+        b = model(mx.array([DECODE_IDS[:6]]), cache=second)  # a prompt: the per-layer path's host updates
+        mx.eval(a, b)
+        return model, [np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))]
+
+    model, got = run(True)
+    assert model.model.layers[3].mlp.decoder_ready()
+    want = run(False)[1]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
 @pytest.mark.parametrize("act,capacity,limits", [("cats", 0, None), ("cats", 3, None), ("cats", 12, None),
                                                  ("cats", 3, (5, 8192)), ("product", 12, None)])
 def test_decode_kernel_reads_the_next_layers_neurons_ahead_as_the_per_layer_path_does(tiny_llama, tmp_path,

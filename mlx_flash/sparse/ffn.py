@@ -315,6 +315,7 @@ class FlashRuntime:
         self.encoded = None  # ENDOR layers streamed on the GPU: their bundles as stored (uint32 words)
         self.prefetcher: StreamPrefetcher | None = None
         self.eval_sparse: set | None = None  # sparse layers that evaluate their output (None: all)
+        self.unevaluated = None  # (layer, output, stream) of the last sparse layer left lazy
         # lookahead (set_lookahead): {sparse layer i: (next sparse layer j, RMSNorm weight ratio)}
         self.lookahead: dict[int, tuple] = {}
         self.currents: dict[int, CurrentRows] = {}
@@ -418,6 +419,24 @@ class FlashRuntime:
             self.prefetcher = None
         self.drain_ahead()
         self.loader.close()
+
+    def left_lazy(self, layer: int, y) -> None:
+        """Note sparse layer `layer`'s output `y`, left unevaluated (sparse_layers_to_eval)."""
+        self.unevaluated = (layer, y, mx.default_stream(mx.default_device()))
+
+    def order_after_last_pass(self, layer: int) -> None:
+        """At a pass's first FFN call (`layer` not after the last lazy one's): the last pass's
+        lazy output is scheduled before anything this pass adds to its stream, and waited for when
+        this pass runs on another stream (mlx-lm's generate runs on a stream of its own), so that
+        this pass's host writes (cache rows, the shared buffer, staging) never overtake it, even
+        when this pass's input does not depend on it. In mlx-lm's generate it is already scheduled."""
+        last = self.unevaluated
+        if last is None or layer > last[0]:
+            return
+        self.unevaluated = None
+        mx.async_eval(last[1])
+        if last[2] != mx.default_stream(mx.default_device()):
+            mx.synchronize(last[2])
 
     def stream_rows(self, layer: int) -> dict:
         entry = self.loader.entry(layer)
@@ -563,6 +582,7 @@ class FlashFFN(nn.Module):
         return "silu", c.threshold  # the predictor's thresholded model (CurrentRows)
 
     def __call__(self, x):
+        self._rt.order_after_last_pass(self.layer)
         step = self._rt.stats.enter_layer(self.layer, x.size // x.shape[-1])
         before = step.counters()
         t0 = time.perf_counter()
@@ -901,6 +921,8 @@ class FlashFFN(nn.Module):
         y = self._run_sets(x, sets, add=y)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
+        else:
+            rt.left_lazy(self.layer, y)
         c.gate_values = None
         return y
 
@@ -930,6 +952,8 @@ class FlashFFN(nn.Module):
         rt.stats.defer(self.layer, counters, self._decode_settled)
         if rt.eval_sparse is None or self.layer in rt.eval_sparse:
             mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
+        else:
+            rt.left_lazy(self.layer, y)
         self._current.gate_values = None
         return y
 
