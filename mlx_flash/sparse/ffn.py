@@ -185,7 +185,7 @@ def sparse_layers_to_eval(kinds: dict, prefetch: bool) -> set:
     layer that refills the shared buffer before syncing (streamed without prefetch, encoded)
     evaluates its own. The next pass's first such layer follows the last one: when it is sparse,
     nothing in the pass waits for its output, and mlx-lm's generate builds the next token's graph
-    while this one evaluates (a graph built on another token runs after it on the stream too)."""
+    while this one evaluates (FlashRuntime.order_after_last_pass orders a pass not built on it)."""
     order = sorted(kinds)
     out = set()
     for k, i in enumerate(order):
@@ -420,9 +420,14 @@ class FlashRuntime:
         self.drain_ahead()
         self.loader.close()
 
-    def left_lazy(self, layer: int, y) -> None:
-        """Note sparse layer `layer`'s output `y`, left unevaluated (sparse_layers_to_eval)."""
-        self.unevaluated = (layer, y, mx.default_stream(mx.default_device()))
+    def finish_sparse(self, layer: int, y) -> None:
+        """Evaluate sparse layer `layer`'s output `y` when a later host write into its cache rows or
+        the shared streaming buffer could overtake it (sparse_layers_to_eval), else keep it as the
+        lazy output order_after_last_pass orders the next pass after."""
+        if self.eval_sparse is None or layer in self.eval_sparse:
+            mx.eval(y)
+        else:
+            self.unevaluated = (layer, y, mx.default_stream(mx.default_device()))
 
     def order_after_last_pass(self, layer: int) -> None:
         """At a pass's first FFN call (`layer` not after the last lazy one's): the last pass's
@@ -919,10 +924,7 @@ class FlashFFN(nn.Module):
             ids = piece.ids if hasattr(piece, "ids") else piece
             sets.append((buf, len(piece), _row_ids(ids) if by_id else None))
         y = self._run_sets(x, sets, add=y)
-        if rt.eval_sparse is None or self.layer in rt.eval_sparse:
-            mx.eval(y)  # the next update rewrites cache rows in place: nothing may read them lazily
-        else:
-            rt.left_lazy(self.layer, y)
+        rt.finish_sparse(self.layer, y)
         c.gate_values = None
         return y
 
@@ -950,10 +952,7 @@ class FlashFFN(nn.Module):
         y, counters = sparse_decode(x, gate_values, mask, state, cache_arrays, buf_arrays, roles, act, threshold,
                                     len(rt.stats.steps), ahead, nxt)
         rt.stats.defer(self.layer, counters, self._decode_settled)
-        if rt.eval_sparse is None or self.layer in rt.eval_sparse:
-            mx.eval(y)  # a later host write into the streaming buffer must wait for this call (_sparse)
-        else:
-            rt.left_lazy(self.layer, y)
+        rt.finish_sparse(self.layer, y)
         self._current.gate_values = None
         return y
 
