@@ -777,6 +777,30 @@ def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None, look
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+def test_closing_the_runtime_first_runs_the_lazy_pass_left_on_another_stream(tiny_llama, tmp_path, monkeypatch):
+    """A decode pass left unevaluated on a stream of its own (mlx-lm's generate leaves the token
+    after the last one it yields so), then the runtime closed (the model dropped: its finalizer):
+    the pass runs before the files and AIO contexts it reads from close, so its logits are those of
+    the pass evaluated first."""
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
+    pack = decode_pack(tiny_llama, tmp_path, "cats")
+
+    def run(lazy):
+        model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
+        cache = make_prompt_cache(model)
+        for t in DECODE_IDS[:4]:  # past each layer's first call (the kernel's check)
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        with mx.stream(mx.new_stream(mx.cpu)):
+            a = model(mx.array([[DECODE_IDS[4]]]), cache=cache)
+        if not lazy:
+            mx.eval(a)
+        model.flash_runtime.close()
+        return np.array(a.astype(mx.float32))
+
+    assert np.array_equal(run(True), run(False))
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
 @pytest.mark.parametrize("act,capacity,limits", [("cats", 0, None), ("cats", 3, None), ("cats", 12, None),
                                                  ("cats", 96, None), ("cats", 3, (5, 8192)), ("cats", 3, (96, 4096)),
                                                  ("product", 12, None), ("product", 3, (7, 4096))])

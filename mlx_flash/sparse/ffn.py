@@ -410,7 +410,12 @@ class FlashRuntime:
 
     def close(self):
         """Stop the prefetcher and close the loader (threads, AIO contexts, open files), once
-        whatever MLX still evaluates is done (a sparse layer's decode primitive reads the files)."""
+        whatever MLX still evaluates is done (a sparse layer's decode primitive reads the files):
+        the last pass's lazy output first, on whichever stream it was built (mlx-lm's generate
+        leaves the token after the last one it yields scheduled on a stream of its own)."""
+        if self.unevaluated is not None:
+            mx.eval(self.unevaluated[1])
+            self.unevaluated = None
         mx.synchronize()
         if self._decode_ahead is not None:
             sparse_decode_drain(self._decode_ahead[0])
