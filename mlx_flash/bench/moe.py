@@ -344,14 +344,17 @@ def run(args):
     if args.ppl_k:
         result["perplexity"] = moefied_perplexity(args.model, config, text, args.ppl_k)
     if args.importance_samples:
-        from ..calibration.expert_bits import measure_errors, validate_importance
+        from ..calibration.expert_bits import EXPERT_BITS_CALIB_TOKENS, measure_errors, validate_importance
 
-        errors = measure_errors(model, calib[:2048], args.group_size, progress=False)
+        proxy = calib[:EXPERT_BITS_CALIB_TOKENS]  # the tokens convert --expert-bits measures on
+        errors = measure_errors(model, proxy, args.group_size, progress=False)
         check = validate_importance(model, calib[:1024], errors, args.group_size,
                                     samples=args.importance_samples)
-        print(f"importance proxy vs loss change (one expert at 2 bits, {len(check['pairs'])} "
-              f"experts, 1024 calibration tokens, base loss {check['base_loss']:.3f} nats): "
-              f"Spearman {check['spearman']:.3f} ({check['seconds']:.0f} s)", flush=True)
+        print(f"importance proxy on {len(proxy)} calibration tokens vs loss change (one expert at "
+              f"2 bits, {len(check['pairs'])} experts, {len(calib[:1024])} calibration tokens, base "
+              f"loss {check['base_loss']:.3f} nats): Spearman {check['spearman']:.3f} "
+              f"({check['seconds']:.0f} s)", flush=True)
+        check["proxy_tokens"] = len(proxy)
         result["importance"] = check
     if args.bits_variants is not None:
         from ..calibration.expert_bits import EXPERT_BITS_CALIB_TOKENS
