@@ -263,7 +263,9 @@ def test_bench_moe_no_cache_tables_prints_only_the_asked_figures(tmp_path, capsy
     assert "rows" not in result and [r["bits"] for r in result["routing_stability"]] == [8, 2]
 
 
-def test_bits_variants_calibrate_on_the_tokens_convert_takes(tmp_path, capsys):
+def run_bench_moe_on_2600_calibration_tokens(tmp_path, *flags) -> dict:
+    """bench moe on a tiny MoE with more calibration tokens (2600) than the 2048 it once cut them
+    to; the figures its JSON holds."""
     from calibration_packs import write_byte_tokenizer, write_text
     from conftest import write_tiny_moe
 
@@ -271,28 +273,19 @@ def test_bits_variants_calibrate_on_the_tokens_convert_takes(tmp_path, capsys):
     write_byte_tokenizer(src)
     calib, held = write_text(tmp_path / "c.txt", 1000, seed=1), write_text(tmp_path / "h.txt", seed=2)
     out = tmp_path / "r.json"
-    # more calibration tokens than the 2048 it once cut them to: all of them are used
     assert bench_main(["moe", "--model", str(src), "--calib-text", str(calib), "--text", str(held),
-                       "--tokens", "300", "--calib-tokens", "2600", "--no-cache-tables",
-                       "--bits-variants", "3.0", "--group-size", "32", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "calibration 2600 tokens" in printed
-    rows = json.loads(out.read_text())["bits_variants"]
+                       "--tokens", "300", "--calib-tokens", "2600", "--no-cache-tables", "--group-size", "32",
+                       *flags, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bits_variants_calibrate_on_the_tokens_convert_takes(tmp_path, capsys):
+    rows = run_bench_moe_on_2600_calibration_tokens(tmp_path, "--bits-variants", "3.0")["bits_variants"]
+    assert "calibration 2600 tokens" in capsys.readouterr().out
     assert rows[0]["name"] == "all 4-bit" and all(r["mean_bits"] <= 3.0 + 1e-9 for r in rows[1:])
 
 
 def test_importance_check_measures_the_proxy_on_the_tokens_convert_takes(tmp_path, capsys):
-    from calibration_packs import write_byte_tokenizer, write_text
-    from conftest import write_tiny_moe
-
-    src = write_tiny_moe(tmp_path / "m", "mixtral", layers=2, experts=4, top_k=2, vocab=256)
-    write_byte_tokenizer(src)
-    calib, held = write_text(tmp_path / "c.txt", 1000, seed=1), write_text(tmp_path / "h.txt", seed=2)
-    out = tmp_path / "r.json"
-    # more calibration tokens than the 2048 it once cut them to: all of them are used
-    assert bench_main(["moe", "--model", str(src), "--calib-text", str(calib), "--text", str(held),
-                       "--tokens", "300", "--calib-tokens", "2600", "--no-cache-tables",
-                       "--importance-samples", "3", "--group-size", "32", "--json", str(out)]) == 0
+    check = run_bench_moe_on_2600_calibration_tokens(tmp_path, "--importance-samples", "3")["importance"]
     assert "importance proxy on 2600 calibration tokens" in capsys.readouterr().out
-    check = json.loads(out.read_text())["importance"]
     assert check["proxy_tokens"] == 2600 and len(check["pairs"]) == 3
