@@ -23,30 +23,12 @@ namespace {
 thread_local std::vector<float> tl_x, tl_gu, tl_h, tl_y, tl_part, tl_add, tl_act;
 thread_local std::vector<int32_t> tl_rows;
 
-// MLX's CPU exp (simd::exp: 2^(x log2 e) by a degree-6 polynomial of the fraction), before its
-// output is rounded to the array's dtype.
-float mlx_exp(float x) {
-  if (std::isnan(x)) return x;
-  if (x > 88.72283905206835f) return std::numeric_limits<float>::infinity();
-  if (x < -88.72283905206835f) return 0.f;
-  const float t = x * 1.442695f;
-  const float ipart = std::floor(t + 0.5f), fpart = t - ipart;
-  float y = 1.535336188319500e-4f;
-  for (float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                  6.931472028550421e-1f, 1.000000000000000f})
-    y = std::fma(y, fpart, c);
-  const int32_t bits = (int32_t(ipart) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return scale * y;
-}
-
 // g[i] = nn.silu(g[i]) for n values of dtype dt as MLX's CPU computes it: sigmoid from exp(|g|)
 // (rounded to dt) as 1 / (1 + e) or 1 minus that, rounded to dt, times g, rounded to dt (every
 // float16 and bfloat16 value checked). tmp: room for 2n floats.
 void mlx_silu(float* g, int64_t n, int dt, float* tmp) {
   float *e = tmp, *s = tmp + n;
-  for (int64_t i = 0; i < n; ++i) e[i] = mlx_exp(std::fabs(g[i]));
+  flash::mlx_exp_abs(flash::simd_active(), g, e, n);
   round_to(dt, e, int(n));
   for (int64_t i = 0; i < n; ++i) {
     const float y = 1.f / (1.f + e[i]);

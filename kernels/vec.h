@@ -28,6 +28,12 @@ inline void silu_mul(bool simd, float* g, const float* u, int n) {
 #endif
   scalar::silu_mul(g, u, n);
 }
+inline void mlx_exp_abs(bool simd, const float* x, float* e, int64_t n) {
+#if FLASH_X86
+  if (simd) return avx2::mlx_exp_abs(x, e, n);
+#endif
+  scalar::mlx_exp_abs(x, e, n);
+}
 inline float exp_shift_sum(bool simd, float* p, int n, float m) {
 #if FLASH_X86
   if (simd) return avx2::exp_shift_sum(p, n, m);

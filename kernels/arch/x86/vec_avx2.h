@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
+#include "../../vec_scalar.h"
 #include "simd_avx2.h"
 
 namespace flash::avx2 {
@@ -75,6 +77,33 @@ FLASH_AVX2 inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), normal);
+}
+// scalar::mlx_exp for 8 floats, bit for bit: the same operations in the same order (std::fma is
+// one rounding, as _mm256_fmadd_ps), then its NaN / overflow / underflow cases.
+FLASH_AVX2 inline __m256 mlx_exp8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.442695f));
+  const __m256 ipart = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
+  const __m256 fpart = _mm256_sub_ps(t, ipart);
+  __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(1.000000000000000f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(bits), y);
+  const __m256 lim = _mm256_set1_ps(88.72283905206835f);
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x, lim, _CMP_GT_OQ));
+  r = _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), lim), _CMP_LT_OQ));
+  return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+// e[i] = scalar::mlx_exp(|x[i]|) for i < n
+FLASH_AVX2 inline void mlx_exp_abs(const float* x, float* e, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(e + i, mlx_exp8(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i))));
+  for (; i < n; ++i) e[i] = scalar::mlx_exp(std::fabs(x[i]));
 }
 // g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u for i < n (the scalar form for the tail).
 FLASH_AVX2 inline void silu_mul(float* g, const float* u, int n) {
