@@ -848,6 +848,28 @@ def test_decode_kernel_runs_a_sparse_layers_token_in_one_primitive_bit_for_bit(t
 
 
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
+def test_closing_the_runtime_closes_the_files_when_the_lazy_pass_fails(tiny_llama, tmp_path, monkeypatch):
+    """The lazy pass that closing runs reads a corrupt pack: its error is raised (a BAD_PACK
+    RuntimeError, as an evaluation raises it), after the AIO contexts and files are closed."""
+    from mlx_flash.errors import BAD_PACK
+
+    monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
+    pack = decode_pack(tiny_llama, tmp_path, "cats")
+    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
+    cache = make_prompt_cache(model)
+    for t in DECODE_IDS[:4]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    for f in sorted((pack / "bundles").iterdir()):  # every byte flipped: any read fails its crc32
+        f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
+    with mx.stream(mx.new_stream(mx.cpu)):
+        model(mx.array([[DECODE_IDS[4]]]), cache=cache)
+    loader = model.flash_runtime.loader
+    with pytest.raises(RuntimeError, match=BAD_PACK):
+        model.flash_runtime.close()
+    assert not loader._open_files and not loader._aio_contexts
+
+
+@pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
 def test_a_pass_on_another_stream_waits_for_the_lazy_pass_before_it(tiny_llama, tmp_path, monkeypatch):
     """A decode pass leaves its token unevaluated (its primitives not yet run); the next pass, on
     another stream and not built on it (mlx-lm's generate runs on a stream of its own, a new prompt

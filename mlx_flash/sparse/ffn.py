@@ -413,17 +413,19 @@ class FlashRuntime:
         whatever MLX still evaluates is done (a sparse layer's decode primitive reads the files):
         the last pass's lazy output first, on whichever stream it was built (mlx-lm's generate
         leaves the token after the last one it yields scheduled on a stream of its own)."""
-        if self.unevaluated is not None:
-            mx.eval(self.unevaluated[1])
-            self.unevaluated = None
-        mx.synchronize()
-        if self._decode_ahead is not None:
-            sparse_decode_drain(self._decode_ahead[0])
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-            self.prefetcher = None
-        self.drain_ahead()
-        self.loader.close()
+        last, self.unevaluated = self.unevaluated, None
+        try:
+            if last is not None:  # its error (a corrupt pack) is raised once the files are closed
+                mx.eval(last[1])
+        finally:
+            mx.synchronize()
+            if self._decode_ahead is not None:
+                sparse_decode_drain(self._decode_ahead[0])
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
+            self.drain_ahead()
+            self.loader.close()
 
     def finish_sparse(self, layer: int, y) -> None:
         """Evaluate sparse layer `layer`'s output `y` when a later host write into its cache rows or
