@@ -71,6 +71,24 @@ def test_reads_land_in_huge_pages():
 
 
 @linux_thp
+def test_a_buffer_past_a_huge_page_multiple_takes_whole_huge_pages():
+    """aligned_buffer(n) for n between two multiples of 2 MiB: its last bytes in a huge page too
+    (with only the 2 MiB-aligned part huge, a whole-layer direct read landing in its 4 KiB tail ran
+    1.5x slower), and huge_page_bytes(n), what the memory plan counts, is what it takes."""
+    from mlx_flash.io.files import huge_page_bytes
+
+    n = HUGE_PAGE + 3 * HUGE_PAGE // 4  # a 3.5 MB staging buffer (one SmolLM2 layer, float16)
+    assert huge_page_bytes(n) == 2 * HUGE_PAGE and huge_page_bytes(HUGE_PAGE - 1) == HUGE_PAGE - 1
+    buf = aligned_buffer(n)
+    addr = np.frombuffer(buf, np.uint8).ctypes.data
+    assert len(buf) == n and addr % HUGE_PAGE == 0
+    huge = mapping_kb(addr).get("AnonHugePages", 0)
+    if huge == 0:
+        pytest.skip("the kernel granted no huge page now (memory fragmented)")
+    assert huge * 1024 >= huge_page_bytes(n)
+
+
+@linux_thp
 def test_loader_destinations_use_huge_pages(tiny_llama, tmp_path):
     from mlx_flash.pack import write_pack
 

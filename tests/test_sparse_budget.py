@@ -1,5 +1,7 @@
 """sparse/budget.py: how a memory budget is spent per mode, and the per-layer flash plan."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -270,3 +272,16 @@ def test_measured_reads_are_priced_again_with_the_current_cost_model():
     # the same reads on a curve where small reads cost 4x: dearer against the whole layer
     loader.cost = curve({1: (320e-6, 800e-6), 4: (160e-6, 760e-6), 16: (80e-6, 640e-6), 32: (60e-6, 590e-6)})
     assert priced_read_fractions(loader, calls)[0][0][1] == pytest.approx(16 * 80e-6 / whole)
+
+
+def test_staging_for_a_whole_layer_counts_the_huge_pages_its_buffer_takes():
+    """A layer of 1536 x 2304-byte bundles (3.5 MB) is staged in aligned_buffer's whole huge pages
+    (4 MiB on Linux): the naive / hybrid streaming and the prefetch ring count that, not 3.5 MB."""
+    from mlx_flash.io.files import huge_page_bytes
+
+    m = fake_manifest(layers=2, count=1536, row=2304)
+    lb, staged = layer_bytes(m["bundles"][0]), 1536 * 2304
+    assert stream_bytes(m) == lb + huge_page_bytes(staged)
+    assert prefetch_bytes(m) == 2 * lb + huge_page_bytes(staged)
+    if sys.platform.startswith("linux"):
+        assert huge_page_bytes(staged) == 4 << 20

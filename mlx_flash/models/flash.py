@@ -21,6 +21,7 @@ from ..config import FlashConfig
 from ..cpu.patch import patch_layers
 from ..errors import FlashError
 from ..io import FlashLoader
+from ..io.files import huge_page_bytes
 from ..pack import load_resident
 from ..sparse.budget import (budget_param, expected_read_seconds, plan_memory, priced_read_fractions,
                              resolve_budget, row_bytes)
@@ -85,7 +86,8 @@ def build_flash_model(pack_dir, flash_config=None, *, predictors=None, capacity=
                       if cfg.mode == "flash" and lookahead else 0)
         budget = cfg.memory_budget
         # two lookahead buffers and the reader's staging, out of the budget
-        ahead_bytes = 3 * ahead_rows * max(row_bytes(b) for b in manifest.bundles) if ahead_rows else 0
+        ahead_buffer = ahead_rows * max(row_bytes(b) for b in manifest.bundles)
+        ahead_bytes = 2 * ahead_buffer + huge_page_bytes(ahead_buffer) if ahead_rows else 0
         if ahead_bytes and budget is not None:
             budget = resolve_budget(budget, manifest) - ahead_bytes
 

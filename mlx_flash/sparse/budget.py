@@ -32,6 +32,7 @@ import numpy as np
 
 from ..config import MemoryBudget, param_named
 from ..errors import FlashError
+from ..io.files import huge_page_bytes
 from ..io.planner import DEFAULT_MAX_READ, ReadPlan, plan_read_arrays
 from .neuron_cache import NeuronCache
 
@@ -69,8 +70,9 @@ def pack_bytes(manifest) -> int:
 
 
 def stream_bytes(manifest) -> int:
-    """Streaming buffer (largest layer) + loader staging for reading it whole."""
-    return max((layer_bytes(b) + b.count * b.stride for b in manifest.bundles), default=0)
+    """Streaming buffer (largest layer) + loader staging for reading it whole (its buffer's
+    whole huge pages: io.files.huge_page_bytes)."""
+    return max((layer_bytes(b) + huge_page_bytes(b.count * b.stride) for b in manifest.bundles), default=0)
 
 
 def overflow_sizes(manifest, overflow_rows: int) -> tuple:
@@ -86,7 +88,7 @@ def overflow_bytes(manifest, overflow_rows: int) -> int:
     """Streaming buffer of `overflow_rows` rows (largest row size) + the staging its reads use
     (overflow_sizes): what a plan whose non-resident layers are all sparse holds for overflow."""
     rows, stage = overflow_sizes(manifest, overflow_rows)
-    return max((min(rows, b.count) * row_bytes(b) for b in manifest.bundles), default=0) + stage
+    return max((min(rows, b.count) * row_bytes(b) for b in manifest.bundles), default=0) + huge_page_bytes(stage)
 
 
 def fmt_bytes(n) -> str:
@@ -358,8 +360,8 @@ def priced_read_fractions(loader, calls: dict):
 
 def prefetch_bytes(manifest) -> int:
     """Flash's prefetch ring: two streaming buffers (largest layer) + the background reader's
-    staging for one whole layer."""
-    return max((2 * layer_bytes(b) + b.count * b.stride for b in manifest.bundles), default=0)
+    staging for one whole layer (its buffer's whole huge pages)."""
+    return max((2 * layer_bytes(b) + huge_page_bytes(b.count * b.stride) for b in manifest.bundles), default=0)
 
 
 def plan_memory(manifest, mode: str, budget, *, predictor_bytes=0, requested_capacity=None,
