@@ -58,6 +58,13 @@ FLASH_AVX2 inline void values_tiles(const float* p, int ld, int nq, const float*
     }
   }
 }
+// c[0] x^(N-1) + ... + c[N-1] for 8 floats by Horner's rule, one fused multiply-add a step.
+template <int N>
+FLASH_AVX2 inline __m256 horner8(__m256 x, const float (&c)[N]) {
+  __m256 y = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c[i]));
+  return y;
+}
 // exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, degree-5 polynomial; ~1 ulp).
 // Below ln(FLT_MIN) the result is 0 (2^n would need an exponent field < 1: n = -128 gave -inf).
 FLASH_AVX2 inline __m256 exp8(__m256 x) {
@@ -68,12 +75,8 @@ FLASH_AVX2 inline __m256 exp8(__m256 x) {
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 y = horner8(x, {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f,
+                         1.6666665459E-1f, 5.0000001201E-1f});
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), normal);
@@ -84,13 +87,9 @@ FLASH_AVX2 inline __m256 mlx_exp8(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.442695f));
   const __m256 ipart = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
   const __m256 fpart = _mm256_sub_ps(t, ipart);
-  __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(1.339887440266574e-3f));
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(9.618437357674640e-3f));
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(5.550332471162809e-2f));
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(2.402264791363012e-1f));
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(6.931472028550421e-1f));
-  y = _mm256_fmadd_ps(y, fpart, _mm256_set1_ps(1.000000000000000f));
+  const __m256 y = horner8(fpart, {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                   5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
+                                   1.000000000000000f});
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
   __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(bits), y);
   const __m256 lim = _mm256_set1_ps(88.72283905206835f);
