@@ -114,7 +114,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
 def huge_page_bytes(nbytes: int) -> int:
     """The memory aligned_buffer(nbytes) takes (what the memory plan counts for a staging
     buffer): on Linux from HUGE_PAGE on, whole huge pages. With only its 2 MiB-aligned part in a
-    huge page, a 3.4 MB staging buffer took 4.0 ms per whole-layer direct read here against 2.6-2.7
+    huge page, a 3.55 MB staging buffer took 4.0 ms per whole-layer direct read here against 2.6-2.7
     ms into whole huge pages: a read's tail landed in 4 KiB pages, one segment each."""
     if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
         return nbytes
