@@ -285,3 +285,15 @@ def test_staging_for_a_whole_layer_counts_the_huge_pages_its_buffer_takes():
     assert prefetch_bytes(m) == 2 * lb + huge_page_bytes(staged)
     if sys.platform.startswith("linux"):
         assert huge_page_bytes(staged) == 4 << 20
+
+
+@pytest.mark.parametrize("density,sparse", [(0.97, False), (0.9, True)])
+def test_a_sparse_layer_must_save_a_share_of_its_reads(density, sparse):
+    """Predictions priced 3% below streaming the layer whole do not make it sparse (a tie saves no
+    reads and costs the predictor); 10% below do."""
+    m = fake_manifest()
+    lb = layer_bytes(m["bundles"][0])
+    budget = m["resident"]["length"] + stream_bytes(m) + 2 * lb + lb // 2
+    plan = plan_memory(m, "flash", budget, predictor_bytes={i: 1_000 for i in range(6)},
+                       density={i: density for i in range(6)}, read_cost=bytes_cost(m, lambda f: f), prefetch=False)
+    assert bool(plan.capacity) == sparse and plan.resident_layers == [0, 1]
