@@ -776,6 +776,16 @@ def decode_run(pack, monkeypatch, kernel: bool, capacity: int, limits=None, look
     return logits, caches, counts, model, reads.log
 
 
+def warm_decode_model(pack):
+    """A flash model of `pack` (3 cache rows a layer) and a prompt cache that decoded DECODE_IDS[:4]
+    one token a pass: past each layer's first call (the kernel's check against the MLP)."""
+    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
+    cache = make_prompt_cache(model)
+    for t in DECODE_IDS[:4]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    return model, cache
+
+
 @pytest.mark.skipif(not DECODE_KERNEL, reason="no sparse-decode kernel (CPU kernels not built, or not Linux AIO)")
 def test_closing_the_runtime_first_runs_the_lazy_pass_left_on_another_stream(tiny_llama, tmp_path, monkeypatch):
     """A decode pass left unevaluated on a stream of its own (mlx-lm's generate leaves the token
@@ -786,10 +796,7 @@ def test_closing_the_runtime_first_runs_the_lazy_pass_left_on_another_stream(tin
     pack = decode_pack(tiny_llama, tmp_path, "cats")
 
     def run(lazy):
-        model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
-        cache = make_prompt_cache(model)
-        for t in DECODE_IDS[:4]:  # past each layer's first call (the kernel's check)
-            mx.eval(model(mx.array([[t]]), cache=cache))
+        model, cache = warm_decode_model(pack)
         with mx.stream(mx.new_stream(mx.cpu)):
             a = model(mx.array([[DECODE_IDS[4]]]), cache=cache)
         if not lazy:
@@ -855,10 +862,7 @@ def test_closing_the_runtime_closes_the_files_when_the_lazy_pass_fails(tiny_llam
 
     monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
     pack = decode_pack(tiny_llama, tmp_path, "cats")
-    model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
-    cache = make_prompt_cache(model)
-    for t in DECODE_IDS[:4]:
-        mx.eval(model(mx.array([[t]]), cache=cache))
+    model, cache = warm_decode_model(pack)
     for f in sorted((pack / "bundles").iterdir()):  # every byte flipped: any read fails its crc32
         f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
     with mx.stream(mx.new_stream(mx.cpu)):
@@ -875,16 +879,12 @@ def test_a_pass_on_another_stream_waits_for_the_lazy_pass_before_it(tiny_llama, 
     another stream and not built on it (mlx-lm's generate runs on a stream of its own, a new prompt
     then on the default one), must not update the neuron caches before it ran: the same logits as
     with the first pass evaluated first."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     monkeypatch.setenv("MLX_FLASH_DECODE_KERNEL", "1")
     pack = decode_pack(tiny_llama, tmp_path, "cats")
 
     def run(lazy):
-        model = build_flash_model(pack, FlashConfig("flash", window=2), capacity={i: 3 for i in range(4)})
-        first, second = make_prompt_cache(model), make_prompt_cache(model)
-        for t in DECODE_IDS[:4]:  # past each layer's first call (the kernel's check)
-            mx.eval(model(mx.array([[t]]), cache=first))
+        model, first = warm_decode_model(pack)
+        second = make_prompt_cache(model)
         mx.eval(model(mx.array([DECODE_IDS[4:8]]), cache=second))
         with mx.stream(mx.new_stream(mx.cpu)):
             a = model(mx.array([[DECODE_IDS[8]]]), cache=first)
