@@ -1,7 +1,7 @@
 """bench/report.py: every printed figure is one the run measured, with its denominator; a peer that
 is not installed is "not installed", nothing more."""
 
-from mlx_flash.bench.report import _table3_md, flash_sparsity_line, table3_rows
+from mlx_flash.bench.report import _table3_md, byte_ratios, flash_sparsity_line, speedup_line, speedups, table3_rows
 
 
 def test_peer_not_installed_has_no_figures():
@@ -42,3 +42,20 @@ def test_table3_prints_each_rows_first_prompt_time_in_its_own_column():
     cells = {line.split("|")[1].strip(): line.strip("|").split("|")[col].strip() for line in lines[2:]}
     assert cells == {"flash": "2705.4", "naive": "-", "llama.cpp": "812.2"}
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_speedup_line_puts_the_byte_ratios_of_the_modes_beside_the_speedups():
+    def mode(total_ms, bytes_read):
+        return {"ok_runs": 1, "errors": [], "peak_bytes": 4e8, "cap_bytes": 5e8, "io_ms": 1.0, "mem_ms": 0.0,
+                "compute_ms": 1.0, "total_ms": total_ms, "total_ms_std": 0.0, "bytes_read": bytes_read,
+                "hit_rate": 0.0, "plan_weights_bytes": 1e8, "prompt_ms": 1.0}
+    result = {"modes": {"naive": mode(138.0, 106.5e6), "hybrid": mode(100.0, 74.6e6), "flash": mode(50.0, 38.8e6)},
+              "peers": {"llama.cpp": {"ok": True, "status": "ran", "total_ms": 40.0, "peak_bytes": 3e8,
+                                      "cap_bytes": 5e8}}}
+    result["speedups"] = speedups(result)
+    assert byte_ratios(result) == {"flash_vs_naive": 106.5e6 / 38.8e6, "flash_vs_hybrid": 74.6e6 / 38.8e6}
+    line = speedup_line(result)
+    assert line.startswith("naive 2.76x, hybrid 2.00x, llama.cpp 0.80x")
+    assert line.endswith("(bytes read per token: naive 2.74x flash's, hybrid 1.92x flash's)")
+    result["modes"]["flash"]["bytes_read"] = 0  # a flash run that read nothing (all resident): no ratio
+    assert speedup_line(result) == "naive 2.76x, hybrid 2.00x, llama.cpp 0.80x"
