@@ -105,29 +105,26 @@ def table3_rows(result) -> list:
     return rows
 
 
-def speedups(result) -> dict:
-    """Ratios of per-token latency: how many times faster flash is than each other row."""
+def _over_flash(result, key) -> dict:
+    """{"flash_vs_<row>": the row's `key` / flash's} for every row of Table 3 that measured it."""
     rows = {r["method"]: r for r in table3_rows(result)}
     flash = rows.get("flash")
-    out = {}
-    if not flash or not flash["ok"]:
-        return out
-    for name, r in rows.items():
-        if name != "flash" and r["ok"] and r.get("total_ms"):
-            out[f"flash_vs_{name}"] = r["total_ms"] / flash["total_ms"]
-    return out
+    if not flash or not flash["ok"] or not flash.get(key):
+        return {}
+    return {f"flash_vs_{name}": r[key] / flash[key] for name, r in rows.items()
+            if name != "flash" and r["ok"] and r.get(key)}
+
+
+def speedups(result) -> dict:
+    """Ratios of per-token latency: how many times faster flash is than each other row."""
+    return _over_flash(result, "total_ms")
 
 
 def byte_ratios(result) -> dict:
     """How many times the bytes flash read per token each other mode read (peers report none).
     Where a token is its reads plus about the same compute in every mode, the speed-ups sit near
     these."""
-    rows = {r["method"]: r for r in table3_rows(result)}
-    flash = rows.get("flash")
-    if not flash or not flash["ok"] or not flash.get("bytes_read"):
-        return {}
-    return {f"flash_vs_{name}": r["bytes_read"] / flash["bytes_read"] for name, r in rows.items()
-            if name != "flash" and r["ok"] and r.get("bytes_read")}
+    return _over_flash(result, "bytes_read")
 
 
 def speedup_line(result) -> str:
