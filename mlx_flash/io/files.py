@@ -101,7 +101,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     on a 2 MiB boundary and takes huge_page_bytes(nbytes), all in transparent huge pages
     (use_huge_pages)."""
     nbytes = max(nbytes, mmap.PAGESIZE)
-    huge = nbytes >= HUGE_PAGE and sys.platform.startswith("linux")
+    huge = _takes_huge_pages(nbytes)
     backed = huge_page_bytes(nbytes)  # whole huge pages: a read's tail lands in one too
     m = mmap.mmap(-1, backed + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -address(m) % HUGE_PAGE if huge else 0
@@ -116,9 +116,12 @@ def huge_page_bytes(nbytes: int) -> int:
     buffer): on Linux from HUGE_PAGE on, whole huge pages. With only its 2 MiB-aligned part in a
     huge page, a 3.55 MB staging buffer took 4.0 ms per whole-layer direct read here against 2.6-2.7
     ms into whole huge pages: a read's tail landed in 4 KiB pages, one segment each."""
-    if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
-        return nbytes
-    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE if _takes_huge_pages(nbytes) else nbytes
+
+
+def _takes_huge_pages(nbytes: int) -> bool:
+    """Whether aligned_buffer(nbytes) starts on a huge-page boundary and rounds up to whole ones."""
+    return nbytes >= HUGE_PAGE and sys.platform.startswith("linux")
 
 
 def use_huge_pages(buf: np.ndarray) -> int:
